@@ -1,0 +1,146 @@
+"""Load a recipe: TOML file, dotted --set overrides, validation, resolved dump."""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from astraflow.config.recipe import Recipe
+from astraflow.errors import RecipeError
+
+
+def parse_value(text: str) -> Any:
+    """Parse an override value as TOML (numbers, bools, arrays, quoted strings), else keep the string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_override(data: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set data[a][b]... = value; a numeric part indexes a list (policy.0.lr), a bare policy table
+    key (policy.lr) applies to every policy."""
+    parts = dotted.split(".")
+    node: Any = data
+    for i, part in enumerate(parts[:-1]):
+        if isinstance(node, list):
+            if part.isdigit():
+                node = node[int(part)]
+                continue
+            for item in node:
+                apply_override(item, ".".join(parts[i:]), value)
+            return
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict | list):
+            raise RecipeError(f"--set {dotted}: {'.'.join(parts[: i + 1])} is not a table")
+    last = parts[-1]
+    if isinstance(node, list):
+        if last.isdigit():
+            node[int(last)] = value
+        else:
+            for item in node:
+                item[last] = value
+    else:
+        node[last] = value
+
+
+def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
+    """Read, override and validate a recipe, raising RecipeError with every problem listed."""
+    p = Path(path)
+    if not p.is_file():
+        raise RecipeError(f"recipe not found: {p}", hint="pass the path of a .toml recipe, e.g. recipes/quickstart/recipe.toml")
+    try:
+        data = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise RecipeError(f"{p}: not valid TOML: {exc}", hint="check the line named above") from exc
+    for item in overrides or []:
+        if "=" not in item:
+            raise RecipeError(f"--set {item!r}: expected KEY=VALUE", hint="e.g. --set run.steps=20")
+        key, _, raw = item.partition("=")
+        apply_override(data, key.strip(), parse_value(raw.strip()))
+    return validate_recipe(data, source=str(p))
+
+
+def validate_recipe(data: dict[str, Any], source: str = "recipe") -> Recipe:
+    """Validate a recipe dict into a Recipe, with pydantic's errors rendered one per line."""
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
+            lines.append(f"  {loc}: {err['msg']}")
+        raise RecipeError(
+            f"{source} is not a valid recipe:\n" + "\n".join(lines),
+            hint="`astraflow recipe show` prints the resolved recipe; docs/recipes.md lists every field",
+        ) from None
+
+
+def validate_options(group: str, name: str, options: dict[str, Any], where: str) -> BaseModel | None:
+    """Validate a plugin's options table against the plugin's own Config model (if it has one)."""
+    from astraflow import plugins
+
+    obj = plugins.load(group, name)
+    config_cls = getattr(obj, "Config", None)
+    if config_cls is None:
+        if options:
+            raise RecipeError(f"{where}: plugin {name!r} takes no options, got {sorted(options)}")
+        return None
+    try:
+        return config_cls.model_validate(options)
+    except ValidationError as exc:
+        lines = [f"  {where}.{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in exc.errors()]
+        raise RecipeError(f"invalid options for plugin {name!r}:\n" + "\n".join(lines)) from None
+
+
+def validate_plugins(recipe: Recipe) -> None:
+    """Check that every plugin named by the recipe is installed and accepts its options."""
+    validate_options("workflows", recipe.workflow.name, recipe.workflow.options, "workflow.options")
+    from astraflow import plugins
+
+    wf_cls = plugins.load("workflows", recipe.workflow.name)
+    roles = tuple(getattr(wf_cls, "roles", ("actor",)))
+    if recipe.workflow.roles:
+        missing = [r for r in roles if r not in recipe.workflow.roles]
+        if missing:
+            raise RecipeError(f"workflow.roles does not map roles {missing} of workflow {recipe.workflow.name!r}")
+    elif len(recipe.policy) != 1 and len(roles) != 1:
+        raise RecipeError(
+            "workflow.roles is empty but the recipe has several policies",
+            hint=f"map each role of {recipe.workflow.name!r} ({', '.join(roles)}) to a policy",
+        )
+    for i, pol in enumerate(recipe.policy):
+        validate_options("losses", pol.loss, pol.loss_options, f"policy.{i}.loss_options")
+        for j, stage in enumerate(pol.data):
+            validate_options("data", stage.name, stage.options, f"policy.{i}.data.{j}.options")
+        for group, name in (("engines", pol.engine), ("trainers", pol.trainer)):
+            require_installed(group, name)
+
+
+def require_installed(group: str, name: str) -> None:
+    """Fail with the registry's message when no plugin `name` is in `group`, importing nothing."""
+    from astraflow import plugins
+
+    installed = {p.name for p in plugins.list_plugins(f"astraflow.{group}")[f"astraflow.{group}"]}
+    if name not in installed:
+        plugins.load(group, name)
+
+
+def role_map(recipe: Recipe) -> dict[str, str]:
+    """Workflow role -> policy name, filling the single-policy default."""
+    if recipe.workflow.roles:
+        return dict(recipe.workflow.roles)
+    from astraflow import plugins
+
+    wf_cls = plugins.load("workflows", recipe.workflow.name)
+    roles = tuple(getattr(wf_cls, "roles", ("actor",)))
+    return {r: recipe.policy[0].name for r in roles}
+
+
+def dump_resolved(recipe: Recipe, path: Path) -> None:
+    """Write the resolved recipe as JSON (what the run actually used)."""
+    path.write_text(json.dumps(recipe.model_dump(mode="json"), indent=2, sort_keys=True) + "\n")

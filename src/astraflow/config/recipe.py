@@ -1,0 +1,197 @@
+"""Recipe models: the whole configuration of a run, validated with extra="forbid"."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+class RunConfig(_Model):
+    """What the run is called, how it is seeded and how long it lasts."""
+
+    name: str = "run"
+    """Run name; default run directories are runs/<name>-<time>/."""
+    seed: int = 0
+    """Seed of every random choice: prompts, sampling, initialisation."""
+    steps: int = Field(100, ge=1)
+    """Optimizer steps each policy takes before the run ends (its step budget)."""
+
+
+class OptimizerConfig(_Model):
+    """AdamW settings of one policy's trainer."""
+
+    lr: float = Field(5e-6, gt=0)
+    """Learning rate (constant)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    weight_decay: float = Field(0.01, ge=0)
+    """AdamW decoupled weight decay."""
+    grad_clip: float = Field(1.0, ge=0)
+    """Global gradient-norm clip; 0 disables clipping."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warm-up of the learning rate over this many steps."""
+
+
+class SamplingConfig(_Model):
+    """How the rollout engine samples for one policy."""
+
+    temperature: float = Field(1.0, gt=0)
+    """Softmax temperature; behaviour logprobs are those of the tempered distribution."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling mass (1.0 = off)."""
+    max_new_tokens: int = Field(64, ge=1)
+    """Most tokens generated per call."""
+
+
+class StageSpec(_Model):
+    """One data-algorithm stage of a policy's pipeline (plugin group astraflow.data)."""
+
+    name: str
+    """Plugin name in astraflow.data."""
+    options: dict[str, Any] = {}
+    """Options validated by the stage's own Config model."""
+
+
+class PolicyConfig(_Model):
+    """One trained policy: its model, engine, trainer, objective, data pipeline and pace."""
+
+    name: str = "main"
+    """Policy name; workflows address policies through roles mapped to these names."""
+    model: str
+    """Path of a transformers model directory (config, weights, tokenizer) on every machine."""
+    engine: str = "torch"
+    """Rollout engine plugin (astraflow.engines)."""
+    engine_options: dict[str, Any] = {}
+    """Options validated by the engine's Config model."""
+    trainer: str = "torch"
+    """Trainer plugin (astraflow.trainers)."""
+    trainer_options: dict[str, Any] = {}
+    """Options validated by the trainer's Config model."""
+    loss: str = "grpo"
+    """Objective plugin (astraflow.losses)."""
+    loss_options: dict[str, Any] = {}
+    """Options validated by the objective's Config model."""
+    advantage: Literal["grpo", "drgrpo"] = "grpo"
+    """Group advantage: grpo = (r - mean) / (std + 1e-5); drgrpo = r - mean."""
+    optimizer: OptimizerConfig = OptimizerConfig()
+    """Optimizer of this policy's trainer."""
+    sampling: SamplingConfig = SamplingConfig()
+    """Sampling settings of this policy's engine."""
+    group_size: int = Field(8, ge=1)
+    """Samples per prompt; one task is one prompt and its whole group."""
+    batch_prompts: int = Field(32, ge=1)
+    """Prompts (groups) per optimizer step; batch size = batch_prompts * group_size sequences."""
+    minibatches: int = Field(1, ge=1)
+    """Optimizer updates per batch (the batch is split into this many minibatches)."""
+    max_staleness: int = Field(1, ge=0)
+    """Largest allowed (policy version at the step) - (oldest token version of a consumed sample)."""
+    order: Literal["fifo", "edf"] = "edf"
+    """Buffer order: edf serves the oldest token version first, fifo serves arrival order."""
+    data: list[StageSpec] = []
+    """Data-algorithm stages (before rollout, after rollout, buffer, batching) in this order."""
+    checkpoint_every: int = Field(10, ge=1)
+    """Save a trainer checkpoint every this many steps (and at the end)."""
+    threads: int = Field(1, ge=1)
+    """torch threads of this policy's trainer process."""
+
+
+class WorkflowConfig(_Model):
+    """The agent workflow / environment that turns a prompt into episodes and rewards."""
+
+    name: str = "quickstart"
+    """Workflow plugin (astraflow.workflows)."""
+    options: dict[str, Any] = {}
+    """Options validated by the workflow's Config model."""
+    roles: dict[str, str] = {}
+    """Workflow role -> policy name; empty maps every role to the only policy."""
+
+
+class DatasetConfig(_Model):
+    """Where prompts come from."""
+
+    path: str = ""
+    """A JSONL file of samples; empty means the workflow generates its own prompts."""
+    size: int = Field(0, ge=0)
+    """Number of generated prompts (0 = the workflow's default)."""
+
+
+class RolloutConfig(_Model):
+    """The rollout pool: RaaS processes `up` starts locally, their slots and leases."""
+
+    local_workers: int = Field(2, ge=0)
+    """RaaS processes `astraflow up` starts on this machine."""
+    slots: int = Field(4, ge=1)
+    """Concurrent tasks per RaaS (each task is one prompt's group)."""
+    threads: int = Field(1, ge=1)
+    """torch threads per RaaS process."""
+    lease_timeout_s: float = Field(120.0, gt=0)
+    """A leased task not finished in this time returns to the queue."""
+    max_attempts: int = Field(5, ge=1)
+    """A task that fails this many times is marked failed."""
+
+
+class WeightsConfig(_Model):
+    """How weights travel from trainers to RaaS workers."""
+
+    mode: Literal["full"] = "full"
+    """full: every version is a complete snapshot (sparse deltas come later)."""
+    keep_versions: int = Field(4, ge=1)
+    """Versions a weight server keeps for pulling."""
+    chunk_bytes: int = Field(4 << 20, ge=1024)
+    """Chunk size of the weight data plane."""
+
+
+class ControllerConfig(_Model):
+    """The controller's socket and liveness settings."""
+
+    bind: str = "tcp://127.0.0.1:0"
+    """ROUTER endpoint; port 0 picks a free port (written to the run directory)."""
+    heartbeat_interval_s: float = Field(0.5, gt=0)
+    """Members send a heartbeat this often."""
+    member_timeout_s: float = Field(5.0, gt=0)
+    """A member silent for this long is dead; its leases return to the queue."""
+    max_message_bytes: int = Field(64 << 20, ge=1024)
+    """Largest accepted message; larger frames are dropped by the socket."""
+
+
+class Recipe(_Model):
+    """A whole run."""
+
+    run: RunConfig = RunConfig()
+    """Name, seed and step budget."""
+    policy: list[PolicyConfig]
+    """One or more trained policies ([[policy]] tables)."""
+    workflow: WorkflowConfig = WorkflowConfig()
+    """The workflow/environment and its rewards."""
+    dataset: DatasetConfig = DatasetConfig()
+    """The prompt source."""
+    rollout: RolloutConfig = RolloutConfig()
+    """The rollout pool."""
+    weights: WeightsConfig = WeightsConfig()
+    """Weight transfer."""
+    controller: ControllerConfig = ControllerConfig()
+    """Controller socket and liveness."""
+
+    @model_validator(mode="after")
+    def _check(self) -> Recipe:
+        names = [p.name for p in self.policy]
+        if not names:
+            raise ValueError("a recipe needs at least one [[policy]]")
+        if len(set(names)) != len(names):
+            raise ValueError(f"policy names must be unique, got {names}")
+        for role, pol in self.workflow.roles.items():
+            if pol not in names:
+                raise ValueError(f"workflow role {role!r} maps to unknown policy {pol!r}; policies: {names}")
+        return self
+
+    def get_policy(self, name: str) -> PolicyConfig:
+        """The policy called `name`."""
+        for p in self.policy:
+            if p.name == name:
+                return p
+        raise KeyError(name)

@@ -1,0 +1,119 @@
+"""Data-algorithm stage contracts. A policy's pipeline is the recipe's list of stages, applied in
+order at four points of the data path: before rollout (Curator), after rollout (GroupFilter), in the
+buffer (BufferOrder) and at batching (BatchComposer). Stages run inside the controller: no torch.
+Each stage's state is saved in the run's state store (state_dict / load_state_dict) and its
+counters (metrics) are written to the run's metrics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict
+
+
+class StageConfig(BaseModel):
+    """Base of every stage's options."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+
+@dataclass
+class GroupView:
+    """One finished group (one prompt, one policy) as post-rollout stages see it."""
+
+    task_id: int
+    prompt_key: str
+    policy: str
+    rewards: list[float]
+    advantages: list[float]
+    lengths: list[int]
+    """Generated tokens per sequence."""
+    truncated: list[bool] = field(default_factory=list)
+    """Whether each sequence hit max_new_tokens without a stop token."""
+    info: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class BufferItem:
+    """One trajectory waiting in (or consumed from) a policy's buffer."""
+
+    traj_id: int
+    task_id: int
+    min_version: int
+    """Oldest token version of the sequence."""
+    arrival: int
+    """Monotonic arrival order."""
+    reward: float
+    advantage: float
+    length: int
+
+
+class Stage:
+    """Base of all stages; `kind` says where in the data path it runs."""
+
+    Config: ClassVar[type[StageConfig]] = StageConfig
+    kind: ClassVar[str] = ""
+
+    def __init__(self, config: StageConfig | None = None, *, policy: str = "", seed: int = 0) -> None:
+        self.config = config if config is not None else self.Config()
+        self.policy = policy
+        self.seed = seed
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serializable state, saved in the state store."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what state_dict returned."""
+
+    def metrics(self) -> dict[str, float]:
+        """Cumulative counters (submitted, skipped, filtered, replayed, ...)."""
+        return {}
+
+
+class Curator(Stage):
+    """Before rollout: decides which prompts are submitted."""
+
+    kind = "curator"
+
+    def submit(self, key: str, sample: dict[str, Any]) -> bool:
+        """True to submit this prompt now, False to skip it this time."""
+        return True
+
+    def observe(self, key: str, rewards: list[float]) -> None:
+        """Feedback: the rewards of a finished group of this prompt."""
+
+    def on_version(self, version: int) -> None:
+        """Called once per new policy version."""
+
+
+class GroupFilter(Stage):
+    """After rollout: keeps or drops whole groups before they reach the buffer."""
+
+    kind = "filter"
+
+    def keep(self, group: GroupView) -> bool:
+        """True to keep the group."""
+        return True
+
+
+class BufferOrder(Stage):
+    """In the buffer: the order in which trajectories are served."""
+
+    kind = "order"
+
+    def sort_key(self, item: BufferItem) -> tuple[Any, ...]:
+        """Items with smaller keys are served first."""
+        return (item.arrival,)
+
+
+class BatchComposer(Stage):
+    """At batching: how many of a batch's sequences are replayed from recently consumed ones."""
+
+    kind = "batch"
+
+    def replay_count(self, batch_size: int) -> int:
+        """Sequences of this batch to take from the replay pool (the rest are fresh)."""
+        return 0

@@ -1,0 +1,63 @@
+"""The RolloutEngine contract: generate with per-token logprobs and versions; take new weights
+at a safe point between decode steps."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class GenerationRequest:
+    """One prompt to complete."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop_ids: list[int] = field(default_factory=list)
+    """Generation ends after any of these tokens (the stop token is kept in token_ids)."""
+    seed: int | None = None
+
+
+@dataclass
+class Completion:
+    """What the engine generated for one request."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    """Logprob of each generated token under the tempered sampling distribution."""
+    versions: list[int]
+    """Weight version that produced each generated token (changes mid-sequence on a weight update)."""
+    finish_reason: str
+    """stop | length"""
+
+
+class RolloutEngine(ABC):
+    """A generation backend serving one policy inside a RaaS process."""
+
+    Config: Any = None
+    """Pydantic model of the engine's options (recipe: policy.engine_options)."""
+
+    @abstractmethod
+    async def generate(self, requests: list[GenerationRequest]) -> list[Completion]:
+        """Complete every request; concurrent callers are batched together by the engine."""
+
+    @abstractmethod
+    def load_weights(self, version: int, state_dict: Mapping[str, Any]) -> None:
+        """Schedule new weights; they apply between decode steps, so in-flight sequences continue
+        under the new version. Thread-safe; returns at once."""
+
+    @property
+    @abstractmethod
+    def version(self) -> int:
+        """The weight version decode steps currently use."""
+
+    @abstractmethod
+    def capacity(self) -> int:
+        """How many sequences the engine decodes together at most."""
+
+    def close(self) -> None:
+        """Release resources (threads, devices)."""

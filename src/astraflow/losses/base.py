@@ -1,0 +1,69 @@
+"""The Loss contract: a policy-gradient objective over a padded batch of sequences.
+
+Imports torch only under TYPE_CHECKING so that listing and validating recipes stays light.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ConfigDict
+
+if TYPE_CHECKING:
+    import torch
+
+
+class LossConfig(BaseModel):
+    """Base of every objective's options."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+
+@dataclass
+class LossInputs:
+    """Tensors of one (mini)batch, all [B, T] aligned on predicted tokens except advantages [B]."""
+
+    logp: torch.Tensor
+    """Logprobs of the taken tokens under the current parameters (requires grad)."""
+    behaviour_logp: torch.Tensor
+    """Logprobs returned by the rollout engine."""
+    mask: torch.Tensor
+    """1.0 where the token is trained on."""
+    advantages: torch.Tensor
+    """One scalar per sequence, broadcast over its tokens."""
+    ref_logp: torch.Tensor | None = None
+    """Reference-model logprobs (for a KL term), if the objective asks for them."""
+    prox_logp: torch.Tensor | None = None
+    """Proximal-policy logprobs recomputed before the step (decoupled PPO), if asked for."""
+    entropy: torch.Tensor | None = None
+    """Per-token entropy of the current policy, for metrics."""
+    total_tokens: float | None = None
+    """Trained tokens in the whole batch, so minibatch losses add up to a batch token-mean."""
+
+
+class Loss(ABC):
+    """An objective; `needs_ref` / `needs_prox` tell the trainer which extra logprobs to compute."""
+
+    Config: type[LossConfig] = LossConfig
+    needs_ref: bool = False
+    needs_prox: bool = False
+
+    def __init__(self, config: LossConfig | None = None) -> None:
+        self.config = config if config is not None else self.Config()
+
+    @abstractmethod
+    def __call__(self, inputs: LossInputs) -> tuple[torch.Tensor, dict[str, Any]]:
+        """Return (scalar loss to minimise, metrics as floats)."""
+
+
+def masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Sum of x over mask."""
+    return (x * mask).sum()
+
+
+def token_mean(x: torch.Tensor, mask: torch.Tensor, total_tokens: float | None = None) -> torch.Tensor:
+    """Token-level mean of x over mask (over the whole batch when total_tokens is given)."""
+    denom = total_tokens if total_tokens is not None else mask.sum().clamp(min=1.0)
+    return (x * mask).sum() / denom
