@@ -54,9 +54,9 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     if not p.is_file():
         raise RecipeError(f"recipe not found: {p}", hint="pass the path of a .toml recipe, e.g. recipes/quickstart/recipe.toml")
     try:
-        data = tomllib.loads(p.read_text())
-    except tomllib.TOMLDecodeError as exc:
-        raise RecipeError(f"{p}: not valid TOML: {exc}", hint="check the line named above") from exc
+        data = json.loads(p.read_text()) if p.suffix == ".json" else tomllib.loads(p.read_text())
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+        raise RecipeError(f"{p}: not valid {'JSON' if p.suffix == '.json' else 'TOML'}: {exc}", hint="check the line named above") from exc
     for item in overrides or []:
         if "=" not in item:
             raise RecipeError(f"--set {item!r}: expected KEY=VALUE", hint="e.g. --set run.steps=20")

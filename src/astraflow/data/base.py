@@ -7,6 +7,7 @@ counters (metrics) are written to the run's metrics.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -117,3 +118,35 @@ class BatchComposer(Stage):
     def replay_count(self, batch_size: int) -> int:
         """Sequences of this batch to take from the replay pool (the rest are fresh)."""
         return 0
+
+
+class AdmissionStage(Stage):
+    """Before submission: bounds how much work is outstanding so that nothing produced goes stale.
+
+    The pipeline asks `admit` before it queues another prompt. `outstanding` and `batch_size` count the
+    same unit (groups, i.e. prompts, is what the pipeline uses): every group queued, leased, or finished
+    but not yet consumed by a training step of this policy.
+    """
+
+    kind = "admission"
+
+    @property
+    def max_staleness(self) -> int:
+        """The staleness bound this stage admits for."""
+        return 0
+
+    def bind(self, policy_max_staleness: int) -> None:
+        """Tell the stage the policy's own bound (PolicyConfig.max_staleness); called once at start."""
+
+    def budget(self, outstanding: int, batch_size: int) -> int:
+        """How many more groups may be admitted now (0 = wait for a training step)."""
+        return 1 << 62
+
+    def admit(self, outstanding: int, batch_size: int) -> bool:
+        """True when one more group may be queued now."""
+        return self.budget(outstanding, batch_size) > 0
+
+
+def zero_variance(rewards: Sequence[float], tol: float = 1e-9) -> bool:
+    """True when every reward of a group is equal (within tol): every group advantage is zero."""
+    return not rewards or max(rewards) - min(rewards) <= tol

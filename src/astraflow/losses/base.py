@@ -41,6 +41,8 @@ class LossInputs:
     """Per-token entropy of the current policy, for metrics."""
     total_tokens: float | None = None
     """Trained tokens in the whole batch, so minibatch losses add up to a batch token-mean."""
+    total_sequences: float | None = None
+    """Sequences in the whole batch, for sequence-level or constant-normalised objectives (GSPO, Dr.GRPO)."""
 
 
 class Loss(ABC):
@@ -52,6 +54,14 @@ class Loss(ABC):
 
     def __init__(self, config: LossConfig | None = None) -> None:
         self.config = config if config is not None else self.Config()
+
+    def prepare(self, inputs: LossInputs) -> None:
+        """See the whole batch once before its minibatch updates (logp may be detached); default no-op.
+
+        A trainer calls this when it splits a batch into minibatches, so that an objective defined over
+        the whole batch (M2PO's token mask) can fix its batch-level quantities first.
+        """
+        return None
 
     @abstractmethod
     def __call__(self, inputs: LossInputs) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -65,5 +75,6 @@ def masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def token_mean(x: torch.Tensor, mask: torch.Tensor, total_tokens: float | None = None) -> torch.Tensor:
     """Token-level mean of x over mask (over the whole batch when total_tokens is given)."""
-    denom = total_tokens if total_tokens is not None else mask.sum().clamp(min=1.0)
+    # An all-empty batch must give a finite zero, not 0 / 0.
+    denom = max(float(total_tokens), 1.0) if total_tokens is not None else mask.sum().clamp(min=1.0)
     return (x * mask).sum() / denom

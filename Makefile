@@ -1,0 +1,39 @@
+# astraflow: `make demo` (virtualenv + install + quickstart run) and `make test` (the suite).
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The CPU build of torch; on a GPU machine set TORCH="torch" (or your CUDA wheel).
+TORCH ?= torch==2.13.0
+MODEL ?= models/tiny-qwen3
+RECIPE ?= recipes/quickstart/recipe.toml
+PYTEST_ARGS ?=
+
+.PHONY: install demo test check fmt clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed
+
+$(MODEL)/config.json: | $(VENV)/.installed
+	$(BIN)/astraflow model init --arch qwen3 --preset tiny --out $(MODEL)
+
+demo: $(VENV)/.installed $(MODEL)/config.json
+	$(BIN)/astraflow up $(RECIPE)
+
+test: $(VENV)/.installed
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+check: $(VENV)/.installed
+	$(BIN)/ruff check src tests
+	$(BIN)/ruff format --check src tests
+
+fmt: $(VENV)/.installed
+	$(BIN)/ruff format src tests
+	$(BIN)/ruff check --fix src tests
+
+clean:
+	rm -rf $(VENV) runs models .pytest_cache

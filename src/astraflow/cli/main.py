@@ -1,0 +1,38 @@
+"""The `astraflow` command: one executable for every role. Heavy imports live inside commands."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from astraflow.cli import model, plugins_cmd, recipe, roles, status, up
+from astraflow.errors import AstraflowError
+
+app = typer.Typer(
+    name="astraflow",
+    help="Dataflow-oriented RL for LLM agents: controller, rollout workers (raas) and trainers.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+app.command("up")(up.up)
+app.command("controller")(roles.controller)
+app.command("join")(roles.join)
+app.command("status")(status.status)
+app.command("plugins")(plugins_cmd.plugins)
+app.add_typer(recipe.app, name="recipe")
+app.add_typer(model.app, name="model")
+
+
+def main() -> None:
+    """Entry point: run the app and render user errors once, with their hint, without a traceback."""
+    try:
+        app()
+    except AstraflowError as exc:
+        typer.secho(f"error: {exc.message}", fg="red", err=True)
+        if exc.hint:
+            typer.echo(f"  hint: {exc.hint}", err=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)

@@ -1,0 +1,27 @@
+"""`astraflow model init`: a random-init transformers model and a locally built tokenizer, offline."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(help="Create models offline.", no_args_is_help=True)
+
+
+@app.command("init")
+def init(
+    out: Annotated[Path, typer.Option("--out", help="Directory to create.")],
+    arch: Annotated[str, typer.Option("--arch", help="Architecture (qwen3).")] = "qwen3",
+    preset: Annotated[str, typer.Option("--preset", help="Size preset (tiny, small, ...).")] = "tiny",
+    seed: Annotated[int, typer.Option("--seed", help="Initialisation seed.")] = 0,
+) -> None:
+    """Write a random-init model directory (config, weights, tokenizer); downloads nothing."""
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from astraflow.models.init import init_model
+
+    path = init_model(arch, preset, out, seed)
+    typer.echo(f"wrote {arch}/{preset} model to {path}")

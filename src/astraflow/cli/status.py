@@ -1,0 +1,78 @@
+"""`astraflow status`: policies, members and task counts, from a run directory or a live controller."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from astraflow.errors import AstraflowError, ConnectError
+
+
+def read_status(run_dir: Path) -> dict[str, Any]:
+    """The status document read from a run directory's state.db (read-only; safe while running)."""
+    from astraflow.state.status import build_status
+    from astraflow.state.store import Store
+
+    db = run_dir / "state.db"
+    if not db.is_file():
+        raise AstraflowError(f"no state.db in {run_dir}", hint="pass the run directory of a run (runs/<name>-<time>/)")
+    store = Store.open_readonly(db)
+    try:
+        return build_status(store)
+    finally:
+        store.close()
+
+
+def ask_status(controller: str, timeout_s: float = 5.0) -> dict[str, Any]:
+    """The status document asked of a live controller over the control plane."""
+    import os
+
+    import zmq
+
+    from astraflow.protocol.codec import decode, encode
+    from astraflow.protocol.messages import StatusReply, StatusRequest
+
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IDENTITY, f"status-{os.getpid()}".encode())
+    try:
+        sock.connect(controller)
+        sock.send(encode(StatusRequest(rid=1)))
+        if not sock.poll(int(timeout_s * 1000)):
+            raise ConnectError(f"controller at {controller} did not answer within {timeout_s:.0f}s", hint="is `astraflow controller` running there?")
+        reply = decode(sock.recv())
+        if not isinstance(reply, StatusReply):
+            raise ConnectError(f"controller at {controller} answered {type(reply).__name__}, not a status")
+        return reply.status
+    finally:
+        sock.close()
+
+
+def render(doc: dict[str, Any]) -> str:
+    """A short human-readable rendering of the status document."""
+    lines = []
+    for p in doc.get("policies", []):
+        rm = p.get("reward_mean")
+        rtxt = "-" if rm is None else f"{rm:.3f}"
+        lines.append(f"policy {p['name']}: step {p['step']} version {p['version']} reward {rtxt}")
+    t = doc.get("tasks", {})
+    lines.append("tasks: " + " ".join(f"{k}={v}" for k, v in t.items()))
+    for m in doc.get("members", []):
+        lines.append(f"member {m['id']}: {m['role']} {m['status']} policies={','.join(m.get('policies', []))}")
+    return "\n".join(lines)
+
+
+def status(
+    run_dir: Annotated[Path | None, typer.Option("--run-dir", help="Run directory to read.")] = None,
+    controller: Annotated[str | None, typer.Option("--controller", help="Live controller endpoint to ask.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the status document as JSON (schema: docs/status.md).")] = False,
+) -> None:
+    """Show a run's policies (version, step, reward), members and task ledger counts."""
+    if (run_dir is None) == (controller is None):
+        raise AstraflowError("give exactly one of --run-dir or --controller", hint="astraflow status --run-dir runs/<name>-<time>")
+    doc = read_status(run_dir) if run_dir is not None else ask_status(controller or "")
+    typer.echo(json.dumps(doc, indent=2, sort_keys=True) if as_json else render(doc))

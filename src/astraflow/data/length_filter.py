@@ -1,0 +1,64 @@
+"""length_filter: drop groups with over-long or truncated sequences.
+
+A sequence is bad when it was truncated (hit max_new_tokens without a stop token, if
+`drop_truncated`) or generated more than `max_length` tokens. A group is dropped when more than
+`max_bad_fraction` of its sequences are bad (0 = any bad sequence drops the group). Filters see whole
+groups, so a single sequence is never removed from a group: that would change its advantages.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field
+
+from astraflow.data.base import GroupFilter, GroupView, StageConfig
+
+
+class LengthFilterConfig(StageConfig):
+    """Options of the length filter."""
+
+    drop_truncated: bool = True
+    """Count sequences that hit max_new_tokens without a stop token as bad."""
+    max_length: int | None = Field(None, ge=1)
+    """Count sequences with more generated tokens than this as bad (None = no limit)."""
+    max_bad_fraction: float = Field(0.0, ge=0, lt=1)
+    """Drop the group when the fraction of bad sequences exceeds this."""
+
+
+class LengthFilter(GroupFilter):
+    """Drops groups whose share of truncated or over-long sequences is too high."""
+
+    Config = LengthFilterConfig
+    config: LengthFilterConfig
+
+    def __init__(self, config: LengthFilterConfig | None = None, *, policy: str = "", seed: int = 0) -> None:
+        super().__init__(config, policy=policy, seed=seed)
+        self.counts: dict[str, int] = {"kept": 0, "filtered": 0, "truncated": 0, "overlong": 0}
+
+    def keep(self, group: GroupView) -> bool:
+        """False when more than max_bad_fraction of the sequences are truncated or over-long."""
+        cfg = self.config
+        n = max(len(group.lengths), len(group.truncated))
+        bad = 0
+        for i in range(n):
+            trunc = i < len(group.truncated) and group.truncated[i]
+            over = cfg.max_length is not None and i < len(group.lengths) and group.lengths[i] > cfg.max_length
+            self.counts["truncated"] += trunc
+            self.counts["overlong"] += over
+            bad += (trunc and cfg.drop_truncated) or over
+        ok = n == 0 or bad / n <= cfg.max_bad_fraction
+        self.counts["kept" if ok else "filtered"] += 1
+        return ok
+
+    def state_dict(self) -> dict[str, Any]:
+        """The counters."""
+        return {"counts": dict(self.counts)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what state_dict returned."""
+        self.counts = {k: int(v) for k, v in state["counts"].items()}
+
+    def metrics(self) -> dict[str, float]:
+        """kept, filtered (groups), truncated, overlong (sequences seen), all cumulative."""
+        return {k: float(v) for k, v in self.counts.items()}

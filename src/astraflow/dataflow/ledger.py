@@ -1,0 +1,196 @@
+"""The task ledger: every prompt's group is a task that is queued, leased, and done exactly once.
+
+A lease carries an epoch that grows on every lease. A result is accepted only if it echoes the
+task's current epoch and comes from the lease's owner, so a worker that lost its lease (expired,
+died, left) cannot complete a task someone else now holds; a second result for a done task is a
+duplicate. A lapsed lease that nobody took over yet still accepts its owner's late result: the
+work is done, and throwing it away would only make someone redo it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from astraflow.state.store import Store
+
+
+@dataclass
+class TaskRow:
+    """One task of the ledger as the controller sees it."""
+
+    id: int
+    prompt_key: str
+    sample: dict[str, Any]
+    roles: dict[str, str]
+    group_size: int
+    status: str
+    owner: str
+    epoch: int
+    lease_expiry: float
+    attempts: int
+
+    @property
+    def policies(self) -> list[str]:
+        """Distinct policies this task produces sequences for, in role order."""
+        return list(dict.fromkeys(self.roles.values()))
+
+
+def _row(r: Any) -> TaskRow:
+    return TaskRow(
+        id=r["id"],
+        prompt_key=r["prompt_key"],
+        sample=json.loads(r["sample"]),
+        roles=json.loads(r["roles"]),
+        group_size=r["group_size"],
+        status=r["status"],
+        owner=r["owner"],
+        epoch=r["epoch"],
+        lease_expiry=r["lease_expiry"],
+        attempts=r["attempts"],
+    )
+
+
+class Ledger:
+    """Queued / leased / done / failed tasks in the state store."""
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        lease_timeout_s: float = 120.0,
+        max_attempts: int = 5,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.store = store
+        self.lease_timeout_s = lease_timeout_s
+        self.max_attempts = max_attempts
+        self.clock = clock
+
+    def enqueue(self, prompt_key: str, sample: dict[str, Any], roles: dict[str, str], group_size: int) -> int:
+        """Queue one task; returns its id."""
+        now = self.clock()
+        with self.store.write() as c:
+            cur = c.execute(
+                "INSERT INTO tasks (prompt_key, sample, roles, group_size, status, owner, epoch, lease_expiry, "
+                "attempts, error, created, updated) VALUES (?, ?, ?, ?, 'queued', '', 0, 0, 0, '', ?, ?)",
+                (prompt_key, json.dumps(sample, sort_keys=True), json.dumps(roles), group_size, now, now),
+            )
+            return int(cur.lastrowid or 0)
+
+    def get(self, task_id: int) -> TaskRow | None:
+        """One task, or None."""
+        rows = self.store.query("SELECT * FROM tasks WHERE id = ?", (task_id,))
+        return _row(rows[0]) if rows else None
+
+    def lease(
+        self,
+        member_id: str,
+        n: int,
+        now: float | None = None,
+        accept: Callable[[TaskRow], bool] | None = None,
+    ) -> list[TaskRow]:
+        """Lease up to n queued tasks (oldest first, those `accept` allows) to a member: epoch += 1."""
+        if n <= 0:
+            return []
+        t = self.clock() if now is None else now
+        out: list[TaskRow] = []
+        with self.store.write() as c:
+            for r in c.execute("SELECT * FROM tasks WHERE status = 'queued' ORDER BY id").fetchall():
+                task = _row(r)
+                if accept is not None and not accept(task):
+                    continue
+                task.epoch += 1
+                task.status, task.owner, task.lease_expiry = "leased", member_id, t + self.lease_timeout_s
+                c.execute(
+                    "UPDATE tasks SET status = 'leased', owner = ?, epoch = ?, lease_expiry = ?, updated = ? "
+                    "WHERE id = ?",
+                    (member_id, task.epoch, task.lease_expiry, t, task.id),
+                )
+                out.append(task)
+                if len(out) >= n:
+                    break
+        return out
+
+    def complete(self, task_id: int, epoch: int, owner: str) -> str:
+        """Validate a result's lease and mark the task done: accepted | duplicate | stale_epoch | unknown_task."""
+        now = self.clock()
+        with self.store.write() as c:
+            r = c.execute("SELECT status, epoch, owner FROM tasks WHERE id = ?", (task_id,)).fetchone()
+            if r is None:
+                return "unknown_task"
+            if r["status"] == "done":
+                return "duplicate"
+            if r["status"] not in ("leased", "queued") or r["epoch"] != epoch or r["owner"] != owner or epoch == 0:
+                return "stale_epoch"
+            c.execute("UPDATE tasks SET status = 'done', lease_expiry = 0, updated = ? WHERE id = ?", (now, task_id))
+            return "accepted"
+
+    def fail(self, task_id: int, epoch: int, owner: str | None = None, error: str = "") -> str:
+        """A lease ended in an error: requeued | failed (after max_attempts) | duplicate | stale_epoch | unknown_task."""
+        now = self.clock()
+        with self.store.write() as c:
+            r = c.execute("SELECT status, epoch, owner, attempts FROM tasks WHERE id = ?", (task_id,)).fetchone()
+            if r is None:
+                return "unknown_task"
+            if r["status"] == "done":
+                return "duplicate"
+            if r["status"] != "leased" or r["epoch"] != epoch or (owner is not None and r["owner"] != owner):
+                return "stale_epoch"
+            return self._end_attempt(c, task_id, r["attempts"] + 1, now, error)
+
+    def _end_attempt(self, c: Any, task_id: int, attempts: int, now: float, error: str) -> str:
+        status = "failed" if attempts >= self.max_attempts else "queued"
+        # The owner and epoch stay: a late result of this very lease is still accepted while queued.
+        c.execute(
+            "UPDATE tasks SET status = ?, attempts = ?, lease_expiry = 0, error = ?, updated = ? WHERE id = ?",
+            (status, attempts, error[:2000], now, task_id),
+        )
+        return "failed" if status == "failed" else "requeued"
+
+    def release_member(self, member_id: str) -> int:
+        """Return every task leased to a member (dead or left) to the queue at once; returns how many."""
+        now = self.clock()
+        with self.store.write() as c:
+            cur = c.execute(
+                "UPDATE tasks SET status = 'queued', lease_expiry = 0, updated = ? WHERE status = 'leased' AND owner = ?",
+                (now, member_id),
+            )
+            return cur.rowcount
+
+    def expire(self, now: float | None = None) -> int:
+        """Requeue (or fail, after max_attempts) every lease past its expiry; returns how many ended."""
+        t = self.clock() if now is None else now
+        with self.store.write() as c:
+            rows = c.execute(
+                "SELECT id, attempts FROM tasks WHERE status = 'leased' AND lease_expiry < ?", (t,)
+            ).fetchall()
+            for r in rows:
+                self._end_attempt(c, r["id"], r["attempts"] + 1, t, "lease expired")
+            return len(rows)
+
+    def renew(self, member_id: str, now: float | None = None) -> int:
+        """Extend every lease of a member to now + lease_timeout (a heartbeat); returns how many."""
+        t = self.clock() if now is None else now
+        with self.store.write() as c:
+            cur = c.execute(
+                "UPDATE tasks SET lease_expiry = ? WHERE status = 'leased' AND owner = ?",
+                (t + self.lease_timeout_s, member_id),
+            )
+            return cur.rowcount
+
+    def counts(self) -> dict[str, int]:
+        """Tasks per status: queued, leased, done, failed (zeros included)."""
+        out = {"queued": 0, "leased": 0, "done": 0, "failed": 0}
+        for r in self.store.query("SELECT status, COUNT(*) AS n FROM tasks GROUP BY status"):
+            out[r["status"]] = int(r["n"])
+        return out
+
+    def open_tasks(self, statuses: Iterable[str] = ("queued", "leased")) -> list[TaskRow]:
+        """Tasks in the given statuses (for admission's outstanding count)."""
+        st = list(statuses)
+        marks = ",".join("?" for _ in st)
+        return [_row(r) for r in self.store.query(f"SELECT * FROM tasks WHERE status IN ({marks}) ORDER BY id", tuple(st))]

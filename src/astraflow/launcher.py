@@ -1,0 +1,292 @@
+"""Process supervision for `astraflow up`: start every role as a child `astraflow` process, watch
+them, print progress, and tear everything down on exit, Ctrl-C or a child's failure.
+
+Children run in their own session (so the terminal's Ctrl-C reaches only the launcher, which then
+stops them in order) and ask the kernel to SIGTERM them if the launcher dies (no orphans).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from astraflow import log
+
+_log = log.get("launcher")
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGTERM when the launcher dies (Linux)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+def astraflow_cmd() -> list[str]:
+    """How to start an `astraflow` child so that `ps` shows `astraflow <role> ...`."""
+    script = Path(sys.executable).with_name("astraflow")
+    if script.is_file():
+        return [sys.executable, str(script)]
+    return [sys.executable, "-m", "astraflow"]
+
+
+@dataclass
+class Child:
+    """One supervised child process."""
+
+    name: str
+    role: str
+    argv: list[str]
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    log_file: IO[bytes] | None = field(default=None, repr=False)
+
+    @property
+    def running(self) -> bool:
+        """Whether the process is alive."""
+        return self.proc is not None and self.proc.poll() is None
+
+
+class Supervisor:
+    """Starts, watches and stops the children of one `up`."""
+
+    def __init__(self, run_dir: Path, env: dict[str, str] | None = None) -> None:
+        self.run_dir = run_dir
+        self.children: list[Child] = []
+        self.env = {**os.environ, **(env or {})}
+
+    def start(self, name: str, role: str, args: list[str]) -> Child:
+        """Start `astraflow ARGS` as a child whose output goes to logs/<name>.log."""
+        child = Child(name=name, role=role, argv=astraflow_cmd() + args, log_path=self.run_dir / "logs" / f"{name}.log")
+        self._spawn(child)
+        self.children.append(child)
+        return child
+
+    def _spawn(self, child: Child) -> None:
+        child.log_file = open(child.log_path, "ab")  # noqa: SIM115 - closed in stop_all
+        child.proc = subprocess.Popen(
+            child.argv,
+            stdout=child.log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=self.env,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+        _log.debug("started %s pid %d: %s", child.name, child.proc.pid, " ".join(child.argv))
+
+    def restart(self, child: Child) -> None:
+        """Start a dead child again with the same command line."""
+        child.restarts += 1
+        self._spawn(child)
+
+    def exited(self) -> list[tuple[Child, int]]:
+        """Children that have exited since they were started, with their return codes."""
+        out = []
+        for c in self.children:
+            if c.proc is not None and c.proc.poll() is not None:
+                out.append((c, c.proc.returncode))
+        return out
+
+    def stop_all(self, grace_s: float = 10.0) -> None:
+        """SIGTERM every running child (raas, then trainers, then the controller), SIGKILL stragglers."""
+        order = {"raas": 0, "trainer": 1, "controller": 2}
+        for c in sorted(self.children, key=lambda c: order.get(c.role, 0)):
+            if c.running and c.proc is not None:
+                c.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for c in self.children:
+            if c.proc is None:
+                continue
+            try:
+                c.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _log.warning("%s did not stop within %.0fs; killing it", c.name, grace_s)
+                c.proc.kill()
+                c.proc.wait()
+        for c in self.children:
+            if c.log_file is not None:
+                c.log_file.close()
+                c.log_file = None
+
+
+def tail_log(path: Path, lines: int = 15) -> str:
+    """The last lines of a child's log, for error messages."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+class MetricsTail:
+    """Follows metrics.jsonl and yields new records."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+        self.partial = b""
+
+    def read(self) -> list[dict[str, Any]]:
+        """New complete records since the last call."""
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        self.offset += len(data)
+        data = self.partial + data
+        *complete, self.partial = data.split(b"\n")
+        out = []
+        for line in complete:
+            if line.strip():
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue
+        return out
+
+
+def progress_line(rec: dict[str, Any], steps: int) -> str:
+    """One human-readable progress line per trainer step."""
+
+    def f(key: str, fmt: str = ".3f") -> str:
+        v = rec.get(key)
+        return "-" if v is None else format(v, fmt)
+
+    return (
+        f"[{rec.get('policy', '?')}] step {rec.get('step', '?')}/{steps}  version {rec.get('version', '?')}  "
+        f"reward {f('reward_mean')}  samples/s {f('samples_per_s', '.1f')}  "
+        f"staleness {f('staleness_mean', '.2f')}/{f('staleness_max', '.0f')}"
+    )
+
+
+def check_models(recipe: Any) -> None:
+    """Every policy's model directory must exist before any process starts."""
+    from astraflow.errors import RecipeError
+
+    for pol in recipe.policy:
+        if not Path(pol.model).is_dir():
+            raise RecipeError(
+                f"policy {pol.name!r}: model directory {pol.model!r} does not exist",
+                hint=f"create one offline: astraflow model init --arch qwen3 --preset tiny --out {pol.model}",
+            )
+
+
+def wait_for_address(path: Path, controller: Child, timeout_s: float = 60.0) -> str:
+    """Wait until the controller has written its bound endpoint."""
+    from astraflow.errors import AstraflowError
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.is_file():
+            addr = path.read_text().strip()
+            if addr:
+                return addr
+        if not controller.running:
+            raise AstraflowError(
+                "the controller exited during start-up:\n" + tail_log(controller.log_path),
+                hint=f"full log: {controller.log_path}",
+            )
+        time.sleep(0.05)
+    raise AstraflowError(f"the controller did not report its address within {timeout_s:.0f}s", hint=f"see {controller.log_path}")
+
+
+def run_up(recipe: Any, run_dir: Path, *, offline: bool = False, max_raas_restarts: int = 3) -> int:
+    """Run a whole recipe on this machine; returns the exit code (0 when every policy reached its budget)."""
+    from astraflow.errors import AstraflowError
+    from astraflow.rundir import prepare
+
+    check_models(recipe)
+    prepare(run_dir, recipe)
+    resolved = str(run_dir / "recipe.resolved.json")
+    addr_file = run_dir / "controller.addr"
+    addr_file.unlink(missing_ok=True)
+    env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if offline:
+        env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
+    sup = Supervisor(run_dir, env)
+    stop = {"signal": 0}
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        stop["signal"] = signum
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    t0 = time.monotonic()
+    try:
+        ctl = sup.start("controller", "controller", ["controller", resolved, "--run-dir", str(run_dir)])
+        addr = wait_for_address(addr_file, ctl)
+        _log.info("controller at %s; run directory %s", addr, run_dir)
+        for pol in recipe.policy:
+            sup.start(
+                f"trainer-{pol.name}",
+                "trainer",
+                ["join", "--role", "trainer", "--controller", addr, "--policy", pol.name,
+                 "--member-id", f"trainer-{pol.name}", "--checkpoint-dir", str(run_dir / "checkpoints" / pol.name)],
+            )
+        for i in range(recipe.rollout.local_workers):
+            sup.start(f"raas-{i}", "raas", ["join", "--role", "raas", "--controller", addr, "--member-id", f"raas-{i}"])
+        return _watch(sup, recipe, run_dir, stop, t0, max_raas_restarts)
+    except AstraflowError:
+        raise
+    finally:
+        sup.stop_all()
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _watch(sup: Supervisor, recipe: Any, run_dir: Path, stop: dict[str, int], t0: float, max_restarts: int) -> int:
+    """Supervise until the trainers finish, a fatal child fails, or a signal arrives."""
+    metrics = MetricsTail(run_dir / "metrics.jsonl")
+    trainers = [c for c in sup.children if c.role == "trainer"]
+    seen_dead: set[int] = set()
+    while True:
+        for rec in metrics.read():
+            if "step" in rec and "policy" in rec:
+                sys.stdout.write(progress_line(rec, recipe.run.steps) + "\n")
+                sys.stdout.flush()
+        if stop["signal"]:
+            _log.warning("stopping on signal %d", stop["signal"])
+            return 130
+        for child, rc in sup.exited():
+            if child.proc is None or id(child.proc) in seen_dead:
+                continue
+            if child.role == "trainer" and rc == 0:
+                seen_dead.add(id(child.proc))
+                continue
+            if child.role == "raas" and not all(t.proc is not None and t.proc.poll() == 0 for t in trainers):
+                seen_dead.add(id(child.proc))
+                if child.restarts < max_restarts:
+                    _log.warning("%s exited with %s; restarting it (%d/%d)", child.name, rc, child.restarts + 1, max_restarts)
+                    sup.restart(child)
+                    continue
+                if any(c.running for c in sup.children if c.role == "raas"):
+                    _log.warning("%s exited with %s and will not be restarted again", child.name, rc)
+                    continue
+            if child.role in ("controller", "trainer", "raas") and not all(
+                t.proc is not None and t.proc.poll() == 0 for t in trainers
+            ):
+                _log.error("%s failed (exit %s); last lines of %s:\n%s", child.name, rc, child.log_path, tail_log(child.log_path))
+                return 1
+        if trainers and all(t.proc is not None and t.proc.poll() == 0 for t in trainers):
+            for rec in metrics.read():
+                if "step" in rec and "policy" in rec:
+                    sys.stdout.write(progress_line(rec, recipe.run.steps) + "\n")
+            _log.info("every policy reached %d steps in %.1fs; run directory %s", recipe.run.steps, time.monotonic() - t0, run_dir)
+            deadline = time.monotonic() + 10.0
+            while time.monotonic() < deadline and any(c.running for c in sup.children):
+                time.sleep(0.1)
+            return 0
+        time.sleep(0.1)

@@ -1,0 +1,50 @@
+"""What RaaS and trainer processes share: their Hello and how they describe their hardware."""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+
+from astraflow.protocol.messages import PROTOCOL_VERSION, Hello
+
+
+def hardware() -> str:
+    """A short description of this machine's compute, e.g. 'cpu:2' or 'cuda:NVIDIA H100 x1'."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return f"cuda:{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}"
+    except ImportError:
+        pass
+    return f"cpu:{os.cpu_count() or 1}"
+
+
+def make_hello(role: str, member_id: str | None, *, policies: list[str], region: str = "", slots: int = 0) -> Hello:
+    """The Hello this process sends; the default id is role-host-pid (unique, stable for the process)."""
+    host = socket.gethostname()
+    return Hello(
+        member_id=member_id or f"{role}-{host}-{os.getpid()}",
+        role=role,
+        protocol=PROTOCOL_VERSION,
+        policies=policies,
+        region=region,
+        hardware=hardware(),
+        slots=slots,
+        pid=os.getpid(),
+        host=host or platform.node(),
+    )
+
+
+def advertise_host(controller: str) -> str:
+    """The local address peers reach us on: the interface used to reach the controller."""
+    host = controller.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    if host in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return socket.gethostname()

@@ -1,0 +1,216 @@
+"""The RaaS service: pulls tasks when it has free slots, runs workflow episodes against its engines,
+and pulls new weights as versions appear, applying them between decode steps."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import traceback
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+from astraflow import log
+from astraflow.engines.base import Completion, GenerationRequest, RolloutEngine
+
+_log = log.get("raas")
+
+
+@dataclass
+class EnginePolicyClient:
+    """The PolicyClient a workflow sees: one policy's tokenizer and engine, with recipe sampling."""
+
+    policy: str
+    tokenizer: Any
+    engine: RolloutEngine
+    sampling: Any
+    stop_ids: list[int]
+
+    async def generate(self, prompt_ids: list[int], n: int = 1, **overrides: Any) -> list[Completion]:
+        """Sample n completions with the recipe's sampling settings (overridable per call)."""
+        reqs = [
+            GenerationRequest(
+                prompt_ids=list(prompt_ids),
+                max_new_tokens=int(overrides.get("max_new_tokens", self.sampling.max_new_tokens)),
+                temperature=float(overrides.get("temperature", self.sampling.temperature)),
+                top_p=float(overrides.get("top_p", self.sampling.top_p)),
+                stop_ids=list(overrides.get("stop_ids", self.stop_ids)),
+            )
+            for _ in range(n)
+        ]
+        return await self.engine.generate(reqs)
+
+
+class RaaS:
+    """One rollout worker: engines for the policies it serves, a workflow, and the task loop."""
+
+    def __init__(
+        self, client: Any, recipe: Any, *, policies: list[str], engine_override: str | None, slots: int, member_id: str
+    ) -> None:
+        from transformers import AutoTokenizer
+
+        from astraflow import plugins
+        from astraflow.config.load import role_map
+
+        self.client = client
+        self.recipe = recipe
+        self.slots = slots
+        self.roles = role_map(recipe)
+        wf_cls = plugins.load("workflows", recipe.workflow.name)
+        self.workflow = wf_cls(wf_cls.Config.model_validate(recipe.workflow.options))
+        needed = sorted(set(self.roles.values()))
+        if policies:
+            missing = [p for p in needed if p not in policies]
+            if missing:
+                _log.warning("workflow needs policies %s that this worker was not asked to serve; serving them anyway", missing)
+        self.engines: dict[str, RolloutEngine] = {}
+        self.clients: dict[str, EnginePolicyClient] = {}
+        for name in needed:
+            pol = recipe.get_policy(name)
+            engine_name = engine_override or pol.engine
+            eng_cls = plugins.load("engines", engine_name)
+            cfg = eng_cls.Config.model_validate(pol.engine_options) if getattr(eng_cls, "Config", None) else None
+            engine = eng_cls(pol.model, cfg, seed=recipe.run.seed * 1_000_003 + zlib.crc32(member_id.encode()))
+            tok = AutoTokenizer.from_pretrained(pol.model)
+            stop = [tok.eos_token_id] if tok.eos_token_id is not None else []
+            self.engines[name] = engine
+            self.clients[name] = EnginePolicyClient(name, tok, engine, pol.sampling, stop)
+        self.busy = 0
+        self.pulling: set[str] = set()
+        self.tasks_done = 0
+
+    def loaded(self) -> dict[str, int]:
+        """Policy -> version each engine decodes with now."""
+        return {p: e.version for p, e in self.engines.items()}
+
+    async def run(self) -> int:
+        """The main loop; returns when the controller says stop or on SIGTERM."""
+        from astraflow.protocol.messages import Error, TaskGrant, TaskRequest
+
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        ticker = asyncio.create_task(self._tick(stop))
+        running: set[asyncio.Task[None]] = set()
+        try:
+            while not stop.is_set() and not self.client.stop_requested:
+                self._maybe_pull_weights()
+                free = self.slots - self.busy
+                if free <= 0:
+                    await asyncio.sleep(0.02)
+                    continue
+                reply = await asyncio.wrap_future(self.client.submit(TaskRequest(n=free, loaded=self.loaded())))
+                if isinstance(reply, Error):
+                    _log.warning("task request refused: %s %s", reply.code, reply.message)
+                    await asyncio.sleep(0.5)
+                    continue
+                if not isinstance(reply, TaskGrant):
+                    await asyncio.sleep(0.1)
+                    continue
+                if reply.stop:
+                    break
+                for task in reply.tasks:
+                    self.busy += 1
+                    t = asyncio.create_task(self._run_task(task))
+                    running.add(t)
+                    t.add_done_callback(running.discard)
+                if not reply.tasks:
+                    try:
+                        await asyncio.wait_for(stop.wait(), timeout=max(0.02, reply.retry_after_s or 0.1))
+                    except TimeoutError:
+                        pass
+        finally:
+            for t in running:
+                t.cancel()
+            ticker.cancel()
+            for e in self.engines.values():
+                e.close()
+        _log.info("stopping after %d tasks", self.tasks_done)
+        return 0
+
+    async def _tick(self, stop: asyncio.Event) -> None:
+        """Prove liveness (the hang watchdog) and report load, a few times a second."""
+        while not stop.is_set():
+            self.client.tick()
+            self.client.set_load(self.loaded(), self.busy, self.slots - self.busy)
+            await asyncio.sleep(0.2)
+
+    async def _run_task(self, task: Any) -> None:
+        """Run one task's group of episodes and report the result (or the error)."""
+        from astraflow.protocol.messages import TaskResult
+
+        try:
+            clients = {role: self.clients[pol] for role, pol in task.roles.items()}
+            episodes = await asyncio.gather(
+                *(self.workflow.run_episode(dict(task.sample), clients) for _ in range(task.group_size))
+            )
+            result = TaskResult(task_id=task.task_id, epoch=task.epoch, episodes=list(episodes))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            _log.error("task %d failed: %s", task.task_id, "".join(traceback.format_exception_only(exc)).strip())
+            result = TaskResult(task_id=task.task_id, epoch=task.epoch, error=f"{type(exc).__name__}: {exc}"[:2000])
+        try:
+            await asyncio.wrap_future(self.client.submit(result))
+            self.tasks_done += 1
+        except Exception as exc:
+            _log.warning("result of task %d not delivered (%s); its lease will expire and requeue it", task.task_id, exc)
+        finally:
+            self.busy -= 1
+
+    def _maybe_pull_weights(self) -> None:
+        """Start pulling every policy whose published version is newer than what its engine holds."""
+        for name, info in list(self.client.versions.items()):
+            eng = self.engines.get(name)
+            if eng is None or name in self.pulling or info.version <= eng.version or not info.weights_addr:
+                continue
+            self.pulling.add(name)
+            asyncio.get_running_loop().create_task(self._pull(name, info))
+
+    async def _pull(self, name: str, info: Any) -> None:
+        """Fetch, verify and schedule one version's weights (the engine applies them between decode steps)."""
+        from astraflow.weights.client import fetch_weights
+        from astraflow.weights.snapshot import bytes_to_state_dict
+
+        try:
+            blob = await asyncio.to_thread(fetch_weights, info.weights_addr, name, info.version)
+            sd = await asyncio.to_thread(bytes_to_state_dict, blob)
+            self.engines[name].load_weights(info.version, sd)
+            _log.debug("scheduled %s version %d (%d bytes)", name, info.version, len(blob))
+        except Exception as exc:
+            _log.warning("pulling %s version %d failed: %s; will retry", name, info.version, exc)
+            await asyncio.sleep(0.5)
+        finally:
+            self.pulling.discard(name)
+
+
+def run_raas(
+    controller: str,
+    *,
+    policies: list[str],
+    engine: str | None = None,
+    region: str = "",
+    slots: int | None = None,
+    member_id: str | None = None,
+) -> int:
+    """Join the controller as a rollout worker and serve until told to stop."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from astraflow.config.load import validate_recipe
+    from astraflow.roles.member import make_hello
+    from astraflow.transport.client import MemberClient
+
+    hello = make_hello("raas", member_id, policies=policies, region=region, slots=slots or 0)
+    client = MemberClient(controller, hello)
+    welcome = client.connect()
+    recipe = validate_recipe(welcome.recipe, source="recipe from the controller")
+    import torch
+
+    torch.set_num_threads(recipe.rollout.threads)
+    n_slots = slots or recipe.rollout.slots
+    try:
+        worker = RaaS(client, recipe, policies=policies, engine_override=engine, slots=n_slots, member_id=hello.member_id)
+        return asyncio.run(worker.run())
+    finally:
+        client.close("done")

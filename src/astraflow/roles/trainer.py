@@ -1,0 +1,157 @@
+"""The trainer service: pulls its policy's batches, steps, checkpoints, publishes each version's weights."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from astraflow import log
+from astraflow.errors import AstraflowError
+
+_log = log.get("trainer")
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """The newest complete checkpoint directory (step-N with a COMPLETE marker) under root."""
+    if not root.is_dir():
+        return None
+    best: tuple[int, Path] | None = None
+    for d in root.iterdir():
+        m = re.fullmatch(r"step-(\d+)", d.name)
+        if m and (d / "COMPLETE").is_file():
+            k = int(m.group(1))
+            if best is None or k > best[0]:
+                best = (k, d)
+    return None if best is None else best[1]
+
+
+def save_checkpoint(trainer: Any, root: Path, keep: int = 2) -> Path:
+    """Write step-N atomically (a COMPLETE marker last) and keep only the newest `keep`."""
+    import shutil
+
+    step = trainer.step_count
+    final = root / f"step-{step}"
+    tmp = root / f".tmp-step-{step}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    trainer.save_checkpoint(tmp)
+    (tmp / "COMPLETE").write_text(str(step))
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    ckpts = sorted(
+        (d for d in root.iterdir() if re.fullmatch(r"step-\d+", d.name)), key=lambda d: int(d.name.split("-")[1])
+    )
+    for old in ckpts[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def run_trainer(
+    controller: str,
+    *,
+    policy: str,
+    checkpoint_dir: Path | None = None,
+    member_id: str | None = None,
+    region: str = "",
+    advertise: str | None = None,
+) -> int:
+    """Train `policy` until the run's step budget; returns the process exit code."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from astraflow import plugins
+    from astraflow.config.load import validate_recipe
+    from astraflow.protocol.messages import BatchReply, BatchRequest, Error, VersionPublished
+    from astraflow.roles.member import advertise_host, make_hello
+    from astraflow.transport.client import MemberClient
+
+    hello = make_hello("trainer", member_id or f"trainer-{policy}", policies=[policy], region=region)
+    client = MemberClient(controller, hello)
+    welcome = client.connect()
+    recipe = validate_recipe(welcome.recipe, source="recipe from the controller")
+    try:
+        pol = recipe.get_policy(policy)
+    except KeyError:
+        client.close("unknown policy")
+        raise AstraflowError(
+            f"the run has no policy {policy!r}", hint=f"policies: {', '.join(p.name for p in recipe.policy)}"
+        ) from None
+
+    import torch
+
+    from astraflow.weights.server import WeightServer
+    from astraflow.weights.snapshot import state_dict_to_bytes
+
+    torch.set_num_threads(pol.threads)
+    stopping = {"sig": 0}
+    signal.signal(signal.SIGTERM, lambda s, f: stopping.__setitem__("sig", s))
+
+    trainer_cls = plugins.load("trainers", pol.trainer)
+    trainer = trainer_cls(pol, seed=recipe.run.seed)
+    ckpt_root = checkpoint_dir or Path("checkpoints") / recipe.run.name / policy
+    ckpt_root.mkdir(parents=True, exist_ok=True)
+    last = latest_checkpoint(ckpt_root)
+    if last is not None:
+        trainer.load_checkpoint(last)
+        _log.info("resumed %s from %s (step %d)", policy, last, trainer.step_count)
+
+    host = advertise or advertise_host(controller)
+    server = WeightServer(host, chunk_bytes=recipe.weights.chunk_bytes, keep_versions=recipe.weights.keep_versions)
+
+    def publish(metrics: dict[str, float]) -> None:
+        blob = state_dict_to_bytes(trainer.export_weights())
+        manifest = server.publish(policy, trainer.step_count, blob)
+        reply = client.request(
+            VersionPublished(
+                policy=policy,
+                version=trainer.step_count,
+                step=trainer.step_count,
+                weights_addr=server.address,
+                sha256=manifest.sha256,
+                nbytes=manifest.nbytes,
+                metrics=metrics,
+            )
+        )
+        if isinstance(reply, Error):
+            raise AstraflowError(f"controller refused version {trainer.step_count}: {reply.code} {reply.message}")
+
+    try:
+        if trainer.step_count > 0:
+            publish({})
+        while trainer.step_count < recipe.run.steps and not stopping["sig"]:
+            step = trainer.step_count + 1
+            t_wait = time.monotonic()
+            batch: BatchReply | None = None
+            while not stopping["sig"]:
+                client.tick()
+                reply = client.request(BatchRequest(policy=policy, step=step), timeout_s=60.0)
+                if isinstance(reply, BatchReply) and reply.ready:
+                    batch = reply
+                    break
+                if isinstance(reply, BatchReply) and reply.done:
+                    break
+                if isinstance(reply, Error):
+                    raise AstraflowError(f"controller refused batch {step}: {reply.code} {reply.message}")
+                time.sleep(max(0.01, getattr(reply, "retry_after_s", 0.05) or 0.05))
+            if batch is None:
+                break
+            wait_s = time.monotonic() - t_wait
+            client.tick()
+            t_step = time.monotonic()
+            metrics = dict(trainer.step(batch.samples))
+            step_s = time.monotonic() - t_step
+            client.tick()
+            if trainer.step_count % pol.checkpoint_every == 0 or trainer.step_count >= recipe.run.steps:
+                save_checkpoint(trainer, ckpt_root)
+            metrics.update({"trainer_wait_s": wait_s, "trainer_step_s": step_s, "batch_size": float(len(batch.samples))})
+            publish({k: float(v) for k, v in metrics.items()})
+        if stopping["sig"]:
+            _log.info("stopping on signal; last step %d", trainer.step_count)
+            return 0 if trainer.step_count >= recipe.run.steps else 143
+        _log.info("policy %s reached %d steps", policy, trainer.step_count)
+        return 0
+    finally:
+        server.close()
+        client.close("done")

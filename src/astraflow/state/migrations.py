@@ -1,0 +1,154 @@
+"""Schema of the run's state store, as append-only migrations written with sqlite-utils.
+
+Each migration is a function that receives a sqlite-utils Database inside an open write
+transaction. The `migrations` table records the names of the applied ones; a migration, once
+released, is never edited: a schema change is a new function appended to MIGRATIONS.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from sqlite_utils import Database
+
+Migration = Callable[[Database], None]
+
+
+def m0001_initial(db: Database) -> None:
+    """The first schema: runs, policies, versions, members, ledger, trajectories, batches, stages, metrics, events."""
+    db["runs"].create(
+        {"id": int, "name": str, "recipe": str, "git_sha": str, "created": float}, pk="id", not_null={"name", "recipe"}
+    )
+    db["policies"].create(
+        {"name": str, "max_staleness": int, "version": int, "step": int},
+        pk="name",
+        defaults={"version": 0, "step": 0, "max_staleness": 0},
+    )
+    db["versions"].create(
+        {
+            "policy": str,
+            "version": int,
+            "step": int,
+            "weights_addr": str,
+            "sha256": str,
+            "nbytes": int,
+            "created": float,
+        },
+        pk=("policy", "version"),
+    )
+    db["members"].create(
+        {
+            "id": str,
+            "role": str,
+            "status": str,
+            "policies": str,
+            "region": str,
+            "hardware": str,
+            "slots": int,
+            "loaded": str,
+            "pid": int,
+            "host": str,
+            "last_seen": float,
+            "joined": float,
+        },
+        pk="id",
+        defaults={"status": "alive", "policies": "[]", "loaded": "{}", "slots": 0},
+    )
+    db["tasks"].create(
+        {
+            "id": int,
+            "prompt_key": str,
+            "sample": str,
+            "roles": str,
+            "group_size": int,
+            "status": str,
+            "owner": str,
+            "epoch": int,
+            "lease_expiry": float,
+            "attempts": int,
+            "error": str,
+            "created": float,
+            "updated": float,
+        },
+        pk="id",
+        defaults={"status": "queued", "owner": "", "epoch": 0, "lease_expiry": 0.0, "attempts": 0, "error": ""},
+    )
+    db["tasks"].create_index(["status", "id"])
+    db["tasks"].create_index(["owner", "status"])
+    db["trajectories"].create(
+        {
+            "id": int,
+            "task_id": int,
+            "policy": str,
+            "prompt_key": str,
+            "tokens": bytes,
+            "loss_mask": bytes,
+            "logprobs": bytes,
+            "versions": bytes,
+            "reward": float,
+            "advantage": float,
+            "length": int,
+            "min_version": int,
+            "arrival": int,
+            "status": str,
+            "consumed_step": int,
+        },
+        pk="id",
+        defaults={"status": "buffered"},
+    )
+    db["trajectories"].create_index(["policy", "status"])
+    db["trajectories"].create_index(["task_id"])
+    db["batches"].create(
+        {"policy": str, "step": int, "traj_ids": str, "replay": str, "version": int, "created": float},
+        pk=("policy", "step"),
+    )
+    db["stage_state"].create(
+        {"policy": str, "stage": int, "name": str, "state": str, "updated": float}, pk=("policy", "stage")
+    )
+    db["metrics"].create({"id": int, "policy": str, "step": int, "values": str, "time": float}, pk="id")
+    db["metrics"].create_index(["policy", "step"])
+    db["events"].create({"id": int, "time": float, "kind": str, "detail": str}, pk="id")
+
+
+MIGRATIONS: list[tuple[str, Migration]] = [
+    ("0001_initial", m0001_initial),
+]
+"""Every migration in the order applied; append only."""
+
+
+def applied(db: Database) -> list[str]:
+    """Names of the migrations already applied to this database, in order."""
+    if "migrations" not in db.table_names():
+        return []
+    return [r["name"] for r in db.query("SELECT name FROM migrations ORDER BY id")]
+
+
+def apply(db: Database, migrations: list[tuple[str, Migration]] | None = None) -> list[str]:
+    """Apply pending migrations, each in its own BEGIN IMMEDIATE transaction; returns the names applied."""
+    todo = MIGRATIONS if migrations is None else migrations
+    done_now: list[str] = []
+    if "migrations" not in db.table_names():
+        db.conn.execute("BEGIN IMMEDIATE")
+        try:
+            db["migrations"].create({"id": int, "name": str, "applied": float}, pk="id", if_not_exists=True)
+            db.conn.execute("COMMIT")
+        except BaseException:
+            db.conn.execute("ROLLBACK")
+            raise
+    have = set(applied(db))
+    for name, fn in todo:
+        if name in have:
+            continue
+        db.conn.execute("BEGIN IMMEDIATE")
+        try:
+            # Another opener may have applied it between our read and the lock.
+            if name not in set(applied(db)):
+                fn(db)
+                db["migrations"].insert({"name": name, "applied": time.time()})
+                done_now.append(name)
+            db.conn.execute("COMMIT")
+        except BaseException:
+            db.conn.execute("ROLLBACK")
+            raise
+    return done_now
