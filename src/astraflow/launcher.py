@@ -251,7 +251,7 @@ def _watch(sup: Supervisor, recipe: Any, run_dir: Path, stop: dict[str, int], t0
     """Supervise until the trainers finish, a fatal child fails, or a signal arrives."""
     metrics = MetricsTail(run_dir / "metrics.jsonl")
     trainers = [c for c in sup.children if c.role == "trainer"]
-    seen_dead: set[int] = set()
+    seen_dead: set[tuple[str, int]] = set()
     while True:
         for rec in metrics.read():
             if "step" in rec and "policy" in rec:
@@ -260,14 +260,14 @@ def _watch(sup: Supervisor, recipe: Any, run_dir: Path, stop: dict[str, int], t0
         if stop["signal"]:
             _log.warning("stopping on signal %d", stop["signal"])
             return 130
+        trainers_done = bool(trainers) and all(t.proc is not None and t.proc.poll() == 0 for t in trainers)
         for child, rc in sup.exited():
-            if child.proc is None or id(child.proc) in seen_dead:
+            if child.proc is None or (child.name, child.restarts) in seen_dead:
                 continue
-            if child.role == "trainer" and rc == 0:
-                seen_dead.add(id(child.proc))
-                continue
-            if child.role == "raas" and not all(t.proc is not None and t.proc.poll() == 0 for t in trainers):
-                seen_dead.add(id(child.proc))
+            seen_dead.add((child.name, child.restarts))
+            if rc == 0 or trainers_done:
+                continue  # a graceful stop (the controller said so, or the run is over)
+            if child.role == "raas":
                 if child.restarts < max_restarts:
                     _log.warning("%s exited with %s; restarting it (%d/%d)", child.name, rc, child.restarts + 1, max_restarts)
                     sup.restart(child)
@@ -275,11 +275,8 @@ def _watch(sup: Supervisor, recipe: Any, run_dir: Path, stop: dict[str, int], t0
                 if any(c.running for c in sup.children if c.role == "raas"):
                     _log.warning("%s exited with %s and will not be restarted again", child.name, rc)
                     continue
-            if child.role in ("controller", "trainer", "raas") and not all(
-                t.proc is not None and t.proc.poll() == 0 for t in trainers
-            ):
-                _log.error("%s failed (exit %s); last lines of %s:\n%s", child.name, rc, child.log_path, tail_log(child.log_path))
-                return 1
+            _log.error("%s failed (exit %s); last lines of %s:\n%s", child.name, rc, child.log_path, tail_log(child.log_path))
+            return 1
         if trainers and all(t.proc is not None and t.proc.poll() == 0 for t in trainers):
             for rec in metrics.read():
                 if "step" in rec and "policy" in rec:

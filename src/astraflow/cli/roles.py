@@ -42,6 +42,7 @@ def join(
     member_id: Annotated[str | None, typer.Option("--member-id", help="Stable member id; default role-host-pid.")] = None,
     checkpoint_dir: Annotated[Path | None, typer.Option("--checkpoint-dir", help="Trainer checkpoints (default ./checkpoints/<run>/<policy>).")] = None,
     advertise: Annotated[str | None, typer.Option("--advertise", help="Host RaaS workers use to reach this trainer's weight server.")] = None,
+    connect_timeout: Annotated[float, typer.Option("--connect-timeout", help="Seconds to wait for the controller's Welcome.")] = 30.0,
 ) -> None:
     """Join a running controller as a rollout worker (raas) or as one policy's trainer."""
     from astraflow import log
@@ -50,7 +51,7 @@ def join(
         log.setup(member_id or "raas")
         from astraflow.roles.raas import run_raas
 
-        sys.exit(run_raas(controller, policies=policy or [], engine=engine, region=region, slots=slots, member_id=member_id))
+        sys.exit(run_raas(controller, policies=policy or [], engine=engine, region=region, slots=slots, member_id=member_id, connect_timeout_s=connect_timeout))
     if role == "trainer":
         log.setup(member_id or "trainer")
         if not policy or len(policy) != 1:
@@ -59,7 +60,8 @@ def join(
 
         sys.exit(
             run_trainer(
-                controller, policy=policy[0], checkpoint_dir=checkpoint_dir, member_id=member_id, region=region, advertise=advertise
+                controller, policy=policy[0], checkpoint_dir=checkpoint_dir, member_id=member_id, region=region, advertise=advertise,
+                connect_timeout_s=connect_timeout,
             )
         )
     raise AstraflowError(f"unknown role {role!r}", hint="--role raas or --role trainer")

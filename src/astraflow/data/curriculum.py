@@ -7,9 +7,9 @@ observed success (prompts never observed count as `unknown`, easiest by default,
 The policy's competence is an EWMA of the mean reward (clamped to [0, 1]) of every group observed.
 Once per policy version the frontier moves to `start + (1 - start) * min(1, competence / full_at)` and
 never moves back; a prompt is submitted when its difficulty is at most the frontier. So the run begins
-on the easy prompts and admits harder ones as the policy's success rises. If a whole pass over the
-prompts seen so far is skipped, the frontier jumps to the easiest skipped difficulty, so a curriculum
-can never starve the run.
+on the easy prompts and admits harder ones as the policy's success rises. If a prompt is skipped
+again before any prompt was admitted since its last skip (a whole pass over the prompt source was
+skipped), the frontier jumps to the easiest skipped difficulty, so a curriculum never starves a run.
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ class CurriculumCurator(Curator):
         self.frontier = self.config.start
         self.competence = 0.0
         self.success: dict[str, float] = {}
-        self.offered: set[str] = set()
-        self.skip_run = 0
+        self.skip_run: set[str] = set()
+        """Prompts skipped since the last admission."""
         self.min_skipped = 1.0
         self.counts: dict[str, int] = {"submitted": 0, "skipped": 0}
 
@@ -75,20 +75,18 @@ class CurriculumCurator(Curator):
 
     def submit(self, key: str, sample: dict[str, Any]) -> bool:
         """True when the prompt's difficulty is within the frontier."""
-        self.offered.add(key)
         d = self.difficulty(key, sample)
+        if key in self.skip_run and d > self.frontier + 1e-12:
+            # A whole pass was skipped: open the frontier to the easiest prompt of that pass.
+            self.frontier = max(self.frontier, min(self.min_skipped, d))
         if d <= self.frontier + 1e-12:
-            self.skip_run = 0
+            self.skip_run = set()
             self.min_skipped = 1.0
             self.counts["submitted"] += 1
             return True
         self.counts["skipped"] += 1
-        self.skip_run += 1
+        self.skip_run.add(key)
         self.min_skipped = min(self.min_skipped, d)
-        if self.skip_run >= len(self.offered):
-            self.frontier = max(self.frontier, self.min_skipped)
-            self.skip_run = 0
-            self.min_skipped = 1.0
         return False
 
     def observe(self, key: str, rewards: list[float]) -> None:
@@ -112,8 +110,7 @@ class CurriculumCurator(Curator):
             "frontier": self.frontier,
             "competence": self.competence,
             "success": dict(self.success),
-            "offered": sorted(self.offered),
-            "skip_run": self.skip_run,
+            "skip_run": sorted(self.skip_run),
             "min_skipped": self.min_skipped,
             "counts": dict(self.counts),
         }
@@ -123,8 +120,7 @@ class CurriculumCurator(Curator):
         self.frontier = float(state["frontier"])
         self.competence = float(state["competence"])
         self.success = {k: float(v) for k, v in state["success"].items()}
-        self.offered = set(state["offered"])
-        self.skip_run = int(state["skip_run"])
+        self.skip_run = set(state["skip_run"])
         self.min_skipped = float(state["min_skipped"])
         self.counts = {k: int(v) for k, v in state["counts"].items()}
 

@@ -22,7 +22,9 @@ class DynamicSamplingFilter(GroupFilter):
     Config = DynamicSamplingConfig
     config: DynamicSamplingConfig
 
-    def __init__(self, config: DynamicSamplingConfig | None = None, *, policy: str = "", seed: int = 0) -> None:
+    def __init__(
+        self, config: DynamicSamplingConfig | None = None, *, policy: str = "", seed: int = 0
+    ) -> None:
         super().__init__(config, policy=policy, seed=seed)
         self.counts: dict[str, int] = {"kept": 0, "filtered": 0}
 

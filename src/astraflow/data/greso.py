@@ -109,7 +109,11 @@ class GresoCurator(Curator):
             # A flip between all-solved and all-failed is itself informative: restart the streak.
             self.streaks[key] = (z + 1 if last == kind else 1, kind)
             self.window[kind] += 1
-        if not self.warm and self.config.warmup_groups is not None and self.observed >= self.config.warmup_groups:
+        if (
+            not self.warm
+            and self.config.warmup_groups is not None
+            and self.observed >= self.config.warmup_groups
+        ):
             self._end_warmup()
 
     def on_version(self, version: int) -> None:
@@ -158,4 +162,8 @@ class GresoCurator(Curator):
 
     def metrics(self) -> dict[str, float]:
         """submitted, skipped, skipped_easy, skipped_hard (cumulative) and the current p_easy, p_hard."""
-        return {**{k: float(v) for k, v in self.counts.items()}, "p_easy": self.p["easy"], "p_hard": self.p["hard"]}
+        return {
+            **{k: float(v) for k, v in self.counts.items()},
+            "p_easy": self.p["easy"],
+            "p_hard": self.p["hard"],
+        }

@@ -124,16 +124,25 @@ class Ledger:
                 return "unknown_task"
             if r["status"] == "done":
                 return "duplicate"
-            if r["status"] not in ("leased", "queued") or r["epoch"] != epoch or r["owner"] != owner or epoch == 0:
+            if (
+                r["status"] not in ("leased", "queued")
+                or r["epoch"] != epoch
+                or r["owner"] != owner
+                or epoch == 0
+            ):
                 return "stale_epoch"
-            c.execute("UPDATE tasks SET status = 'done', lease_expiry = 0, updated = ? WHERE id = ?", (now, task_id))
+            c.execute(
+                "UPDATE tasks SET status = 'done', lease_expiry = 0, updated = ? WHERE id = ?", (now, task_id)
+            )
             return "accepted"
 
     def fail(self, task_id: int, epoch: int, owner: str | None = None, error: str = "") -> str:
         """A lease ended in an error: requeued | failed (after max_attempts) | duplicate | stale_epoch | unknown_task."""
         now = self.clock()
         with self.store.write() as c:
-            r = c.execute("SELECT status, epoch, owner, attempts FROM tasks WHERE id = ?", (task_id,)).fetchone()
+            r = c.execute(
+                "SELECT status, epoch, owner, attempts FROM tasks WHERE id = ?", (task_id,)
+            ).fetchone()
             if r is None:
                 return "unknown_task"
             if r["status"] == "done":
@@ -193,4 +202,7 @@ class Ledger:
         """Tasks in the given statuses (for admission's outstanding count)."""
         st = list(statuses)
         marks = ",".join("?" for _ in st)
-        return [_row(r) for r in self.store.query(f"SELECT * FROM tasks WHERE status IN ({marks}) ORDER BY id", tuple(st))]
+        return [
+            _row(r)
+            for r in self.store.query(f"SELECT * FROM tasks WHERE status IN ({marks}) ORDER BY id", tuple(st))
+        ]

@@ -4,7 +4,8 @@ One background thread owns the model. Coroutines enqueue requests; the thread ta
 `max_batch` of them, decodes them together (left-padded, with a KV cache) and resolves each
 caller's future. New weights are staged by `load_weights` and copied into the parameters between
 two decode steps, so an in-flight sequence carries on under the new version and every token records
-the version that produced it. What this does not do: requests that arrive while a batch is decoding
+the version that produced it; the KV cache is then recomputed under the new weights, so every
+behaviour logprob is exactly that of the version it is tagged with. What this does not do: requests that arrive while a batch is decoding
 wait for that batch to finish (no continuous batching).
 """
 
@@ -204,11 +205,12 @@ class TorchEngine(RolloutEngine):
         for p in failed:
             _resolve(p, exc=RuntimeError("engine closed"))
 
-    def _apply_staged(self) -> None:
+    def _apply_staged(self) -> bool:
+        """Copy staged weights into the parameters; True when something was applied."""
         with self._cond:
             staged, self._staged = self._staged, None
         if staged is None:
-            return
+            return False
         version, state_dict = staged
         with torch.no_grad():
             for name, value in state_dict.items():
@@ -218,6 +220,7 @@ class TorchEngine(RolloutEngine):
         with self._applied:
             self._version = version
             self._applied.notify_all()
+        return True
 
     @torch.no_grad()
     def _decode(self, batch: list[_Pending]) -> None:
@@ -243,6 +246,7 @@ class TorchEngine(RolloutEngine):
         top_p = torch.tensor([p.request.top_p for p in batch], device=self.device)
         cache = None
         active = list(range(len(rows)))
+        seq = ids
         step_ids, step_pos = ids, positions
         while active:
             out = self.model(
@@ -283,14 +287,17 @@ class TorchEngine(RolloutEngine):
                 # Drop finished rows from the batch and the KV cache so they cost nothing further.
                 sel = torch.tensor(keep, device=self.device)
                 cache.batch_select_indices(sel)
-                tokens, mask, step_pos = tokens[sel], mask[sel], step_pos[sel]
+                tokens, mask, seq, step_pos = tokens[sel], mask[sel], seq[sel], step_pos[sel]
                 temperature, top_p = temperature[sel], top_p[sel]
                 active = [active[j] for j in keep]
-            step_ids = tokens.unsqueeze(-1)
-            step_pos = step_pos[:, -1:] + 1
+            seq = torch.cat([seq, tokens.unsqueeze(-1)], dim=-1)
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
-            # Safe point: all rows have taken the same number of steps; new weights apply here.
-            self._apply_staged()
+            step_ids, step_pos = tokens.unsqueeze(-1), step_pos[:, -1:] + 1
+            # Safe point: every row has taken the same number of steps. When new weights land here,
+            # the cache is rebuilt under them, so later logprobs are exactly the new model's.
+            if self._apply_staged():
+                cache = None
+                step_ids, step_pos = seq, (mask.cumsum(-1) - 1).clamp_min(0)
 
 
 def _resolve(p: _Pending, completion: Completion | None = None, exc: BaseException | None = None) -> None:

@@ -55,11 +55,11 @@ class Loss(ABC):
     def __init__(self, config: LossConfig | None = None) -> None:
         self.config = config if config is not None else self.Config()
 
-    def prepare(self, inputs: LossInputs) -> None:
-        """See the whole batch once before its minibatch updates (logp may be detached); default no-op.
+    def prepare(self, batch: list[LossInputs]) -> None:
+        """See every (micro)batch of a step once, before its first update (logp may be detached); no-op here.
 
-        A trainer calls this when it splits a batch into minibatches, so that an objective defined over
-        the whole batch (M2PO's token mask) can fix its batch-level quantities first.
+        A trainer calls this when it splits a batch into several loss calls, so that an objective defined
+        over the whole batch (M2PO's token mask) can fix its batch-level quantities first.
         """
         return None
 

@@ -230,6 +230,8 @@ class WeightRequest(Msg, kw_only=True):
     policy: str
     version: int
     chunk: int = -1
+    kind: str = "full"
+    """Which blob of that version: "full" (a snapshot) or "delta" (from the previous version)."""
 
 
 class WeightManifest(Msg, kw_only=True):

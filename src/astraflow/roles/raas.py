@@ -194,6 +194,7 @@ def run_raas(
     region: str = "",
     slots: int | None = None,
     member_id: str | None = None,
+    connect_timeout_s: float = 30.0,
 ) -> int:
     """Join the controller as a rollout worker and serve until told to stop."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -202,7 +203,7 @@ def run_raas(
     from astraflow.transport.client import MemberClient
 
     hello = make_hello("raas", member_id, policies=policies, region=region, slots=slots or 0)
-    client = MemberClient(controller, hello)
+    client = MemberClient(controller, hello, connect_timeout_s=connect_timeout_s)
     welcome = client.connect()
     recipe = validate_recipe(welcome.recipe, source="recipe from the controller")
     import torch

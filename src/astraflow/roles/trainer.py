@@ -58,6 +58,7 @@ def run_trainer(
     member_id: str | None = None,
     region: str = "",
     advertise: str | None = None,
+    connect_timeout_s: float = 30.0,
 ) -> int:
     """Train `policy` until the run's step budget; returns the process exit code."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -68,7 +69,7 @@ def run_trainer(
     from astraflow.transport.client import MemberClient
 
     hello = make_hello("trainer", member_id or f"trainer-{policy}", policies=[policy], region=region)
-    client = MemberClient(controller, hello)
+    client = MemberClient(controller, hello, connect_timeout_s=connect_timeout_s)
     welcome = client.connect()
     recipe = validate_recipe(welcome.recipe, source="recipe from the controller")
     try:

@@ -18,7 +18,9 @@ Migration = Callable[[Database], None]
 def m0001_initial(db: Database) -> None:
     """The first schema: runs, policies, versions, members, ledger, trajectories, batches, stages, metrics, events."""
     db["runs"].create(
-        {"id": int, "name": str, "recipe": str, "git_sha": str, "created": float}, pk="id", not_null={"name", "recipe"}
+        {"id": int, "name": str, "recipe": str, "git_sha": str, "created": float},
+        pk="id",
+        not_null={"name", "recipe"},
     )
     db["policies"].create(
         {"name": str, "max_staleness": int, "version": int, "step": int},
@@ -72,7 +74,14 @@ def m0001_initial(db: Database) -> None:
             "updated": float,
         },
         pk="id",
-        defaults={"status": "queued", "owner": "", "epoch": 0, "lease_expiry": 0.0, "attempts": 0, "error": ""},
+        defaults={
+            "status": "queued",
+            "owner": "",
+            "epoch": 0,
+            "lease_expiry": 0.0,
+            "attempts": 0,
+            "error": "",
+        },
     )
     db["tasks"].create_index(["status", "id"])
     db["tasks"].create_index(["owner", "status"])

@@ -121,7 +121,10 @@ class Store:
 
     def policies(self) -> list[dict[str, Any]]:
         """Every policy row: name, max_staleness, version, step."""
-        return [dict(r) for r in self.query("SELECT name, max_staleness, version, step FROM policies ORDER BY rowid")]
+        return [
+            dict(r)
+            for r in self.query("SELECT name, max_staleness, version, step FROM policies ORDER BY rowid")
+        ]
 
     def policy(self, name: str) -> dict[str, Any]:
         """One policy row (KeyError when unknown)."""

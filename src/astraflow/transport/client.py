@@ -8,40 +8,26 @@ import os
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import zmq
 
 from astraflow import log
 from astraflow.errors import ConnectError, ProtocolError
-from astraflow.protocol.codec import DecodeError, decode, encode
 from astraflow.protocol.messages import (
     Bye,
     Error,
-    Heartbeat,
-    HeartbeatAck,
     Hello,
     Msg,
-    TaskGrant,
     VersionInfo,
     Welcome,
 )
+from astraflow.transport.member_loop import MemberLoop, Pending
 from astraflow.transport.server import DEFAULT_MAX_MESSAGE_BYTES
 
 _log = log.get("transport.client")
 
 _HINT = "is `astraflow controller` running? check the address/port"
-
-
-@dataclass
-class _Pending:
-    """A request sent (or waiting to be sent) and the future its reply resolves."""
-
-    msg: Msg
-    future: concurrent.futures.Future[Msg]
-    deadline: float
 
 
 class MemberClient:
@@ -63,6 +49,13 @@ class MemberClient:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
         """Prepare the client; nothing is sent until connect()."""
+        ident = hello.member_id.encode()
+        # zmq routing ids are 1..255 bytes and a leading zero byte is reserved for generated ones
+        if not 0 < len(ident) <= 255 or ident[0] == 0:
+            raise ProtocolError(
+                f"member id {hello.member_id!r} cannot be a socket identity",
+                hint="use 1 to 255 bytes of text, e.g. raas-<host>-<n>",
+            )
         self.controller = controller
         """The controller endpoint this client connects to."""
         self.hello = hello
@@ -86,7 +79,7 @@ class MemberClient:
         self._lock = threading.Lock()
         self._load: tuple[dict[str, int], int, int] = ({}, 0, 0)
         self._last_tick = time.monotonic()
-        self._inbox: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Pending] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         self._thread: threading.Thread | None = None
@@ -135,7 +128,7 @@ class MemberClient:
             return fut
         with self._lock:
             msg.rid = next(self._rids)
-        self._inbox.put(_Pending(msg, fut, time.monotonic() + timeout_s))
+        self._inbox.put(Pending(msg, fut, time.monotonic() + timeout_s, timeout_s))
         self._wake()
         return fut
 
@@ -189,8 +182,7 @@ class MemberClient:
 
     def _timeout_error(self, msg: Msg, timeout_s: float) -> ConnectError:
         return ConnectError(
-            f"controller at {self.controller} did not answer {type(msg).__name__} "
-            f"within {timeout_s:g}s",
+            f"controller at {self.controller} did not answer {type(msg).__name__} within {timeout_s:g}s",
             hint=_HINT,
         )
 
@@ -206,226 +198,9 @@ class MemberClient:
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
         sock.connect(self.controller)
         try:
-            _Loop(self, sock).run()
+            MemberLoop(self, sock).run()
         except Exception:  # a crashed transport thread would otherwise look like a silent hang
             _log.exception("member transport thread failed")
         finally:
             sock.close(0)
             ctx.term()
-
-
-class _Loop:
-    """State of the transport thread: pending requests, the outbox and the join handshake."""
-
-    def __init__(self, client: MemberClient, sock: zmq.Socket) -> None:
-        self.c = client
-        self.sock = sock
-        self.pending: dict[int, _Pending] = {}
-        self.outbox: deque[Msg] = deque()
-        self.backlog: deque[_Pending] = deque()
-        """Requests held while not joined (before Welcome, or after unknown_member)."""
-        self.joined = False
-        self.hello_rid = 0
-        self.hello_sent = 0.0
-        self.next_beat = 0.0
-        self.hung_logged = False
-
-    def run(self) -> None:
-        c = self.c
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
-        poller.register(c._wake_r, zmq.POLLIN)
-        while not c._stopping.is_set():
-            now = time.monotonic()
-            wait = max(0.0, min(self.next_beat - now, 0.02 if self.outbox else 1.0))
-            for target, _ in poller.poll(wait * 1000):
-                if target == c._wake_r:
-                    os.read(c._wake_r, 4096)
-                else:
-                    self._drain_socket()
-            self._take_requests()
-            self._heartbeat_or_hello()
-            self._flush()
-            self._expire()
-        for p in list(self.pending.values()) + list(self.backlog):
-            _fail(p.future, ConnectError("member client closed before the reply came", hint=""))
-        while True:
-            try:
-                item = c._inbox.get_nowait()
-            except queue.Empty:
-                break
-            if item is not None:
-                _fail(item.future, ConnectError("member client closed", hint=""))
-
-    # ----- outgoing ---------------------------------------------------------------------------
-
-    def _take_requests(self) -> None:
-        c = self.c
-        with c._lock:
-            hello_future, c._hello_future = c._hello_future, None
-        if hello_future is not None:
-            hello = c.hello
-            hello.rid = self.hello_rid = next(c._rids)
-            self.pending[hello.rid] = _Pending(hello, hello_future, float("inf"))
-            self._send_hello()
-        while True:
-            try:
-                item = c._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if item is None:
-                continue
-            if self.joined:
-                self.pending[item.msg.rid] = item
-                self.outbox.append(item.msg)
-            else:
-                self.backlog.append(item)
-
-    def _send_hello(self) -> None:
-        hello = self.c.hello
-        if not self.hello_rid:
-            hello.rid = self.hello_rid = next(self.c._rids)
-        self.hello_sent = time.monotonic()
-        # a re-sent Hello must be the only Hello in the outbox
-        self.outbox = deque(m for m in self.outbox if not isinstance(m, Hello))
-        self.outbox.appendleft(hello)
-
-    def _heartbeat_or_hello(self) -> None:
-        c = self.c
-        now = time.monotonic()
-        if now < self.next_beat:
-            return
-        self.next_beat = now + c.heartbeat_interval_s
-        if c.hung:
-            if not self.hung_logged:
-                _log.warning("owner loop silent for %.0fs: heartbeats stopped", c.hang_timeout_s)
-                self.hung_logged = True
-            return
-        self.hung_logged = False
-        if not self.joined:
-            # Hello lost on a dropped connection, or the controller came back: ask again
-            if self.hello_rid and now - self.hello_sent > max(1.0, 2 * c.heartbeat_interval_s):
-                self._send_hello()
-            return
-        loaded, busy, free = c._load
-        beat = Heartbeat(rid=next(c._rids), loaded=loaded, busy=busy, free=free)
-        # a heartbeat that cannot go out now is worthless later: replace any queued one
-        self.outbox = deque(m for m in self.outbox if not isinstance(m, Heartbeat))
-        self.outbox.append(beat)
-
-    def _flush(self) -> None:
-        while self.outbox:
-            msg = self.outbox[0]
-            try:
-                self.sock.send(encode(msg), zmq.NOBLOCK)
-            except zmq.Again:
-                return  # no live connection yet: retry on the next loop turn
-            self.outbox.popleft()
-
-    def _expire(self) -> None:
-        now = time.monotonic()
-        expired = [rid for rid, p in self.pending.items() if p.deadline <= now]
-        for rid in expired:
-            p = self.pending.pop(rid)
-            _fail(p.future, self.c._timeout_error(p.msg, 0.0 if p.deadline == 0 else _age(p, now)))
-        if expired:
-            dead = {id(p.msg) for p in self.pending.values()}
-            self.outbox = deque(m for m in self.outbox if not _is_request(m) or id(m) in dead)
-        kept: deque[_Pending] = deque()
-        for p in self.backlog:
-            if p.deadline <= now:
-                _fail(p.future, self.c._timeout_error(p.msg, _age(p, now)))
-            else:
-                kept.append(p)
-        self.backlog = kept
-
-    # ----- incoming ---------------------------------------------------------------------------
-
-    def _drain_socket(self) -> None:
-        while True:
-            try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            if len(frames) != 1:
-                _log.warning("ignored a reply of %d frames", len(frames))
-                continue
-            try:
-                msg = decode(frames[0])
-            except DecodeError as exc:
-                _log.warning("ignored an undecodable reply: %s", exc)
-                continue
-            self.c.last_heard = time.monotonic()
-            self._handle(msg)
-
-    def _handle(self, msg: Msg) -> None:
-        c = self.c
-        if isinstance(msg, Error) and msg.code == "unknown_member":
-            self._rejoin(msg.rid)
-            return
-        if isinstance(msg, Welcome):
-            c.welcome = msg
-            if msg.heartbeat_interval_s > 0:
-                c.heartbeat_interval_s = msg.heartbeat_interval_s
-            self._merge_versions(msg.versions)
-            if msg.rid == self.hello_rid:
-                self.joined = True
-                self.hello_rid = 0
-                self.next_beat = time.monotonic() + c.heartbeat_interval_s
-                for p in self.backlog:
-                    self.pending[p.msg.rid] = p
-                    self.outbox.append(p.msg)
-                self.backlog.clear()
-        elif isinstance(msg, HeartbeatAck):
-            self._merge_versions(msg.versions)
-            c.stop_requested = c.stop_requested or msg.stop
-            return
-        elif isinstance(msg, TaskGrant):
-            self._merge_versions(msg.versions)
-            c.stop_requested = c.stop_requested or msg.stop
-        p = self.pending.pop(msg.rid, None)
-        if p is not None and not p.future.done():
-            p.future.set_result(msg)
-        elif p is None and not isinstance(msg, Welcome):
-            _log.debug("late or unsolicited %s rid=%d", type(msg).__name__, msg.rid)
-
-    def _rejoin(self, rid: int) -> None:
-        """The controller forgot us (it restarted): Hello again and replay the rejected request."""
-        p = self.pending.pop(rid, None)
-        if p is not None and isinstance(p.msg, Hello):
-            self.pending[rid] = p
-            p = None
-        if p is not None:
-            self.backlog.appendleft(p)
-        if self.joined:
-            _log.info("controller at %s does not know us: joining again", self.c.controller)
-            self.joined = False
-            # requests already in flight will come back as unknown_member and join the backlog
-        if not self.hello_rid or time.monotonic() - self.hello_sent > self.c.heartbeat_interval_s:
-            self._send_hello()
-
-    def _merge_versions(self, infos: list[VersionInfo]) -> None:
-        c = self.c
-        current = c.versions
-        newer = {v.policy: v for v in infos if v.policy not in current or v.version > current[v.policy].version}
-        if not newer:
-            return
-        c.versions = {**current, **newer}
-        if c.on_versions is not None:
-            try:
-                c.on_versions(c.versions)
-            except Exception:
-                _log.exception("on_versions callback failed")
-
-
-def _is_request(msg: Msg) -> bool:
-    return not isinstance(msg, Hello | Heartbeat)
-
-
-def _age(p: _Pending, now: float) -> float:
-    return max(0.0, now - p.deadline)
-
-
-def _fail(fut: concurrent.futures.Future[Msg], exc: BaseException) -> None:
-    if not fut.done():
-        fut.set_exception(exc)

@@ -1,0 +1,247 @@
+"""Per-policy trajectory buffers and the recorded composition of every training batch.
+
+A trajectory enters as 'buffered' and leaves as 'consumed' (by exactly one step), 'expired'
+(too stale when a batch was taken) or never enters ('dropped' by a post-rollout filter). A batch
+is chosen, recorded and its trajectories marked consumed in one transaction, so a trainer that
+asks again for a step it already received gets the same trajectories in the same order.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import msgspec
+
+from astraflow.data.base import BufferItem, BufferOrder
+from astraflow.data.order import EdfOrder, FifoOrder
+from astraflow.protocol.messages import Sequence, TrainSample
+from astraflow.state.store import Store
+
+_enc = msgspec.msgpack.Encoder()
+_ints = msgspec.msgpack.Decoder(list[int])
+_floats = msgspec.msgpack.Decoder(list[float])
+
+
+@dataclass
+class Batch:
+    """A recorded batch: its samples in order, and what taking it did."""
+
+    policy: str
+    step: int
+    samples: list[TrainSample]
+    version: int
+    """Policy version the batch was checked against (staleness reference)."""
+    expired: int = 0
+    """Trajectories expired while taking this batch."""
+    staleness: list[int] = field(default_factory=list)
+    """version - min_version of each fresh sample."""
+    new: bool = True
+    """False when this is a re-delivery of an already recorded batch."""
+
+
+def default_order(kind: str) -> BufferOrder:
+    """The built-in order named by PolicyConfig.order."""
+    return EdfOrder() if kind == "edf" else FifoOrder()
+
+
+def min_version(seq: Sequence) -> int:
+    """Oldest version among the tokens this policy generated (-1 when it generated none)."""
+    vs = [v for v, m in zip(seq.versions, seq.loss_mask, strict=False) if m and v >= 0]
+    if not vs:
+        vs = [v for v in seq.versions if v >= 0]
+    return min(vs) if vs else -1
+
+
+class Buffer:
+    """Trajectories of every policy, batches taken from them, and their recorded composition."""
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        order: Callable[[str], BufferOrder] | None = None,
+        replay_count: Callable[[str, int], int] | None = None,
+    ) -> None:
+        self.store = store
+        self._order = order or (lambda _policy: EdfOrder())
+        self._replay = replay_count or (lambda _policy, _n: 0)
+
+    def insert(
+        self,
+        task_id: int,
+        prompt_key: str,
+        seqs: list[Sequence],
+        advantages: list[float],
+        status: str = "buffered",
+    ) -> list[int]:
+        """Store one group's sequences (one policy) with their advantages; returns trajectory ids."""
+        ids: list[int] = []
+        with self.store.write() as c:
+            # MAX of the rowid is an index lookup; ids only grow, so they make a cheap arrival counter.
+            arrival = int(c.execute("SELECT COALESCE(MAX(id), 0) FROM trajectories").fetchone()[0])
+            for seq, adv in zip(seqs, advantages, strict=True):
+                arrival += 1
+                cur = c.execute(
+                    "INSERT INTO trajectories (task_id, policy, prompt_key, tokens, loss_mask, logprobs, versions, "
+                    "reward, advantage, length, min_version, arrival, status, consumed_step) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, NULL)",
+                    (
+                        task_id,
+                        seq.policy,
+                        prompt_key,
+                        _enc.encode(seq.tokens),
+                        _enc.encode(seq.loss_mask),
+                        _enc.encode(seq.logprobs),
+                        _enc.encode(seq.versions),
+                        float(seq.reward),
+                        float(adv),
+                        int(sum(1 for m in seq.loss_mask if m)),
+                        min_version(seq),
+                        arrival,
+                        status,
+                    ),
+                )
+                ids.append(int(cur.lastrowid or 0))
+        return ids
+
+    def counts(self, policy: str) -> dict[str, int]:
+        """Trajectories of a policy per status: buffered, consumed, expired, dropped."""
+        out = {"buffered": 0, "consumed": 0, "expired": 0, "dropped": 0}
+        rows = self.store.query(
+            "SELECT status, COUNT(*) AS n FROM trajectories WHERE policy = ? GROUP BY status", (policy,)
+        )
+        for r in rows:
+            out[r["status"]] = int(r["n"])
+        return out
+
+    def last_step(self, policy: str) -> int:
+        """The highest step with a recorded batch (0 when none)."""
+        return int(
+            self.store.scalar("SELECT COALESCE(MAX(step), 0) FROM batches WHERE policy = ?", (policy,))
+        )
+
+    def recorded(self, policy: str, step: int) -> Batch | None:
+        """The recorded batch of a step, rebuilt from the store (same trajectories, same order)."""
+        rows = self.store.query(
+            "SELECT traj_ids, replay, version FROM batches WHERE policy = ? AND step = ?", (policy, step)
+        )
+        if not rows:
+            return None
+        ids = json.loads(rows[0]["traj_ids"])
+        flags = json.loads(rows[0]["replay"])
+        return Batch(policy, step, self._samples(ids, flags), int(rows[0]["version"]), new=False)
+
+    def next_batch(
+        self, policy: str, step: int, batch_size: int, max_staleness: int, version: int
+    ) -> Batch | None:
+        """The batch of `step`: the recorded one, else a new one (None when not enough data yet)."""
+        again = self.recorded(policy, step)
+        if again is not None:
+            return again
+        with self.store.write() as c:
+            # The step trains on the weights of the previous step at the earliest.
+            ref = max(version, step - 1)
+            rows = c.execute(
+                "SELECT id, task_id, min_version, arrival, reward, advantage, length FROM trajectories "
+                "WHERE policy = ? AND status = 'buffered'",
+                (policy,),
+            ).fetchall()
+            stale = [r["id"] for r in rows if ref - r["min_version"] > max_staleness]
+            if stale:
+                c.executemany(
+                    "UPDATE trajectories SET status = 'expired' WHERE id = ?", [(i,) for i in stale]
+                )
+            stale_set = set(stale)
+            items = [
+                BufferItem(
+                    r["id"],
+                    r["task_id"],
+                    r["min_version"],
+                    r["arrival"],
+                    r["reward"],
+                    r["advantage"],
+                    r["length"],
+                )
+                for r in rows
+                if r["id"] not in stale_set
+            ]
+            n_replay = max(0, min(int(self._replay(policy, batch_size)), batch_size))
+            replay_ids: list[int] = []
+            if n_replay:
+                replay_ids = [
+                    r["id"]
+                    for r in c.execute(
+                        "SELECT id FROM trajectories WHERE policy = ? AND status = 'consumed' "
+                        "ORDER BY consumed_step DESC, arrival DESC LIMIT ?",
+                        (policy, n_replay),
+                    ).fetchall()
+                ]
+            n_fresh = batch_size - len(replay_ids)
+            if len(items) < n_fresh:
+                # Commit the expirations; the trainer retries once more data arrived.
+                return None
+            fresh = self._choose(self._order(policy), items, n_fresh)
+            ids = [it.traj_id for it in fresh] + replay_ids
+            flags = [False] * len(fresh) + [True] * len(replay_ids)
+            c.execute(
+                "INSERT INTO batches (policy, step, traj_ids, replay, version, created) VALUES (?, ?, ?, ?, ?, ?)",
+                (policy, step, json.dumps(ids), json.dumps(flags), ref, time.time()),
+            )
+            c.executemany(
+                "UPDATE trajectories SET status = 'consumed', consumed_step = ? WHERE id = ? AND status = 'buffered'",
+                [(step, it.traj_id) for it in fresh],
+            )
+            samples = self._samples(ids, flags)
+        return Batch(
+            policy, step, samples, ref, expired=len(stale), staleness=[ref - it.min_version for it in fresh]
+        )
+
+    @staticmethod
+    def _choose(order: BufferOrder, items: list[BufferItem], n: int) -> list[BufferItem]:
+        """The first n items by the order, taking whole groups first and then filling with parts of groups."""
+        ranked = sorted(items, key=order.sort_key)
+        groups: dict[int, list[BufferItem]] = {}
+        for it in ranked:
+            groups.setdefault(it.task_id, []).append(it)
+        chosen: list[BufferItem] = []
+        taken: set[int] = set()
+        for members in groups.values():
+            if len(chosen) + len(members) <= n:
+                chosen.extend(members)
+                taken.update(m.traj_id for m in members)
+            if len(chosen) == n:
+                break
+        if len(chosen) < n:
+            chosen.extend([it for it in ranked if it.traj_id not in taken][: n - len(chosen)])
+        # Serve in the order's ranking so that a batch reads like the buffer's priority list.
+        rank = {it.traj_id: i for i, it in enumerate(ranked)}
+        return sorted(chosen, key=lambda it: rank[it.traj_id])
+
+    def _samples(self, ids: list[int], flags: list[bool]) -> list[TrainSample]:
+        if not ids:
+            return []
+        marks = ",".join("?" for _ in ids)
+        rows = self.store.query(
+            f"SELECT id, tokens, loss_mask, logprobs, versions, reward, advantage FROM trajectories WHERE id IN ({marks})",
+            tuple(ids),
+        )
+        by_id = {r["id"]: r for r in rows}
+        out = []
+        for i, replay in zip(ids, flags, strict=True):
+            r = by_id[i]
+            out.append(
+                TrainSample(
+                    traj_id=i,
+                    tokens=_ints.decode(r["tokens"]),
+                    loss_mask=_ints.decode(r["loss_mask"]),
+                    logprobs=_floats.decode(r["logprobs"]),
+                    versions=_ints.decode(r["versions"]),
+                    reward=float(r["reward"]),
+                    advantage=float(r["advantage"]),
+                    replay=replay,
+                )
+            )
+        return out

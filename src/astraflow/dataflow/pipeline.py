@@ -1,0 +1,239 @@
+"""Per-policy pipelines of data-algorithm stages, and the post-rollout path of a finished task.
+
+The recipe lists each policy's stages (`policy.data`); their `kind` places them: curators decide
+which prompts are submitted, filters keep or drop finished groups, the order stage ranks the
+buffer and batch composers ask for replay. Stage state lives in the store's stage_state table and
+is reloaded on restart; the pipeline's own counters are saved there too (stage index -1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from astraflow.config.recipe import Recipe
+from astraflow.data.base import (
+    AdmissionStage,
+    BatchComposer,
+    BufferOrder,
+    Curator,
+    GroupFilter,
+    GroupView,
+    Stage,
+)
+from astraflow.dataflow.advantages import group_advantages
+from astraflow.dataflow.buffer import Buffer, default_order
+from astraflow.errors import RecipeError
+from astraflow.log import get
+from astraflow.protocol.messages import Episode, Sequence
+from astraflow.state.store import Store
+
+log = get("pipeline")
+
+COUNTERS_STAGE = -1
+"""stage_state index of the pipeline's own counters."""
+COUNTER_NAMES = ("prompts_submitted", "prompts_skipped", "groups_kept", "groups_dropped")
+
+
+def _load_stage(name: str) -> type[Stage]:
+    from astraflow import plugins
+
+    return plugins.load("data", name)
+
+
+@dataclass
+class PolicyStages:
+    """The instantiated stages of one policy, grouped by where they run."""
+
+    name: str
+    stages: list[Stage] = field(default_factory=list)
+    curators: list[Curator] = field(default_factory=list)
+    filters: list[GroupFilter] = field(default_factory=list)
+    order: BufferOrder | None = None
+    composers: list[BatchComposer] = field(default_factory=list)
+    admissions: list[AdmissionStage] = field(default_factory=list)
+    counters: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COUNTER_NAMES, 0.0))
+
+
+@dataclass
+class GroupOutcome:
+    """What happened to one policy's group of a finished task."""
+
+    policy: str
+    traj_ids: list[int]
+    rewards: list[float]
+    kept: bool
+
+
+class Pipeline:
+    """Every policy's stages, called at the four points of the data path."""
+
+    def __init__(
+        self,
+        recipe: Recipe,
+        store: Store | None = None,
+        *,
+        loader: Callable[[str], type[Stage]] = _load_stage,
+    ) -> None:
+        self.recipe = recipe
+        self.store = store
+        self.policies: dict[str, PolicyStages] = {}
+        for pol in recipe.policy:
+            ps = PolicyStages(pol.name)
+            for i, spec in enumerate(pol.data):
+                cls = loader(spec.name)
+                config_cls = getattr(cls, "Config", None)
+                try:
+                    config = config_cls.model_validate(spec.options) if config_cls is not None else None
+                except Exception as exc:
+                    raise RecipeError(
+                        f"policy {pol.name!r} data stage {i} ({spec.name}): invalid options: {exc}",
+                        hint="`astraflow recipe check` validates every stage's options",
+                    ) from None
+                stage = cls(config, policy=pol.name, seed=recipe.run.seed)
+                ps.stages.append(stage)
+                if isinstance(stage, Curator):
+                    ps.curators.append(stage)
+                elif isinstance(stage, GroupFilter):
+                    ps.filters.append(stage)
+                elif isinstance(stage, BufferOrder):
+                    if ps.order is None:
+                        ps.order = stage
+                elif isinstance(stage, BatchComposer):
+                    ps.composers.append(stage)
+                elif isinstance(stage, AdmissionStage):
+                    stage.bind(pol.max_staleness)
+                    ps.admissions.append(stage)
+            if ps.order is None:
+                ps.order = default_order(pol.order)
+            self.policies[pol.name] = ps
+        self.load()
+
+    # ----- persistence --------------------------------------------------------------------------
+
+    def load(self) -> None:
+        """Restore every stage's state and the counters from the store."""
+        if self.store is None:
+            return
+        for name, ps in self.policies.items():
+            saved = self.store.load_stage_state(name)
+            for i, stage in enumerate(ps.stages):
+                if i in saved and saved[i][0] == type(stage).__name__:
+                    stage.load_state_dict(saved[i][1])
+            if COUNTERS_STAGE in saved:
+                ps.counters.update({k: float(v) for k, v in saved[COUNTERS_STAGE][1].items()})
+
+    def save(self, policy: str | None = None) -> None:
+        """Write every stage's state_dict (of one policy, or all) and the counters to the store."""
+        if self.store is None:
+            return
+        names = list(self.policies) if policy is None else [policy]
+        with self.store.write():
+            for name in names:
+                ps = self.policies[name]
+                for i, stage in enumerate(ps.stages):
+                    self.store.save_stage_state(name, i, type(stage).__name__, stage.state_dict())
+                self.store.save_stage_state(name, COUNTERS_STAGE, "pipeline", dict(ps.counters))
+
+    # ----- before rollout -----------------------------------------------------------------------
+
+    def admit(self, policies: list[str], outstanding_groups: dict[str, int], queued_now: int = 0) -> bool:
+        """Ask the admission stages of the task's policies whether one more group may be queued."""
+        ok = True
+        for pol in policies:
+            ps = self.policies.get(pol)
+            if ps is None:
+                continue
+            batch = self.recipe.get_policy(pol).batch_prompts
+            for st in ps.admissions:
+                ok = st.admit(outstanding_groups.get(pol, 0) + queued_now, batch) and ok
+        return ok
+
+    def submit(self, key: str, sample: dict[str, Any], policies: list[str]) -> bool:
+        """Ask every curator of the task's policies; the prompt is submitted only if all agree."""
+        ok = True
+        for pol in policies:
+            ps = self.policies.get(pol)
+            if ps is None:
+                continue
+            # Every curator sees every offered prompt, so their bookkeeping does not depend on order.
+            for cur in ps.curators:
+                ok = cur.submit(key, sample) and ok
+        for pol in policies:
+            if pol in self.policies:
+                self.policies[pol].counters["prompts_submitted" if ok else "prompts_skipped"] += 1
+        return ok
+
+    def on_version(self, policy: str, version: int) -> None:
+        """Tell the policy's curators about a new version, then save its stages."""
+        ps = self.policies.get(policy)
+        if ps is None:
+            return
+        for cur in ps.curators:
+            cur.on_version(version)
+        self.save(policy)
+
+    # ----- after rollout ------------------------------------------------------------------------
+
+    def ingest(
+        self, buffer: Buffer, task_id: int, prompt_key: str, episodes: list[Episode]
+    ) -> list[GroupOutcome]:
+        """Store a finished task's sequences: group advantages, curator feedback, filters, buffer entry."""
+        by_policy: dict[str, list[tuple[Sequence, dict[str, Any]]]] = {}
+        for ep in episodes:
+            for seq in ep.sequences:
+                if seq.policy not in self.policies:
+                    log.warning("task %d: sequence of unknown policy %r ignored", task_id, seq.policy)
+                    continue
+                by_policy.setdefault(seq.policy, []).append((seq, ep.info))
+        out: list[GroupOutcome] = []
+        for pol, items in by_policy.items():
+            ps = self.policies[pol]
+            seqs = [s for s, _ in items]
+            rewards = [float(s.reward) for s in seqs]
+            advantages = group_advantages(rewards, self.recipe.get_policy(pol).advantage)
+            max_new = self.recipe.get_policy(pol).sampling.max_new_tokens
+            lengths = [int(sum(1 for m in s.loss_mask if m)) for s in seqs]
+            view = GroupView(
+                task_id=task_id,
+                prompt_key=prompt_key,
+                policy=pol,
+                rewards=rewards,
+                advantages=advantages,
+                lengths=lengths,
+                truncated=[n >= max_new for n in lengths],
+                info=[dict(info) for _, info in items],
+            )
+            for cur in ps.curators:
+                cur.observe(prompt_key, rewards)
+            kept = all(f.keep(view) for f in ps.filters)
+            ps.counters["groups_kept" if kept else "groups_dropped"] += 1
+            ids = buffer.insert(
+                task_id, prompt_key, seqs, advantages, status="buffered" if kept else "dropped"
+            )
+            out.append(GroupOutcome(pol, ids, rewards, kept))
+        return out
+
+    # ----- buffer and batching ------------------------------------------------------------------
+
+    def order(self, policy: str) -> BufferOrder:
+        """The policy's buffer order (its order stage, else the recipe's policy.order)."""
+        order = self.policies[policy].order
+        assert order is not None
+        return order
+
+    def replay_count(self, policy: str, batch_size: int) -> int:
+        """Sequences of a batch to replay: the composers' requests, summed and capped at the batch size."""
+        n = sum(int(c.replay_count(batch_size)) for c in self.policies[policy].composers)
+        return max(0, min(n, batch_size))
+
+    def metrics(self, policy: str) -> dict[str, float]:
+        """The pipeline's counters and every stage's metrics, as `data/<stage>/<name>` keys."""
+        ps = self.policies[policy]
+        out: dict[str, float] = {f"data/{k}": float(v) for k, v in ps.counters.items()}
+        for i, stage in enumerate(ps.stages):
+            label = self.recipe.get_policy(policy).data[i].name
+            for k, v in stage.metrics().items():
+                out[f"data/{label}/{k}"] = float(v)
+        return out

@@ -1,0 +1,256 @@
+"""The transport thread of a MemberClient: pending requests, outbox, heartbeats and the join handshake."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import queue
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import zmq
+
+from astraflow import log
+from astraflow.errors import ConnectError
+from astraflow.protocol.codec import DecodeError, decode, encode
+from astraflow.protocol.messages import (
+    Error,
+    Heartbeat,
+    HeartbeatAck,
+    Hello,
+    Msg,
+    TaskGrant,
+    VersionInfo,
+    Welcome,
+)
+
+if TYPE_CHECKING:
+    from astraflow.transport.client import MemberClient
+
+_log = log.get("transport.client")
+
+
+@dataclass
+class Pending:
+    """A request sent (or waiting to be sent) and the future its reply resolves."""
+
+    msg: Msg
+    future: concurrent.futures.Future[Msg]
+    deadline: float
+    timeout_s: float
+
+
+class MemberLoop:
+    """State of the transport thread: pending requests, the outbox and the join handshake."""
+
+    def __init__(self, client: MemberClient, sock: zmq.Socket) -> None:
+        self.c = client
+        self.sock = sock
+        self.pending: dict[int, Pending] = {}
+        self.outbox: deque[Msg] = deque()
+        self.backlog: deque[Pending] = deque()
+        """Requests held while not joined (before Welcome, or after unknown_member)."""
+        self.joined = False
+        self.hello_rid = 0
+        self.hello_sent = 0.0
+        self.next_beat = 0.0
+        self.hung_logged = False
+
+    def run(self) -> None:
+        """Serve the socket until the client closes, then fail whatever is still pending."""
+        c = self.c
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(c._wake_r, zmq.POLLIN)
+        while not c._stopping.is_set():
+            now = time.monotonic()
+            wait = max(0.0, min(self.next_beat - now, 0.02 if self.outbox else 1.0))
+            for target, _ in poller.poll(wait * 1000):
+                if target == c._wake_r:
+                    os.read(c._wake_r, 4096)
+                else:
+                    self._drain_socket()
+            self._take_requests()
+            self._heartbeat_or_hello()
+            self._flush()
+            self._expire()
+        for p in list(self.pending.values()) + list(self.backlog):
+            _fail(p.future, ConnectError("member client closed before the reply came", hint=""))
+        while True:
+            try:
+                item = c._inbox.get_nowait()
+            except queue.Empty:
+                break
+            _fail(item.future, ConnectError("member client closed", hint=""))
+
+    # ----- outgoing ---------------------------------------------------------------------------
+
+    def _take_requests(self) -> None:
+        c = self.c
+        with c._lock:
+            hello_future, c._hello_future = c._hello_future, None
+        if hello_future is not None:
+            hello = c.hello
+            self.pending.pop(self.hello_rid, None)  # a previous connect() that gave up
+            hello.rid = self.hello_rid = next(c._rids)
+            self.pending[hello.rid] = Pending(hello, hello_future, float("inf"), 0.0)
+            self._send_hello()
+        while True:
+            try:
+                item = c._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if self.joined:
+                self.pending[item.msg.rid] = item
+                self.outbox.append(item.msg)
+            else:
+                self.backlog.append(item)
+
+    def _send_hello(self) -> None:
+        hello = self.c.hello
+        if not self.hello_rid:
+            hello.rid = self.hello_rid = next(self.c._rids)
+        self.hello_sent = time.monotonic()
+        # a re-sent Hello must be the only Hello in the outbox
+        self.outbox = deque(m for m in self.outbox if not isinstance(m, Hello))
+        self.outbox.appendleft(hello)
+
+    def _heartbeat_or_hello(self) -> None:
+        c = self.c
+        now = time.monotonic()
+        if now < self.next_beat:
+            return
+        self.next_beat = now + c.heartbeat_interval_s
+        if c.hung:
+            if not self.hung_logged:
+                _log.warning("owner loop silent for %.0fs: heartbeats stopped", c.hang_timeout_s)
+                self.hung_logged = True
+            return
+        self.hung_logged = False
+        if not self.joined:
+            # Hello lost on a dropped connection, or the controller came back: ask again
+            if self.hello_rid and now - self.hello_sent > max(1.0, 2 * c.heartbeat_interval_s):
+                self._send_hello()
+            return
+        loaded, busy, free = c._load
+        beat = Heartbeat(rid=next(c._rids), loaded=loaded, busy=busy, free=free)
+        # a heartbeat that cannot go out now is worthless later: replace any queued one
+        self.outbox = deque(m for m in self.outbox if not isinstance(m, Heartbeat))
+        self.outbox.append(beat)
+
+    def _flush(self) -> None:
+        while self.outbox:
+            msg = self.outbox[0]
+            try:
+                self.sock.send(encode(msg), zmq.NOBLOCK)
+            except zmq.Again:
+                return  # no live connection yet: retry on the next loop turn
+            self.outbox.popleft()
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        expired = [rid for rid, p in self.pending.items() if p.deadline <= now]
+        for rid in expired:
+            p = self.pending.pop(rid)
+            _fail(p.future, self.c._timeout_error(p.msg, p.timeout_s))
+        if expired:
+            live = {id(p.msg) for p in self.pending.values()}
+            self.outbox = deque(m for m in self.outbox if not _is_request(m) or id(m) in live)
+        kept: deque[Pending] = deque()
+        for p in self.backlog:
+            if p.deadline <= now:
+                _fail(p.future, self.c._timeout_error(p.msg, p.timeout_s))
+            else:
+                kept.append(p)
+        self.backlog = kept
+
+    # ----- incoming ---------------------------------------------------------------------------
+
+    def _drain_socket(self) -> None:
+        while True:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 1:
+                _log.warning("ignored a reply of %d frames", len(frames))
+                continue
+            try:
+                msg = decode(frames[0])
+            except DecodeError as exc:
+                _log.warning("ignored an undecodable reply: %s", exc)
+                continue
+            self.c.last_heard = time.monotonic()
+            self._handle(msg)
+
+    def _handle(self, msg: Msg) -> None:
+        c = self.c
+        if isinstance(msg, Error) and msg.code == "unknown_member":
+            self._rejoin(msg.rid)
+            return
+        if isinstance(msg, Welcome):
+            c.welcome = msg
+            if msg.heartbeat_interval_s > 0:
+                c.heartbeat_interval_s = msg.heartbeat_interval_s
+            self._merge_versions(msg.versions)
+            if msg.rid == self.hello_rid:
+                self.joined = True
+                self.hello_rid = 0
+                self.next_beat = time.monotonic() + c.heartbeat_interval_s
+                for p in self.backlog:
+                    self.pending[p.msg.rid] = p
+                    self.outbox.append(p.msg)
+                self.backlog.clear()
+        elif isinstance(msg, HeartbeatAck):
+            self._merge_versions(msg.versions)
+            c.stop_requested = c.stop_requested or msg.stop
+            return
+        elif isinstance(msg, TaskGrant):
+            self._merge_versions(msg.versions)
+            c.stop_requested = c.stop_requested or msg.stop
+        p = self.pending.pop(msg.rid, None)
+        if p is not None and not p.future.done():
+            p.future.set_result(msg)
+        elif p is None and not isinstance(msg, Welcome):
+            _log.debug("late or unsolicited %s rid=%d", type(msg).__name__, msg.rid)
+
+    def _rejoin(self, rid: int) -> None:
+        """The controller forgot us (it restarted): Hello again and replay the rejected request."""
+        p = self.pending.pop(rid, None)
+        if p is not None and isinstance(p.msg, Hello):
+            self.pending[rid] = p
+            p = None
+        if p is not None:
+            self.backlog.appendleft(p)
+        if self.joined:
+            _log.info("controller at %s does not know us: joining again", self.c.controller)
+            self.joined = False
+            # requests already in flight will come back as unknown_member and join the backlog
+        if not self.hello_rid or time.monotonic() - self.hello_sent > self.c.heartbeat_interval_s:
+            self._send_hello()
+
+    def _merge_versions(self, infos: list[VersionInfo]) -> None:
+        c = self.c
+        current = c.versions
+        newer = {
+            v.policy: v for v in infos if v.policy not in current or v.version > current[v.policy].version
+        }
+        if not newer:
+            return
+        c.versions = {**current, **newer}
+        if c.on_versions is not None:
+            try:
+                c.on_versions(c.versions)
+            except Exception:
+                _log.exception("on_versions callback failed")
+
+
+def _is_request(msg: Msg) -> bool:
+    return not isinstance(msg, Hello | Heartbeat)
+
+
+def _fail(fut: concurrent.futures.Future[Msg], exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)

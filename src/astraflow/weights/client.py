@@ -1,0 +1,196 @@
+"""Pull one weight version from a weight server: manifest, then chunks with a few in flight, verified."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+import time
+
+import zmq
+
+from astraflow.errors import AstraflowError, ConnectError, ProtocolError, WeightIntegrityError
+from astraflow.protocol.codec import DecodeError, decode, encode
+from astraflow.protocol.messages import Error, Msg, WeightChunk, WeightManifest, WeightRequest
+from astraflow.weights.manifest import check_manifest, chunk_span
+
+DEFAULT_WINDOW = 4
+"""Chunk requests kept in flight: enough to hide a round trip, few enough not to flood the server."""
+
+
+class VersionUnavailableError(AstraflowError):
+    """The weight server no longer (or never) held the requested version; pull a newer one."""
+
+
+def fetch_manifest(
+    addr: str, policy: str, version: int, *, kind: str = "full", timeout_s: float = 10.0
+) -> WeightManifest:
+    """Ask a weight server for a version's manifest only."""
+    with _Puller(addr, timeout_s, max_chunk_bytes=1 << 30) as puller:
+        return puller.manifest(policy, version, kind)
+
+
+def fetch_weights(
+    addr: str,
+    policy: str,
+    version: int,
+    *,
+    timeout_s: float = 60,
+    kind: str = "full",
+    expect_sha256: str = "",
+    window: int = DEFAULT_WINDOW,
+    max_chunk_bytes: int = 64 << 20,
+) -> bytes:
+    """Download and verify a version's blob; WeightIntegrityError on any checksum mismatch.
+
+    Raises ConnectError when the server does not answer within timeout_s (for the whole pull) and
+    VersionUnavailableError when it does not hold the version.
+    """
+    with _Puller(addr, timeout_s, max_chunk_bytes) as puller:
+        manifest = puller.manifest(policy, version, kind)
+        if expect_sha256 and manifest.sha256 != expect_sha256:
+            raise WeightIntegrityError(
+                f"{policy}@{version} from {addr} has sha256 {manifest.sha256[:12]}…, expected {expect_sha256[:12]}…",
+                hint="the server holds different bytes for this version; pull from the trainer instead",
+            )
+        problem = check_manifest(manifest, max_chunk_bytes)
+        if problem:
+            raise ProtocolError(f"bad manifest for {policy}@{version} from {addr}: {problem}", hint="")
+        chunks = puller.chunks(manifest, kind, max(1, window))
+    blob = b"".join(chunks)
+    if hashlib.sha256(blob).hexdigest() != manifest.sha256:
+        raise WeightIntegrityError(
+            f"{policy}@{version} from {addr}: whole-blob sha256 mismatch", hint="retry the pull"
+        )
+    return blob
+
+
+class _Puller:
+    """One DEALER to one weight server, with a deadline shared by every request of a pull."""
+
+    def __init__(self, addr: str, timeout_s: float, max_chunk_bytes: int) -> None:
+        self.addr = addr
+        self.timeout_s = timeout_s
+        self.deadline = time.monotonic() + timeout_s
+        # a lost request (server restarted, peer dropped) is asked again after this long
+        self.retry_s = max(0.5, min(5.0, timeout_s / 6))
+        self.rids = itertools.count(1)
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, max_chunk_bytes + (64 << 10))
+        self.sock.setsockopt(zmq.ROUTING_ID, b"w-" + os.urandom(8).hex().encode())
+        self.sock.connect(addr)
+
+    def __enter__(self) -> _Puller:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.sock.close(0)
+        self.ctx.term()
+
+    def _send(self, req: WeightRequest) -> None:
+        self.sock.send(encode(req))
+
+    def _recv(self, wait_s: float) -> Msg | None:
+        if not self.sock.poll(max(0, int(wait_s * 1000))):
+            return None
+        frames = self.sock.recv_multipart()
+        if len(frames) != 1:
+            raise ProtocolError(f"weight server {self.addr} sent {len(frames)} frames", hint="")
+        try:
+            return decode(frames[0])
+        except DecodeError as exc:
+            raise ProtocolError(
+                f"weight server {self.addr} sent an undecodable reply: {exc}", hint=""
+            ) from None
+
+    def _timeout(self, what: str) -> ConnectError:
+        return ConnectError(
+            f"weight server at {self.addr} did not send {what} within {self.timeout_s:g}s",
+            hint="is the trainer (or relaying RaaS) still running, and is its port reachable from here?",
+        )
+
+    def _check_error(self, msg: Msg, policy: str, version: int) -> None:
+        if isinstance(msg, Error):
+            if msg.code == "unknown_version":
+                raise VersionUnavailableError(
+                    f"weight server at {self.addr} does not hold {policy}@{version}: {msg.message}",
+                    hint="a newer version was published; pull that one",
+                )
+            raise ProtocolError(f"weight server at {self.addr} answered {msg.code}: {msg.message}", hint="")
+
+    def manifest(self, policy: str, version: int, kind: str) -> WeightManifest:
+        req = WeightRequest(rid=next(self.rids), policy=policy, version=version, kind=kind)
+        self._send(req)
+        resend_at = time.monotonic() + self.retry_s
+        while True:
+            now = time.monotonic()
+            if now >= self.deadline:
+                raise self._timeout(f"the manifest of {policy}@{version}")
+            if now >= resend_at:
+                self._send(req)
+                resend_at = now + self.retry_s
+            msg = self._recv(min(self.deadline, resend_at) - now)
+            if msg is None or msg.rid != req.rid:
+                continue
+            self._check_error(msg, policy, version)
+            if not isinstance(msg, WeightManifest) or (msg.policy, msg.version) != (policy, version):
+                raise ProtocolError(
+                    f"weight server at {self.addr} answered a manifest request with {msg!r:.120}", hint=""
+                )
+            return msg
+
+    def chunks(self, manifest: WeightManifest, kind: str, window: int) -> list[bytes]:
+        n = len(manifest.chunk_sha256)
+        got: list[bytes | None] = [None] * n
+        inflight: dict[int, tuple[int, float]] = {}  # rid -> (chunk index, resend time)
+        todo = iter(range(n))
+        remaining = n
+
+        def ask(index: int) -> None:
+            req = WeightRequest(
+                rid=next(self.rids), policy=manifest.policy, version=manifest.version, chunk=index, kind=kind
+            )
+            inflight[req.rid] = (index, time.monotonic() + self.retry_s)
+            self._send(req)
+
+        for index in itertools.islice(todo, window):
+            ask(index)
+        while remaining:
+            now = time.monotonic()
+            if now >= self.deadline:
+                raise self._timeout(f"all {n} chunks of {manifest.policy}@{manifest.version}")
+            for rid, (index, resend_at) in list(inflight.items()):
+                if now >= resend_at:
+                    del inflight[rid]
+                    ask(index)
+            next_resend = min((t for _, t in inflight.values()), default=self.deadline)
+            msg = self._recv(min(self.deadline, next_resend) - now)
+            if msg is None:
+                continue
+            entry = inflight.pop(msg.rid, None)
+            if entry is None:
+                continue  # a late answer to a request we already re-sent
+            self._check_error(msg, manifest.policy, manifest.version)
+            index = entry[0]
+            if not isinstance(msg, WeightChunk) or msg.index != index:
+                raise ProtocolError(
+                    f"weight server at {self.addr} answered chunk {index} with {type(msg).__name__}", hint=""
+                )
+            start, end = chunk_span(manifest, index)
+            if (
+                len(msg.data) != end - start
+                or hashlib.sha256(msg.data).hexdigest() != manifest.chunk_sha256[index]
+            ):
+                raise WeightIntegrityError(
+                    f"chunk {index} of {manifest.policy}@{manifest.version} from {self.addr} fails its sha256",
+                    hint="the server or the network corrupted it; retry, or pull from another peer",
+                )
+            if got[index] is None:
+                got[index] = msg.data
+                remaining -= 1
+            nxt = next(todo, None)
+            if nxt is not None:
+                ask(nxt)
+        return [c for c in got if c is not None]

@@ -1,0 +1,77 @@
+"""User errors end in one clear message with a hint, a non-zero exit, and no traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_cli(*args: str, cwd: Path | None = None, timeout: float = 90) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "astraflow", *args], capture_output=True, text=True, timeout=timeout, cwd=cwd or ROOT
+    )
+
+
+def assert_clean_error(out: subprocess.CompletedProcess[str], *needles: str) -> None:
+    assert out.returncode != 0
+    assert "Traceback" not in out.stderr and "Traceback" not in out.stdout
+    assert out.stderr.startswith("error: "), out.stderr
+    assert "hint:" in out.stderr
+    for n in needles:
+        assert n in out.stderr, out.stderr
+
+
+def test_missing_recipe_file() -> None:
+    assert_clean_error(run_cli("recipe", "check", "no/such/recipe.toml"), "recipe not found")
+
+
+def test_bad_recipe_field(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[run]\nsteps = "many"\n\n[[policy]]\nmodel = "m"\nbogus = 1\n')
+    out = run_cli("recipe", "check", str(bad))
+    assert_clean_error(out, "run.steps", "policy.0.bogus")
+
+
+def test_invalid_toml(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[run\nsteps = 3\n")
+    assert_clean_error(run_cli("recipe", "check", str(bad)), "not valid TOML")
+
+
+def test_missing_plugin(tmp_path: Path) -> None:
+    bad = tmp_path / "r.toml"
+    bad.write_text('[[policy]]\nmodel = "m"\nengine = "warp-drive"\n')
+    assert_clean_error(run_cli("recipe", "check", str(bad)), "warp-drive", "torch")
+
+
+def test_missing_model_directory(tmp_path: Path) -> None:
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('[[policy]]\nmodel = "models/definitely-not-here"\n')
+    out = run_cli("up", str(recipe), "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
+    assert_clean_error(out, "definitely-not-here", "astraflow model init")
+
+
+def test_unreachable_controller() -> None:
+    out = run_cli("join", "--role", "raas", "--controller", "tcp://127.0.0.1:9", "--connect-timeout", "1.5")
+    assert_clean_error(out, "tcp://127.0.0.1:9")
+
+
+def test_unknown_role() -> None:
+    assert_clean_error(run_cli("join", "--role", "pilot", "--controller", "tcp://127.0.0.1:9"), "pilot")
+
+
+def test_status_of_missing_run_dir(tmp_path: Path) -> None:
+    assert_clean_error(run_cli("status", "--run-dir", str(tmp_path)), "state.db")
+
+
+def test_plugins_json_lists_builtins() -> None:
+    import json
+
+    out = run_cli("plugins", "--json")
+    assert out.returncode == 0
+    doc = json.loads(out.stdout)
+    assert "torch" in [p["name"] for p in doc["astraflow.engines"]]
+    assert "quickstart" in [p["name"] for p in doc["astraflow.workflows"]]

@@ -1,0 +1,89 @@
+"""Admission: production capped at (S+1) batches; leases gated on the worker's loaded version."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from astraflow.dataflow.admission import Admission, PolicyLimits
+from astraflow.dataflow.buffer import Buffer
+from astraflow.dataflow.ledger import Ledger
+from astraflow.protocol.messages import Sequence
+from astraflow.state.store import Store
+
+ROLES = {"actor": "main"}
+G = 2  # group size
+B = 2 * G  # two prompts per batch
+
+
+def _setup(tmp_path: Path, staleness: int) -> tuple[Store, Ledger, Buffer, Admission]:
+    store = Store.open(tmp_path / "s.db")
+    store.ensure_policy("main", staleness)
+    return store, Ledger(store), Buffer(store), Admission(store, {"main": PolicyLimits(B, staleness)})
+
+
+def _finish(led: Ledger, buf: Buffer, member: str, version: int) -> None:
+    for t in led.lease(member, 100):
+        assert led.complete(t.id, t.epoch, member) == "accepted"
+        seqs = [
+            Sequence(
+                policy="main", tokens=[1, 2], loss_mask=[0, 1], logprobs=[0.0, -1.0], versions=[-1, version]
+            )
+            for _ in range(G)
+        ]
+        buf.insert(t.id, t.prompt_key, seqs, [0.0] * G)
+
+
+def _fill(led: Ledger, adm: Admission) -> int:
+    n = adm.tasks_to_admit(ROLES, G)
+    for i in range(n):
+        led.enqueue(f"k{i}", {}, ROLES, G)
+    return n
+
+
+def test_s0_production_is_synchronous(tmp_path: Path) -> None:
+    store, led, buf, adm = _setup(tmp_path, 0)
+    for step in range(1, 4):
+        version = step - 1
+        assert _fill(led, adm) == B // G  # exactly one batch of work
+        assert _fill(led, adm) == 0  # nothing more while it is outstanding
+        assert adm.may_lease({"main": version}, ["main"])
+        assert not adm.may_lease({"main": version - 1}, ["main"]) or version == 0
+        _finish(led, buf, "w", version)
+        assert adm.outstanding() == {"main": B}
+        assert _fill(led, adm) == 0  # buffered but not yet trained: still no new work
+        batch = buf.next_batch("main", step, B, 0, version)
+        assert batch is not None and batch.expired == 0 and batch.staleness == [0] * B
+        # the batch was taken: new work is admitted, but a worker still on the old weights gets none
+        assert _fill(led, adm) == B // G
+        assert not adm.may_lease({"main": version}, ["main"])
+        store.record_version("main", step, step, "tcp://t")
+        assert adm.may_lease({"main": step}, ["main"])
+        led.release_member("w")
+        # drop the pre-admitted tasks so each round starts from the same place
+        store.conn.execute("UPDATE tasks SET status = 'failed' WHERE status = 'queued'")
+    assert buf.counts("main")["expired"] == 0
+
+
+def test_cap_is_s_plus_one_batches_and_counts_inflight(tmp_path: Path) -> None:
+    store, led, buf, adm = _setup(tmp_path, 2)
+    assert adm.cap("main") == 3 * B
+    assert _fill(led, adm) == 3 * B // G
+    led.lease("w", 2)
+    assert adm.outstanding() == {"main": 3 * B}  # leased tasks count as their expected sequences
+    assert adm.outstanding_groups() == {"main": 3 * B // G}
+    assert _fill(led, adm) == 0
+    assert adm.may_lease({"main": 0}, ["main"])
+    store.record_version("main", 3, 3, "")
+    assert adm.may_lease({"main": 1}, ["main"]) and not adm.may_lease({}, ["main"])
+
+
+def test_multi_policy_task_needs_room_in_every_policy(tmp_path: Path) -> None:
+    store = Store.open(tmp_path / "s.db")
+    adm = Admission(store, {"a": PolicyLimits(4, 0), "b": PolicyLimits(8, 0)})
+    led = Ledger(store)
+    roles = {"solver": "a", "verifier": "b"}
+    assert Admission.sequences_per_task(roles, 2) == {"a": 2, "b": 2}
+    assert adm.tasks_to_admit(roles, 2) == 2  # a's cap (4 sequences) binds
+    for _ in range(2):
+        led.enqueue("k", {}, roles, 2)
+    assert adm.tasks_to_admit(roles, 2) == 0

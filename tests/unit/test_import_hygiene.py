@@ -1,0 +1,57 @@
+"""`astraflow --help` and the light modules import nothing heavy; core code never imports the TUI."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+HEAVY = ("torch", "transformers", "textual", "vllm", "sglang")
+LIGHT_MODULES = (
+    "astraflow.cli.main",
+    "astraflow.config.load",
+    "astraflow.protocol.codec",
+    "astraflow.roles.controller",
+    "astraflow.dataflow.advantages",
+    "astraflow.losses.grpo",
+    "astraflow.data.order",
+    "astraflow.workflows.quickstart",
+    "astraflow.launcher",
+)
+
+
+def _imported_after(code: str) -> set[str]:
+    out = subprocess.run(
+        [sys.executable, "-c", f"import sys; {code}; print(' '.join(sys.modules))"],
+        capture_output=True, text=True, check=True, timeout=60,
+    )
+    return set(out.stdout.split())
+
+
+def test_help_imports_nothing_heavy() -> None:
+    mods = _imported_after("from astraflow.cli.main import app")
+    assert not [m for m in HEAVY if m in mods]
+
+
+def test_light_modules_import_nothing_heavy() -> None:
+    code = "; ".join(f"import {m}" for m in LIGHT_MODULES)
+    mods = _imported_after(code)
+    assert not [m for m in HEAVY if m in mods], [m for m in HEAVY if m in mods]
+
+
+def test_help_runs() -> None:
+    out = subprocess.run([sys.executable, "-m", "astraflow", "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "join" in out.stdout
+
+
+def test_core_never_imports_tui() -> None:
+    src = Path(__file__).resolve().parents[2] / "src" / "astraflow"
+    offenders = []
+    for path in src.rglob("*.py"):
+        rel = path.relative_to(src)
+        if rel.parts[0] in ("tui",) or rel.as_posix() in ("cli/dash.py",):
+            continue
+        text = path.read_text()
+        if "astraflow.tui" in text or "import textual" in text or "from textual" in text:
+            offenders.append(rel.as_posix())
+    assert offenders == []

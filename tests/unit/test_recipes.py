@@ -1,0 +1,73 @@
+"""Every recipe in the repository validates, with its plugins, and overrides behave."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from astraflow.config.load import apply_override, load_recipe, parse_value, validate_plugins, validate_recipe
+from astraflow.errors import PluginError, RecipeError
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPES = sorted((ROOT / "recipes").rglob("*.toml"))
+
+
+def test_there_are_recipes() -> None:
+    assert any(p.parent.name == "quickstart" for p in RECIPES)
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: str(p.relative_to(ROOT / "recipes")))
+def test_recipe_validates(path: Path) -> None:
+    recipe = load_recipe(path)
+    validate_plugins(recipe)
+    assert recipe.run.steps >= 1 and recipe.policy
+
+
+def test_set_overrides_reach_nested_and_every_policy() -> None:
+    r = load_recipe(ROOT / "recipes/quickstart/recipe.toml", ["run.steps=7", "policy.optimizer.lr=0.5", "policy.0.group_size=3"])
+    assert r.run.steps == 7
+    assert r.policy[0].optimizer.lr == 0.5
+    assert r.policy[0].group_size == 3
+
+
+def test_parse_value_types() -> None:
+    assert parse_value("3") == 3 and parse_value("0.5") == 0.5 and parse_value("true") is True
+    assert parse_value("[1, 2]") == [1, 2] and parse_value("abc") == "abc" and parse_value('"x y"') == "x y"
+
+
+def test_apply_override_on_list_by_index() -> None:
+    data = {"policy": [{"name": "a"}, {"name": "b"}]}
+    apply_override(data, "policy.1.name", "c")
+    assert data["policy"][1]["name"] == "c" and data["policy"][0]["name"] == "a"
+
+
+def test_unknown_field_is_a_clear_error() -> None:
+    with pytest.raises(RecipeError) as exc:
+        validate_recipe({"policy": [{"model": "m", "learning_rate": 1}]})
+    assert "policy.0.learning_rate" in str(exc.value)
+
+
+def test_duplicate_policy_names_rejected() -> None:
+    with pytest.raises(RecipeError, match="unique"):
+        validate_recipe({"policy": [{"name": "a", "model": "m"}, {"name": "a", "model": "m"}]})
+
+
+def test_several_policies_allowed_by_schema() -> None:
+    r = validate_recipe(
+        {"policy": [{"name": "solver", "model": "m"}, {"name": "verifier", "model": "m"}], "workflow": {"roles": {"actor": "solver"}}}
+    )
+    assert [p.name for p in r.policy] == ["solver", "verifier"]
+
+
+def test_missing_plugin_lists_installed() -> None:
+    r = validate_recipe({"policy": [{"model": "m", "loss": "nope"}]})
+    with pytest.raises(PluginError) as exc:
+        validate_plugins(r)
+    assert "grpo" in exc.value.hint
+
+
+def test_bad_plugin_options_rejected() -> None:
+    r = validate_recipe({"policy": [{"model": "m", "loss_options": {"clip_lo": 0.1}}]})
+    with pytest.raises(RecipeError, match="clip_lo"):
+        validate_plugins(r)

@@ -1,0 +1,61 @@
+"""The status document: stable top-level keys and values read from the store."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from astraflow.dataflow.buffer import Buffer
+from astraflow.dataflow.ledger import Ledger
+from astraflow.protocol.messages import Sequence
+from astraflow.state.status import build_status
+from astraflow.state.store import Store
+
+
+def test_status_schema_and_values(tmp_path: Path) -> None:
+    store = Store.open(tmp_path / "state.db")
+    store.init_run("demo", {"run": {"steps": 7}})
+    store.ensure_policy("main", 2)
+    store.record_version("main", 3, 3, "tcp://w")
+    store.add_metrics("main", 3, {"reward_mean": 0.5, "staleness_max": 1.0})
+    store.upsert_member("raas-0", "raas", policies=["main"], region="eu", hardware="cpu:2", slots=4)
+    store.touch_member("raas-0", 1.0, {"main": 3})
+    led = Ledger(store)
+    led.enqueue("a", {}, {"actor": "main"}, 1)
+    led.enqueue("b", {}, {"actor": "main"}, 1)
+    led.lease("raas-0", 1)
+    Buffer(store).insert(
+        1, "a", [Sequence(policy="main", tokens=[1], loss_mask=[1], logprobs=[0.0], versions=[3])], [0.0]
+    )
+    store.close()
+    ro = Store.open_readonly(tmp_path / "state.db")
+    doc = build_status(ro)
+    json.dumps(doc)  # plain JSON
+    assert set(doc) == {"schema", "run", "policies", "members", "tasks", "buffers"}
+    assert doc["run"] == {"name": "demo", "steps": 7}
+    (p,) = doc["policies"]
+    assert {k: p[k] for k in ("name", "version", "step", "reward_mean", "max_staleness")} == {
+        "name": "main",
+        "version": 3,
+        "step": 3,
+        "reward_mean": 0.5,
+        "max_staleness": 2,
+    }
+    (m,) = doc["members"]
+    assert {k: m[k] for k in ("id", "role", "status", "policies", "region", "hardware", "loaded")} == {
+        "id": "raas-0",
+        "role": "raas",
+        "status": "alive",
+        "policies": ["main"],
+        "region": "eu",
+        "hardware": "cpu:2",
+        "loaded": {"main": 3},
+    }
+    assert doc["tasks"] == {"queued": 1, "leased": 1, "done": 0, "failed": 0}
+    assert doc["buffers"] == {"main": {"buffered": 1, "consumed": 0, "expired": 0, "dropped": 0}}
+
+
+def test_status_of_empty_store(tmp_path: Path) -> None:
+    doc = build_status(Store.open(tmp_path / "state.db"))
+    assert doc["policies"] == [] and doc["members"] == [] and doc["run"] == {"name": "", "steps": 0}
+    assert doc["tasks"] == {"queued": 0, "leased": 0, "done": 0, "failed": 0}
