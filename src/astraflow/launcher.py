@@ -237,7 +237,10 @@ def run_up(recipe: Any, run_dir: Path, *, offline: bool = False, max_raas_restar
                  "--member-id", f"trainer-{pol.name}", "--checkpoint-dir", str(run_dir / "checkpoints" / pol.name)],
             )
         for i in range(recipe.rollout.local_workers):
-            sup.start(f"raas-{i}", "raas", ["join", "--role", "raas", "--controller", addr, "--member-id", f"raas-{i}"])
+            sup.start(
+                f"raas-{i}", "raas",
+                ["join", "--role", "raas", "--controller", addr, "--member-id", f"raas-{i}", "--slots", str(recipe.rollout.slots)],
+            )
         return _watch(sup, recipe, run_dir, stop, t0, max_raas_restarts)
     except AstraflowError:
         raise

@@ -74,7 +74,10 @@ def test_cap_is_s_plus_one_batches_and_counts_inflight(tmp_path: Path) -> None:
     assert _fill(led, adm) == 0
     assert adm.may_lease({"main": 0}, ["main"])
     store.record_version("main", 3, 3, "")
-    assert adm.may_lease({"main": 1}, ["main"]) and not adm.may_lease({}, ["main"])
+    need = 3 + adm.ahead("main") // B - 2  # in-flight work ahead pushes the required version up
+    assert adm.ahead("main") == 2 * G
+    assert adm.may_lease({"main": need}, ["main"]) and not adm.may_lease({"main": need - 1}, ["main"])
+    assert not adm.may_lease({}, ["main"])
 
 
 def test_multi_policy_task_needs_room_in_every_policy(tmp_path: Path) -> None:

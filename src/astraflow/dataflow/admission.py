@@ -13,7 +13,8 @@ holds whenever
 The first condition is the production cap `outstanding < (S + 1) * B`: more queued work than
 S + 1 batches could only be trained on by weights more than S versions newer than today's, so it
 would expire. The second is the lease rule: a worker is leased tasks only while the version it
-has loaded is at least `target - S`, where target = max(published version, steps already taken)
+has loaded is at least `target + floor(ahead / B) - S`, where ahead = buffered + in-flight sequences
+(the queued tasks behind the one being leased do not count) and target = max(published version, steps already taken)
 (a step that took its batch but has not published yet still moves the goal post: its weights will
 be the ones the next batch trains on). With S = 0 this is synchronous RL: one batch of work is
 admitted, nothing more until the trainer took it, and nothing is leased again until the new
@@ -118,11 +119,27 @@ class Admission:
         )
         return max(published, taken)
 
+    def ahead(self, policy: str) -> int:
+        """Sequences that will be consumed before a task leased now: buffered + in flight."""
+        n = int(
+            self.store.scalar(
+                "SELECT COUNT(*) FROM trajectories WHERE status = 'buffered' AND policy = ?", (policy,)
+            )
+        )
+        for r in self.store.query(
+            "SELECT roles, group_size, COUNT(*) AS n FROM tasks WHERE status = 'leased' GROUP BY roles, group_size"
+        ):
+            n += self.sequences_per_task(json.loads(r["roles"]), int(r["group_size"])).get(policy, 0) * int(r["n"])
+        return n
+
     def may_lease(self, loaded: dict[str, int], policies: Iterable[str]) -> bool:
-        """True if the worker's loaded version of every policy is >= target - S (unknown loaded counts as 0)."""
+        """True if the worker's loaded version v of every policy satisfies v >= target + floor(ahead / B) - S
+        (unknown loaded counts as 0): the work it would produce is consumed within the bound."""
         for pol in policies:
             if pol not in self.limits:
                 continue
-            if loaded.get(pol, 0) < self.target_version(pol) - self.limits[pol].max_staleness:
+            lim = self.limits[pol]
+            need = self.target_version(pol) + self.ahead(pol) // lim.batch_size - lim.max_staleness
+            if loaded.get(pol, 0) < need:
                 return False
         return True

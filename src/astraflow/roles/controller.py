@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import signal
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +56,9 @@ class Controller:
         self.source = PromptSource(workflow_epochs(recipe), store)
         self.stop_requested = False
         self.finished_at: float | None = None
-        self.last_version_t: dict[str, float] = {p.name: time.time() for p in recipe.policy}
+        self.rate_hist: dict[str, deque[tuple[float, int]]] = {
+            p.name: deque([(time.time(), 0)], maxlen=6) for p in recipe.policy
+        }
         self.last_tick = 0.0
 
     # ----- start and stop -----------------------------------------------------------------------
@@ -342,8 +345,11 @@ class Controller:
                 stale.append(ref - int(r["min_version"]))
         counts = self.buffer.counts(msg.policy)
         tasks = self.ledger.counts()
-        elapsed = max(1e-6, now - self.last_version_t.get(msg.policy, now))
-        self.last_version_t[msg.policy] = now
+        generated = int(self.store.scalar("SELECT COUNT(*) FROM trajectories WHERE policy = ?", (msg.policy,)))
+        hist = self.rate_hist.setdefault(msg.policy, deque(maxlen=6))
+        hist.append((now, generated))
+        t0, g0 = hist[0]
+        rate = (generated - g0) / (now - t0) if now > t0 else 0.0
         row: dict[str, Any] = {k: float(v) for k, v in msg.metrics.items()}
         row.update(self.pipeline.metrics(msg.policy))
         row.update(
@@ -353,7 +359,8 @@ class Controller:
                 "version": msg.version,
                 "time": now,
                 "reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
-                "samples_per_s": len(fresh_ids) / elapsed,
+                "samples_per_s": rate,
+                "samples_generated": generated,
                 "staleness_mean": sum(stale) / len(stale) if stale else 0.0,
                 "staleness_max": float(max(stale)) if stale else 0.0,
                 "expired": counts["expired"],

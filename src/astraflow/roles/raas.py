@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 import traceback
 import zlib
 from dataclasses import dataclass
@@ -175,8 +176,8 @@ class RaaS:
         from astraflow.weights.snapshot import bytes_to_state_dict
 
         try:
-            blob = await asyncio.to_thread(fetch_weights, info.weights_addr, name, info.version)
-            sd = await asyncio.to_thread(bytes_to_state_dict, blob)
+            blob = await in_daemon_thread(fetch_weights, info.weights_addr, name, info.version)
+            sd = await in_daemon_thread(bytes_to_state_dict, blob)
             self.engines[name].load_weights(info.version, sd)
             _log.debug("scheduled %s version %d (%d bytes)", name, info.version, len(blob))
         except Exception as exc:
@@ -184,6 +185,29 @@ class RaaS:
             await asyncio.sleep(0.5)
         finally:
             self.pulling.discard(name)
+
+
+async def in_daemon_thread(fn: Any, *args: Any) -> Any:
+    """Run a blocking call in a daemon thread: a pull stuck on a vanished trainer never blocks exit."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[Any] = loop.create_future()
+
+    def settle(setter: Any, value: Any) -> None:
+        try:
+            loop.call_soon_threadsafe(lambda: fut.done() or setter(value))
+        except RuntimeError:
+            pass  # the loop is gone: the worker is exiting and nobody waits for this pull
+
+    def work() -> None:
+        try:
+            result = fn(*args)
+        except BaseException as exc:  # handed to the awaiting coroutine
+            settle(fut.set_exception, exc)
+        else:
+            settle(fut.set_result, result)
+
+    threading.Thread(target=work, daemon=True, name=f"pull-{getattr(fn, '__name__', 'call')}").start()
+    return await fut
 
 
 def run_raas(
