@@ -71,3 +71,21 @@ def test_bad_plugin_options_rejected() -> None:
     r = validate_recipe({"policy": [{"model": "m", "loss_options": {"clip_lo": 0.1}}]})
     with pytest.raises(RecipeError, match="clip_lo"):
         validate_plugins(r)
+
+
+def test_extends_merges_tables_and_policies(tmp_path: Path) -> None:
+    (tmp_path / "base.toml").write_text('[run]\nname = "b"\nsteps = 5\n\n[[policy]]\nmodel = "m"\ngroup_size = 4\n')
+    (tmp_path / "v.toml").write_text('extends = "base.toml"\n[run]\nsteps = 9\n\n[[policy]]\nbatch_prompts = 2\n')
+    r = load_recipe(tmp_path / "v.toml")
+    assert (r.run.name, r.run.steps) == ("b", 9)
+    assert (r.policy[0].model, r.policy[0].group_size, r.policy[0].batch_prompts) == ("m", 4, 2)
+
+
+def test_extends_cycle_and_missing_base_are_errors(tmp_path: Path) -> None:
+    (tmp_path / "a.toml").write_text('extends = "b.toml"\n')
+    (tmp_path / "b.toml").write_text('extends = "a.toml"\n')
+    with pytest.raises(RecipeError, match="cycle"):
+        load_recipe(tmp_path / "a.toml")
+    (tmp_path / "c.toml").write_text('extends = "nope.toml"\n')
+    with pytest.raises(RecipeError, match="does not exist"):
+        load_recipe(tmp_path / "c.toml")

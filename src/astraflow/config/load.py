@@ -53,16 +53,46 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     p = Path(path)
     if not p.is_file():
         raise RecipeError(f"recipe not found: {p}", hint="pass the path of a .toml recipe, e.g. recipes/quickstart/recipe.toml")
-    try:
-        data = json.loads(p.read_text()) if p.suffix == ".json" else tomllib.loads(p.read_text())
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
-        raise RecipeError(f"{p}: not valid {'JSON' if p.suffix == '.json' else 'TOML'}: {exc}", hint="check the line named above") from exc
+    data = read_recipe_data(p)
     for item in overrides or []:
         if "=" not in item:
             raise RecipeError(f"--set {item!r}: expected KEY=VALUE", hint="e.g. --set run.steps=20")
         key, _, raw = item.partition("=")
         apply_override(data, key.strip(), parse_value(raw.strip()))
     return validate_recipe(data, source=str(p))
+
+
+def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """Tables merge key by key; anything else (values, arrays, [[policy]] lists) is replaced.
+    A [[policy]] list of the same length merges element by element, so a variant can change one field."""
+    out = dict(base)
+    for k, v in over.items():
+        b = out.get(k)
+        if isinstance(b, dict) and isinstance(v, dict):
+            out[k] = deep_merge(b, v)
+        elif k == "policy" and isinstance(b, list) and isinstance(v, list) and len(b) == len(v):
+            out[k] = [deep_merge(x, y) if isinstance(x, dict) and isinstance(y, dict) else y for x, y in zip(b, v, strict=True)]
+        else:
+            out[k] = v
+    return out
+
+
+def read_recipe_data(p: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """Parse a recipe file; `extends = "base.toml"` (relative to the file) merges it over its base."""
+    try:
+        data = json.loads(p.read_text()) if p.suffix == ".json" else tomllib.loads(p.read_text())
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+        kind = "JSON" if p.suffix == ".json" else "TOML"
+        raise RecipeError(f"{p}: not valid {kind}: {exc}", hint="check the line named above") from exc
+    base_name = data.pop("extends", None)
+    if base_name is None:
+        return data
+    base = (p.parent / str(base_name)).resolve()
+    if base in _seen or base == p.resolve():
+        raise RecipeError(f"{p}: `extends` forms a cycle through {base}")
+    if not base.is_file():
+        raise RecipeError(f"{p}: extends {base_name!r}, which does not exist", hint=f"looked for {base}")
+    return deep_merge(read_recipe_data(base, (*_seen, p.resolve())), data)
 
 
 def validate_recipe(data: dict[str, Any], source: str = "recipe") -> Recipe:
