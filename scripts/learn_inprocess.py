@@ -4,6 +4,8 @@ dataset -> engine.generate (group_size samples per prompt) -> rewards -> group a
 TrainSamples -> trainer.step -> engine.load_weights, printing the mean reward of every step.
 
     .venv/bin/python scripts/learn_inprocess.py --seeds 0 1 2
+
+The defaults are the quickstart recipe's settings (recipes/quickstart/recipe.toml).
 """
 
 from __future__ import annotations
@@ -40,7 +42,9 @@ class LocalClient:
             "stop_ids": [self.tokenizer.eos_token_id],
         }
         opts.update(overrides)
-        return await self.engine.generate([GenerationRequest(prompt_ids=list(prompt_ids), **opts) for _ in range(n)])
+        return await self.engine.generate(
+            [GenerationRequest(prompt_ids=list(prompt_ids), **opts) for _ in range(n)]
+        )
 
 
 def run(args: argparse.Namespace, seed: int, workdir: Path) -> dict[str, float]:
@@ -58,11 +62,25 @@ def run(args: argparse.Namespace, seed: int, workdir: Path) -> dict[str, float]:
     from astraflow.trainers.torch_trainer import TorchTrainer
     from astraflow.workflows.quickstart import QuickstartConfig, QuickstartWorkflow
 
+    if args.dims:
+        import dataclasses
+
+        from astraflow.models import init as model_init
+
+        h, layers, heads, kv, hd, inter = (int(x) for x in args.dims.split(","))
+        base = model_init.PRESETS["qwen3"][args.preset]
+        model_init.PRESETS["qwen3"][args.preset] = dataclasses.replace(
+            base, hidden=h, layers=layers, heads=heads, kv_heads=kv, head_dim=hd, intermediate=inter
+        )
     model_dir = init_model("qwen3", args.preset, workdir / f"model-{seed}", seed=seed)
     policy = PolicyConfig(
         model=str(model_dir),
         optimizer=OptimizerConfig(
-            lr=args.lr, weight_decay=args.weight_decay, warmup_steps=args.warmup, betas=(0.9, args.beta2)
+            lr=args.lr,
+            weight_decay=args.weight_decay,
+            warmup_steps=args.warmup,
+            betas=(0.9, args.beta2),
+            grad_clip=args.clip,
         ),
         sampling=SamplingConfig(temperature=args.temperature, max_new_tokens=args.max_new_tokens),
         group_size=args.group_size,
@@ -80,6 +98,7 @@ def run(args: argparse.Namespace, seed: int, workdir: Path) -> dict[str, float]:
     correct: list[float] = []
     t0 = time.perf_counter()
     traj = 0
+    published: list[tuple[int, dict[str, Any]]] = []
 
     async def rollout(samples: list[dict[str, Any]]) -> list[list[Any]]:
         groups = [[wf.run_episode(s, {"actor": client}) for _ in range(args.group_size)] for s in samples]
@@ -108,8 +127,12 @@ def run(args: argparse.Namespace, seed: int, workdir: Path) -> dict[str, float]:
                 )
             correct.extend(ep.info["correct"] for ep in episodes)
         metrics = trainer.step(batch)
-        engine.load_weights(trainer.step_count, trainer.export_weights())
-        engine.wait_version(trainer.step_count, timeout=60)
+        # --lag k rolls out with weights k versions old, like an asynchronous run at that staleness.
+        published.append((trainer.step_count, trainer.export_weights()))
+        if len(published) > args.lag:
+            version, weights = published.pop(0)
+            engine.load_weights(version, weights)
+            engine.wait_version(version, timeout=60)
         rewards.append(metrics["reward_mean"])
         acc = sum(correct[-len(batch) :]) / len(batch)
         if not args.quiet:
@@ -141,28 +164,35 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--task", default="copy")
-    p.add_argument("--length", type=int, default=3)
+    p.add_argument("--length", type=int, default=2)
     p.add_argument("--reward", default="partial")
     p.add_argument("--preset", default="tiny")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--beta2", type=float, default=0.999)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--beta2", type=float, default=0.99)
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--warmup", type=int, default=0)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--group-size", type=int, default=8)
-    p.add_argument("--batch-prompts", type=int, default=16)
-    p.add_argument("--max-new-tokens", type=int, default=4)
+    p.add_argument("--temperature", type=float, default=1.2)
+    p.add_argument("--group-size", type=int, default=16)
+    p.add_argument("--batch-prompts", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=3)
     p.add_argument("--max-batch", type=int, default=256)
-    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--steps", type=int, default=120)
     p.add_argument("--advantage", default="grpo")
     p.add_argument("--loss", default="grpo")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument(
+        "--dims", default="", help="override the preset: hidden,layers,heads,kv_heads,head_dim,inter"
+    )
+    p.add_argument("--clip", type=float, default=1.0, help="gradient-norm clip")
+    p.add_argument("--lag", type=int, default=0, help="roll out with weights this many versions old")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         results = [run(args, seed, Path(tmp)) for seed in args.seeds]
     for r in results:
-        print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()), flush=True)
+        print(
+            " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()), flush=True
+        )
     return 0
 
 

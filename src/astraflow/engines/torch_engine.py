@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import threading
+import time
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -38,6 +39,8 @@ class TorchEngineConfig(BaseModel):
     """Most sequences decoded together in one batch."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter dtype; sampling always runs in float32."""
+    batch_wait_s: float = Field(0.002, ge=0)
+    """How long the decode thread waits for more requests before starting a batch that is not full."""
 
 
 @dataclass
@@ -107,7 +110,9 @@ class TorchEngine(RolloutEngine):
         self.config = config if config is not None else TorchEngineConfig()
         self.device = torch.device(device)
         try:
-            self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, self.config.dtype))
+            self.model = AutoModelForCausalLM.from_pretrained(
+                model_path, dtype=getattr(torch, self.config.dtype)
+            )
         except OSError as exc:
             raise AstraflowError(
                 f"cannot load model from {model_path!r}: {exc}",
@@ -189,6 +194,14 @@ class TorchEngine(RolloutEngine):
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._closed or self._queue or self._staged is not None)
+                if self._queue and not self._closed:
+                    # Concurrent callers enqueue within a moment of each other; gather them into one batch.
+                    deadline = time.monotonic() + self.config.batch_wait_s
+                    while len(self._queue) < self.config.max_batch and not self._closed:
+                        remaining = deadline - time.monotonic()
+                        if remaining <= 0:
+                            break
+                        self._cond.wait(remaining)
                 if self._closed:
                     failed = list(self._queue)
                     self._queue.clear()
@@ -224,6 +237,11 @@ class TorchEngine(RolloutEngine):
 
     @torch.no_grad()
     def _decode(self, batch: list[_Pending]) -> None:
+        for p in [p for p in batch if p.request.max_new_tokens <= 0]:
+            _resolve(p, Completion([], [], [], "length"))
+        batch = [p for p in batch if p.request.max_new_tokens > 0]
+        if not batch:
+            return
         rows = []
         for p in batch:
             gen = None

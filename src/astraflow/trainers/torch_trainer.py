@@ -80,7 +80,9 @@ class TorchTrainer(Trainer):
         torch.manual_seed(seed)
         random.seed(seed)
         try:
-            self.model = AutoModelForCausalLM.from_pretrained(policy.model, dtype=getattr(torch, self.config.dtype))
+            self.model = AutoModelForCausalLM.from_pretrained(
+                policy.model, dtype=getattr(torch, self.config.dtype)
+            )
         except OSError as exc:
             raise AstraflowError(
                 f"cannot load model from {policy.model!r}: {exc}",
@@ -120,7 +122,9 @@ class TorchTrainer(Trainer):
         for i, s in enumerate(samples):
             n = len(s.tokens)
             if not (len(s.loss_mask) == len(s.logprobs) == len(s.versions) == n):
-                raise ValueError(f"sample {s.traj_id}: tokens, loss_mask, logprobs and versions differ in length")
+                raise ValueError(
+                    f"sample {s.traj_id}: tokens, loss_mask, logprobs and versions differ in length"
+                )
             tokens[i, :n] = torch.tensor(s.tokens, dtype=torch.long)
             attn[i, :n] = 1
             mask[i, :n] = torch.tensor(s.loss_mask, dtype=torch.float32)
@@ -141,7 +145,12 @@ class TorchTrainer(Trainer):
         return [self._pad(samples[i : i + mb]) for i in range(0, len(samples), mb)]
 
     def _inputs(
-        self, m: dict[str, torch.Tensor], logp: torch.Tensor, ent: torch.Tensor | None, tokens: float, seqs: float
+        self,
+        m: dict[str, torch.Tensor],
+        logp: torch.Tensor,
+        ent: torch.Tensor | None,
+        tokens: float,
+        seqs: float,
     ) -> LossInputs:
         """LossInputs of micro-batch `m`, normalised by `tokens` trained tokens and `seqs` sequences."""
         return LossInputs(
@@ -186,7 +195,9 @@ class TorchTrainer(Trainer):
                     m["ref"] = token_logprobs(self.ref_model, m["tokens"], m["attn"], temperature=temp)
         if wants_prepare:
             batch_tokens = float(sum(float(m["mask"].sum()) for m in micros_all))
-            self.loss.prepare([self._inputs(m, m["prox"], None, batch_tokens, float(len(batch))) for m in micros_all])
+            self.loss.prepare(
+                [self._inputs(m, m["prox"], None, batch_tokens, float(len(batch))) for m in micros_all]
+            )
         lr = self._set_lr()
         losses: list[float] = []
         grad_norms: list[float] = []
@@ -276,9 +287,13 @@ class TorchTrainer(Trainer):
 
         path = Path(path)
         if not (path / _STATE_FILE).exists():
-            raise AstraflowError(f"no complete trainer checkpoint in {path}", hint="point at a checkpoint directory")
+            raise AstraflowError(
+                f"no complete trainer checkpoint in {path}", hint="point at a checkpoint directory"
+            )
         load_model(self.model, str(path / _MODEL_FILE), device=str(self.device))
-        self.optimizer.load_state_dict(torch.load(path / _OPTIM_FILE, map_location=self.device, weights_only=True))
+        self.optimizer.load_state_dict(
+            torch.load(path / _OPTIM_FILE, map_location=self.device, weights_only=True)
+        )
         rng = torch.load(path / _RNG_FILE, weights_only=True)
         torch.set_rng_state(rng["torch"])
         if "cuda" in rng and torch.cuda.is_available():

@@ -24,7 +24,7 @@ class QuickstartConfig(BaseModel):
 
     task: Literal["copy", "reverse", "add"] = "copy"
     """copy the digits, reverse them, or add two numbers."""
-    length: int = Field(3, ge=1, le=32)
+    length: int = Field(2, ge=1, le=32)
     """Digits to copy/reverse, or digits of each addend."""
     size: int = Field(1000, ge=1)
     """Prompts in the generated dataset (used when the recipe's dataset.size is 0)."""

@@ -1,0 +1,99 @@
+"""`astraflow bench ...`: benchmarks that print ratios against a baseline measured in the same run."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+app = typer.Typer(
+    help="Benchmarks with ratios against a baseline measured in the same run.", no_args_is_help=True
+)
+
+
+def _interrupt(_signum: int, _frame: Any) -> None:
+    """SIGTERM stops the bench like Ctrl-C: the running recipe's `astraflow up` is stopped first."""
+    raise KeyboardInterrupt
+
+
+@app.command("data")
+def data(
+    recipes: Annotated[list[Path], typer.Argument(help="Recipes to compare; the first is the baseline.")],
+    set_: Annotated[
+        list[str] | None,
+        typer.Option("--set", help="Override a field of every recipe: a.b=value (repeatable)."),
+    ] = None,
+    out: Annotated[
+        Path | None,
+        typer.Option("--out", help="Directory for the run directories (default runs/bench-data-<time>/)."),
+    ] = None,
+    json_: Annotated[
+        bool,
+        typer.Option(
+            "--json", help="Print the comparison as JSON on stdout (progress and table go to stderr)."
+        ),
+    ] = False,
+    target: Annotated[
+        float | None, typer.Option("--target", help="Reward target (default: see --target-frac).")
+    ] = None,
+    target_frac: Annotated[
+        float,
+        typer.Option(
+            "--target-frac",
+            help="Without --target: this fraction of the way from the baseline's start to the best final reward.",
+        ),
+    ] = 0.5,
+    window: Annotated[
+        int, typer.Option("--window", min=1, help="Versions in the rolling mean compared with the target.")
+    ] = 10,
+    timeout_s: Annotated[
+        float,
+        typer.Option("--timeout-s", help="Stop a run that takes longer than this and record it as failed."),
+    ] = 3600.0,
+) -> None:
+    """Run each recipe through `astraflow up` in turn and compare rollouts, reward and wall time."""
+    import json
+    import signal
+
+    from astraflow import log
+    from astraflow.bench.data import format_table, run_names, run_recipe, summarize
+    from astraflow.config.load import load_recipe, validate_plugins
+    from astraflow.errors import AstraflowError
+
+    log.setup("bench")
+    signal.signal(signal.SIGTERM, _interrupt)
+    if not recipes:
+        raise AstraflowError(
+            "no recipes given", hint="e.g. astraflow bench data recipes/math-efficient-data/a-none.toml ..."
+        )
+    overrides = set_ or []
+    for path in recipes:
+        # Every recipe is checked before the first run starts, so a typo does not cost a finished run.
+        validate_plugins(load_recipe(path, overrides))
+    base = out or Path("runs") / f"bench-data-{time.strftime('%Y%m%d-%H%M%S')}"
+    base.mkdir(parents=True, exist_ok=True)
+    results = []
+    names = run_names(recipes)
+    for i, (path, name) in enumerate(zip(recipes, names, strict=True), 1):
+        res = run_recipe(path, name, base / name, overrides, timeout_s)
+        results.append(res)
+        if res.ok:
+            reward = "-" if res.reward_final is None else f"{res.reward_final:.3f}"
+            line = (
+                f"[{i}/{len(recipes)}] {name}: ok, {res.steps} steps, reward {reward}, "
+                f"{res.generated} rollouts, {res.wall_s:.0f}s -> {res.run_dir}"
+            )
+        else:
+            line = f"[{i}/{len(recipes)}] {name}: FAILED after {res.wall_s:.0f}s: {res.error}"
+        typer.echo(line, err=json_)
+    summary = summarize(results, target=target, target_frac=target_frac, window=window)
+    summary["out"] = str(base)
+    (base / "bench.json").write_text(json.dumps(summary, indent=2) + "\n")
+    # With --json, stdout is only the JSON (for jq and scripts); the people watching read stderr.
+    typer.echo("", err=json_)
+    typer.echo(format_table(summary), err=json_)
+    typer.echo(f"\nfull results: {base / 'bench.json'}", err=json_)
+    if json_:
+        typer.echo(json.dumps(summary, indent=2))
