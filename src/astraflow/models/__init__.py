@@ -1,0 +1,1 @@
+"""Model helpers: random-init transformers models and tiny local tokenizers, built offline."""
