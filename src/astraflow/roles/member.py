@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import platform
 import socket
+from typing import Any
 
 from astraflow.protocol.messages import PROTOCOL_VERSION, Hello
 
@@ -48,3 +49,29 @@ def advertise_host(controller: str) -> str:
             return s.getsockname()[0]
     except OSError:
         return socket.gethostname()
+
+
+def request_retrying(client: Any, msg: Any, *, timeout_s: float = 30.0, give_up_after_s: float = 600.0) -> Any:
+    """A request that survives a controller restart: on ConnectError, wait and ask again (the client
+    re-sends its Hello by itself once the controller is back), until give_up_after_s."""
+    import time
+
+    from astraflow import log
+    from astraflow.errors import ConnectError
+
+    deadline = time.monotonic() + give_up_after_s
+    warned = False
+    while True:
+        try:
+            reply = client.request(msg, timeout_s=timeout_s)
+            if warned:
+                log.get("member").info("controller answers again")
+            return reply
+        except ConnectError:
+            if time.monotonic() > deadline:
+                raise
+            if not warned:
+                log.get("member").warning("controller not answering; retrying until it is back")
+                warned = True
+            client.tick()
+            time.sleep(1.0)

@@ -16,6 +16,7 @@ from astraflow import log
 from astraflow.engines.base import Completion, GenerationRequest, RolloutEngine
 
 _log = log.get("raas")
+RESULT_ATTEMPTS = 30
 
 
 @dataclass
@@ -79,6 +80,7 @@ class RaaS:
             self.clients[name] = EnginePolicyClient(name, tok, engine, pol.sampling, stop)
         self.busy = 0
         self.pulling: set[str] = set()
+        self.scheduled: dict[str, int] = {}
         self.tasks_done = 0
 
     def loaded(self) -> dict[str, int]:
@@ -87,6 +89,7 @@ class RaaS:
 
     async def run(self) -> int:
         """The main loop; returns when the controller says stop or on SIGTERM."""
+        from astraflow.errors import ConnectError
         from astraflow.protocol.messages import Error, TaskGrant, TaskRequest
 
         loop = asyncio.get_running_loop()
@@ -102,7 +105,14 @@ class RaaS:
                 if free <= 0:
                     await asyncio.sleep(0.02)
                     continue
-                reply = await asyncio.wrap_future(self.client.submit(TaskRequest(n=free, loaded=self.loaded())))
+                try:
+                    reply = await self._ask(TaskRequest(n=free, loaded=self.loaded()), stop)
+                except ConnectError:
+                    _log.warning("controller not answering; asking again until it is back")
+                    await asyncio.sleep(1.0)
+                    continue
+                if reply is None:
+                    break
                 if isinstance(reply, Error):
                     _log.warning("task request refused: %s %s", reply.code, reply.message)
                     await asyncio.sleep(0.5)
@@ -131,6 +141,17 @@ class RaaS:
         _log.info("stopping after %d tasks", self.tasks_done)
         return 0
 
+    async def _ask(self, msg: Any, stop: asyncio.Event) -> Any:
+        """Send a request and await its reply, or None as soon as the worker is told to stop."""
+        reply = asyncio.wrap_future(self.client.submit(msg))
+        stopped = asyncio.ensure_future(stop.wait())
+        done, _ = await asyncio.wait({reply, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if reply not in done:
+            reply.cancel()
+            return None
+        stopped.cancel()
+        return reply.result()
+
     async def _tick(self, stop: asyncio.Event) -> None:
         """Prove liveness (the hang watchdog) and report load, a few times a second."""
         while not stop.is_set():
@@ -140,6 +161,7 @@ class RaaS:
 
     async def _run_task(self, task: Any) -> None:
         """Run one task's group of episodes and report the result (or the error)."""
+        from astraflow.errors import ConnectError
         from astraflow.protocol.messages import TaskResult
 
         try:
@@ -154,8 +176,15 @@ class RaaS:
             _log.error("task %d failed: %s", task.task_id, "".join(traceback.format_exception_only(exc)).strip())
             result = TaskResult(task_id=task.task_id, epoch=task.epoch, error=f"{type(exc).__name__}: {exc}"[:2000])
         try:
-            await asyncio.wrap_future(self.client.submit(result))
-            self.tasks_done += 1
+            for attempt in range(RESULT_ATTEMPTS):
+                try:
+                    await asyncio.wrap_future(self.client.submit(result))
+                    self.tasks_done += 1
+                    break
+                except ConnectError:
+                    if attempt + 1 == RESULT_ATTEMPTS:
+                        raise
+                    await asyncio.sleep(1.0)  # the controller may be restarting; results are idempotent
         except Exception as exc:
             _log.warning("result of task %d not delivered (%s); its lease will expire and requeue it", task.task_id, exc)
         finally:
@@ -165,7 +194,8 @@ class RaaS:
         """Start pulling every policy whose published version is newer than what its engine holds."""
         for name, info in list(self.client.versions.items()):
             eng = self.engines.get(name)
-            if eng is None or name in self.pulling or info.version <= eng.version or not info.weights_addr:
+            have = max(eng.version, self.scheduled.get(name, -1)) if eng is not None else 0
+            if eng is None or name in self.pulling or info.version <= have or not info.weights_addr:
                 continue
             self.pulling.add(name)
             asyncio.get_running_loop().create_task(self._pull(name, info))
@@ -179,6 +209,7 @@ class RaaS:
             blob = await in_daemon_thread(fetch_weights, info.weights_addr, name, info.version)
             sd = await in_daemon_thread(bytes_to_state_dict, blob)
             self.engines[name].load_weights(info.version, sd)
+            self.scheduled[name] = info.version
             _log.debug("scheduled %s version %d (%d bytes)", name, info.version, len(blob))
         except Exception as exc:
             _log.warning("pulling %s version %d failed: %s; will retry", name, info.version, exc)

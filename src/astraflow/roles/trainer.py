@@ -65,7 +65,7 @@ def run_trainer(
     from astraflow import plugins
     from astraflow.config.load import validate_recipe
     from astraflow.protocol.messages import BatchReply, BatchRequest, Error, VersionPublished
-    from astraflow.roles.member import advertise_host, make_hello
+    from astraflow.roles.member import advertise_host, make_hello, request_retrying
     from astraflow.transport.client import MemberClient
 
     hello = make_hello("trainer", member_id or f"trainer-{policy}", policies=[policy], region=region)
@@ -87,7 +87,13 @@ def run_trainer(
 
     torch.set_num_threads(pol.threads)
     stopping = {"sig": 0}
-    signal.signal(signal.SIGTERM, lambda s, f: stopping.__setitem__("sig", s))
+
+    def on_term(signum: int, _frame: Any) -> None:
+        # leave at once, even from a blocking request: checkpoints are written atomically
+        stopping["sig"] = signum
+        raise SystemExit(143)
+
+    signal.signal(signal.SIGTERM, on_term)
 
     trainer_cls = plugins.load("trainers", pol.trainer)
     trainer = trainer_cls(pol, seed=recipe.run.seed)
@@ -104,7 +110,8 @@ def run_trainer(
     def publish(metrics: dict[str, float]) -> None:
         blob = state_dict_to_bytes(trainer.export_weights())
         manifest = server.publish(policy, trainer.step_count, blob)
-        reply = client.request(
+        reply = request_retrying(
+            client,
             VersionPublished(
                 policy=policy,
                 version=trainer.step_count,
@@ -127,7 +134,7 @@ def run_trainer(
             batch: BatchReply | None = None
             while not stopping["sig"]:
                 client.tick()
-                reply = client.request(BatchRequest(policy=policy, step=step), timeout_s=60.0)
+                reply = request_retrying(client, BatchRequest(policy=policy, step=step), timeout_s=60.0)
                 if isinstance(reply, BatchReply) and reply.ready:
                     batch = reply
                     break
