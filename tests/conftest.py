@@ -23,7 +23,21 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random-init tiny Qwen3 + tokenizer made by the real `astraflow model init` command."""
     out = tmp_path_factory.mktemp("models") / "tiny-qwen3"
     subprocess.run(
-        [sys.executable, "-m", "astraflow", "model", "init", "--arch", "qwen3", "--preset", "tiny", "--out", str(out)],
-        check=True, capture_output=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "astraflow",
+            "model",
+            "init",
+            "--arch",
+            "qwen3",
+            "--preset",
+            "tiny",
+            "--out",
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
     )
     return out

@@ -69,7 +69,9 @@ class Supervisor:
 
     def start(self, name: str, role: str, args: list[str]) -> Child:
         """Start `astraflow ARGS` as a child whose output goes to logs/<name>.log."""
-        child = Child(name=name, role=role, argv=astraflow_cmd() + args, log_path=self.run_dir / "logs" / f"{name}.log")
+        child = Child(
+            name=name, role=role, argv=astraflow_cmd() + args, log_path=self.run_dir / "logs" / f"{name}.log"
+        )
         self._spawn(child)
         self.children.append(child)
         return child
@@ -201,7 +203,10 @@ def wait_for_address(path: Path, controller: Child, timeout_s: float = 60.0) -> 
                 hint=f"full log: {controller.log_path}",
             )
         time.sleep(0.05)
-    raise AstraflowError(f"the controller did not report its address within {timeout_s:.0f}s", hint=f"see {controller.log_path}")
+    raise AstraflowError(
+        f"the controller did not report its address within {timeout_s:.0f}s",
+        hint=f"see {controller.log_path}",
+    )
 
 
 def run_up(recipe: Any, run_dir: Path, *, offline: bool = False, max_raas_restarts: int = 3) -> int:
@@ -214,7 +219,12 @@ def run_up(recipe: Any, run_dir: Path, *, offline: bool = False, max_raas_restar
     resolved = str(run_dir / "recipe.resolved.json")
     addr_file = run_dir / "controller.addr"
     addr_file.unlink(missing_ok=True)
-    env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     if offline:
         env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
     sup = Supervisor(run_dir, env)
@@ -233,13 +243,35 @@ def run_up(recipe: Any, run_dir: Path, *, offline: bool = False, max_raas_restar
             sup.start(
                 f"trainer-{pol.name}",
                 "trainer",
-                ["join", "--role", "trainer", "--controller", addr, "--policy", pol.name,
-                 "--member-id", f"trainer-{pol.name}", "--checkpoint-dir", str(run_dir / "checkpoints" / pol.name)],
+                [
+                    "join",
+                    "--role",
+                    "trainer",
+                    "--controller",
+                    addr,
+                    "--policy",
+                    pol.name,
+                    "--member-id",
+                    f"trainer-{pol.name}",
+                    "--checkpoint-dir",
+                    str(run_dir / "checkpoints" / pol.name),
+                ],
             )
         for i in range(recipe.rollout.local_workers):
             sup.start(
-                f"raas-{i}", "raas",
-                ["join", "--role", "raas", "--controller", addr, "--member-id", f"raas-{i}", "--slots", str(recipe.rollout.slots)],
+                f"raas-{i}",
+                "raas",
+                [
+                    "join",
+                    "--role",
+                    "raas",
+                    "--controller",
+                    addr,
+                    "--member-id",
+                    f"raas-{i}",
+                    "--slots",
+                    str(recipe.rollout.slots),
+                ],
             )
         return _watch(sup, recipe, run_dir, stop, t0, max_raas_restarts)
     except AstraflowError:
@@ -250,7 +282,9 @@ def run_up(recipe: Any, run_dir: Path, *, offline: bool = False, max_raas_restar
             signal.signal(s, h)
 
 
-def _watch(sup: Supervisor, recipe: Any, run_dir: Path, stop: dict[str, int], t0: float, max_restarts: int) -> int:
+def _watch(
+    sup: Supervisor, recipe: Any, run_dir: Path, stop: dict[str, int], t0: float, max_restarts: int
+) -> int:
     """Supervise until the trainers finish, a fatal child fails, or a signal arrives."""
     metrics = MetricsTail(run_dir / "metrics.jsonl")
     trainers = [c for c in sup.children if c.role == "trainer"]
@@ -272,19 +306,36 @@ def _watch(sup: Supervisor, recipe: Any, run_dir: Path, stop: dict[str, int], t0
                 continue  # a graceful stop (the controller said so, or the run is over)
             if child.role == "raas":
                 if child.restarts < max_restarts:
-                    _log.warning("%s exited with %s; restarting it (%d/%d)", child.name, rc, child.restarts + 1, max_restarts)
+                    _log.warning(
+                        "%s exited with %s; restarting it (%d/%d)",
+                        child.name,
+                        rc,
+                        child.restarts + 1,
+                        max_restarts,
+                    )
                     sup.restart(child)
                     continue
                 if any(c.running for c in sup.children if c.role == "raas"):
                     _log.warning("%s exited with %s and will not be restarted again", child.name, rc)
                     continue
-            _log.error("%s failed (exit %s); last lines of %s:\n%s", child.name, rc, child.log_path, tail_log(child.log_path))
+            _log.error(
+                "%s failed (exit %s); last lines of %s:\n%s",
+                child.name,
+                rc,
+                child.log_path,
+                tail_log(child.log_path),
+            )
             return 1
         if trainers and all(t.proc is not None and t.proc.poll() == 0 for t in trainers):
             for rec in metrics.read():
                 if "step" in rec and "policy" in rec:
                     sys.stdout.write(progress_line(rec, recipe.run.steps) + "\n")
-            _log.info("every policy reached %d steps in %.1fs; run directory %s", recipe.run.steps, time.monotonic() - t0, run_dir)
+            _log.info(
+                "every policy reached %d steps in %.1fs; run directory %s",
+                recipe.run.steps,
+                time.monotonic() - t0,
+                run_dir,
+            )
             deadline = time.monotonic() + 10.0
             while time.monotonic() < deadline and any(c.running for c in sup.children):
                 time.sleep(0.1)

@@ -25,7 +25,10 @@ def free_port() -> int:
 
 def start(args: list[str], log: Path, cwd: Path) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        [sys.executable, "-m", "astraflow", *args], stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=cwd,
+        [sys.executable, "-m", "astraflow", *args],
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        cwd=cwd,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
 
@@ -46,18 +49,56 @@ def test_kill_9_raas_mid_run_loses_no_task(tiny_model: Path, tmp_path: Path) -> 
     run_dir = tmp_path / "run"
     addr = f"tcp://127.0.0.1:{free_port()}"
     steps = 12
-    sets = ["--set", f'policy.model="{tiny_model}"', "--set", f"run.steps={steps}",
-            "--set", "controller.member_timeout_s=2.0", "--set", "rollout.lease_timeout_s=60"]
+    sets = [
+        "--set",
+        f'policy.model="{tiny_model}"',
+        "--set",
+        f"run.steps={steps}",
+        "--set",
+        "controller.member_timeout_s=2.0",
+        "--set",
+        "rollout.lease_timeout_s=60",
+    ]
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        ctl = start(["controller", str(ROOT / "recipes/quickstart/recipe.toml"), "--run-dir", str(run_dir), "--bind", addr, *sets],
-                    tmp_path / "controller.log", tmp_path)
+        ctl = start(
+            [
+                "controller",
+                str(ROOT / "recipes/quickstart/recipe.toml"),
+                "--run-dir",
+                str(run_dir),
+                "--bind",
+                addr,
+                *sets,
+            ],
+            tmp_path / "controller.log",
+            tmp_path,
+        )
         procs.append(ctl)
-        raas = [start(["join", "--role", "raas", "--controller", addr, "--member-id", f"raas-{i}"], tmp_path / f"raas-{i}.log", tmp_path)
-                for i in range(2)]
+        raas = [
+            start(
+                ["join", "--role", "raas", "--controller", addr, "--member-id", f"raas-{i}"],
+                tmp_path / f"raas-{i}.log",
+                tmp_path,
+            )
+            for i in range(2)
+        ]
         procs += raas
-        trainer = start(["join", "--role", "trainer", "--controller", addr, "--policy", "main",
-                         "--checkpoint-dir", str(run_dir / "checkpoints" / "main")], tmp_path / "trainer.log", tmp_path)
+        trainer = start(
+            [
+                "join",
+                "--role",
+                "trainer",
+                "--controller",
+                addr,
+                "--policy",
+                "main",
+                "--checkpoint-dir",
+                str(run_dir / "checkpoints" / "main"),
+            ],
+            tmp_path / "trainer.log",
+            tmp_path,
+        )
         procs.append(trainer)
 
         deadline = time.monotonic() + 240
@@ -69,7 +110,9 @@ def test_kill_9_raas_mid_run_loses_no_task(tiny_model: Path, tmp_path: Path) -> 
         # kill raas-0 while it holds leases
         while time.monotonic() < deadline:
             with ro(run_dir) as db:
-                victim_tasks = [r[0] for r in db.execute("SELECT id FROM tasks WHERE status='leased' AND owner='raas-0'")]
+                victim_tasks = [
+                    r[0] for r in db.execute("SELECT id FROM tasks WHERE status='leased' AND owner='raas-0'")
+                ]
             if victim_tasks:
                 break
             time.sleep(0.02)
@@ -94,7 +137,9 @@ def test_kill_9_raas_mid_run_loses_no_task(tiny_model: Path, tmp_path: Path) -> 
         assert set(per_task) <= set(done), "trajectories of a task that is not done"
         # what raas-0 held when it died was taken back: done by someone else, or back in the queue
         for t in victim_tasks:
-            status, owner, epoch = db.execute("SELECT status, owner, epoch FROM tasks WHERE id=?", (t,)).fetchone()
+            status, owner, epoch = db.execute(
+                "SELECT status, owner, epoch FROM tasks WHERE id=?", (t,)
+            ).fetchone()
             assert status in ("done", "queued"), (t, status)
             if status == "done":
                 assert epoch >= 2, "a task of the dead worker was completed without being re-leased"

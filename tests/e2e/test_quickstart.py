@@ -18,9 +18,22 @@ def test_quickstart_learns_through_up(tiny_model: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     t0 = time.monotonic()
     out = subprocess.run(
-        [sys.executable, "-m", "astraflow", "up", str(ROOT / "recipes/quickstart/recipe.toml"),
-         "--run-dir", str(run_dir), "--no-dash", "--set", f'policy.model="{tiny_model}"'],
-        capture_output=True, text=True, timeout=900, cwd=tmp_path,
+        [
+            sys.executable,
+            "-m",
+            "astraflow",
+            "up",
+            str(ROOT / "recipes/quickstart/recipe.toml"),
+            "--run-dir",
+            str(run_dir),
+            "--no-dash",
+            "--set",
+            f'policy.model="{tiny_model}"',
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=tmp_path,
     )
     elapsed = time.monotonic() - t0
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

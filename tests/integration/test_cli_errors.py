@@ -11,7 +11,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def run_cli(*args: str, cwd: Path | None = None, timeout: float = 90) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "astraflow", *args], capture_output=True, text=True, timeout=timeout, cwd=cwd or ROOT
+        [sys.executable, "-m", "astraflow", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd or ROOT,
     )
 
 

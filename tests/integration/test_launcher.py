@@ -34,9 +34,23 @@ def children_of_run(run_dir: Path) -> dict[int, str]:
 
 def start_up(tiny_model: Path, run_dir: Path, steps: int = 500) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "astraflow", "up", str(ROOT / "recipes/quickstart/recipe.toml"), "--run-dir", str(run_dir),
-         "--no-dash", "--set", f'policy.model="{tiny_model}"', "--set", f"run.steps={steps}"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-m",
+            "astraflow",
+            "up",
+            str(ROOT / "recipes/quickstart/recipe.toml"),
+            "--run-dir",
+            str(run_dir),
+            "--no-dash",
+            "--set",
+            f'policy.model="{tiny_model}"',
+            "--set",
+            f"run.steps={steps}",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
 
 
@@ -58,7 +72,11 @@ def wait_gone(pids: list[int], timeout: float = 20) -> list[int]:
     deadline = time.monotonic() + timeout
     alive = pids
     while time.monotonic() < deadline:
-        alive = [p for p in pids if Path(f"/proc/{p}").exists() and "Z" not in Path(f"/proc/{p}/stat").read_text().split()[2]]
+        alive = [
+            p
+            for p in pids
+            if Path(f"/proc/{p}").exists() and "Z" not in Path(f"/proc/{p}/stat").read_text().split()[2]
+        ]
         if not alive:
             return []
         time.sleep(0.1)

@@ -23,7 +23,10 @@ LIGHT_MODULES = (
 def _imported_after(code: str) -> set[str]:
     out = subprocess.run(
         [sys.executable, "-c", f"import sys; {code}; print(' '.join(sys.modules))"],
-        capture_output=True, text=True, check=True, timeout=60,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
     )
     return set(out.stdout.split())
 
@@ -40,7 +43,9 @@ def test_light_modules_import_nothing_heavy() -> None:
 
 
 def test_help_runs() -> None:
-    out = subprocess.run([sys.executable, "-m", "astraflow", "--help"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "astraflow", "--help"], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0 and "join" in out.stdout
 
 

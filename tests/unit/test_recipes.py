@@ -25,7 +25,10 @@ def test_recipe_validates(path: Path) -> None:
 
 
 def test_set_overrides_reach_nested_and_every_policy() -> None:
-    r = load_recipe(ROOT / "recipes/quickstart/recipe.toml", ["run.steps=7", "policy.optimizer.lr=0.5", "policy.0.group_size=3"])
+    r = load_recipe(
+        ROOT / "recipes/quickstart/recipe.toml",
+        ["run.steps=7", "policy.optimizer.lr=0.5", "policy.0.group_size=3"],
+    )
     assert r.run.steps == 7
     assert r.policy[0].optimizer.lr == 0.5
     assert r.policy[0].group_size == 3
@@ -55,7 +58,10 @@ def test_duplicate_policy_names_rejected() -> None:
 
 def test_several_policies_allowed_by_schema() -> None:
     r = validate_recipe(
-        {"policy": [{"name": "solver", "model": "m"}, {"name": "verifier", "model": "m"}], "workflow": {"roles": {"actor": "solver"}}}
+        {
+            "policy": [{"name": "solver", "model": "m"}, {"name": "verifier", "model": "m"}],
+            "workflow": {"roles": {"actor": "solver"}},
+        }
     )
     assert [p.name for p in r.policy] == ["solver", "verifier"]
 
@@ -74,8 +80,12 @@ def test_bad_plugin_options_rejected() -> None:
 
 
 def test_extends_merges_tables_and_policies(tmp_path: Path) -> None:
-    (tmp_path / "base.toml").write_text('[run]\nname = "b"\nsteps = 5\n\n[[policy]]\nmodel = "m"\ngroup_size = 4\n')
-    (tmp_path / "v.toml").write_text('extends = "base.toml"\n[run]\nsteps = 9\n\n[[policy]]\nbatch_prompts = 2\n')
+    (tmp_path / "base.toml").write_text(
+        '[run]\nname = "b"\nsteps = 5\n\n[[policy]]\nmodel = "m"\ngroup_size = 4\n'
+    )
+    (tmp_path / "v.toml").write_text(
+        'extends = "base.toml"\n[run]\nsteps = 9\n\n[[policy]]\nbatch_prompts = 2\n'
+    )
     r = load_recipe(tmp_path / "v.toml")
     assert (r.run.name, r.run.steps) == ("b", 9)
     assert (r.policy[0].model, r.policy[0].group_size, r.policy[0].batch_prompts) == ("m", 4, 2)

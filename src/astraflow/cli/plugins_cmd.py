@@ -14,7 +14,10 @@ def plugins(as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")]
 
     groups = list_plugins()
     if as_json:
-        doc = {g: [{"name": p.name, "target": p.target, "distribution": p.distribution} for p in ps] for g, ps in groups.items()}
+        doc = {
+            g: [{"name": p.name, "target": p.target, "distribution": p.distribution} for p in ps]
+            for g, ps in groups.items()
+        }
         typer.echo(json.dumps(doc, indent=2))
         return
     for group, ps in groups.items():

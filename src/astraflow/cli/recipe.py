@@ -19,7 +19,9 @@ def check(recipe: Annotated[str, typer.Argument(help="Recipe TOML file.")], set_
 
     r = load_recipe(recipe, set_ or [])
     validate_plugins(r)
-    typer.echo(f"ok: {recipe} ({len(r.policy)} polic{'y' if len(r.policy) == 1 else 'ies'}, {r.run.steps} steps)")
+    typer.echo(
+        f"ok: {recipe} ({len(r.policy)} polic{'y' if len(r.policy) == 1 else 'ies'}, {r.run.steps} steps)"
+    )
 
 
 @app.command("show")

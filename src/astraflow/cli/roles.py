@@ -16,7 +16,9 @@ SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override a reci
 def controller(
     recipe: Annotated[str, typer.Argument(help="Recipe TOML (or a resolved recipe JSON).")],
     run_dir: Annotated[Path, typer.Option("--run-dir", help="Run directory (state.db lives here).")],
-    bind: Annotated[str | None, typer.Option("--bind", help="ROUTER endpoint, e.g. tcp://0.0.0.0:7600.")] = None,
+    bind: Annotated[
+        str | None, typer.Option("--bind", help="ROUTER endpoint, e.g. tcp://0.0.0.0:7600.")
+    ] = None,
     set_: SetOpt = None,
 ) -> None:
     """Run the controller: the run's state, task ledger, buffers and membership."""
@@ -34,15 +36,33 @@ def controller(
 
 def join(
     role: Annotated[str, typer.Option("--role", help="raas or trainer.")],
-    controller: Annotated[str, typer.Option("--controller", help="Controller endpoint, e.g. tcp://HOST:7600.")],
-    policy: Annotated[list[str] | None, typer.Option("--policy", help="Policy to serve/train (repeatable for raas).")] = None,
-    engine: Annotated[str | None, typer.Option("--engine", help="Override the recipe's engine plugin (raas).")] = None,
+    controller: Annotated[
+        str, typer.Option("--controller", help="Controller endpoint, e.g. tcp://HOST:7600.")
+    ],
+    policy: Annotated[
+        list[str] | None, typer.Option("--policy", help="Policy to serve/train (repeatable for raas).")
+    ] = None,
+    engine: Annotated[
+        str | None, typer.Option("--engine", help="Override the recipe's engine plugin (raas).")
+    ] = None,
     region: Annotated[str, typer.Option("--region", help="Free-form region label shown in status.")] = "",
-    slots: Annotated[int | None, typer.Option("--slots", help="Concurrent tasks (raas); default from the recipe.")] = None,
-    member_id: Annotated[str | None, typer.Option("--member-id", help="Stable member id; default role-host-pid.")] = None,
-    checkpoint_dir: Annotated[Path | None, typer.Option("--checkpoint-dir", help="Trainer checkpoints (default ./checkpoints/<run>/<policy>).")] = None,
-    advertise: Annotated[str | None, typer.Option("--advertise", help="Host RaaS workers use to reach this trainer's weight server.")] = None,
-    connect_timeout: Annotated[float, typer.Option("--connect-timeout", help="Seconds to wait for the controller's Welcome.")] = 30.0,
+    slots: Annotated[
+        int | None, typer.Option("--slots", help="Concurrent tasks (raas); default from the recipe.")
+    ] = None,
+    member_id: Annotated[
+        str | None, typer.Option("--member-id", help="Stable member id; default role-host-pid.")
+    ] = None,
+    checkpoint_dir: Annotated[
+        Path | None,
+        typer.Option("--checkpoint-dir", help="Trainer checkpoints (default ./checkpoints/<run>/<policy>)."),
+    ] = None,
+    advertise: Annotated[
+        str | None,
+        typer.Option("--advertise", help="Host RaaS workers use to reach this trainer's weight server."),
+    ] = None,
+    connect_timeout: Annotated[
+        float, typer.Option("--connect-timeout", help="Seconds to wait for the controller's Welcome.")
+    ] = 30.0,
 ) -> None:
     """Join a running controller as a rollout worker (raas) or as one policy's trainer."""
     from astraflow import log
@@ -51,7 +71,17 @@ def join(
         log.setup(member_id or "raas")
         from astraflow.roles.raas import run_raas
 
-        sys.exit(run_raas(controller, policies=policy or [], engine=engine, region=region, slots=slots, member_id=member_id, connect_timeout_s=connect_timeout))
+        sys.exit(
+            run_raas(
+                controller,
+                policies=policy or [],
+                engine=engine,
+                region=region,
+                slots=slots,
+                member_id=member_id,
+                connect_timeout_s=connect_timeout,
+            )
+        )
     if role == "trainer":
         log.setup(member_id or "trainer")
         if not policy or len(policy) != 1:
@@ -60,7 +90,12 @@ def join(
 
         sys.exit(
             run_trainer(
-                controller, policy=policy[0], checkpoint_dir=checkpoint_dir, member_id=member_id, region=region, advertise=advertise,
+                controller,
+                policy=policy[0],
+                checkpoint_dir=checkpoint_dir,
+                member_id=member_id,
+                region=region,
+                advertise=advertise,
                 connect_timeout_s=connect_timeout,
             )
         )

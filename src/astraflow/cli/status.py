@@ -18,7 +18,9 @@ def read_status(run_dir: Path) -> dict[str, Any]:
 
     db = run_dir / "state.db"
     if not db.is_file():
-        raise AstraflowError(f"no state.db in {run_dir}", hint="pass the run directory of a run (runs/<name>-<time>/)")
+        raise AstraflowError(
+            f"no state.db in {run_dir}", hint="pass the run directory of a run (runs/<name>-<time>/)"
+        )
     store = Store.open_readonly(db)
     try:
         return build_status(store)
@@ -43,7 +45,10 @@ def ask_status(controller: str, timeout_s: float = 5.0) -> dict[str, Any]:
         sock.connect(controller)
         sock.send(encode(StatusRequest(rid=1)))
         if not sock.poll(int(timeout_s * 1000)):
-            raise ConnectError(f"controller at {controller} did not answer within {timeout_s:.0f}s", hint="is `astraflow controller` running there?")
+            raise ConnectError(
+                f"controller at {controller} did not answer within {timeout_s:.0f}s",
+                hint="is `astraflow controller` running there?",
+            )
         reply = decode(sock.recv())
         if not isinstance(reply, StatusReply):
             raise ConnectError(f"controller at {controller} answered {type(reply).__name__}, not a status")
@@ -62,17 +67,26 @@ def render(doc: dict[str, Any]) -> str:
     t = doc.get("tasks", {})
     lines.append("tasks: " + " ".join(f"{k}={v}" for k, v in t.items()))
     for m in doc.get("members", []):
-        lines.append(f"member {m['id']}: {m['role']} {m['status']} policies={','.join(m.get('policies', []))}")
+        lines.append(
+            f"member {m['id']}: {m['role']} {m['status']} policies={','.join(m.get('policies', []))}"
+        )
     return "\n".join(lines)
 
 
 def status(
     run_dir: Annotated[Path | None, typer.Option("--run-dir", help="Run directory to read.")] = None,
-    controller: Annotated[str | None, typer.Option("--controller", help="Live controller endpoint to ask.")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the status document as JSON (schema: docs/status.md).")] = False,
+    controller: Annotated[
+        str | None, typer.Option("--controller", help="Live controller endpoint to ask.")
+    ] = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the status document as JSON (schema: docs/status.md).")
+    ] = False,
 ) -> None:
     """Show a run's policies (version, step, reward), members and task ledger counts."""
     if (run_dir is None) == (controller is None):
-        raise AstraflowError("give exactly one of --run-dir or --controller", hint="astraflow status --run-dir runs/<name>-<time>")
+        raise AstraflowError(
+            "give exactly one of --run-dir or --controller",
+            hint="astraflow status --run-dir runs/<name>-<time>",
+        )
     doc = read_status(run_dir) if run_dir is not None else ask_status(controller or "")
     typer.echo(json.dumps(doc, indent=2, sort_keys=True) if as_json else render(doc))

@@ -11,10 +11,18 @@ import typer
 
 def up(
     recipe: Annotated[str, typer.Argument(help="Recipe TOML file.")],
-    set_: Annotated[list[str] | None, typer.Option("--set", help="Override a recipe field: a.b=value (repeatable).")] = None,
-    run_dir: Annotated[Path | None, typer.Option("--run-dir", help="Run directory (default runs/<name>-<time>/).")] = None,
-    no_dash: Annotated[bool, typer.Option("--no-dash", help="Plain progress lines even on a terminal.")] = False,
-    offline: Annotated[bool, typer.Option("--offline", help="Forbid every hub access in all roles (HF_*_OFFLINE=1).")] = False,
+    set_: Annotated[
+        list[str] | None, typer.Option("--set", help="Override a recipe field: a.b=value (repeatable).")
+    ] = None,
+    run_dir: Annotated[
+        Path | None, typer.Option("--run-dir", help="Run directory (default runs/<name>-<time>/).")
+    ] = None,
+    no_dash: Annotated[
+        bool, typer.Option("--no-dash", help="Plain progress lines even on a terminal.")
+    ] = False,
+    offline: Annotated[
+        bool, typer.Option("--offline", help="Forbid every hub access in all roles (HF_*_OFFLINE=1).")
+    ] = False,
 ) -> None:
     """Run a recipe end to end on this machine; exits 0 when every policy reaches its step budget."""
     from astraflow import log

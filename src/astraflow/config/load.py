@@ -52,7 +52,10 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     """Read, override and validate a recipe, raising RecipeError with every problem listed."""
     p = Path(path)
     if not p.is_file():
-        raise RecipeError(f"recipe not found: {p}", hint="pass the path of a .toml recipe, e.g. recipes/quickstart/recipe.toml")
+        raise RecipeError(
+            f"recipe not found: {p}",
+            hint="pass the path of a .toml recipe, e.g. recipes/quickstart/recipe.toml",
+        )
     data = read_recipe_data(p)
     for item in overrides or []:
         if "=" not in item:
@@ -71,7 +74,10 @@ def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
         if isinstance(b, dict) and isinstance(v, dict):
             out[k] = deep_merge(b, v)
         elif k == "policy" and isinstance(b, list) and isinstance(v, list) and len(b) == len(v):
-            out[k] = [deep_merge(x, y) if isinstance(x, dict) and isinstance(y, dict) else y for x, y in zip(b, v, strict=True)]
+            out[k] = [
+                deep_merge(x, y) if isinstance(x, dict) and isinstance(y, dict) else y
+                for x, y in zip(b, v, strict=True)
+            ]
         else:
             out[k] = v
     return out
@@ -137,7 +143,9 @@ def validate_plugins(recipe: Recipe) -> None:
     if recipe.workflow.roles:
         missing = [r for r in roles if r not in recipe.workflow.roles]
         if missing:
-            raise RecipeError(f"workflow.roles does not map roles {missing} of workflow {recipe.workflow.name!r}")
+            raise RecipeError(
+                f"workflow.roles does not map roles {missing} of workflow {recipe.workflow.name!r}"
+            )
     elif len(recipe.policy) != 1 and len(roles) != 1:
         raise RecipeError(
             "workflow.roles is empty but the recipe has several policies",

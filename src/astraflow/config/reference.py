@@ -42,7 +42,9 @@ def _walk(model: type[BaseModel], prefix: str, out: list[str], seen: set[str]) -
         rows.append(f"| `{key}` | {type_txt} | {_default(field)} | {(field.description or '').strip()} |")
         if sub is not None and sub.__name__ not in seen:
             nested.append((f"{key}.", sub))
-    out.append(f"\n### `{prefix.rstrip('.') or '(top level)'}` — {model.__doc__.strip() if model.__doc__ else ''}\n")
+    out.append(
+        f"\n### `{prefix.rstrip('.') or '(top level)'}` — {model.__doc__.strip() if model.__doc__ else ''}\n"
+    )
     out.append("| key | type | default | meaning |")
     out.append("|---|---|---|---|")
     out.extend(rows)

@@ -129,7 +129,9 @@ class Admission:
         for r in self.store.query(
             "SELECT roles, group_size, COUNT(*) AS n FROM tasks WHERE status = 'leased' GROUP BY roles, group_size"
         ):
-            n += self.sequences_per_task(json.loads(r["roles"]), int(r["group_size"])).get(policy, 0) * int(r["n"])
+            n += self.sequences_per_task(json.loads(r["roles"]), int(r["group_size"])).get(policy, 0) * int(
+                r["n"]
+            )
         return n
 
     def may_lease(self, loaded: dict[str, int], policies: Iterable[str]) -> bool:

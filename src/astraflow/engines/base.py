@@ -59,5 +59,5 @@ class RolloutEngine(ABC):
     def capacity(self) -> int:
         """How many sequences the engine decodes together at most."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Release resources (threads, devices)."""

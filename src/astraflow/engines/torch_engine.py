@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from astraflow import log
 from astraflow.engines.base import Completion, GenerationRequest, RolloutEngine
+from astraflow.engines.device import resolve_device
 from astraflow.errors import AstraflowError
 
 _log = log.get("engines.torch")
@@ -103,12 +104,12 @@ class TorchEngine(RolloutEngine):
         config: TorchEngineConfig | None = None,
         *,
         seed: int = 0,
-        device: str = "cpu",
+        device: str = "auto",
     ) -> None:
         from transformers import AutoModelForCausalLM
 
         self.config = config if config is not None else TorchEngineConfig()
-        self.device = torch.device(device)
+        self.device = torch.device(resolve_device(device))
         try:
             self.model = AutoModelForCausalLM.from_pretrained(
                 model_path, dtype=getattr(torch, self.config.dtype)

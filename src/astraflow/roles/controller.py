@@ -208,7 +208,8 @@ class Controller:
             )
             self.store.add_event(
                 "member_joined" if prev is None else "member_rejoined",
-                f"{msg.member_id} {msg.role}" + (f"; {released} leases of its previous process back" if released else ""),
+                f"{msg.member_id} {msg.role}"
+                + (f"; {released} leases of its previous process back" if released else ""),
             )
         _log.info("member %s joined as %s (%s)", msg.member_id, msg.role, msg.hardware or "?")
         return m.Welcome(
@@ -345,7 +346,9 @@ class Controller:
                 stale.append(ref - int(r["min_version"]))
         counts = self.buffer.counts(msg.policy)
         tasks = self.ledger.counts()
-        generated = int(self.store.scalar("SELECT COUNT(*) FROM trajectories WHERE policy = ?", (msg.policy,)))
+        generated = int(
+            self.store.scalar("SELECT COUNT(*) FROM trajectories WHERE policy = ?", (msg.policy,))
+        )
         hist = self.rate_hist.setdefault(msg.policy, deque(maxlen=6))
         hist.append((now, generated))
         t0, g0 = hist[0]

@@ -22,7 +22,9 @@ def hardware() -> str:
     return f"cpu:{os.cpu_count() or 1}"
 
 
-def make_hello(role: str, member_id: str | None, *, policies: list[str], region: str = "", slots: int = 0) -> Hello:
+def make_hello(
+    role: str, member_id: str | None, *, policies: list[str], region: str = "", slots: int = 0
+) -> Hello:
     """The Hello this process sends; the default id is role-host-pid (unique, stable for the process)."""
     host = socket.gethostname()
     return Hello(
@@ -51,7 +53,9 @@ def advertise_host(controller: str) -> str:
         return socket.gethostname()
 
 
-def request_retrying(client: Any, msg: Any, *, timeout_s: float = 30.0, give_up_after_s: float = 600.0) -> Any:
+def request_retrying(
+    client: Any, msg: Any, *, timeout_s: float = 30.0, give_up_after_s: float = 600.0
+) -> Any:
     """A request that survives a controller restart: on ConnectError, wait and ask again (the client
     re-sends its Hello by itself once the controller is back), until give_up_after_s."""
     import time

@@ -48,7 +48,14 @@ class RaaS:
     """One rollout worker: engines for the policies it serves, a workflow, and the task loop."""
 
     def __init__(
-        self, client: Any, recipe: Any, *, policies: list[str], engine_override: str | None, slots: int, member_id: str
+        self,
+        client: Any,
+        recipe: Any,
+        *,
+        policies: list[str],
+        engine_override: str | None,
+        slots: int,
+        member_id: str,
     ) -> None:
         from transformers import AutoTokenizer
 
@@ -65,15 +72,24 @@ class RaaS:
         if policies:
             missing = [p for p in needed if p not in policies]
             if missing:
-                _log.warning("workflow needs policies %s that this worker was not asked to serve; serving them anyway", missing)
+                _log.warning(
+                    "workflow needs policies %s that this worker was not asked to serve; serving them anyway",
+                    missing,
+                )
         self.engines: dict[str, RolloutEngine] = {}
         self.clients: dict[str, EnginePolicyClient] = {}
         for name in needed:
             pol = recipe.get_policy(name)
             engine_name = engine_override or pol.engine
             eng_cls = plugins.load("engines", engine_name)
-            cfg = eng_cls.Config.model_validate(pol.engine_options) if getattr(eng_cls, "Config", None) else None
-            engine = eng_cls(pol.model, cfg, seed=recipe.run.seed * 1_000_003 + zlib.crc32(member_id.encode()))
+            cfg = (
+                eng_cls.Config.model_validate(pol.engine_options)
+                if getattr(eng_cls, "Config", None)
+                else None
+            )
+            engine = eng_cls(
+                pol.model, cfg, seed=recipe.run.seed * 1_000_003 + zlib.crc32(member_id.encode())
+            )
             tok = AutoTokenizer.from_pretrained(pol.model)
             stop = [tok.eos_token_id] if tok.eos_token_id is not None else []
             self.engines[name] = engine
@@ -173,8 +189,12 @@ class RaaS:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            _log.error("task %d failed: %s", task.task_id, "".join(traceback.format_exception_only(exc)).strip())
-            result = TaskResult(task_id=task.task_id, epoch=task.epoch, error=f"{type(exc).__name__}: {exc}"[:2000])
+            _log.error(
+                "task %d failed: %s", task.task_id, "".join(traceback.format_exception_only(exc)).strip()
+            )
+            result = TaskResult(
+                task_id=task.task_id, epoch=task.epoch, error=f"{type(exc).__name__}: {exc}"[:2000]
+            )
         try:
             for attempt in range(RESULT_ATTEMPTS):
                 try:
@@ -186,7 +206,11 @@ class RaaS:
                         raise
                     await asyncio.sleep(1.0)  # the controller may be restarting; results are idempotent
         except Exception as exc:
-            _log.warning("result of task %d not delivered (%s); its lease will expire and requeue it", task.task_id, exc)
+            _log.warning(
+                "result of task %d not delivered (%s); its lease will expire and requeue it",
+                task.task_id,
+                exc,
+            )
         finally:
             self.busy -= 1
 
@@ -266,7 +290,14 @@ def run_raas(
     torch.set_num_threads(recipe.rollout.threads)
     n_slots = slots or recipe.rollout.slots
     try:
-        worker = RaaS(client, recipe, policies=policies, engine_override=engine, slots=n_slots, member_id=hello.member_id)
+        worker = RaaS(
+            client,
+            recipe,
+            policies=policies,
+            engine_override=engine,
+            slots=n_slots,
+            member_id=hello.member_id,
+        )
         return asyncio.run(worker.run())
     finally:
         client.close("done")

@@ -43,7 +43,8 @@ def save_checkpoint(trainer: Any, root: Path, keep: int = 2) -> Path:
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
     ckpts = sorted(
-        (d for d in root.iterdir() if re.fullmatch(r"step-\d+", d.name)), key=lambda d: int(d.name.split("-")[1])
+        (d for d in root.iterdir() if re.fullmatch(r"step-\d+", d.name)),
+        key=lambda d: int(d.name.split("-")[1]),
     )
     for old in ckpts[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
@@ -105,7 +106,9 @@ def run_trainer(
         _log.info("resumed %s from %s (step %d)", policy, last, trainer.step_count)
 
     host = advertise or advertise_host(controller)
-    server = WeightServer(host, chunk_bytes=recipe.weights.chunk_bytes, keep_versions=recipe.weights.keep_versions)
+    server = WeightServer(
+        host, chunk_bytes=recipe.weights.chunk_bytes, keep_versions=recipe.weights.keep_versions
+    )
 
     def publish(metrics: dict[str, float]) -> None:
         blob = state_dict_to_bytes(trainer.export_weights())
@@ -120,10 +123,12 @@ def run_trainer(
                 sha256=manifest.sha256,
                 nbytes=manifest.nbytes,
                 metrics=metrics,
-            )
+            ),
         )
         if isinstance(reply, Error):
-            raise AstraflowError(f"controller refused version {trainer.step_count}: {reply.code} {reply.message}")
+            raise AstraflowError(
+                f"controller refused version {trainer.step_count}: {reply.code} {reply.message}"
+            )
 
     try:
         if trainer.step_count > 0:
@@ -153,7 +158,9 @@ def run_trainer(
             client.tick()
             if trainer.step_count % pol.checkpoint_every == 0 or trainer.step_count >= recipe.run.steps:
                 save_checkpoint(trainer, ckpt_root)
-            metrics.update({"trainer_wait_s": wait_s, "trainer_step_s": step_s, "batch_size": float(len(batch.samples))})
+            metrics.update(
+                {"trainer_wait_s": wait_s, "trainer_step_s": step_s, "batch_size": float(len(batch.samples))}
+            )
             publish({k: float(v) for k, v in metrics.items()})
         if stopping["sig"]:
             _log.info("stopping on signal; last step %d", trainer.step_count)

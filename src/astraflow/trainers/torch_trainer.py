@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from astraflow import log, plugins
 from astraflow.config.recipe import PolicyConfig
+from astraflow.engines.device import resolve_device
 from astraflow.errors import AstraflowError
 from astraflow.losses.base import Loss, LossInputs
 from astraflow.protocol.messages import TrainSample
@@ -70,12 +71,12 @@ class TorchTrainer(Trainer):
 
     Config = TorchTrainerConfig
 
-    def __init__(self, policy: PolicyConfig, *, seed: int = 0, device: str = "cpu") -> None:
+    def __init__(self, policy: PolicyConfig, *, seed: int = 0, device: str = "auto") -> None:
         from transformers import AutoModelForCausalLM
 
         self.policy = policy
         self.config = TorchTrainerConfig.model_validate(policy.trainer_options)
-        self.device = torch.device(device)
+        self.device = torch.device(resolve_device(device))
         self.seed = seed
         torch.manual_seed(seed)
         random.seed(seed)
