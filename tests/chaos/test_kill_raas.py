@@ -107,6 +107,20 @@ def test_kill_9_raas_mid_run_loses_no_task(tiny_model: Path, tmp_path: Path) -> 
             assert trainer.poll() is None, (tmp_path / "trainer.log").read_text()[-2000:]
             time.sleep(0.2)
         assert steps_done(run_dir) >= 3
+        # status from the live controller and from the run directory, while the run goes on
+        for where in (["--controller", addr], ["--run-dir", str(run_dir)]):
+            out = subprocess.run(
+                [sys.executable, "-m", "astraflow", "status", *where, "--json"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert out.returncode == 0, out.stderr
+            doc = json.loads(out.stdout)
+            assert {"policies", "members", "tasks"} <= set(doc)
+            assert doc["policies"][0]["name"] == "main" and doc["policies"][0]["step"] >= 3
+            assert {m["id"] for m in doc["members"] if m["role"] == "raas"} == {"raas-0", "raas-1"}
+            assert set(doc["tasks"]) >= {"queued", "leased", "done", "failed"}
         # kill raas-0 while it holds leases
         while time.monotonic() < deadline:
             with ro(run_dir) as db:
