@@ -20,6 +20,9 @@ from astraflow.data.staleness import StalenessAdmission, StalenessConfig
 def test_replay_count_is_floor_of_ratio_times_batch() -> None:
     r = ReplayComposer(ReplayConfig(ratio=0.3))
     assert [r.replay_count(b) for b in (0, 1, 3, 4, 10, 256)] == [0, 0, 0, 1, 3, 76]
+    assert r.metrics() == {"replayed": 0.0}  # asking is pure: admission asks too
+    r.on_batch(76)
+    r.on_batch(4)
     assert r.metrics() == {"replayed": 80.0}
     assert ReplayComposer(ReplayConfig(ratio=0.29)).replay_count(100) == 29  # not 28 from 28.999...
     assert ReplayComposer(ReplayConfig(ratio=0.0)).replay_count(64) == 0

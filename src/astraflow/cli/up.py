@@ -18,7 +18,11 @@ def up(
         Path | None, typer.Option("--run-dir", help="Run directory (default runs/<name>-<time>/).")
     ] = None,
     no_dash: Annotated[
-        bool, typer.Option("--no-dash", help="Plain progress lines even on a terminal (the only output until the dashboard lands).")
+        bool,
+        typer.Option(
+            "--no-dash",
+            help="Plain progress lines even on a terminal (the only output until the dashboard lands).",
+        ),
     ] = False,
     offline: Annotated[
         bool, typer.Option("--offline", help="Forbid every hub access in all roles (HF_*_OFFLINE=1).")

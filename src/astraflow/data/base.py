@@ -116,8 +116,12 @@ class BatchComposer(Stage):
     kind = "batch"
 
     def replay_count(self, batch_size: int) -> int:
-        """Sequences of this batch to take from the replay pool (the rest are fresh)."""
+        """Sequences of this batch to take from the replay pool (the rest are fresh). Pure: admission
+        also asks it, to know how many fresh sequences a batch consumes."""
         return 0
+
+    def on_batch(self, replayed: int) -> None:
+        """Called once per newly recorded batch with the sequences actually replayed in it."""
 
 
 class AdmissionStage(Stage):

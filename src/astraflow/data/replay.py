@@ -35,10 +35,12 @@ class ReplayComposer(BatchComposer):
         self.replayed = 0
 
     def replay_count(self, batch_size: int) -> int:
-        """Sequences of this batch to take from the replay pool; counted as replayed."""
-        n = math.floor(self._ratio * max(0, batch_size))
-        self.replayed += n
-        return n
+        """Sequences of this batch to take from the replay pool (pure; see on_batch for the counter)."""
+        return math.floor(self._ratio * max(0, batch_size))
+
+    def on_batch(self, replayed: int) -> None:
+        """Count the sequences a recorded batch actually replayed (fewer early on, when the pool is small)."""
+        self.replayed += replayed
 
     def state_dict(self) -> dict[str, Any]:
         """The counter."""
@@ -49,5 +51,5 @@ class ReplayComposer(BatchComposer):
         self.replayed = int(state["replayed"])
 
     def metrics(self) -> dict[str, float]:
-        """replayed: sequences requested from the replay pool, cumulative."""
+        """replayed: sequences actually replayed, cumulative."""
         return {"replayed": float(self.replayed)}

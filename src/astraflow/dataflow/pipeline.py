@@ -228,6 +228,15 @@ class Pipeline:
         n = sum(int(c.replay_count(batch_size)) for c in self.policies[policy].composers)
         return max(0, min(n, batch_size))
 
+    def on_batch(self, policy: str, replayed: int) -> None:
+        """Tell the composers how many sequences a newly recorded batch replayed."""
+        for c in self.policies[policy].composers:
+            c.on_batch(replayed)
+
+    def fresh_per_batch(self, policy: str, batch_size: int) -> int:
+        """Fresh sequences one batch consumes: the batch minus what the composers replay."""
+        return max(1, batch_size - self.replay_count(policy, batch_size))
+
     def metrics(self, policy: str) -> dict[str, float]:
         """The pipeline's counters and every stage's metrics, as `data/<stage>/<name>` keys."""
         ps = self.policies[policy]

@@ -48,7 +48,13 @@ class Controller:
         self.buffer = Buffer(store, order=self.pipeline.order, replay_count=self.pipeline.replay_count)
         self.admission = Admission(
             store,
-            {p.name: PolicyLimits(p.batch_prompts * p.group_size, p.max_staleness) for p in recipe.policy},
+            {
+                # with replay, a batch consumes only its fresh part: admit for that rate, or work expires
+                p.name: PolicyLimits(
+                    self.pipeline.fresh_per_batch(p.name, p.batch_prompts * p.group_size), p.max_staleness
+                )
+                for p in recipe.policy
+            },
         )
         self.roles = role_map(recipe)
         self.task_policies = list(dict.fromkeys(self.roles.values()))
@@ -302,6 +308,8 @@ class Controller:
         if batch is None:
             self.refill()
             return m.BatchReply(rid=msg.rid, policy=msg.policy, step=msg.step, retry_after_s=RETRY_S)
+        if batch.new:
+            self.pipeline.on_batch(msg.policy, sum(1 for s in batch.samples if s.replay))
         return m.BatchReply(rid=msg.rid, policy=msg.policy, step=msg.step, samples=batch.samples, ready=True)
 
     def on_version(self, member: dict[str, Any], msg: m.VersionPublished) -> m.Msg:
