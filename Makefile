@@ -1,4 +1,5 @@
-# astraflow: `make demo` (virtualenv + install + quickstart run) and `make test` (the suite).
+# astraflow: `make demo` (virtualenv + install + quickstart run), `make test` (the suite) and
+# `make check` (ruff lint + format check, mypy).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -30,6 +31,7 @@ test: $(VENV)/.installed
 check: $(VENV)/.installed
 	$(BIN)/ruff check src tests
 	$(BIN)/ruff format --check src tests
+	$(BIN)/mypy src/astraflow
 
 fmt: $(VENV)/.installed
 	$(BIN)/ruff format src tests

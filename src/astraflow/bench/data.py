@@ -188,7 +188,7 @@ def read_run(run_dir: Path, res: RunResult) -> RunResult:
 
 def read_metrics(path: Path, policy: str) -> list[dict[str, Any]]:
     """The metrics.jsonl rows of one policy, in step order (a torn last line is skipped)."""
-    rows = []
+    rows: list[dict[str, Any]] = []
     if not path.is_file():
         return rows
     for line in path.read_text().splitlines():

@@ -37,7 +37,7 @@ def ask_status(controller: str, timeout_s: float = 5.0) -> dict[str, Any]:
     from astraflow.protocol.codec import decode, encode
     from astraflow.protocol.messages import StatusReply, StatusRequest
 
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.IDENTITY, f"status-{os.getpid()}".encode())

@@ -119,7 +119,8 @@ class TorchEngine(RolloutEngine):
                 f"cannot load model from {model_path!r}: {exc}",
                 hint="create one with `astraflow model init --arch qwen3 --preset tiny --out DIR`",
             ) from exc
-        self.model.to(self.device).eval()
+        # transformers wraps PreTrainedModel.to with functools.wraps, which hides the bound signature
+        self.model.to(self.device).eval()  # type: ignore[arg-type]
         self.model.requires_grad_(False)
         self._params = self.model.state_dict()
         params = inspect.signature(self.model.forward).parameters

@@ -11,8 +11,9 @@ import json
 import signal
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from astraflow import log
 from astraflow.config.load import role_map
@@ -166,14 +167,18 @@ class Controller:
             return m.Error(
                 rid=rid, code="unknown_member", message=f"{member_id!r} has not joined; send Hello"
             )
-        handler = {
-            m.Heartbeat: self.on_heartbeat,
-            m.Bye: self.on_bye,
-            m.TaskRequest: self.on_task_request,
-            m.TaskResult: self.on_task_result,
-            m.BatchRequest: self.on_batch_request,
-            m.VersionPublished: self.on_version,
-        }.get(type(msg))
+        # each handler takes the message type it is keyed by
+        handler = cast(
+            "Callable[[dict[str, Any], Any], m.Msg] | None",
+            {
+                m.Heartbeat: self.on_heartbeat,
+                m.Bye: self.on_bye,
+                m.TaskRequest: self.on_task_request,
+                m.TaskResult: self.on_task_result,
+                m.BatchRequest: self.on_batch_request,
+                m.VersionPublished: self.on_version,
+            }.get(type(msg)),
+        )
         if handler is None:
             return m.Error(
                 rid=rid,

@@ -17,17 +17,17 @@ Migration = Callable[[Database], None]
 
 def m0001_initial(db: Database) -> None:
     """The first schema: runs, policies, versions, members, ledger, trajectories, batches, stages, metrics, events."""
-    db["runs"].create(
+    db.table("runs").create(
         {"id": int, "name": str, "recipe": str, "git_sha": str, "created": float},
         pk="id",
         not_null={"name", "recipe"},
     )
-    db["policies"].create(
+    db.table("policies").create(
         {"name": str, "max_staleness": int, "version": int, "step": int},
         pk="name",
         defaults={"version": 0, "step": 0, "max_staleness": 0},
     )
-    db["versions"].create(
+    db.table("versions").create(
         {
             "policy": str,
             "version": int,
@@ -39,7 +39,7 @@ def m0001_initial(db: Database) -> None:
         },
         pk=("policy", "version"),
     )
-    db["members"].create(
+    db.table("members").create(
         {
             "id": str,
             "role": str,
@@ -57,7 +57,7 @@ def m0001_initial(db: Database) -> None:
         pk="id",
         defaults={"status": "alive", "policies": "[]", "loaded": "{}", "slots": 0},
     )
-    db["tasks"].create(
+    db.table("tasks").create(
         {
             "id": int,
             "prompt_key": str,
@@ -83,9 +83,9 @@ def m0001_initial(db: Database) -> None:
             "error": "",
         },
     )
-    db["tasks"].create_index(["status", "id"])
-    db["tasks"].create_index(["owner", "status"])
-    db["trajectories"].create(
+    db.table("tasks").create_index(["status", "id"])
+    db.table("tasks").create_index(["owner", "status"])
+    db.table("trajectories").create(
         {
             "id": int,
             "task_id": int,
@@ -106,18 +106,18 @@ def m0001_initial(db: Database) -> None:
         pk="id",
         defaults={"status": "buffered"},
     )
-    db["trajectories"].create_index(["policy", "status"])
-    db["trajectories"].create_index(["task_id"])
-    db["batches"].create(
+    db.table("trajectories").create_index(["policy", "status"])
+    db.table("trajectories").create_index(["task_id"])
+    db.table("batches").create(
         {"policy": str, "step": int, "traj_ids": str, "replay": str, "version": int, "created": float},
         pk=("policy", "step"),
     )
-    db["stage_state"].create(
+    db.table("stage_state").create(
         {"policy": str, "stage": int, "name": str, "state": str, "updated": float}, pk=("policy", "stage")
     )
-    db["metrics"].create({"id": int, "policy": str, "step": int, "values": str, "time": float}, pk="id")
-    db["metrics"].create_index(["policy", "step"])
-    db["events"].create({"id": int, "time": float, "kind": str, "detail": str}, pk="id")
+    db.table("metrics").create({"id": int, "policy": str, "step": int, "values": str, "time": float}, pk="id")
+    db.table("metrics").create_index(["policy", "step"])
+    db.table("events").create({"id": int, "time": float, "kind": str, "detail": str}, pk="id")
 
 
 MIGRATIONS: list[tuple[str, Migration]] = [
@@ -140,7 +140,9 @@ def apply(db: Database, migrations: list[tuple[str, Migration]] | None = None) -
     if "migrations" not in db.table_names():
         db.conn.execute("BEGIN IMMEDIATE")
         try:
-            db["migrations"].create({"id": int, "name": str, "applied": float}, pk="id", if_not_exists=True)
+            db.table("migrations").create(
+                {"id": int, "name": str, "applied": float}, pk="id", if_not_exists=True
+            )
             db.conn.execute("COMMIT")
         except BaseException:
             db.conn.execute("ROLLBACK")
@@ -154,7 +156,7 @@ def apply(db: Database, migrations: list[tuple[str, Migration]] | None = None) -
             # Another opener may have applied it between our read and the lock.
             if name not in set(applied(db)):
                 fn(db)
-                db["migrations"].insert({"name": name, "applied": time.time()})
+                db.table("migrations").insert({"name": name, "applied": time.time()})
                 done_now.append(name)
             db.conn.execute("COMMIT")
         except BaseException:

@@ -89,7 +89,8 @@ class TorchTrainer(Trainer):
                 f"cannot load model from {policy.model!r}: {exc}",
                 hint="create one with `astraflow model init --arch qwen3 --preset tiny --out DIR`",
             ) from exc
-        self.model.to(self.device).train()
+        # transformers wraps PreTrainedModel.to with functools.wraps, which hides the bound signature
+        self.model.to(self.device).train()  # type: ignore[arg-type]
         if self.config.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         loss_cls = plugins.load("losses", policy.loss)

@@ -67,7 +67,8 @@ class MemberLoop:
         while not c._stopping.is_set():
             now = time.monotonic()
             wait = max(0.0, min(self.next_beat - now, 0.02 if self.outbox else 1.0))
-            for target, _ in poller.poll(wait * 1000):
+            # Poller.poll takes a float timeout too (it truncates to int ms)
+            for target, _ in poller.poll(wait * 1000):  # type: ignore[arg-type]
                 if target == c._wake_r:
                     os.read(c._wake_r, 4096)
                 else:
@@ -187,6 +188,7 @@ class MemberLoop:
 
     def _handle(self, msg: Msg) -> None:
         c = self.c
+        p: Pending | None
         if isinstance(msg, Error) and msg.code == "unknown_member":
             self._rejoin(msg.rid)
             return

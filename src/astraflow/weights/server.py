@@ -133,5 +133,9 @@ class WeightServer:
         start, end = chunk_span(manifest, req.chunk)
         # a memoryview slice is encoded straight from the held blob without an extra copy
         return WeightChunk(
-            rid=req.rid, policy=req.policy, version=req.version, index=req.chunk, data=view[start:end]
+            rid=req.rid,
+            policy=req.policy,
+            version=req.version,
+            index=req.chunk,
+            data=view[start:end],  # type: ignore[arg-type]  # msgspec encodes a memoryview as bytes
         )

@@ -9,7 +9,7 @@ from safetensors.torch import save as _st_save
 
 def state_dict_to_bytes(sd: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:
     """Serialize a state_dict (any device, tied weights allowed) to safetensors bytes."""
-    seen: set[tuple[int, int, int]] = set()
+    seen: set[tuple[int, int | torch.SymInt, int]] = set()
     flat: dict[str, torch.Tensor] = {}
     for name, tensor in sd.items():
         t = tensor.detach().to("cpu").contiguous()
