@@ -57,21 +57,29 @@ class Stage:
     Config: ClassVar[type[StageConfig]] = StageConfig
     kind: ClassVar[str] = ""
 
+    counters: ClassVar[tuple[str, ...]] = ()
+    """Names of the cumulative counters in `self.counts`; the defaults below save and report them."""
+
     def __init__(self, config: StageConfig | None = None, *, policy: str = "", seed: int = 0) -> None:
         self.config = config if config is not None else self.Config()
         self.policy = policy
         self.seed = seed
+        self.counts: dict[str, int] = dict.fromkeys(self.counters, 0)
 
     def state_dict(self) -> dict[str, Any]:
-        """JSON-serializable state, saved in the state store."""
-        return {}
+        """JSON-serializable state, saved in the state store (by default: the counters)."""
+        return {"counts": dict(self.counts)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what state_dict returned."""
+        self.counts = {
+            **dict.fromkeys(self.counters, 0),
+            **{k: int(v) for k, v in state.get("counts", {}).items()},
+        }
 
     def metrics(self) -> dict[str, float]:
         """Cumulative counters (submitted, skipped, filtered, replayed, ...)."""
-        return {}
+        return {k: float(v) for k, v in self.counts.items()}
 
 
 class Curator(Stage):

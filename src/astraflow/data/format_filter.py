@@ -30,10 +30,7 @@ class FormatFilter(GroupFilter):
 
     Config = FormatFilterConfig
     config: FormatFilterConfig
-
-    def __init__(self, config: FormatFilterConfig | None = None, *, policy: str = "", seed: int = 0) -> None:
-        super().__init__(config, policy=policy, seed=seed)
-        self.counts: dict[str, int] = {"kept": 0, "filtered": 0, "bad_format": 0}
+    counters = ("kept", "filtered", "bad_format")
 
     def is_bad(self, info: dict[str, Any]) -> bool:
         """Whether one sequence's info says its format was bad."""
@@ -50,15 +47,3 @@ class FormatFilter(GroupFilter):
         ok = n == 0 or bad / n <= self.config.max_bad_fraction
         self.counts["kept" if ok else "filtered"] += 1
         return ok
-
-    def state_dict(self) -> dict[str, Any]:
-        """The counters."""
-        return {"counts": dict(self.counts)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what state_dict returned."""
-        self.counts = {k: int(v) for k, v in state["counts"].items()}
-
-    def metrics(self) -> dict[str, float]:
-        """kept, filtered (groups), bad_format (sequences), all cumulative."""
-        return {k: float(v) for k, v in self.counts.items()}

@@ -8,8 +8,6 @@ groups, so a single sequence is never removed from a group: that would change it
 
 from __future__ import annotations
 
-from typing import Any
-
 from pydantic import Field
 
 from astraflow.data.base import GroupFilter, GroupView, StageConfig
@@ -31,10 +29,7 @@ class LengthFilter(GroupFilter):
 
     Config = LengthFilterConfig
     config: LengthFilterConfig
-
-    def __init__(self, config: LengthFilterConfig | None = None, *, policy: str = "", seed: int = 0) -> None:
-        super().__init__(config, policy=policy, seed=seed)
-        self.counts: dict[str, int] = {"kept": 0, "filtered": 0, "truncated": 0, "overlong": 0}
+    counters = ("kept", "filtered", "truncated", "overlong")
 
     def keep(self, group: GroupView) -> bool:
         """False when more than max_bad_fraction of the sequences are truncated or over-long."""
@@ -50,15 +45,3 @@ class LengthFilter(GroupFilter):
         ok = n == 0 or bad / n <= cfg.max_bad_fraction
         self.counts["kept" if ok else "filtered"] += 1
         return ok
-
-    def state_dict(self) -> dict[str, Any]:
-        """The counters."""
-        return {"counts": dict(self.counts)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what state_dict returned."""
-        self.counts = {k: int(v) for k, v in state["counts"].items()}
-
-    def metrics(self) -> dict[str, float]:
-        """kept, filtered (groups), truncated, overlong (sequences seen), all cumulative."""
-        return {k: float(v) for k, v in self.counts.items()}

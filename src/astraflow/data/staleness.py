@@ -10,8 +10,6 @@ weights older than the newest version; the buffer's check at batching still drop
 
 from __future__ import annotations
 
-from typing import Any
-
 from pydantic import Field
 
 from astraflow.data.base import AdmissionStage, StageConfig
@@ -29,11 +27,11 @@ class StalenessAdmission(AdmissionStage):
 
     Config = StalenessConfig
     config: StalenessConfig
+    counters = ("admitted", "held")
 
     def __init__(self, config: StalenessConfig | None = None, *, policy: str = "", seed: int = 0) -> None:
         super().__init__(config, policy=policy, seed=seed)
         self._policy_bound: int | None = None
-        self.counts: dict[str, int] = {"admitted": 0, "held": 0}
 
     @property
     def max_staleness(self) -> int:
@@ -55,14 +53,6 @@ class StalenessAdmission(AdmissionStage):
         self.counts["admitted" if ok else "held"] += 1
         return ok
 
-    def state_dict(self) -> dict[str, Any]:
-        """The counters (the bound comes from the recipe)."""
-        return {"counts": dict(self.counts)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what state_dict returned."""
-        self.counts = {k: int(v) for k, v in state["counts"].items()}
-
     def metrics(self) -> dict[str, float]:
         """admitted, held (admission decisions, cumulative) and max_staleness."""
-        return {**{k: float(v) for k, v in self.counts.items()}, "max_staleness": float(self.max_staleness)}
+        return {**super().metrics(), "max_staleness": float(self.max_staleness)}
