@@ -13,7 +13,7 @@ import pytest
 from astraflow import plugins
 from astraflow.config.load import validate_options, validate_plugins, validate_recipe
 from astraflow.data.base import GroupFilter, GroupView
-from astraflow.errors import PluginError, RecipeError
+from astraflow.errors import RecipeError
 
 PACKAGE = Path(__file__).resolve().parents[1] / "plugins" / "astraflow-example-data"
 NAME = "key_pattern"
@@ -63,12 +63,7 @@ def test_recipe_naming_it_validates(installed: None) -> None:
     recipe = validate_recipe(recipe_data({"pattern": "^scratch-"}))
     config = validate_options("data", NAME, recipe.policy[0].data[0].options, "policy.0.data.0.options")
     assert config is not None and config.pattern == "^scratch-"  # type: ignore[attr-defined]
-    try:
-        validate_plugins(recipe)
-    except PluginError as exc:  # the rest of the recipe needs the built-in workflow and engines
-        if NAME in str(exc):
-            raise
-        pytest.skip(f"built-in plugins the recipe needs are not importable yet: {exc}")
+    validate_plugins(recipe)
     with pytest.raises(RecipeError, match="pattern"):
         validate_plugins(validate_recipe(recipe_data({"pattern": "("})))
     with pytest.raises(RecipeError, match="patern"):
