@@ -130,7 +130,9 @@ class RolloutConfig(_Model):
     threads: int = Field(1, ge=1)
     """torch threads per RaaS process."""
     lease_timeout_s: float = Field(120.0, gt=0)
-    """A leased task not finished in this time returns to the queue."""
+    """A lease its owner's heartbeats have not renewed for this long returns its task to the queue."""
+    task_timeout_s: float = Field(900.0, gt=0)
+    """A RaaS gives up a task whose episodes run longer than this and reports it failed (it is requeued)."""
     max_attempts: int = Field(5, ge=1)
     """A task that fails this many times is marked failed."""
 

@@ -182,12 +182,18 @@ class RaaS:
 
         try:
             clients = {role: self.clients[pol] for role, pol in task.roles.items()}
-            episodes = await asyncio.gather(
-                *(self.workflow.run_episode(dict(task.sample), clients) for _ in range(task.group_size))
+            episodes = await asyncio.wait_for(
+                asyncio.gather(
+                    *(self.workflow.run_episode(dict(task.sample), clients) for _ in range(task.group_size))
+                ),
+                timeout=self.recipe.rollout.task_timeout_s,
             )
             result = TaskResult(task_id=task.task_id, epoch=task.epoch, episodes=list(episodes))
         except asyncio.CancelledError:
             raise
+        except TimeoutError:
+            _log.error("task %d ran past rollout.task_timeout_s; reporting it failed", task.task_id)
+            result = TaskResult(task_id=task.task_id, epoch=task.epoch, error="task_timeout")
         except Exception as exc:
             _log.error(
                 "task %d failed: %s", task.task_id, "".join(traceback.format_exception_only(exc)).strip()
