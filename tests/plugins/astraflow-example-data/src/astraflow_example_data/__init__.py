@@ -1,4 +1,5 @@
-"""An example third-party astraflow data stage: drop groups whose prompt key matches a pattern."""
+"""Example third-party astraflow plugins: a data stage that drops groups whose prompt key matches a
+pattern, and a workflow whose environment crashes on some prompts (for failure-handling tests)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 from pydantic import field_validator
 
 from astraflow.data.base import GroupFilter, GroupView, StageConfig
+from astraflow.workflows.quickstart import QuickstartConfig, QuickstartWorkflow
 
 
 class KeyPatternConfig(StageConfig):
@@ -32,10 +34,11 @@ class KeyPatternFilter(GroupFilter):
     Config = KeyPatternConfig
     config: KeyPatternConfig
 
+    counters = ("kept", "filtered")
+
     def __init__(self, config: KeyPatternConfig | None = None, *, policy: str = "", seed: int = 0) -> None:
         super().__init__(config, policy=policy, seed=seed)
         self._re = re.compile(self.config.pattern) if self.config.pattern else None
-        self.counts = {"kept": 0, "filtered": 0}
 
     def keep(self, group: GroupView) -> bool:
         """False when the group's prompt key matches the pattern."""
@@ -43,14 +46,22 @@ class KeyPatternFilter(GroupFilter):
         self.counts["kept" if ok else "filtered"] += 1
         return ok
 
-    def state_dict(self) -> dict[str, Any]:
-        """The counters."""
-        return {"counts": dict(self.counts)}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what state_dict returned."""
-        self.counts = {k: int(v) for k, v in state["counts"].items()}
+class FlakyConfig(QuickstartConfig):
+    """The quickstart's options plus which prompts break."""
 
-    def metrics(self) -> dict[str, float]:
-        """kept, filtered (groups, cumulative)."""
-        return {k: float(v) for k, v in self.counts.items()}
+    fail_pattern: str = "-3$"
+    """Episodes of prompts whose id matches this regular expression raise an error."""
+
+
+class FlakyWorkflow(QuickstartWorkflow):
+    """The quickstart, except that some prompts always crash their episode (a buggy environment)."""
+
+    Config = FlakyConfig
+    config: FlakyConfig
+
+    async def run_episode(self, sample: dict[str, Any], policies: dict[str, Any]) -> Any:
+        """Raise for the prompts fail_pattern names, else play the quickstart episode."""
+        if re.search(self.config.fail_pattern, str(sample.get("id", ""))):
+            raise RuntimeError(f"environment crashed on {sample.get('id')}")
+        return await super().run_episode(sample, policies)
