@@ -97,3 +97,65 @@ def data(
     typer.echo(f"\nfull results: {base / 'bench.json'}", err=json_)
     if json_:
         typer.echo(json.dumps(summary, indent=2))
+
+
+@app.command("rollout")
+def rollout(
+    model: Annotated[
+        Path, typer.Option("--model", help="Model directory (e.g. from `astraflow model init`).")
+    ],
+    batch: Annotated[
+        str, typer.Option("--batch", help="Batch sizes to measure, comma-separated.")
+    ] = "1,8,64",
+    prompt_len: Annotated[int, typer.Option("--prompt-len", min=1, help="Tokens per random prompt.")] = 32,
+    new_tokens: Annotated[
+        int, typer.Option("--new-tokens", min=2, help="Tokens generated per sequence (no stop token).")
+    ] = 128,
+    device: Annotated[
+        str, typer.Option("--device", help="auto | cpu | cuda (auto: CUDA when visible).")
+    ] = "auto",
+    dtype: Annotated[str, typer.Option("--dtype", help="Parameter dtype: float32 | bfloat16.")] = "float32",
+    repeats: Annotated[
+        int,
+        typer.Option(
+            "--repeats", min=1, help="Timed calls per generator and batch (median), after a warm-up."
+        ),
+    ] = 3,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the prompts and the sampling.")] = 0,
+    threads: Annotated[int, typer.Option("--threads", min=1, help="torch CPU threads.")] = 1,
+    json_: Annotated[
+        bool, typer.Option("--json", help="Print the result as JSON on stdout (the table goes to stderr).")
+    ] = False,
+) -> None:
+    """Time the embedded engine against transformers generate and the memory-bandwidth bound of a step."""
+    import json
+
+    from astraflow import log
+    from astraflow.bench.rollout import check_model_dir, format_table, parse_batches, run_rollout_bench
+    from astraflow.errors import AstraflowError
+
+    log.setup("bench")
+    if device not in ("auto", "cpu", "cuda"):
+        raise AstraflowError(f"unknown --device {device!r}", hint="choose auto, cpu or cuda")
+    if dtype not in ("float32", "bfloat16"):
+        raise AstraflowError(f"unknown --dtype {dtype!r}", hint="choose float32 or bfloat16")
+    batches = parse_batches(batch)
+    check_model_dir(model)
+    import transformers
+
+    # The baseline's generate warns about sampling flags on every call; keep the output readable.
+    transformers.logging.set_verbosity_error()
+    res = run_rollout_bench(
+        model,
+        batches,
+        prompt_len=prompt_len,
+        new_tokens=new_tokens,
+        device=device,
+        dtype=dtype,
+        repeats=repeats,
+        seed=seed,
+        threads=threads,
+    )
+    typer.echo(format_table(res), err=json_)
+    if json_:
+        typer.echo(json.dumps(res.to_dict(), indent=2))

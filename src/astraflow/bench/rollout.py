@@ -1,0 +1,433 @@
+"""The rollout benchmark: the embedded engine against plain transformers `generate` and the memory bound.
+
+Both generators run on the same loaded model (one copy of the weights, same dtype and device) and the
+same random prompts of equal length, with temperature 1.0 and no stop token, so every sequence
+decodes exactly `new_tokens` tokens. A forward hook on the model marks the end of the first forward
+(the prefill), so the decode phase is timed on its own: `new_tokens - 1` steps after the prefill.
+
+The bound is what one decode step must at least read from memory: every parameter once, plus the
+keys and values of every cached position of every row, divided by the bandwidth of a large copy
+measured in the same run. It leaves out logits, activations and KV writes, so a real step can never
+reach it; what fraction of it a step achieves says how much of the step is memory traffic and how
+much is overhead (kernel launches, Python, sampling).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from astraflow import log
+from astraflow.errors import AstraflowError
+
+_log = log.get("bench.rollout")
+
+
+@dataclass
+class GenTiming:
+    """Timing of one generator at one batch size (medians over the repeats)."""
+
+    total_s: float
+    """Wall time of one whole generate call: prefill plus every decode step."""
+    prefill_s: float
+    """Time from the call to the end of the first forward (the prompt pass)."""
+    ms_per_step: float
+    """Milliseconds per decode step after the prefill."""
+    decode_tok_s: float
+    """Tokens per second of the decode phase: batch * (new_tokens - 1) / decode time."""
+    e2e_tok_s: float
+    """Tokens per second of the whole call: batch * new_tokens / total time."""
+    bound_frac: float
+    """The physical lower bound of a decode step divided by the measured step (1.0 = at the bound)."""
+
+
+@dataclass
+class BenchRow:
+    """Results at one batch size."""
+
+    batch: int
+    """Sequences decoded together."""
+    engine: GenTiming
+    """The embedded TorchEngine."""
+    hf: GenTiming
+    """The baseline: transformers `model.generate` with sampling."""
+    ratio: float
+    """Engine decode tokens/s divided by the baseline's (above 1: the engine is faster)."""
+    bound_ms_per_step: float
+    """Lower bound of a decode step: (parameter bytes + mean KV bytes read) / measured bandwidth."""
+    kv_bytes_per_step: float
+    """Mean bytes of keys and values a decode step reads (the whole batch)."""
+
+
+@dataclass
+class RolloutBench:
+    """One run of the benchmark: settings, the device's measured bandwidth and a row per batch size."""
+
+    model: str
+    """The model directory."""
+    device: str
+    """torch device the run used."""
+    device_name: str
+    """The GPU's name, or the CPU's."""
+    dtype: str
+    """Parameter dtype."""
+    prompt_len: int
+    """Tokens per prompt."""
+    new_tokens: int
+    """Tokens generated per sequence."""
+    repeats: int
+    """Timed calls per generator and batch size (the median is reported), after one warm-up call."""
+    threads: int
+    """torch CPU threads."""
+    param_bytes: int
+    """Bytes of all parameters (tied weights counted once)."""
+    kv_bytes_per_token: int
+    """Bytes of keys and values one cached position holds, over every layer."""
+    bandwidth_gb_s: float
+    """Measured memory bandwidth, GB/s (bytes read plus written by a large copy)."""
+    torch_version: str
+    """torch version."""
+    transformers_version: str
+    """transformers version."""
+    rows: list[BenchRow] = field(default_factory=list)
+    """One result per batch size, in the order asked."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The whole result as plain JSON-ready data."""
+        return asdict(self)
+
+
+def parse_batches(spec: str) -> list[int]:
+    """'1,8,64' -> [1, 8, 64]; every entry a positive integer."""
+    try:
+        batches = [int(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        batches = []
+    if not batches or min(batches) < 1:
+        raise AstraflowError(
+            f"bad --batch {spec!r}", hint="give positive integers separated by commas, e.g. 1,8,64"
+        )
+    return batches
+
+
+def check_model_dir(model: Path) -> None:
+    """Fail early, before torch loads, when `model` is not a transformers model directory."""
+    if not (model.is_dir() and (model / "config.json").is_file()):
+        raise AstraflowError(
+            f"no model found at {model} (a directory with config.json)",
+            hint="create one with `astraflow model init --arch qwen3 --preset small --out DIR`",
+        )
+
+
+def measure_bandwidth(device: Any, nbytes: int | None = None, repeats: int = 8) -> float:
+    """Bytes per second of a large device-memory copy, counting bytes read plus bytes written (best of
+    `repeats`)."""
+    import torch
+
+    if nbytes is None:
+        nbytes = (1 << 30) if device.type == "cuda" else (256 << 20)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    src.fill_(1)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    del src, dst
+    return 2 * nbytes / best
+
+
+def param_bytes(model: Any) -> int:
+    """Bytes of every distinct parameter tensor (a tied embedding and head count once)."""
+    seen: set[int] = set()
+    total = 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def kv_bytes_per_token(model: Any) -> int:
+    """Bytes of keys plus values that one cached position holds over all layers."""
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    elem = next(model.parameters()).element_size()
+    return int(cfg.num_hidden_layers * 2 * kv_heads * head_dim * elem)
+
+
+def run_rollout_bench(
+    model_dir: Path,
+    batches: list[int],
+    *,
+    prompt_len: int = 32,
+    new_tokens: int = 128,
+    device: str = "auto",
+    dtype: str = "float32",
+    repeats: int = 3,
+    seed: int = 0,
+    threads: int = 1,
+) -> RolloutBench:
+    """Time TorchEngine.generate and transformers generate at each batch size on one model."""
+    check_model_dir(model_dir)
+    if new_tokens < 2 or prompt_len < 1 or repeats < 1:
+        raise AstraflowError(
+            "the rollout bench needs --new-tokens >= 2, --prompt-len >= 1 and --repeats >= 1",
+            hint="the decode phase is timed after the first token, so at least two tokens are generated",
+        )
+    import torch
+    import transformers
+
+    from astraflow.engines.device import resolve_device
+    from astraflow.engines.torch_engine import TorchEngine, TorchEngineConfig
+
+    torch.set_num_threads(threads)
+    dev = resolve_device(device)
+    if dev.startswith("cuda") and not torch.cuda.is_available():
+        raise AstraflowError(
+            "--device cuda was asked for but torch sees no GPU",
+            hint="use --device cpu (or auto), or install a CUDA build of torch on a machine with a GPU",
+        )
+    config = TorchEngineConfig(max_batch=max(batches), dtype=dtype, batch_wait_s=0.0)
+    engine = TorchEngine(str(model_dir), config, seed=seed, device=dev)
+    try:
+        model = engine.model
+        torch_dev = engine.device
+        bw = measure_bandwidth(torch_dev)
+        result = RolloutBench(
+            model=str(model_dir),
+            device=str(torch_dev),
+            device_name=_device_name(torch_dev),
+            dtype=dtype,
+            prompt_len=prompt_len,
+            new_tokens=new_tokens,
+            repeats=repeats,
+            threads=threads,
+            param_bytes=param_bytes(model),
+            kv_bytes_per_token=kv_bytes_per_token(model),
+            bandwidth_gb_s=bw / 1e9,
+            torch_version=torch.__version__,
+            transformers_version=transformers.__version__,
+        )
+        _log.info(
+            "%s on %s (%s): %.1f MB of parameters, bandwidth %.1f GB/s",
+            model_dir,
+            result.device,
+            result.device_name,
+            result.param_bytes / 1e6,
+            result.bandwidth_gb_s,
+        )
+        timer = _FirstForwardTimer(torch_dev)
+        handle = model.register_forward_hook(timer.hook)
+        loop = asyncio.new_event_loop()
+        try:
+            for batch in batches:
+                row = _bench_batch(engine, loop, timer, batch, result, seed)
+                result.rows.append(row)
+                _log.info(
+                    "batch %d: engine %.0f tok/s, HF generate %.0f tok/s (x%.2f), bound %.2f ms/step",
+                    batch,
+                    row.engine.decode_tok_s,
+                    row.hf.decode_tok_s,
+                    row.ratio,
+                    row.bound_ms_per_step,
+                )
+        finally:
+            loop.close()
+            handle.remove()
+    finally:
+        engine.close()
+    return result
+
+
+class _FirstForwardTimer:
+    """A forward hook that records when the first forward of a timed call ends (the prefill)."""
+
+    def __init__(self, device: Any) -> None:
+        self.device = device
+        self.armed = False
+        self.stamp = 0.0
+
+    def arm(self) -> None:
+        """Record the end of the next forward."""
+        self.armed = True
+        self.stamp = 0.0
+
+    def hook(self, _module: Any, _args: Any, _output: Any) -> None:
+        """Forward hook: one synchronisation per timed call, only at its first forward."""
+        if self.armed:
+            self.armed = False
+            _sync(self.device)
+            self.stamp = time.perf_counter()
+
+
+def _bench_batch(
+    engine: Any,
+    loop: asyncio.AbstractEventLoop,
+    timer: _FirstForwardTimer,
+    batch: int,
+    res: RolloutBench,
+    seed: int,
+) -> BenchRow:
+    """Warm up and time both generators at one batch size."""
+    import torch
+
+    from astraflow.engines.base import GenerationRequest
+
+    model, dev = engine.model, engine.device
+    gen = torch.Generator().manual_seed(seed + batch)
+    # Skip the lowest ids, which the model init reserves for special tokens.
+    low = min(4, model.config.vocab_size - 1)
+    prompts = torch.randint(low, model.config.vocab_size, (batch, res.prompt_len), generator=gen)
+    requests = [
+        GenerationRequest(prompt_ids=p.tolist(), max_new_tokens=res.new_tokens, temperature=1.0, top_p=1.0)
+        for p in prompts
+    ]
+    input_ids = prompts.to(dev)
+    attention_mask = torch.ones_like(input_ids)
+
+    def run_engine() -> int:
+        completions = loop.run_until_complete(engine.generate(requests))
+        return sum(len(c.token_ids) for c in completions)
+
+    def run_hf() -> int:
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            do_sample=True,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            max_new_tokens=res.new_tokens,
+            min_new_tokens=res.new_tokens,
+        )
+        return int(out.shape[0] * (out.shape[1] - res.prompt_len))
+
+    torch.manual_seed(seed)
+    bound_s, kv_step = _bound(res, batch)
+    timings = {}
+    for name, fn in (("engine", run_engine), ("hf", run_hf)):
+        timings[name] = _time_generator(fn, timer, dev, batch, res, bound_s)
+    return BenchRow(
+        batch=batch,
+        engine=timings["engine"],
+        hf=timings["hf"],
+        ratio=timings["engine"].decode_tok_s / timings["hf"].decode_tok_s,
+        bound_ms_per_step=bound_s * 1e3,
+        kv_bytes_per_step=kv_step,
+    )
+
+
+def _bound(res: RolloutBench, batch: int) -> tuple[float, float]:
+    """(seconds, KV bytes) of the mean decode step at the bound. Decode step k (1..new_tokens-1)
+    attends to prompt_len + k positions, so the mean is prompt_len + new_tokens / 2."""
+    mean_ctx = res.prompt_len + res.new_tokens / 2
+    kv_step = batch * mean_ctx * res.kv_bytes_per_token
+    return (res.param_bytes + kv_step) / (res.bandwidth_gb_s * 1e9), kv_step
+
+
+def _time_generator(
+    fn: Any, timer: _FirstForwardTimer, dev: Any, batch: int, res: RolloutBench, bound_s: float
+) -> GenTiming:
+    """One warm-up call, then the median of `repeats` timed calls, each split at the prefill."""
+    want = batch * res.new_tokens
+    got = fn()
+    if got != want:
+        raise RuntimeError(f"generator produced {got} tokens, expected {want}: a stop token ended a sequence")
+    totals, prefills = [], []
+    for _ in range(res.repeats):
+        _sync(dev)
+        timer.arm()
+        t0 = time.perf_counter()
+        fn()
+        _sync(dev)
+        t1 = time.perf_counter()
+        totals.append(t1 - t0)
+        prefills.append(timer.stamp - t0)
+    total = statistics.median(totals)
+    decode = statistics.median(t - p for t, p in zip(totals, prefills, strict=True))
+    steps = res.new_tokens - 1
+    step_s = decode / steps
+    return GenTiming(
+        total_s=total,
+        prefill_s=statistics.median(prefills),
+        ms_per_step=step_s * 1e3,
+        decode_tok_s=batch * steps / decode,
+        e2e_tok_s=batch * res.new_tokens / total,
+        bound_frac=bound_s / step_s,
+    )
+
+
+def _sync(device: Any) -> None:
+    """Wait for queued GPU work so wall-clock timers measure it."""
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
+
+
+def _device_name(device: Any) -> str:
+    if device.type == "cuda":
+        import torch
+
+        return str(torch.cuda.get_device_name(device))
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def format_table(res: RolloutBench) -> str:
+    """The result as an aligned text table with a header line of settings."""
+    head = (
+        f"{res.model} on {res.device} ({res.device_name}), {res.dtype}, prompt {res.prompt_len}, "
+        f"new tokens {res.new_tokens}, median of {res.repeats}, {res.threads} thread(s)\n"
+        f"parameters {res.param_bytes / 1e6:.1f} MB, KV {res.kv_bytes_per_token / 1024:.1f} KiB/token, "
+        f"measured bandwidth {res.bandwidth_gb_s:.1f} GB/s (copy, read+write)\n"
+    )
+    cols = [
+        "batch",
+        "engine tok/s",
+        "HF tok/s",
+        "engine/HF",
+        "engine ms/step",
+        "HF ms/step",
+        "bound ms/step",
+        "engine % bound",
+        "HF % bound",
+        "prefill ms (eng/HF)",
+    ]
+    lines = [
+        [
+            str(r.batch),
+            f"{r.engine.decode_tok_s:.0f}",
+            f"{r.hf.decode_tok_s:.0f}",
+            f"x{r.ratio:.2f}",
+            f"{r.engine.ms_per_step:.3f}",
+            f"{r.hf.ms_per_step:.3f}",
+            f"{r.bound_ms_per_step:.3f}",
+            f"{100 * r.engine.bound_frac:.1f}",
+            f"{100 * r.hf.bound_frac:.1f}",
+            f"{1e3 * r.engine.prefill_s:.1f}/{1e3 * r.hf.prefill_s:.1f}",
+        ]
+        for r in res.rows
+    ]
+    widths = [max(len(c), *(len(line[i]) for line in lines)) for i, c in enumerate(cols)]
+    out = ["  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)).rstrip()]
+    out.append("  ".join("-" * w for w in widths))
+    out += ["  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)).rstrip() for line in lines]
+    tail = "\ntok/s: decode phase (after the prefill); bound: (parameters + KV read) / measured bandwidth"
+    return head + "\n".join(out) + tail
