@@ -106,3 +106,15 @@ def test_store_run_members_stage_metrics_persist(tmp_path: Path) -> None:
 def test_open_readonly_missing_file(tmp_path: Path) -> None:
     with pytest.raises(StateError):
         Store.open_readonly(tmp_path / "nope.db")
+
+
+def test_synchronous_setting_applies_and_is_checked(tmp_path: Path) -> None:
+    full = Store.open(tmp_path / "full.db", synchronous="full")
+    normal = Store.open(tmp_path / "normal.db")
+    try:
+        assert full.scalar("PRAGMA synchronous") == 2 and normal.scalar("PRAGMA synchronous") == 1
+    finally:
+        full.close()
+        normal.close()
+    with pytest.raises(ValueError, match="synchronous"):
+        Store.open(tmp_path / "x.db", synchronous="off")

@@ -159,6 +159,8 @@ class ControllerConfig(_Model):
     """A member silent for this long is dead; its leases return to the queue."""
     max_message_bytes: int = Field(64 << 20, ge=1024)
     """Largest accepted message; larger frames are dropped by the socket."""
+    synchronous: Literal["normal", "full"] = "normal"
+    """state.db durability: normal survives the controller being killed; full also an OS crash (fsync per commit)."""
 
 
 class Recipe(_Model):

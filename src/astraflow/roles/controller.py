@@ -436,7 +436,7 @@ def run_controller(recipe: Recipe, run_dir: Path, bind: str | None = None) -> in
 
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    store = Store.open(run_dir / "state.db")
+    store = Store.open(run_dir / "state.db", synchronous=recipe.controller.synchronous)
     server = None
     try:
         ctl = Controller(recipe, run_dir, store)

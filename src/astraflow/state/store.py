@@ -35,14 +35,20 @@ class Store:
         self.readonly = readonly
 
     @classmethod
-    def open(cls, path: str | Path) -> Store:
-        """Open (creating if needed) the writer connection, enable WAL and apply pending migrations."""
+    def open(cls, path: str | Path, *, synchronous: str = "normal") -> Store:
+        """Open (creating if needed) the writer connection, enable WAL and apply pending migrations.
+
+        synchronous="normal": a committed transaction survives the controller's process dying at any
+        moment (kill -9), but an OS crash or power loss may lose the last few; "full" also survives those,
+        at the cost of an fsync per commit."""
         p = Path(path)
         p.parent.mkdir(parents=True, exist_ok=True)
         # isolation_level=None: the driver opens no implicit transactions; we issue BEGIN IMMEDIATE.
         conn = sqlite3.connect(str(p), isolation_level=None, timeout=30.0)
         conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("PRAGMA synchronous=NORMAL")
+        if synchronous not in ("normal", "full"):
+            raise ValueError(f"synchronous must be 'normal' or 'full', not {synchronous!r}")
+        conn.execute(f"PRAGMA synchronous={synchronous.upper()}")
         conn.execute("PRAGMA foreign_keys=ON")
         store = cls(conn, readonly=False)
         migrations.apply(store.db)
