@@ -22,6 +22,7 @@ from astraflow import log
 
 _log = log.get("launcher")
 PR_SET_PDEATHSIG = 1
+MAX_TRAINER_RESTARTS = 2
 
 
 def _die_with_parent() -> None:
@@ -285,7 +286,9 @@ def run_up(recipe: Any, run_dir: Path, *, offline: bool = False, max_raas_restar
 def _watch(
     sup: Supervisor, recipe: Any, run_dir: Path, stop: dict[str, int], t0: float, max_restarts: int
 ) -> int:
-    """Supervise until the trainers finish, a fatal child fails, or a signal arrives."""
+    """Supervise until the trainers finish, a fatal child fails, or a signal arrives. A dead RaaS is
+    restarted up to max_restarts times, a dead trainer up to MAX_TRAINER_RESTARTS times; a controller
+    failure, or a child past its restarts, ends the run."""
     metrics = MetricsTail(run_dir / "metrics.jsonl")
     trainers = [c for c in sup.children if c.role == "trainer"]
     seen_dead: set[tuple[str, int]] = set()
@@ -304,6 +307,17 @@ def _watch(
             seen_dead.add((child.name, child.restarts))
             if rc == 0 or trainers_done:
                 continue  # a graceful stop (the controller said so, or the run is over)
+            if child.role == "trainer" and child.restarts < MAX_TRAINER_RESTARTS:
+                # it resumes from its newest checkpoint and gets the recorded batches again
+                _log.warning(
+                    "%s exited with %s; restarting it from its checkpoint (%d/%d)",
+                    child.name,
+                    rc,
+                    child.restarts + 1,
+                    MAX_TRAINER_RESTARTS,
+                )
+                sup.restart(child)
+                continue
             if child.role == "raas":
                 if child.restarts < max_restarts:
                     _log.warning(

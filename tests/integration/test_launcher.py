@@ -118,17 +118,44 @@ def test_killing_the_launcher_takes_its_children_down(tiny_model: Path, tmp_path
             proc.kill()
 
 
+def trainer_pids(run_dir: Path) -> list[int]:
+    return [p for p, c in children_of_run(run_dir).items() if "--role trainer" in c]
+
+
 @pytest.mark.slow
-def test_failing_trainer_ends_the_run_with_its_log(tiny_model: Path, tmp_path: Path) -> None:
+def test_killed_trainer_is_restarted_and_the_run_completes(tiny_model: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = start_up(tiny_model, run_dir, steps=12)
+    try:
+        wait_for_step(proc)
+        os.kill(trainer_pids(run_dir)[0], signal.SIGKILL)
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, out[-3000:]
+        assert "restarting it from its checkpoint" in out
+        assert "[main] step 12/12" in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.mark.slow
+def test_trainer_that_keeps_dying_ends_the_run_with_its_log(tiny_model: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = start_up(tiny_model, run_dir)
     try:
         wait_for_step(proc)
         kids = children_of_run(run_dir)
-        trainer = [p for p, c in kids.items() if "--role trainer" in c]
-        os.kill(trainer[0], signal.SIGKILL)
+        killed: set[int] = set()
+        deadline = time.monotonic() + 180
+        while proc.poll() is None and time.monotonic() < deadline:
+            for pid in trainer_pids(run_dir):
+                if pid not in killed:
+                    killed.add(pid)
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.05)
         out, _ = proc.communicate(timeout=60)
         assert proc.returncode == 1
+        assert len(killed) == 3  # the first process and its two restarts
         assert "trainer-main failed" in out
         assert wait_gone(list(kids)) == []
     finally:

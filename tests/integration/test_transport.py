@@ -39,6 +39,7 @@ class StandIn:
         self.server = RouterServer(bind, max_message_bytes=1 << 20)
         self.address = self.server.address
         self.version = version
+        self.weights_addr = "tcp://w:1"
         self.known: set[bytes] = set()
         self.hellos: list[Hello] = []
         self.heartbeats: list[tuple[float, Heartbeat]] = []
@@ -51,7 +52,7 @@ class StandIn:
         self._thread.start()
 
     def _versions(self) -> list[VersionInfo]:
-        return [VersionInfo(policy="p", version=self.version, weights_addr="tcp://w:1")]
+        return [VersionInfo(policy="p", version=self.version, weights_addr=self.weights_addr)]
 
     def _answer(self, ident: bytes, msg: Msg) -> Msg | None:
         if isinstance(msg, Hello):
@@ -137,6 +138,13 @@ def test_request_reply_heartbeats_and_versions(standin: StandIn) -> None:
         standin.version = 5
         assert _wait(lambda: c.versions["p"].version == 5)
         assert seen[-1] == 5
+        # the same version re-announced at a new address (its trainer restarted) replaces the old one
+        standin.weights_addr = "tcp://w:2"
+        assert _wait(lambda: c.versions["p"].weights_addr == "tcp://w:2")
+        assert c.versions["p"].version == 5
+        standin.version = 4  # an older announcement never goes back
+        time.sleep(0.3)
+        assert c.versions["p"].version == 5
         assert not c.stop_requested
         standin.stop_members = True
         assert _wait(lambda: c.stop_requested)

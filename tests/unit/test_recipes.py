@@ -99,3 +99,12 @@ def test_extends_cycle_and_missing_base_are_errors(tmp_path: Path) -> None:
     (tmp_path / "c.toml").write_text('extends = "nope.toml"\n')
     with pytest.raises(RecipeError, match="does not exist"):
         load_recipe(tmp_path / "c.toml")
+
+
+def test_bad_trainer_and_engine_options_rejected_before_any_process_starts() -> None:
+    r = validate_recipe({"policy": [{"model": "m", "trainer_options": {"dtype": "float8"}}]})
+    with pytest.raises(RecipeError, match="trainer_options.dtype"):
+        validate_plugins(r)
+    r = validate_recipe({"policy": [{"model": "m", "engine_options": {"max_btach": 4}}]})
+    with pytest.raises(RecipeError, match="engine_options.max_btach"):
+        validate_plugins(r)

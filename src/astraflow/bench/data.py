@@ -37,6 +37,8 @@ class RunResult:
     """Recipe path as given."""
     run_dir: str
     """The run directory `astraflow up` wrote."""
+    seed: int | None = None
+    """The run.seed it ran with when --seeds was given (None: the recipe's own)."""
     ok: bool = False
     """Whether `astraflow up` exited 0."""
     error: str = ""
@@ -67,6 +69,10 @@ class RunResult:
     """Mean rollout reward over the last tenth of versions (the reward reached)."""
     batch_reward_final: float | None = None
     """Mean reward of the trained batches over the last tenth of steps (biased by filters)."""
+    mixed_start: float | None = None
+    """Share of groups with unequal rewards (they carry gradient) over the first tenth of versions."""
+    mixed_end: float | None = None
+    """Share of groups with unequal rewards over the last tenth of versions."""
     curve: list[tuple[int, float, int]] = field(default_factory=list)
     """Per weight version: (version, mean rollout reward, rollouts generated up to that version)."""
     stages: dict[str, float] = field(default_factory=dict)
@@ -89,15 +95,36 @@ def run_names(paths: list[Path]) -> list[str]:
     return out
 
 
-def run_recipe(path: Path, name: str, run_dir: Path, overrides: list[str], timeout_s: float) -> RunResult:
+def parse_seeds(text: str) -> list[int]:
+    """The seeds of `--seeds 0,1,2`: distinct integers, in the order given."""
+    from astraflow.errors import AstraflowError
+
+    try:
+        seeds = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        seeds = []
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise AstraflowError(f"bad --seeds {text!r}", hint="give distinct integers, e.g. --seeds 0,1,2")
+    return seeds
+
+
+def run_recipe(
+    path: Path,
+    name: str,
+    run_dir: Path,
+    overrides: list[str],
+    timeout_s: float,
+    seed: int | None = None,
+) -> RunResult:
     """Run one recipe through `astraflow up` and read its results back; a failure is recorded, not raised."""
     from astraflow.launcher import astraflow_cmd
 
     run_dir.mkdir(parents=True, exist_ok=True)
     cmd = [*astraflow_cmd(), "up", str(path), "--run-dir", str(run_dir), "--no-dash"]
-    for item in overrides:
+    # The seed goes last so that it wins over a run.seed in the shared overrides.
+    for item in [*overrides, *([] if seed is None else [f"run.seed={seed}"])]:
         cmd += ["--set", item]
-    res = RunResult(name=name, recipe=str(path), run_dir=str(run_dir))
+    res = RunResult(name=name, recipe=str(path), run_dir=str(run_dir), seed=seed)
     log_path = run_dir / "up.log"
     t0 = time.monotonic()
     with log_path.open("wb") as out:
@@ -178,11 +205,14 @@ def read_run(run_dir: Path, res: RunResult) -> RunResult:
             for (flags,) in con.execute("SELECT replay FROM batches WHERE policy = ?", (res.policy,))
         )
         res.curve = rollout_curve(con, res.policy)
+        mixed = mixed_curve(con, res.policy)
     finally:
         con.close()
     rewards = [r for _, r, _ in res.curve]
     res.reward_start = head_mean(rewards)
     res.reward_final = tail_mean(rewards)
+    res.mixed_start = head_mean(mixed)
+    res.mixed_end = tail_mean(mixed)
     return res
 
 
@@ -216,6 +246,16 @@ def rollout_curve(con: sqlite3.Connection, policy: str) -> list[tuple[int, float
     return out
 
 
+def mixed_curve(con: sqlite3.Connection, policy: str, tol: float = 1e-9) -> list[float]:
+    """Per weight version (of a group's oldest token), the share of finished groups whose rewards differ."""
+    rows = con.execute(
+        "SELECT v, AVG(mixed) FROM (SELECT MIN(min_version) AS v, (MAX(reward) - MIN(reward) > ?) AS mixed "
+        "FROM trajectories WHERE policy = ? GROUP BY task_id) WHERE v >= 0 GROUP BY v ORDER BY v",
+        (tol, policy),
+    ).fetchall()
+    return [float(m) for _, m in rows]
+
+
 def head_mean(values: list[float]) -> float | None:
     """Mean of the first tenth (at least one value)."""
     if not values:
@@ -241,15 +281,29 @@ def first_reaching(curve: list[tuple[int, float, int]], target: float, window: i
     return None
 
 
+def variant_names(results: list[RunResult]) -> list[str]:
+    """The variant labels in first-seen order (the first is the baseline)."""
+    return list(dict.fromkeys(r.name for r in results))
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
 def choose_target(results: list[RunResult], fixed: float | None, frac: float) -> float | None:
-    """The reward target: `fixed`, else `frac` of the way from the baseline's start to the best final reward."""
+    """The reward target: `fixed`, else `frac` of the way from the baseline's start to the best final reward.
+
+    Both ends are means over a variant's seeds: the baseline is the first variant with a finished run,
+    the best final reward is the highest variant mean.
+    """
     if fixed is not None:
         return fixed
     ok = [r for r in results if r.ok and r.reward_start is not None and r.reward_final is not None]
     if not ok:
         return None
-    start = float(ok[0].reward_start or 0.0)
-    best = max(float(r.reward_final or 0.0) for r in ok)
+    names = variant_names(ok)
+    start = _mean([float(r.reward_start or 0.0) for r in ok if r.name == names[0]]) or 0.0
+    best = max(_mean([float(r.reward_final or 0.0) for r in ok if r.name == n]) or 0.0 for n in names)
     return start + frac * (best - start)
 
 
@@ -259,10 +313,57 @@ def _ratio(value: float | None, base: float | None) -> float | None:
     return value / base
 
 
+RATIO_KEYS = ("generated", "trained_fresh", "rollouts_to_target", "step_to_target", "wall_s")
+"""Columns reported as a ratio to the baseline."""
+AGG_KEYS = (
+    "steps",
+    "generated",
+    "trained_fresh",
+    "replayed",
+    "filtered",
+    "expired",
+    "skipped_prompts",
+    "reward_start",
+    "reward_final",
+    "mixed_start",
+    "mixed_end",
+    "step_to_target",
+    "rollouts_to_target",
+    "wall_s",
+)
+"""Columns aggregated over seeds (mean, min, max over the finished runs that have a value)."""
+
+
+def aggregate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per variant, the mean/min/max over its finished runs of every AGG_KEYS column, and mean ratios."""
+    out: list[dict[str, Any]] = []
+    for name in dict.fromkeys(r["name"] for r in rows):
+        runs = [r for r in rows if r["name"] == name]
+        ok = [r for r in runs if r["ok"]]
+        agg: dict[str, Any] = {"name": name, "seeds": [r["seed"] for r in runs]}
+        agg.update(ok=len(ok), n=len(runs))
+        for k in AGG_KEYS:
+            vals = [float(r[k]) for r in ok if r[k] is not None]
+            agg[k] = {"mean": _mean(vals), "min": min(vals, default=None), "max": max(vals, default=None)}
+            agg[k]["n"] = len(vals)
+        out.append(agg)
+    base = out[0] if out and out[0]["ok"] else None
+    for agg in out:
+        agg["ratios"] = {
+            k: (_ratio(agg[k]["mean"], base[k]["mean"]) if base is not None and agg["ok"] else None)
+            for k in RATIO_KEYS
+        }
+    return out
+
+
 def summarize(
     results: list[RunResult], *, target: float | None = None, target_frac: float = 0.5, window: int = 10
 ) -> dict[str, Any]:
-    """The comparison as plain data (what --json prints): per run its numbers and ratios to the first."""
+    """The comparison as plain data (what --json prints): every run, and per variant its seed aggregate.
+
+    A run's ratios are against the baseline's run with the same seed; a variant's against the
+    baseline's means.
+    """
     tgt = choose_target(results, target, target_frac)
     rows: list[dict[str, Any]] = []
     for r in results:
@@ -272,11 +373,12 @@ def summarize(
         row["step_to_target"] = hit[0] if hit else None
         row["rollouts_to_target"] = hit[1] if hit else None
         rows.append(row)
-    base = rows[0] if rows and rows[0]["ok"] else None
+    baseline = results[0].name if results else None
+    base_by_seed = {row["seed"]: row for row in rows if row["name"] == baseline and row["ok"]}
     for row in rows:
+        base = base_by_seed.get(row["seed"])
         row["ratios"] = {
-            k: (_ratio(row[k], base[k]) if base is not None and row["ok"] else None)
-            for k in ("generated", "trained_fresh", "rollouts_to_target", "step_to_target", "wall_s")
+            k: (_ratio(row[k], base[k]) if base is not None and row["ok"] else None) for k in RATIO_KEYS
         }
     rule = (
         f"fixed {target}"
@@ -284,11 +386,13 @@ def summarize(
         else f"{target_frac} of the way from the baseline's start to the best final reward"
     )
     return {
-        "baseline": results[0].name if results else None,
+        "baseline": baseline,
+        "seeds": list(dict.fromkeys(r.seed for r in results)),
         "target": tgt,
         "target_rule": rule,
         "window": window,
         "runs": rows,
+        "variants": aggregate(rows),
     }
 
 
@@ -349,6 +453,79 @@ def format_table(summary: dict[str, Any]) -> str:
         f"baseline: {summary['baseline']}; target reward {_num(tgt, '.3f')} ({summary['target_rule']}), "
         f"reached when a rolling mean over {summary['window']} versions of the rollout reward gets there"
     )
+    if failures:
+        lines.append("failed runs:")
+        lines.extend(failures)
+    return "\n".join(lines)
+
+
+def _stat(agg: dict[str, Any], fmt: str) -> str:
+    """'mean [min-max]', or '-' when no finished run has the value."""
+    if agg["mean"] is None:
+        return "-"
+    if agg["min"] == agg["max"]:
+        return format(agg["mean"], fmt)
+    return f"{agg['mean']:{fmt}} [{agg['min']:{fmt}}-{agg['max']:{fmt}}]"
+
+
+def format_seed_table(summary: dict[str, Any]) -> str:
+    """One row per variant: means over its seeds with [min-max], ratios of the means to the baseline's."""
+    head = [
+        "variant",
+        "runs ok",
+        "rollouts gen",
+        "fresh+replay",
+        "filtered",
+        "expired",
+        "skipped",
+        "reward start",
+        "reward end",
+        "mixed end",
+        "step@target (reached)",
+        "rollouts@target",
+        "wall s",
+    ]
+    table = [head]
+    for v in summary["variants"]:
+        ra = v["ratios"]
+
+        def with_ratio(key: str, fmt: str, ra: dict[str, Any] = ra, v: dict[str, Any] = v) -> str:
+            text = _stat(v[key], fmt)
+            return text + ("" if ra[key] is None else f" (x{ra[key]:.2f})")
+
+        fresh, replay = v["trained_fresh"]["mean"], v["replayed"]["mean"]
+        reached = f" ({v['step_to_target']['n']}/{v['n']})"
+        table.append(
+            [
+                v["name"],
+                f"{v['ok']}/{v['n']}",
+                with_ratio("generated", ".0f"),
+                "-" if fresh is None else f"{fresh:.0f}+{replay:.0f}",
+                _stat(v["filtered"], ".0f"),
+                _stat(v["expired"], ".0f"),
+                _stat(v["skipped_prompts"], ".0f"),
+                _stat(v["reward_start"], ".3f"),
+                _stat(v["reward_final"], ".3f"),
+                _stat(v["mixed_end"], ".2f"),
+                with_ratio("step_to_target", ".0f") + reached,
+                with_ratio("rollouts_to_target", ".0f"),
+                with_ratio("wall_s", ".0f"),
+            ]
+        )
+    widths = [max(len(r[i]) for r in table) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in table]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines.append("")
+    lines.append(
+        f"seeds {', '.join(map(str, summary['seeds']))}; mean [min-max] over a variant's finished runs; "
+        f"step@target and rollouts@target over the runs that reached it; ratios are of the means"
+    )
+    lines.append(
+        f"baseline: {summary['baseline']}; target reward {_num(summary['target'], '.3f')} "
+        f"({summary['target_rule']}, means over seeds), reached when a rolling mean over "
+        f"{summary['window']} versions of the rollout reward gets there"
+    )
+    failures = [f"  {r['name']} seed {r['seed']}: {r['error']}" for r in summary["runs"] if not r["ok"]]
     if failures:
         lines.append("failed runs:")
         lines.extend(failures)

@@ -52,13 +52,27 @@ def data(
         float,
         typer.Option("--timeout-s", help="Stop a run that takes longer than this and record it as failed."),
     ] = 3600.0,
+    seeds: Annotated[
+        str | None,
+        typer.Option(
+            "--seeds",
+            help="Run every recipe once per seed (run.seed), e.g. 0,1,2; the table shows means and ranges.",
+        ),
+    ] = None,
 ) -> None:
     """Run each recipe through `astraflow up` in turn and compare rollouts, reward and wall time."""
     import json
     import signal
 
     from astraflow import log
-    from astraflow.bench.data import format_table, run_names, run_recipe, summarize
+    from astraflow.bench.data import (
+        format_seed_table,
+        format_table,
+        parse_seeds,
+        run_names,
+        run_recipe,
+        summarize,
+    )
     from astraflow.config.load import load_recipe, validate_plugins
     from astraflow.errors import AstraflowError
 
@@ -69,31 +83,37 @@ def data(
             "no recipes given", hint="e.g. astraflow bench data recipes/math-efficient-data/a-none.toml ..."
         )
     overrides = set_ or []
+    seed_list: list[int | None] = list(parse_seeds(seeds)) if seeds is not None else [None]
     for path in recipes:
         # Every recipe is checked before the first run starts, so a typo does not cost a finished run.
-        validate_plugins(load_recipe(path, overrides))
+        for seed in seed_list:
+            validate_plugins(load_recipe(path, overrides + ([] if seed is None else [f"run.seed={seed}"])))
     base = out or Path("runs") / f"bench-data-{time.strftime('%Y%m%d-%H%M%S')}"
     base.mkdir(parents=True, exist_ok=True)
     results = []
     names = run_names(recipes)
-    for i, (path, name) in enumerate(zip(recipes, names, strict=True), 1):
-        res = run_recipe(path, name, base / name, overrides, timeout_s)
+    # Recipe-major order: one variant's seeds run back to back, so a partial bench still compares seeds.
+    jobs = [(path, name, seed) for path, name in zip(recipes, names, strict=True) for seed in seed_list]
+    for i, (path, name, seed) in enumerate(jobs, 1):
+        run_dir = base / name if seed is None else base / name / f"seed-{seed}"
+        res = run_recipe(path, name, run_dir, overrides, timeout_s, seed=seed)
         results.append(res)
+        label = name if seed is None else f"{name} seed {seed}"
         if res.ok:
             reward = "-" if res.reward_final is None else f"{res.reward_final:.3f}"
             line = (
-                f"[{i}/{len(recipes)}] {name}: ok, {res.steps} steps, reward {reward}, "
+                f"[{i}/{len(jobs)}] {label}: ok, {res.steps} steps, reward {reward}, "
                 f"{res.generated} rollouts, {res.wall_s:.0f}s -> {res.run_dir}"
             )
         else:
-            line = f"[{i}/{len(recipes)}] {name}: FAILED after {res.wall_s:.0f}s: {res.error}"
+            line = f"[{i}/{len(jobs)}] {label}: FAILED after {res.wall_s:.0f}s: {res.error}"
         typer.echo(line, err=json_)
     summary = summarize(results, target=target, target_frac=target_frac, window=window)
     summary["out"] = str(base)
     (base / "bench.json").write_text(json.dumps(summary, indent=2) + "\n")
     # With --json, stdout is only the JSON (for jq and scripts); the people watching read stderr.
     typer.echo("", err=json_)
-    typer.echo(format_table(summary), err=json_)
+    typer.echo(format_table(summary) if seeds is None else format_seed_table(summary), err=json_)
     typer.echo(f"\nfull results: {base / 'bench.json'}", err=json_)
     if json_:
         typer.echo(json.dumps(summary, indent=2))

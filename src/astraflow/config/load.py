@@ -155,17 +155,10 @@ def validate_plugins(recipe: Recipe) -> None:
         validate_options("losses", pol.loss, pol.loss_options, f"policy.{i}.loss_options")
         for j, stage in enumerate(pol.data):
             validate_options("data", stage.name, stage.options, f"policy.{i}.data.{j}.options")
-        for group, name in (("engines", pol.engine), ("trainers", pol.trainer)):
-            require_installed(group, name)
-
-
-def require_installed(group: str, name: str) -> None:
-    """Fail with the registry's message when no plugin `name` is in `group`, importing nothing."""
-    from astraflow import plugins
-
-    installed = {p.name for p in plugins.list_plugins(f"astraflow.{group}")[f"astraflow.{group}"]}
-    if name not in installed:
-        plugins.load(group, name)
+        # engines and trainers import torch: checking their options here costs a second, and saves
+        # a run that would die in its first RaaS or trainer process
+        validate_options("engines", pol.engine, pol.engine_options, f"policy.{i}.engine_options")
+        validate_options("trainers", pol.trainer, pol.trainer_options, f"policy.{i}.trainer_options")
 
 
 def role_map(recipe: Recipe) -> dict[str, str]:

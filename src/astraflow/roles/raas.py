@@ -95,7 +95,8 @@ class RaaS:
             self.engines[name] = engine
             self.clients[name] = EnginePolicyClient(name, tok, engine, pol.sampling, stop)
         self.busy = 0
-        self.pulling: set[str] = set()
+        self.pulling: dict[str, tuple[int, str]] = {}
+        """Policy -> (version, address) of the pull in flight."""
         self.scheduled: dict[str, int] = {}
         self.tasks_done = 0
 
@@ -221,13 +222,19 @@ class RaaS:
             self.busy -= 1
 
     def _maybe_pull_weights(self) -> None:
-        """Start pulling every policy whose published version is newer than what its engine holds."""
+        """Start pulling every policy whose published version is newer than what its engine holds.
+
+        A pull in flight for another version or from another address (its trainer restarted) is
+        abandoned for the new one; whichever finishes applies only if it is still newer."""
         for name, info in list(self.client.versions.items()):
             eng = self.engines.get(name)
-            have = max(eng.version, self.scheduled.get(name, -1)) if eng is not None else 0
-            if eng is None or name in self.pulling or info.version <= have or not info.weights_addr:
+            if eng is None or not info.weights_addr:
                 continue
-            self.pulling.add(name)
+            have = max(eng.version, self.scheduled.get(name, -1))
+            want = (info.version, info.weights_addr)
+            if info.version <= have or self.pulling.get(name) == want:
+                continue
+            self.pulling[name] = want
             asyncio.get_running_loop().create_task(self._pull(name, info))
 
     async def _pull(self, name: str, info: Any) -> None:
@@ -235,17 +242,21 @@ class RaaS:
         from astraflow.weights.client import fetch_weights
         from astraflow.weights.snapshot import bytes_to_state_dict
 
+        mine = (info.version, info.weights_addr)
         try:
             blob = await in_daemon_thread(fetch_weights, info.weights_addr, name, info.version)
             sd = await in_daemon_thread(bytes_to_state_dict, blob)
-            self.engines[name].load_weights(info.version, sd)
-            self.scheduled[name] = info.version
-            _log.debug("scheduled %s version %d (%d bytes)", name, info.version, len(blob))
+            if info.version > max(self.engines[name].version, self.scheduled.get(name, -1)):
+                self.engines[name].load_weights(info.version, sd)
+                self.scheduled[name] = info.version
+                _log.debug("scheduled %s version %d (%d bytes)", name, info.version, len(blob))
         except Exception as exc:
-            _log.warning("pulling %s version %d failed: %s; will retry", name, info.version, exc)
-            await asyncio.sleep(0.5)
+            if self.pulling.get(name) == mine:
+                _log.warning("pulling %s version %d failed: %s; will retry", name, info.version, exc)
+                await asyncio.sleep(0.5)
         finally:
-            self.pulling.discard(name)
+            if self.pulling.get(name) == mine:
+                del self.pulling[name]
 
 
 async def in_daemon_thread(fn: Any, *args: Any) -> Any:

@@ -236,8 +236,14 @@ class MemberLoop:
     def _merge_versions(self, infos: list[VersionInfo]) -> None:
         c = self.c
         current = c.versions
+        # A newer version wins; the same version re-announced at another address (its trainer restarted
+        # and serves it again) replaces the old address, or pulls would go on asking a dead server.
         newer = {
-            v.policy: v for v in infos if v.policy not in current or v.version > current[v.policy].version
+            v.policy: v
+            for v in infos
+            if v.policy not in current
+            or v.version > current[v.policy].version
+            or (v.version == current[v.policy].version and v.weights_addr != current[v.policy].weights_addr)
         }
         if not newer:
             return
