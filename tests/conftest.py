@@ -8,6 +8,8 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The suite compares against CPU references; on a GPU machine the engine and trainer would pick CUDA.
+os.environ.setdefault("ASTRAFLOW_DEVICE", "cpu")
 
 import subprocess  # noqa: E402
 import sys  # noqa: E402
