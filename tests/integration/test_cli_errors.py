@@ -79,3 +79,42 @@ def test_plugins_json_lists_builtins() -> None:
     doc = json.loads(out.stdout)
     assert "torch" in [p["name"] for p in doc["astraflow.engines"]]
     assert "quickstart" in [p["name"] for p in doc["astraflow.workflows"]]
+
+
+def test_member_without_the_model_directory(tmp_path: Path) -> None:
+    """A controller elsewhere may name a model path this machine lacks: the joining member says so."""
+    import os
+    import signal
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('[[policy]]\nmodel = "/nonexistent/tiny-qwen3"\n')
+    addr = f"tcp://127.0.0.1:{port}"
+    ctl = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "astraflow",
+            "controller",
+            str(recipe),
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--bind",
+            addr,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ},
+    )
+    try:
+        time.sleep(1.0)
+        for role in (["--role", "raas"], ["--role", "trainer", "--policy", "main"]):
+            out = run_cli("join", *role, "--controller", addr, "--connect-timeout", "20")
+            assert_clean_error(out, "/nonexistent/tiny-qwen3", "does not exist on this machine")
+    finally:
+        ctl.send_signal(signal.SIGTERM)
+        ctl.wait(timeout=30)

@@ -294,14 +294,15 @@ def run_raas(
 ) -> int:
     """Join the controller as a rollout worker and serve until told to stop."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from astraflow.config.load import validate_recipe
-    from astraflow.roles.member import make_hello
+    from astraflow.config.load import role_map, validate_recipe
+    from astraflow.roles.member import make_hello, require_model_dirs
     from astraflow.transport.client import MemberClient
 
     hello = make_hello("raas", member_id, policies=policies, region=region, slots=slots or 0)
     client = MemberClient(controller, hello, connect_timeout_s=connect_timeout_s)
     welcome = client.connect()
     recipe = validate_recipe(welcome.recipe, source="recipe from the controller")
+    require_model_dirs(recipe, sorted(set(role_map(recipe).values())), client)
     import torch
 
     torch.set_num_threads(recipe.rollout.threads)

@@ -66,7 +66,7 @@ def run_trainer(
     from astraflow import plugins
     from astraflow.config.load import validate_recipe
     from astraflow.protocol.messages import BatchReply, BatchRequest, Error, VersionPublished
-    from astraflow.roles.member import advertise_host, make_hello, request_retrying
+    from astraflow.roles.member import advertise_host, make_hello, request_retrying, require_model_dirs
     from astraflow.transport.client import MemberClient
 
     hello = make_hello("trainer", member_id or f"trainer-{policy}", policies=[policy], region=region)
@@ -81,6 +81,7 @@ def run_trainer(
             f"the run has no policy {policy!r}", hint=f"policies: {', '.join(p.name for p in recipe.policy)}"
         ) from None
 
+    require_model_dirs(recipe, [policy], client)
     import torch
 
     from astraflow.weights.server import WeightServer
