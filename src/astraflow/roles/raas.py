@@ -10,6 +10,7 @@ import threading
 import traceback
 import zlib
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from astraflow import log
@@ -244,7 +245,9 @@ class RaaS:
 
         mine = (info.version, info.weights_addr)
         try:
-            blob = await in_daemon_thread(fetch_weights, info.weights_addr, name, info.version)
+            blob = await in_daemon_thread(
+                partial(fetch_weights, info.weights_addr, name, info.version, expect_sha256=info.sha256)
+            )
             sd = await in_daemon_thread(bytes_to_state_dict, blob)
             if info.version > max(self.engines[name].version, self.scheduled.get(name, -1)):
                 self.engines[name].load_weights(info.version, sd)
