@@ -120,6 +120,8 @@ def test_kill_9_raas_mid_run_loses_no_task(tiny_model: Path, tmp_path: Path) -> 
             assert {"policies", "members", "tasks"} <= set(doc)
             assert doc["policies"][0]["name"] == "main" and doc["policies"][0]["step"] >= 3
             assert {m["id"] for m in doc["members"] if m["role"] == "raas"} == {"raas-0", "raas-1"}
+            # started without --slots: the controller learns them from heartbeats (busy + free)
+            assert all(m["slots"] > 0 for m in doc["members"] if m["role"] == "raas"), doc["members"]
             assert set(doc["tasks"]) >= {"queued", "leased", "done", "failed"}
         # kill raas-0 while it holds leases
         while time.monotonic() < deadline:

@@ -235,7 +235,10 @@ class Controller:
         """Touch the member, renew its leases, tell it the versions and whether to stop."""
         now = time.time()
         with self.store.write():
-            self.store.touch_member(member["id"], now, dict(msg.loaded) if msg.loaded else None)
+            slots = msg.busy + msg.free
+            self.store.touch_member(
+                member["id"], now, dict(msg.loaded) if msg.loaded else None, slots if slots > 0 else None
+            )
             self.ledger.renew(member["id"], now)
         return m.HeartbeatAck(rid=msg.rid, versions=self.versions(), stop=self.finished())
 

@@ -197,9 +197,15 @@ class Store:
                 (member_id, role, json.dumps(policies), region, hardware, slots, pid, host, t, t),
             )
 
-    def touch_member(self, member_id: str, now: float, loaded: dict[str, int] | None = None) -> bool:
-        """Mark an alive member seen (and what it has loaded); False if it is not alive."""
+    def touch_member(
+        self, member_id: str, now: float, loaded: dict[str, int] | None = None, slots: int | None = None
+    ) -> bool:
+        """Mark an alive member seen (and what it has loaded, and its slots); False if it is not alive."""
         with self.write() as c:
+            if slots is not None:
+                c.execute(
+                    "UPDATE members SET slots = ? WHERE id = ? AND status = 'alive'", (slots, member_id)
+                )
             if loaded is None:
                 cur = c.execute(
                     "UPDATE members SET last_seen = ? WHERE id = ? AND status = 'alive'", (now, member_id)
