@@ -90,3 +90,26 @@ def test_multi_policy_task_needs_room_in_every_policy(tmp_path: Path) -> None:
     for _ in range(2):
         led.enqueue("k", {}, roles, 2)
     assert adm.tasks_to_admit(roles, 2) == 0
+
+
+def test_cap_not_a_multiple_of_the_group_never_overshoots(tmp_path: Path) -> None:
+    """Replay makes a batch's fresh part odd (64 - 19 = 45 with groups of 8): whole tasks only up to the cap."""
+    store = Store.open(tmp_path / "s.db")
+    store.ensure_policy("main", 1)
+    led = Ledger(store)
+    adm = Admission(store, {"main": PolicyLimits(45, 1)})
+    n = adm.tasks_to_admit(ROLES, 8)
+    assert n == 90 // 8 == 11  # 88 sequences <= (1 + 1) * 45; 12 tasks would be 96
+    for i in range(n):
+        led.enqueue(f"k{i}", {}, ROLES, 8)
+    assert adm.outstanding()["main"] <= adm.cap("main")
+    assert adm.tasks_to_admit(ROLES, 8) == 0
+
+
+def test_a_cap_smaller_than_one_group_still_makes_progress(tmp_path: Path) -> None:
+    store = Store.open(tmp_path / "s.db")
+    store.ensure_policy("main", 0)
+    adm = Admission(store, {"main": PolicyLimits(4, 0)})
+    assert adm.tasks_to_admit(ROLES, 8) == 1  # nothing outstanding: one task goes anyway
+    Ledger(store).enqueue("k", {}, ROLES, 8)
+    assert adm.tasks_to_admit(ROLES, 8) == 0

@@ -106,7 +106,12 @@ class Admission:
             if pol not in self.limits or k <= 0:
                 continue
             free = self.cap(pol) - out[pol]
-            n = 0 if free <= 0 else -(-free // k)
+            # whole tasks that fit under the cap; rounding up would overshoot it by up to a group, and
+            # that overshoot is consumed a version too late (it expired under replay's odd batch sizes).
+            # With nothing outstanding, one task always goes, so a cap smaller than a group cannot stall.
+            n = max(0, free) // k
+            if n == 0 and out[pol] == 0:
+                n = 1
             room = n if room is None else min(room, n)
         return room or 0
 
