@@ -113,3 +113,19 @@ def test_a_cap_smaller_than_one_group_still_makes_progress(tmp_path: Path) -> No
     assert adm.tasks_to_admit(ROLES, 8) == 1  # nothing outstanding: one task goes anyway
     Ledger(store).enqueue("k", {}, ROLES, 8)
     assert adm.tasks_to_admit(ROLES, 8) == 0
+
+
+def test_lease_counts_the_whole_task_against_the_bound(tmp_path: Path) -> None:
+    """B = 45 fresh sequences, groups of 8, S = 1: with 88 sequences ahead, a task of 8 would put its last
+    sequences 96 deep, i.e. two versions out; it needs weights one version newer than with 40 ahead."""
+    store = Store.open(tmp_path / "s.db")
+    store.ensure_policy("main", 1)
+    led = Ledger(store)
+    adm = Admission(store, {"main": PolicyLimits(45, 1)})
+    for i in range(11):
+        led.enqueue(f"k{i}", {}, ROLES, 8)
+    led.lease("w", 11)  # 88 sequences in flight
+    assert adm.ahead("main") == 88
+    assert adm.may_lease({"main": 1}, ["main"], {"main": 8})  # target 0: 0 + (88 + 7) // 45 - 1 = 1
+    assert not adm.may_lease({"main": 0}, ["main"], {"main": 8})
+    assert adm.may_lease({"main": 0}, ["main"], {"main": 2})  # a small task still fits two batches deep

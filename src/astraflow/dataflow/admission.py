@@ -13,8 +13,9 @@ holds whenever
 The first condition is the production cap `outstanding < (S + 1) * B`: more queued work than
 S + 1 batches could only be trained on by weights more than S versions newer than today's, so it
 would expire. The second is the lease rule: a worker is leased tasks only while the version it
-has loaded is at least `target + floor(ahead / B) - S`, where ahead = buffered + in-flight sequences
-(the queued tasks behind the one being leased do not count) and target = max(published version, steps already taken)
+has loaded is at least `target + floor((ahead + k - 1) / B) - S`, where ahead = buffered + in-flight
+sequences (the queued tasks behind the one being leased do not count), k the sequences the task adds
+(so its last sequence is within the bound too), and target = max(published version, steps already taken)
 (a step that took its batch but has not published yet still moves the goal post: its weights will
 be the ones the next batch trains on). With S = 0 this is synchronous RL: one batch of work is
 admitted, nothing more until the trainer took it, and nothing is leased again until the new
@@ -139,14 +140,19 @@ class Admission:
             )
         return n
 
-    def may_lease(self, loaded: dict[str, int], policies: Iterable[str]) -> bool:
-        """True if the worker's loaded version v of every policy satisfies v >= target + floor(ahead / B) - S
-        (unknown loaded counts as 0): the work it would produce is consumed within the bound."""
+    def may_lease(
+        self, loaded: dict[str, int], policies: Iterable[str], task_sequences: dict[str, int] | None = None
+    ) -> bool:
+        """True if the worker's loaded version v of every policy satisfies
+        v >= target + floor((ahead + k - 1) / B) - S, with k the sequences this task adds (unknown
+        loaded counts as 0): the task's last sequence is still consumed within the bound. Counting k
+        matters when B is not a multiple of the group size (replay makes a batch's fresh part odd)."""
         for pol in policies:
             if pol not in self.limits:
                 continue
             lim = self.limits[pol]
-            need = self.target_version(pol) + self.ahead(pol) // lim.batch_size - lim.max_staleness
+            k = max(1, (task_sequences or {}).get(pol, 1))
+            need = self.target_version(pol) + (self.ahead(pol) + k - 1) // lim.batch_size - lim.max_staleness
             if loaded.get(pol, 0) < need:
                 return False
         return True

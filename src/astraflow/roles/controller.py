@@ -261,7 +261,9 @@ class Controller:
 
         def accept(task: TaskRow) -> bool:
             pols = task.policies
-            return (not serves or serves.issuperset(pols)) and self.admission.may_lease(loaded, pols)
+            return (not serves or serves.issuperset(pols)) and self.admission.may_lease(
+                loaded, pols, Admission.sequences_per_task(task.roles, task.group_size)
+            )
 
         self.refill()
         with self.store.write():
