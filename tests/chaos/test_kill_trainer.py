@@ -7,86 +7,30 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.chaos.test_kill_raas import ROOT, free_port, start, steps_done
+from tests.chaos.cluster import Cluster
 
 
 @pytest.mark.chaos
 def test_kill_9_trainer_resumes_exactly(tiny_model: Path, tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    ckpt = run_dir / "checkpoints" / "main"
-    addr = f"tcp://127.0.0.1:{free_port()}"
     steps = 8
-    sets = [
-        "--set",
-        f'policy.model="{tiny_model}"',
-        "--set",
-        f"run.steps={steps}",
-        "--set",
-        "policy.checkpoint_every=3",
-        "--set",
-        "policy.batch_prompts=8",
-        "--set",
-        "controller.member_timeout_s=2.0",
-    ]
-    trainer_args = [
-        "join",
-        "--role",
-        "trainer",
-        "--controller",
-        addr,
-        "--policy",
-        "main",
-        "--checkpoint-dir",
-        str(ckpt),
-    ]
-    procs = []
-    try:
-        ctl = start(
-            [
-                "controller",
-                str(ROOT / "recipes/quickstart/recipe.toml"),
-                "--run-dir",
-                str(run_dir),
-                "--bind",
-                addr,
-                *sets,
-            ],
-            tmp_path / "controller.log",
-            tmp_path,
-        )
-        procs.append(ctl)
-        procs.append(
-            start(
-                ["join", "--role", "raas", "--controller", addr, "--member-id", "raas-0"],
-                tmp_path / "raas.log",
-                tmp_path,
-            )
-        )
-        trainer = start(trainer_args, tmp_path / "trainer-1.log", tmp_path)
-        procs.append(trainer)
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and steps_done(run_dir) < 4:
-            time.sleep(0.05)
-        assert steps_done(run_dir) >= 4, (tmp_path / "trainer-1.log").read_text()[-2000:]
+    overrides = ("policy.checkpoint_every=3", "policy.batch_prompts=8", "controller.member_timeout_s=2.0")
+    with Cluster(tmp_path, tiny_model, steps, *overrides) as c:
+        ctl = c.controller()
+        c.raas(0)
+        trainer = c.trainer("trainer-1.log")
+        c.wait_steps(4, trainer, "trainer-1.log")
         os.kill(trainer.pid, signal.SIGKILL)
         trainer.wait()
-        killed_at = steps_done(run_dir)
-        assert killed_at < steps, "the trainer finished before it could be killed"
-        trainer2 = start(trainer_args, tmp_path / "trainer-2.log", tmp_path)
-        procs.append(trainer2)
-        assert trainer2.wait(timeout=300) == 0, (tmp_path / "trainer-2.log").read_text()[-3000:]
+        assert c.steps_done() < steps, "the trainer finished before it could be killed"
+        trainer2 = c.trainer("trainer-2.log")
+        assert trainer2.wait(timeout=300) == 0, c.log("trainer-2.log")
         assert ctl.wait(timeout=60) == 0
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert "resumed main from" in (tmp_path / "trainer-2.log").read_text()
+    assert "resumed main from" in c.log("trainer-2.log", tail=100_000)
+    run_dir, ckpt = c.run_dir, c.checkpoints
 
     # Replay the recorded batches 1..N in one fresh trainer, straight through, in this process.
     import torch
