@@ -60,22 +60,27 @@ class Admission:
             out[pol] = out.get(pol, 0) + group_size
         return out
 
-    def outstanding(self) -> dict[str, int]:
-        """Per policy: buffered trajectories + expected sequences of queued and leased tasks."""
+    def _sequences(self, task_statuses: tuple[str, ...]) -> dict[str, int]:
+        """Per policy: buffered trajectories + expected sequences of tasks in these statuses."""
         out = dict.fromkeys(self.limits, 0)
         for r in self.store.query(
             "SELECT policy, COUNT(*) AS n FROM trajectories WHERE status = 'buffered' GROUP BY policy"
         ):
             if r["policy"] in out:
                 out[r["policy"]] += int(r["n"])
+        marks = ",".join("?" for _ in task_statuses)
         for r in self.store.query(
-            "SELECT roles, group_size, COUNT(*) AS n FROM tasks WHERE status IN ('queued', 'leased') "
-            "GROUP BY roles, group_size"
+            f"SELECT roles, group_size, COUNT(*) AS n FROM tasks WHERE status IN ({marks}) GROUP BY roles, group_size",
+            task_statuses,
         ):
             for pol, k in self.sequences_per_task(json.loads(r["roles"]), int(r["group_size"])).items():
                 if pol in out:
                     out[pol] += k * int(r["n"])
         return out
+
+    def outstanding(self) -> dict[str, int]:
+        """Per policy: buffered trajectories + expected sequences of queued and leased tasks."""
+        return self._sequences(("queued", "leased"))
 
     def outstanding_groups(self) -> dict[str, int]:
         """Per policy, in groups (prompts): tasks queued or leased + tasks with buffered trajectories."""
@@ -127,18 +132,7 @@ class Admission:
 
     def ahead(self, policy: str) -> int:
         """Sequences that will be consumed before a task leased now: buffered + in flight."""
-        n = int(
-            self.store.scalar(
-                "SELECT COUNT(*) FROM trajectories WHERE status = 'buffered' AND policy = ?", (policy,)
-            )
-        )
-        for r in self.store.query(
-            "SELECT roles, group_size, COUNT(*) AS n FROM tasks WHERE status = 'leased' GROUP BY roles, group_size"
-        ):
-            n += self.sequences_per_task(json.loads(r["roles"]), int(r["group_size"])).get(policy, 0) * int(
-                r["n"]
-            )
-        return n
+        return self._sequences(("leased",)).get(policy, 0)
 
     def may_lease(
         self, loaded: dict[str, int], policies: Iterable[str], task_sequences: dict[str, int] | None = None
