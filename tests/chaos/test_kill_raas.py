@@ -42,17 +42,20 @@ def test_kill_9_raas_mid_run_loses_no_task(tiny_model: Path, tmp_path: Path) -> 
             assert set(doc["tasks"]) >= {"queued", "leased", "done", "failed"}
         # kill raas-0 while it holds leases
         deadline = time.monotonic() + 240
-        victim_tasks: list[int] = []
-        while time.monotonic() < deadline:
+
+        def held_by_raas0() -> list[int]:
             with ro(c.run_dir) as db:
-                victim_tasks = [
+                return [
                     r[0] for r in db.execute("SELECT id FROM tasks WHERE status='leased' AND owner='raas-0'")
                 ]
-            if victim_tasks:
-                break
+
+        while time.monotonic() < deadline and not held_by_raas0():
             time.sleep(0.02)
         raas[0].send_signal(signal.SIGKILL)
         raas[0].wait()
+        # what it held when it died (read after the kill: a result it sent just before is not a victim),
+        # well inside controller.member_timeout_s, before the controller can take the leases back
+        victim_tasks = held_by_raas0()
 
         assert trainer.wait(timeout=300) == 0, c.log("trainer.log")
         assert ctl.wait(timeout=60) == 0, c.log("controller.log")
