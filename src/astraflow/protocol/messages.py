@@ -36,6 +36,12 @@ class Sequence(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Policy version that produced each token (-1 where mask is 0)."""
     reward: float = 0.0
     """Scalar reward of this sequence."""
+    temperature: float = 1.0
+    """Sampling temperature the engine used for this sequence's generated tokens."""
+    top_p: float = 1.0
+    """Nucleus mass the engine sampled with (1.0: off)."""
+    top_k: int = 0
+    """Top-k the engine sampled with (0: off)."""
 
 
 class Episode(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -79,6 +85,10 @@ class TrainSample(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     reward: float
     advantage: float
     replay: bool = False
+    temperature: float = 1.0
+    """Sampling settings of the behaviour distribution: the trainer recomputes logprobs under them."""
+    top_p: float = 1.0
+    top_k: int = 0
 
 
 # ----- membership --------------------------------------------------------------------------------

@@ -1,0 +1,48 @@
+"""The processed sampling distribution shared by the engine and the trainer."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from astraflow.engines.sampling import processed_logprobs
+from astraflow.engines.torch_engine import sample_tokens
+
+
+def test_plain_is_tempered_log_softmax() -> None:
+    logits = torch.randn(3, 11)
+    got = processed_logprobs(logits, 0.7)
+    assert torch.allclose(got, torch.log_softmax(logits / 0.7, -1))
+
+
+def test_top_k_keeps_k_largest_and_renormalises() -> None:
+    logits = torch.tensor([[3.0, 1.0, 2.0, 0.0, -1.0]])
+    got = processed_logprobs(logits, 1.0, 1.0, 2)
+    kept = torch.isfinite(got[0]).nonzero().flatten().tolist()
+    assert kept == [0, 2]
+    want = torch.log_softmax(torch.tensor([3.0, 2.0]), -1)
+    assert torch.allclose(got[0, [0, 2]], want)
+    assert math.isclose(got[0].exp().sum().item(), 1.0, rel_tol=1e-6)
+
+
+def test_top_p_matches_the_engine_sampler() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(64, 50) * 3
+    temp = torch.full((64,), 0.9)
+    top_p = torch.rand(64) * 0.9 + 0.05
+    tokens, chosen = sample_tokens(logits, temp, top_p, torch.rand(64))
+    logp = processed_logprobs(logits, temp, top_p)
+    assert torch.allclose(logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), chosen, atol=1e-5)
+    # nucleus: the smallest prefix reaching top_p, the top token always in
+    assert bool(torch.isfinite(logp).sum(-1).ge(1).all())
+    full = torch.softmax(logits / 0.9, -1)
+    kept_mass = (full * torch.isfinite(logp)).sum(-1)
+    assert bool((kept_mass >= top_p - 1e-5).all())
+
+
+def test_per_row_settings_and_off_values() -> None:
+    logits = torch.randn(2, 8)
+    got = processed_logprobs(logits, torch.tensor([1.0, 2.0]), torch.tensor([1.0, 0.5]), torch.tensor([0, 3]))
+    assert torch.allclose(got[0], torch.log_softmax(logits[0], -1))
+    assert int(torch.isfinite(got[1]).sum()) <= 3
