@@ -33,3 +33,7 @@ class ProtocolError(AstraflowError):
 
 class WeightIntegrityError(AstraflowError):
     """Received weights do not match their manifest's sha256."""
+
+
+class WeightsMismatchError(AstraflowError):
+    """Weights offered to an engine do not fit its model (names, shapes or dtypes differ)."""

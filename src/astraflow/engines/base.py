@@ -17,6 +17,8 @@ class GenerationRequest:
     max_new_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0
+    """Keep only the k most likely tokens before top-p (0: off); see engines/sampling.py."""
     stop_ids: list[int] = field(default_factory=list)
     """Generation ends after any of these tokens (the stop token is kept in token_ids)."""
     seed: int | None = None
