@@ -80,7 +80,7 @@ class StandIn:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            for ident, msg in self.server.poll(20):
+            for ident, _principal, msg in self.server.poll(20):
                 if isinstance(msg, DecodeError):
                     self.decode_errors.append(msg)
                     self.server.reply_error(ident, msg)

@@ -6,11 +6,20 @@ rejected, and `rid` pairs a reply with its request. docs/protocol.md documents e
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
 PROTOCOL_VERSION = 1
+
+# Caps on what a peer may send, checked by the decoder before a message reaches a handler
+# (docs/protocol.md "Limits"); frames as a whole are capped by the transport's MAXMSGSIZE.
+Name = Annotated[str, msgspec.Meta(max_length=255)]
+"""A member id, policy, role or host name."""
+Text = Annotated[str, msgspec.Meta(max_length=64 << 10)]
+"""A free-form reason or error text."""
+Scalar = str | int | float | bool | None
+"""A value of an episode's info: scalars only, so no peer can nest data inside it."""
 
 
 class Msg(msgspec.Struct, tag=True, tag_field="type", kw_only=True, forbid_unknown_fields=True):
@@ -25,7 +34,7 @@ class Msg(msgspec.Struct, tag=True, tag_field="type", kw_only=True, forbid_unkno
 class Sequence(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """One token sequence of one policy in an episode; the unit a trainer consumes."""
 
-    policy: str
+    policy: Name
     tokens: list[int]
     """Prompt and generated tokens, in order (multi-turn: the whole conversation)."""
     loss_mask: list[int]
@@ -47,8 +56,8 @@ class Sequence(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class Episode(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """One run of a workflow on one sample: sequences for one or more policies."""
 
-    sequences: list[Sequence]
-    info: dict[str, Any] = {}
+    sequences: Annotated[list[Sequence], msgspec.Meta(max_length=4096)]
+    info: Annotated[dict[Name, Scalar], msgspec.Meta(max_length=256)] = {}
     """Free-form numbers a workflow reports (e.g. correctness, turns); scalars only."""
 
 
@@ -97,16 +106,16 @@ class TrainSample(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class Hello(Msg, kw_only=True):
     """First message of a member: who it is and what it serves."""
 
-    member_id: str
-    role: str
+    member_id: Annotated[str, msgspec.Meta(min_length=1, max_length=255)]
+    role: Annotated[str, msgspec.Meta(max_length=32)]
     """raas | trainer | observer"""
     protocol: int
-    policies: list[str] = []
-    region: str = ""
-    hardware: str = ""
-    slots: int = 0
+    policies: Annotated[list[Name], msgspec.Meta(max_length=64)] = []
+    region: Annotated[str, msgspec.Meta(max_length=128)] = ""
+    hardware: Name = ""
+    slots: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] = 0
     pid: int = 0
-    host: str = ""
+    host: Name = ""
 
 
 class Welcome(Msg, kw_only=True):
@@ -121,7 +130,7 @@ class Welcome(Msg, kw_only=True):
 class Heartbeat(Msg, kw_only=True):
     """Liveness and load of a member; also renews its leases."""
 
-    loaded: dict[str, int] = {}
+    loaded: Annotated[dict[Name, int], msgspec.Meta(max_length=64)] = {}
     """Policy -> version the member's engine holds now."""
     busy: int = 0
     free: int = 0
@@ -137,7 +146,7 @@ class HeartbeatAck(Msg, kw_only=True):
 class Bye(Msg, kw_only=True):
     """A member leaves; its leases return to the queue at once."""
 
-    reason: str = ""
+    reason: Text = ""
 
 
 # ----- rollout -----------------------------------------------------------------------------------
@@ -147,7 +156,7 @@ class TaskRequest(Msg, kw_only=True):
     """A RaaS asks for up to n tasks (its free slots): credit-based flow control."""
 
     n: int
-    loaded: dict[str, int] = {}
+    loaded: Annotated[dict[Name, int], msgspec.Meta(max_length=64)] = {}
 
 
 class TaskGrant(Msg, kw_only=True):
@@ -164,8 +173,8 @@ class TaskResult(Msg, kw_only=True):
 
     task_id: int
     epoch: int
-    episodes: list[Episode] = []
-    error: str = ""
+    episodes: Annotated[list[Episode], msgspec.Meta(max_length=4096)] = []
+    error: Text = ""
 
 
 class ResultAck(Msg, kw_only=True):
@@ -181,7 +190,7 @@ class ResultAck(Msg, kw_only=True):
 class BatchRequest(Msg, kw_only=True):
     """A trainer asks for the batch of its policy's step `step` (1-based)."""
 
-    policy: str
+    policy: Name
     step: int
 
 
@@ -199,13 +208,13 @@ class BatchReply(Msg, kw_only=True):
 class VersionPublished(Msg, kw_only=True):
     """A trainer finished step `step`, producing `version`, now served at weights_addr."""
 
-    policy: str
+    policy: Name
     version: int
     step: int
-    weights_addr: str
-    sha256: str = ""
+    weights_addr: Annotated[str, msgspec.Meta(max_length=1024)]
+    sha256: Annotated[str, msgspec.Meta(max_length=64)] = ""
     nbytes: int = 0
-    metrics: dict[str, float] = {}
+    metrics: Annotated[dict[Name, float], msgspec.Meta(max_length=1024)] = {}
 
 
 class Ack(Msg, kw_only=True):
@@ -237,10 +246,10 @@ class StatusReply(Msg, kw_only=True):
 class WeightRequest(Msg, kw_only=True):
     """Ask a weight server for a version's manifest (chunk = -1) or one chunk."""
 
-    policy: str
+    policy: Name
     version: int
     chunk: int = -1
-    kind: str = "full"
+    kind: Annotated[str, msgspec.Meta(max_length=16)] = "full"
     """Which blob of that version: "full" (a snapshot) or "delta" (from the previous version)."""
 
 

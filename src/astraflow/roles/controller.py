@@ -27,6 +27,7 @@ from astraflow.protocol import messages as m
 from astraflow.protocol.codec import DecodeError
 from astraflow.state.status import build_status
 from astraflow.state.store import Store
+from astraflow.transport.principal import Principal
 
 _log = log.get("controller")
 
@@ -152,8 +153,10 @@ class Controller:
 
     # ----- handlers -----------------------------------------------------------------------------
 
-    def handle(self, ident: bytes, msg: m.Msg | DecodeError) -> m.Msg | None:
-        """The reply to one message (None: no reply)."""
+    def handle(
+        self, ident: bytes, msg: m.Msg | DecodeError, principal: Principal | None = None
+    ) -> m.Msg | None:
+        """The reply to one message (None: no reply); `principal` is its authenticated sender (None: auth off)."""
         if isinstance(msg, DecodeError):
             return m.Error(rid=msg.rid, code=getattr(msg, "code", "bad_message"), message=str(msg)[:500])
         member_id = ident.decode("utf-8", "replace")
@@ -406,9 +409,9 @@ class Controller:
     def serve(self, server: Any) -> int:
         """Poll, dispatch, do periodic work; returns 0 on a signal or at the run's end."""
         while not self.stop_requested:
-            for ident, msg in server.poll(int(TICK_S * 1000)):
+            for ident, principal, msg in server.poll(int(TICK_S * 1000)):
                 try:
-                    reply = self.handle(ident, msg)
+                    reply = self.handle(ident, msg, principal)
                 except Exception as exc:  # a bad request must never take the controller down
                     _log.exception("handling %s from %r failed", type(msg).__name__, ident)
                     reply = m.Error(rid=getattr(msg, "rid", 0), code="internal", message=str(exc)[:500])

@@ -9,6 +9,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import zmq
 
@@ -23,11 +24,16 @@ from astraflow.protocol.messages import (
     Welcome,
 )
 from astraflow.transport.member_loop import MemberLoop, Pending
-from astraflow.transport.server import DEFAULT_MAX_MESSAGE_BYTES
+from astraflow.transport.security import MemberCredentials, curve_client, member_credentials
+from astraflow.transport.server import DEFAULT_MAX_MESSAGE_BYTES, HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS
 
 _log = log.get("transport.client")
 
 _HINT = "is `astraflow controller` running? check the address/port"
+_HINT_KEY = (
+    "is `astraflow controller` running there, is --controller-key its public key, and is this "
+    "member's key added on the controller (`astraflow keys list`) and not revoked?"
+)
 
 
 class MemberClient:
@@ -47,8 +53,13 @@ class MemberClient:
         hang_timeout_s: float = 30.0,
         connect_timeout_s: float = 20.0,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        credentials: MemberCredentials | None = None,
     ) -> None:
-        """Prepare the client; nothing is sent until connect()."""
+        """Prepare the client; nothing is sent until connect().
+
+        credentials None takes the process's member credentials (security.set_member_credentials);
+        with none at all the connection is plain (the controller must run without keys).
+        """
         ident = hello.member_id.encode()
         # zmq routing ids are 1..255 bytes and a leading zero byte is reserved for generated ones
         if not 0 < len(ident) <= 255 or ident[0] == 0:
@@ -75,6 +86,8 @@ class MemberClient:
         """time.monotonic() of the last message from the controller (0 = never)."""
 
         self._max_message_bytes = max_message_bytes
+        self.credentials = credentials if credentials is not None else member_credentials()
+        """Key pair and controller key this client authenticates with (None: plain)."""
         self._rids = itertools.count(1)
         self._lock = threading.Lock()
         self._load: tuple[dict[str, int], int, int] = ({}, 0, 0)
@@ -104,7 +117,7 @@ class MemberClient:
         except concurrent.futures.TimeoutError:
             raise ConnectError(
                 f"controller at {self.controller} did not answer within {self.connect_timeout_s:g}s",
-                hint=_HINT,
+                hint=_HINT_KEY if self.credentials is not None else _HINT,
             ) from None
         if isinstance(reply, Error):
             raise ProtocolError(
@@ -186,8 +199,8 @@ class MemberClient:
             hint=_HINT,
         )
 
-    def _run(self) -> None:
-        ctx = zmq.Context()
+    def _open_socket(self, ctx: zmq.Context[Any]) -> zmq.Socket[Any]:
+        """A new DEALER connected to the controller (CURVE when the client has credentials)."""
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTING_ID, self.hello.member_id.encode())
@@ -196,11 +209,21 @@ class MemberClient:
         sock.setsockopt(zmq.IMMEDIATE, 1)
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        # ZMTP heartbeats: a connection to a dead controller host is noticed and redialled
+        sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        if self.credentials is not None:
+            curve_client(sock, self.credentials.keypair, self.credentials.controller_public)
         sock.connect(self.controller)
+        return sock
+
+    def _run(self) -> None:
+        ctx: zmq.Context[Any] = zmq.Context()
+        loop = MemberLoop(self, self._open_socket(ctx), lambda: self._open_socket(ctx))
         try:
-            MemberLoop(self, sock).run()
+            loop.run()
         except Exception:  # a crashed transport thread would otherwise look like a silent hang
             _log.exception("member transport thread failed")
         finally:
-            sock.close(0)
+            loop.sock.close(0)
             ctx.term()

@@ -7,6 +7,7 @@ import os
 import queue
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -31,6 +32,9 @@ if TYPE_CHECKING:
 
 _log = log.get("transport.client")
 
+REOPEN_AFTER_S = 6.0
+"""Seconds without any answer to Hello after which the member dials on a new connection."""
+
 
 @dataclass
 class Pending:
@@ -45,9 +49,13 @@ class Pending:
 class MemberLoop:
     """State of the transport thread: pending requests, the outbox and the join handshake."""
 
-    def __init__(self, client: MemberClient, sock: zmq.Socket) -> None:
+    def __init__(self, client: MemberClient, sock: zmq.Socket, reopen: Callable[[], zmq.Socket]) -> None:
         self.c = client
         self.sock = sock
+        self.reopen = reopen
+        """Makes a fresh connected socket: used when a Hello goes unanswered for REOPEN_AFTER_S."""
+        self.opened = time.monotonic()
+        self.poller = zmq.Poller()
         self.pending: dict[int, Pending] = {}
         self.outbox: deque[Msg] = deque()
         self.backlog: deque[Pending] = deque()
@@ -61,7 +69,7 @@ class MemberLoop:
     def run(self) -> None:
         """Serve the socket until the client closes, then fail whatever is still pending."""
         c = self.c
-        poller = zmq.Poller()
+        poller = self.poller
         poller.register(self.sock, zmq.POLLIN)
         poller.register(c._wake_r, zmq.POLLIN)
         while not c._stopping.is_set():
@@ -131,6 +139,8 @@ class MemberLoop:
             return
         self.hung_logged = False
         if not self.joined:
+            if self.hello_rid and now - max(self.opened, c.last_heard) > REOPEN_AFTER_S:
+                self._reopen()
             # Hello lost on a dropped connection, or the controller came back: ask again
             if self.hello_rid and now - self.hello_sent > max(1.0, 2 * c.heartbeat_interval_s):
                 self._send_hello()
@@ -140,6 +150,17 @@ class MemberLoop:
         # a heartbeat that cannot go out now is worthless later: replace any queued one
         self.outbox = deque(m for m in self.outbox if not isinstance(m, Heartbeat))
         self.outbox.append(beat)
+
+    def _reopen(self) -> None:
+        """Dial again on a fresh connection. The controller's ROUTER ignores a connection that claims
+        a routing id still held by an older one (no handover), and such a connection stays ignored
+        even after the old one is gone; a new connection is accepted once the old one has closed."""
+        _log.info("no answer from %s: opening a new connection", self.c.controller)
+        self.poller.unregister(self.sock)
+        self.sock.close(0)
+        self.sock = self.reopen()
+        self.poller.register(self.sock, zmq.POLLIN)
+        self.opened = time.monotonic()
 
     def _flush(self) -> None:
         while self.outbox:

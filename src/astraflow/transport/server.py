@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import zmq
 
 from astraflow import log
 from astraflow.errors import ConnectError
-from astraflow.protocol.codec import DecodeError, decode, encode
-from astraflow.protocol.messages import Error, Msg
+from astraflow.protocol.codec import DecodeError, decode, encode, peek_rid
+from astraflow.protocol.messages import Error, Hello, Msg
+from astraflow.transport.keys import KeyStore
+from astraflow.transport.principal import Principal
+from astraflow.transport.security import curve_server, server_keys
 
 _log = log.get("transport.server")
 
@@ -17,24 +22,55 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
 _MAX_DRAIN = 4096
 """Messages taken per poll() so one chatty peer cannot starve the caller's loop forever."""
 
+HEARTBEAT_IVL_MS = 1000
+"""ZMTP heartbeat interval: a connection whose peer stopped answering is dropped after the timeout."""
+HEARTBEAT_TIMEOUT_MS = 5000
+"""ZMTP heartbeat timeout (a dead or frozen peer's routing id is free again after this long)."""
+
+Polled = tuple[bytes, Principal | None, Msg | DecodeError]
+"""One received frame: routing identity, authenticated sender (None when auth is off), message."""
+
 
 class RouterServer:
-    """A bound ROUTER socket that yields (identity, message) pairs and never raises on bad input.
+    """A bound ROUTER socket that yields (identity, principal, message) and never raises on bad input.
 
     Framing is exactly two frames as seen by the ROUTER: [identity, msgpack payload]. Members use
     DEALER sockets whose routing id is their member id, so no empty delimiter frame is used.
+
+    With a key store the socket is a CURVE server: only registered, non-revoked keys connect, each
+    frame's sender is looked up in the store as it is now (a revoked key's frames are dropped at
+    once, even on a connection opened before), and a frame whose routing id is not its key's name
+    is answered `bad_identity` and never delivered. ROUTER_HANDOVER is off: a second connection
+    that claims a live member's routing id is ignored by the ROUTER (nothing of it is delivered)
+    until the first one is gone; ZMTP heartbeats free the id of a dead connection within seconds.
     """
 
-    def __init__(self, bind: str, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
-        """Bind a ROUTER on `bind`; "tcp://127.0.0.1:0" picks a free port (see `address`)."""
-        self._ctx = zmq.Context()
+    def __init__(
+        self, bind: str, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, keys: KeyStore | None = None
+    ) -> None:
+        """Bind a ROUTER on `bind`; "tcp://127.0.0.1:0" picks a free port (see `address`).
+
+        keys None takes the process's key store set by the CLI (security.set_server_keys), if any.
+        """
+        keys = keys if keys is not None else server_keys()
+        self._ctx: zmq.Context[Any] = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
-        # a restarted member reconnecting with the same id replaces the stale connection
-        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 0)
+        self._sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        self._sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TIMEOUT_MS)
         # replies to peers that are gone (or over their HWM) are dropped instead of blocking
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.keys = keys
+        """The key store that authenticates members; None: authentication off."""
+        self._auth = None
+        if keys is not None:
+            keys_ = keys
+            self._auth = curve_server(
+                self._ctx, self._sock, keys.controller_keypair(), lambda k: keys_.principal(k) is not None
+            )
         try:
             if bind.endswith(":0"):
                 port = self._sock.bind_to_random_port(bind[: -len(":0")])
@@ -44,8 +80,7 @@ class RouterServer:
                 self._sock.bind(bind)
                 self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         except zmq.ZMQError as exc:
-            self._sock.close(0)
-            self._ctx.term()
+            self._teardown()
             raise ConnectError(
                 f"cannot bind {bind}: {exc}",
                 hint="is another process using this port? pick another with --bind",
@@ -53,26 +88,62 @@ class RouterServer:
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         self._closed = False
+        self.refused = 0
+        """Frames refused by the transport itself (unknown or revoked key, wrong identity or role)."""
 
-    def poll(self, timeout_ms: int) -> list[tuple[bytes, Msg | DecodeError]]:
+    def poll(self, timeout_ms: int) -> list[Polled]:
         """Wait up to timeout_ms for input, then drain what is readable without blocking."""
-        out: list[tuple[bytes, Msg | DecodeError]] = []
+        out: list[Polled] = []
         if self._closed or not self._poller.poll(timeout_ms):
             return out
+        if self.keys is not None:
+            self.keys.refresh()
         while len(out) < _MAX_DRAIN:
             try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=True)
+                if self.keys is None:
+                    frames: list[Any] = self._sock.recv_multipart(zmq.NOBLOCK, copy=True)
+                    principal = None
+                else:
+                    frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    principal = self._principal(frames[-1])
+                    frames = [f.bytes for f in frames]
             except zmq.Again:
                 break
             identity = frames[0]
+            if self.keys is not None:
+                if principal is None:
+                    self.refused += 1  # a key revoked while its connection was open: deliver nothing
+                    continue
+                if identity != principal.name.encode():
+                    self._refuse(identity, frames, "bad_identity", f"this key belongs to {principal.name!r}")
+                    continue
             if len(frames) != 2:
-                out.append((identity, DecodeError(f"expected 2 frames, got {len(frames)}")))
+                out.append((identity, principal, DecodeError(f"expected 2 frames, got {len(frames)}")))
                 continue
             try:
-                out.append((identity, decode(frames[1])))
+                msg: Msg | DecodeError = decode(frames[1])
             except DecodeError as exc:
-                out.append((identity, exc))
+                msg = exc
+            if principal is not None and isinstance(msg, Hello):
+                why = _hello_mismatch(msg, principal)
+                if why:
+                    self._refuse(identity, frames, "bad_identity", why)
+                    continue
+            out.append((identity, principal, msg))
         return out
+
+    def _principal(self, frame: zmq.Frame) -> Principal | None:
+        assert self.keys is not None
+        try:
+            user = frame.get("User-Id")
+        except zmq.ZMQError:
+            return None
+        return self.keys.principal(user.encode() if isinstance(user, str) else b"")
+
+    def _refuse(self, identity: bytes, frames: list[bytes], code: str, why: str) -> None:
+        self.refused += 1
+        rid = peek_rid(frames[1]) if len(frames) == 2 else 0
+        self.send(identity, Error(rid=rid, code=code, message=why))
 
     def send(self, identity: bytes, msg: Msg) -> None:
         """Send to one peer; dropped silently if the peer is unknown or not reading."""
@@ -94,5 +165,21 @@ class RouterServer:
         if self._closed:
             return
         self._closed = True
+        self._teardown()
+
+    def _teardown(self) -> None:
         self._sock.close(0)
+        if self._auth is not None:
+            self._auth.stop()
         self._ctx.term()
+
+
+def _hello_mismatch(hello: Hello, who: Principal) -> str:
+    """Why a Hello does not fit the key that sent it ('' when it does)."""
+    if hello.member_id != who.name:
+        return f"member_id {hello.member_id!r} is not this key's member {who.name!r}"
+    if hello.role != who.role:
+        return f"this key is for role {who.role!r}, not {hello.role!r}"
+    if who.policy is not None and any(p != who.policy for p in hello.policies):
+        return f"this key acts only for policy {who.policy!r}"
+    return ""

@@ -1,0 +1,97 @@
+"""CURVE on our sockets: a server side with a ZAP handler (pyzmq's zmq.auth) and a client side.
+
+A server is a CURVE server with a key pair; pyzmq's ThreadAuthenticator answers the ZAP requests of
+its context, asking `allow(public_key)` for every new connection (so a key store's current state
+decides, revocations included). The socket enforces the ZAP domain, so without a running handler no
+connection is accepted at all. Each received frame carries its sender's public key as the ZAP
+User-Id, which the controller's transport maps to a Principal per frame.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import zmq
+from zmq.auth.thread import ThreadAuthenticator
+
+from astraflow.transport.keys import KeyPair, KeyStore
+
+ZAP_DOMAIN = "astraflow"
+"""The ZAP domain our CURVE servers use."""
+
+
+@dataclass(frozen=True)
+class MemberCredentials:
+    """What a member process authenticates with: its key pair and the controller's public key."""
+
+    keypair: KeyPair
+    controller_public: bytes
+
+
+_credentials: MemberCredentials | None = None
+_server_keys: KeyStore | None = None
+
+
+def set_member_credentials(creds: MemberCredentials | None) -> None:
+    """Set this process's member credentials (the CLI does, from --key and --controller-key)."""
+    global _credentials
+    _credentials = creds
+
+
+def member_credentials() -> MemberCredentials | None:
+    """This process's member credentials, or None when it runs without authentication."""
+    return _credentials
+
+
+def set_server_keys(keys: KeyStore | None) -> None:
+    """Set the key store this process's controller transport authenticates with (the CLI does)."""
+    global _server_keys
+    _server_keys = keys
+
+
+def server_keys() -> KeyStore | None:
+    """The key store set for this process's controller transport, or None (authentication off)."""
+    return _server_keys
+
+
+def curve_client(sock: zmq.Socket, keypair: KeyPair, server_public: bytes) -> None:
+    """Make sock a CURVE client of the server with that public key (before connect)."""
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, keypair.public)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, keypair.secret)
+    sock.setsockopt(zmq.CURVE_SERVERKEY, server_public)
+
+
+class _Provider:
+    """The ZAP callback object pyzmq's authenticator asks about each new connection."""
+
+    def __init__(self, allow: Callable[[bytes], bool]) -> None:
+        self.allow = allow
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        try:
+            return bool(self.allow(key))
+        except Exception:  # a failing check admits nobody
+            return False
+
+
+def curve_server(
+    ctx: zmq.Context, sock: zmq.Socket, keypair: KeyPair, allow: Callable[[bytes], bool] | None
+) -> ThreadAuthenticator:
+    """Make sock a CURVE server (before bind) whose ZAP handler admits keys `allow` accepts (None: any).
+
+    Returns the running authenticator; stop() it before terminating the context.
+    """
+    auth = ThreadAuthenticator(ctx)
+    auth.start()
+    if allow is None:
+        auth.configure_curve(domain="*", location=zmq.auth.CURVE_ALLOW_ANY)
+    else:
+        auth.configure_curve_callback(domain="*", credentials_provider=_Provider(allow))
+    sock.setsockopt(zmq.CURVE_SERVER, 1)
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, keypair.public)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, keypair.secret)
+    sock.setsockopt_string(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
+    # with no ZAP handler answering, refuse connections instead of admitting them
+    sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
+    return auth
