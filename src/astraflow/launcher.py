@@ -210,6 +210,30 @@ def wait_for_address(path: Path, controller: Child, timeout_s: float = 60.0) -> 
     )
 
 
+def throwaway_keys(keys_dir: Path, members: list[tuple[str, str, str | None]]) -> dict[str, list[str]]:
+    """Make (or reuse, on a resumed run) a key store and one key per child; returns each child's key flags.
+
+    `up` always runs authenticated: these keys live only in the run directory and never leave it.
+    """
+    from astraflow.transport.keys import KeyStore, load_keypair, new_key_files
+
+    store = KeyStore(keys_dir) if KeyStore.exists(keys_dir) else KeyStore.init(keys_dir)
+    registered = store.members()
+    flags: dict[str, list[str]] = {}
+    for name, role, policy in members:
+        secret = keys_dir / "members" / f"{name}.key_secret"
+        if not secret.is_file():
+            new_key_files(keys_dir / "members", name)
+        public = load_keypair(secret).public
+        row = registered.get(name)
+        if row is None or row.get("revoked") or row["public_key"] != public.decode() or row["role"] != role:
+            if row is not None and not row.get("revoked"):
+                store.revoke(name)
+            store.add(name, public, role, policy)
+        flags[name] = ["--key", str(secret), "--controller-key", str(keys_dir / "controller.key")]
+    return flags
+
+
 def run_up(recipe: Any, run_dir: Path, *, offline: bool = False, max_raas_restarts: int = 3) -> int:
     """Run a whole recipe on this machine; returns the exit code (0 when every policy reached its budget)."""
     from astraflow.errors import AstraflowError
@@ -236,7 +260,13 @@ def run_up(recipe: Any, run_dir: Path, *, offline: bool = False, max_raas_restar
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     t0 = time.monotonic()
+    member_keys = throwaway_keys(
+        run_dir / "keys",
+        [(f"trainer-{p.name}", "trainer", p.name) for p in recipe.policy]
+        + [(f"raas-{i}", "raas", None) for i in range(recipe.rollout.local_workers)],
+    )
     try:
+        # the controller authenticates with <run-dir>/keys, which it finds by itself
         ctl = sup.start("controller", "controller", ["controller", resolved, "--run-dir", str(run_dir)])
         addr = wait_for_address(addr_file, ctl)
         _log.info("controller at %s; run directory %s", addr, run_dir)
@@ -256,6 +286,9 @@ def run_up(recipe: Any, run_dir: Path, *, offline: bool = False, max_raas_restar
                     f"trainer-{pol.name}",
                     "--checkpoint-dir",
                     str(run_dir / "checkpoints" / pol.name),
+                    *member_keys[f"trainer-{pol.name}"],
+                    "--keys",
+                    str(run_dir / "keys"),
                 ],
             )
         for i in range(recipe.rollout.local_workers):
@@ -272,6 +305,7 @@ def run_up(recipe: Any, run_dir: Path, *, offline: bool = False, max_raas_restar
                     f"raas-{i}",
                     "--slots",
                     str(recipe.rollout.slots),
+                    *member_keys[f"raas-{i}"],
                 ],
             )
         return _watch(sup, recipe, run_dir, stop, t0, max_raas_restarts)

@@ -6,7 +6,7 @@ import sys
 
 import typer
 
-from astraflow.cli import bench, model, plugins_cmd, recipe, roles, status, up
+from astraflow.cli import bench, keys, model, plugins_cmd, recipe, roles, status, up
 from astraflow.errors import AstraflowError
 
 app = typer.Typer(
@@ -24,6 +24,7 @@ app.command("plugins")(plugins_cmd.plugins)
 app.add_typer(recipe.app, name="recipe")
 app.add_typer(model.app, name="model")
 app.add_typer(bench.app, name="bench")
+app.add_typer(keys.app, name="keys")
 
 
 def main() -> None:

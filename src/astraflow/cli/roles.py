@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -20,18 +20,85 @@ def controller(
         str | None, typer.Option("--bind", help="ROUTER endpoint, e.g. tcp://0.0.0.0:7600.")
     ] = None,
     set_: SetOpt = None,
+    keys: Annotated[
+        Path | None,
+        typer.Option("--keys", help="Key store (astraflow keys init); default <run-dir>/keys if it exists."),
+    ] = None,
+    insecure: Annotated[
+        bool, typer.Option("--insecure", help="Allow a non-loopback --bind without keys (no authentication).")
+    ] = False,
 ) -> None:
     """Run the controller: the run's state, task ledger, buffers and membership."""
     from astraflow import log
     from astraflow.config.load import load_recipe, validate_plugins
     from astraflow.roles.controller import run_controller
     from astraflow.rundir import prepare
+    from astraflow.transport.security import set_server_keys
 
     log.setup("controller")
     r = load_recipe(recipe, set_ or [])
     validate_plugins(r)
+    set_server_keys(_controller_keys(keys, run_dir, bind or r.controller.bind, insecure))
     prepare(run_dir, r)
     sys.exit(run_controller(r, run_dir, bind=bind))
+
+
+def _controller_keys(keys: Path | None, run_dir: Path, bind: str, insecure: bool) -> Any:
+    """The key store the controller authenticates with, or None; refuses an open bind without one."""
+    from astraflow import log
+    from astraflow.transport.keys import KeyStore
+
+    if keys is not None:
+        return KeyStore(keys)  # asked for explicitly: a missing store is an error, not "auth off"
+    if KeyStore.exists(run_dir / "keys"):
+        return KeyStore(run_dir / "keys")
+    if not is_loopback(bind) and not insecure:
+        raise AstraflowError(
+            f"refusing to bind {bind} without authentication",
+            hint=f"create keys: astraflow keys init --keys {run_dir / 'keys'} (docs/operations.md), "
+            "or pass --insecure on a trusted network",
+        )
+    if not is_loopback(bind):
+        log.get("controller").warning("binding %s WITHOUT authentication (--insecure)", bind)
+    return None
+
+
+def is_loopback(endpoint: str) -> bool:
+    """Whether a zmq endpoint is reachable only from this machine (loopback tcp, ipc, inproc)."""
+    scheme, _, rest = endpoint.partition("://")
+    if scheme in ("ipc", "inproc"):
+        return True
+    host = rest.rsplit(":", 1)[0].strip("[]")
+    return host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.")
+
+
+KeyOpt = Annotated[
+    Path | None,
+    typer.Option("--key", help="This member's key file (NAME.key_secret from `astraflow keys new`)."),
+]
+ControllerKeyOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--controller-key", help="The controller's public key: its controller.key file or Z85 text."
+    ),
+]
+
+
+def member_credentials(key: Path | None, controller_key: str | None) -> Any:
+    """Load and install this process's member credentials (None when neither flag is given)."""
+    from astraflow.transport.keys import load_keypair, load_public
+    from astraflow.transport.security import MemberCredentials, set_member_credentials
+
+    if key is None and controller_key is None:
+        return None
+    if key is None or controller_key is None:
+        raise AstraflowError(
+            "--key and --controller-key go together",
+            hint="pass this member's key file and the controller's key",
+        )
+    creds = MemberCredentials(keypair=load_keypair(key), controller_public=load_public(controller_key))
+    set_member_credentials(creds)
+    return creds
 
 
 def join(
@@ -63,9 +130,28 @@ def join(
     connect_timeout: Annotated[
         float, typer.Option("--connect-timeout", help="Seconds to wait for the controller's Welcome.")
     ] = 30.0,
+    key: KeyOpt = None,
+    controller_key: ControllerKeyOpt = None,
+    keys: Annotated[
+        Path | None,
+        typer.Option(
+            "--keys",
+            help="Trainer: a copy of the controller's key store; only its member keys may pull weights.",
+        ),
+    ] = None,
 ) -> None:
     """Join a running controller as a rollout worker (raas) or as one policy's trainer."""
     from astraflow import log
+    from astraflow.transport.keys import KeyStore
+    from astraflow.weights.server import set_pull_keys
+
+    creds = member_credentials(key, controller_key)
+    if creds is not None and member_id is None and creds.keypair.name:
+        member_id = creds.keypair.name  # the key's name is the member id the controller expects
+    if keys is not None:
+        if creds is None:
+            raise AstraflowError("--keys needs --key", hint="the weight server uses this member's key pair")
+        set_pull_keys(KeyStore(keys))
 
     if role == "raas":
         log.setup(member_id or "raas")

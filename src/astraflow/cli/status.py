@@ -28,28 +28,42 @@ def read_status(run_dir: Path) -> dict[str, Any]:
         store.close()
 
 
-def ask_status(controller: str, timeout_s: float = 5.0) -> dict[str, Any]:
-    """The status document asked of a live controller over the control plane."""
+def ask_status(controller: str, timeout_s: float = 5.0, credentials: Any = None) -> dict[str, Any]:
+    """The status document asked of a live controller over the control plane.
+
+    With credentials (security.MemberCredentials) the request goes over CURVE under the key's name.
+    """
     import os
 
     import zmq
 
     from astraflow.protocol.codec import decode, encode
-    from astraflow.protocol.messages import StatusReply, StatusRequest
+    from astraflow.protocol.messages import Error, StatusReply, StatusRequest
+    from astraflow.transport.security import curve_client
 
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.IDENTITY, f"status-{os.getpid()}".encode())
+    ident = f"status-{os.getpid()}"
+    if credentials is not None:
+        curve_client(sock, credentials.keypair, credentials.controller_public)
+        ident = credentials.keypair.name or ident
+    sock.setsockopt(zmq.IDENTITY, ident.encode())
     try:
         sock.connect(controller)
         sock.send(encode(StatusRequest(rid=1)))
         if not sock.poll(int(timeout_s * 1000)):
             raise ConnectError(
                 f"controller at {controller} did not answer within {timeout_s:.0f}s",
-                hint="is `astraflow controller` running there?",
+                hint="is `astraflow controller` running there? with authentication on, pass --key and "
+                "--controller-key (an unknown key gets no answer at all)",
             )
         reply = decode(sock.recv())
+        if isinstance(reply, Error):
+            raise ConnectError(
+                f"controller at {controller} refused the status request: {reply.code}: {reply.message}",
+                hint="pass --key (an observer key added with `astraflow keys add`) and --controller-key",
+            )
         if not isinstance(reply, StatusReply):
             raise ConnectError(f"controller at {controller} answered {type(reply).__name__}, not a status")
         return reply.status
@@ -81,6 +95,12 @@ def status(
     as_json: Annotated[
         bool, typer.Option("--json", help="Print the status document as JSON (schema: docs/status.md).")
     ] = False,
+    key: Annotated[
+        Path | None, typer.Option("--key", help="Key file (NAME.key_secret) for an authenticated controller.")
+    ] = None,
+    controller_key: Annotated[
+        str | None, typer.Option("--controller-key", help="The controller's public key (file or Z85 text).")
+    ] = None,
 ) -> None:
     """Show a run's policies (version, step, reward), members and task ledger counts."""
     if (run_dir is None) == (controller is None):
@@ -88,5 +108,10 @@ def status(
             "give exactly one of --run-dir or --controller",
             hint="astraflow status --run-dir runs/<name>-<time>",
         )
-    doc = read_status(run_dir) if run_dir is not None else ask_status(controller or "")
+    if run_dir is not None:
+        doc = read_status(run_dir)
+    else:
+        from astraflow.cli.roles import member_credentials
+
+        doc = ask_status(controller or "", credentials=member_credentials(key, controller_key))
     typer.echo(json.dumps(doc, indent=2, sort_keys=True) if as_json else render(doc))

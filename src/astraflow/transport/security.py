@@ -85,9 +85,9 @@ def curve_server(
     auth = ThreadAuthenticator(ctx)
     auth.start()
     if allow is None:
-        auth.configure_curve(domain="*", location=zmq.auth.CURVE_ALLOW_ANY)
+        auth.configure_curve(domain=ZAP_DOMAIN, location=zmq.auth.CURVE_ALLOW_ANY)
     else:
-        auth.configure_curve_callback(domain="*", credentials_provider=_Provider(allow))
+        auth.configure_curve_callback(domain=ZAP_DOMAIN, credentials_provider=_Provider(allow))
     sock.setsockopt(zmq.CURVE_SERVER, 1)
     sock.setsockopt(zmq.CURVE_PUBLICKEY, keypair.public)
     sock.setsockopt(zmq.CURVE_SECRETKEY, keypair.secret)

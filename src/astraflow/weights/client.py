@@ -8,10 +8,13 @@ import os
 import time
 
 import zmq
+from zmq.utils import z85
 
 from astraflow.errors import AstraflowError, ConnectError, ProtocolError, WeightIntegrityError
 from astraflow.protocol.codec import DecodeError, decode, encode
 from astraflow.protocol.messages import Error, Msg, WeightChunk, WeightManifest, WeightRequest
+from astraflow.transport.keys import KeyPair
+from astraflow.transport.security import curve_client, member_credentials
 from astraflow.weights.manifest import check_manifest, chunk_span
 
 DEFAULT_WINDOW = 4
@@ -65,6 +68,24 @@ def fetch_weights(
     return blob
 
 
+def split_address(addr: str) -> tuple[str, bytes | None]:
+    """A weight server address -> (zmq endpoint, its CURVE public key as Z85, or None if plain)."""
+    endpoint, _, fragment = addr.partition("#")
+    if not fragment:
+        return endpoint, None
+    name, _, value = fragment.partition("=")
+    try:
+        raw = bytes.fromhex(value)
+        if name != "curve" or len(raw) != 32:
+            raise ValueError(value)
+    except ValueError:
+        raise ProtocolError(
+            f"weight server address {addr!r} has a bad key part",
+            hint="expected tcp://HOST:PORT#curve=<64 hex>",
+        ) from None
+    return endpoint, z85.encode(raw)
+
+
 class _Puller:
     """One DEALER to one weight server, with a deadline shared by every request of a pull."""
 
@@ -80,7 +101,14 @@ class _Puller:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, max_chunk_bytes + (64 << 10))
         self.sock.setsockopt(zmq.ROUTING_ID, b"w-" + os.urandom(8).hex().encode())
-        self.sock.connect(addr)
+        endpoint, server_key = split_address(addr)
+        if server_key is not None:
+            creds = member_credentials()
+            # without member credentials (a test, a tool) a throwaway key pair still encrypts and
+            # checks the server; a server restricted to member keys then refuses it
+            pair = creds.keypair if creds is not None else KeyPair(*zmq.curve_keypair())
+            curve_client(self.sock, pair, server_key)
+        self.sock.connect(endpoint)
 
     def __enter__(self) -> _Puller:
         return self

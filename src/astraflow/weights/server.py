@@ -6,23 +6,48 @@ import threading
 
 import msgspec
 import zmq
+from zmq.utils import z85
 
 from astraflow import log
 from astraflow.errors import ConnectError
 from astraflow.protocol.codec import DecodeError, decode, encode
 from astraflow.protocol.messages import Error, Msg, WeightChunk, WeightManifest, WeightRequest
+from astraflow.transport.keys import KeyPair, KeyStore
+from astraflow.transport.security import curve_server, member_credentials
+from astraflow.transport.server import HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS
 from astraflow.weights.manifest import build_manifest, chunk_span
 
 _log = log.get("weights.server")
 
 _MAX_REQUEST_BYTES = 64 << 10
 """Requests are tiny; a bigger frame is an attack or a bug and drops the peer."""
+SNDHWM = 8
+"""Replies queued per peer: twice a puller's window. A peer that asks for more and does not read
+gets the rest dropped (it re-asks after its retry time), so a peer holds at most SNDHWM chunks."""
+_MAX_DRAIN = 256
+"""Requests handled per poll turn, so the stop flag is seen even under a flood."""
+
+_pull_keys: KeyStore | None = None
+
+
+def set_pull_keys(keys: KeyStore | None) -> None:
+    """Restrict this process's weight servers to the member keys of a key store (the CLI's --keys)."""
+    global _pull_keys
+    _pull_keys = keys
+
+
+def key_suffix(public_z85: bytes) -> str:
+    """What a CURVE weight server appends to its address: '#curve=' and its public key in hex."""
+    return "#curve=" + z85.decode(public_z85).hex()
 
 
 class WeightServer:
     """Holds the newest `keep_versions` versions per policy and serves them to any puller.
 
-    Used by trainers for their own versions and by RaaS workers to relay what they pulled.
+    Used by trainers for their own versions. With a key pair (default: this process's member
+    credentials) it is a CURVE server and `address` ends in '#curve=<hex public key>', so a puller
+    that got the address from the controller also knows which key the server must prove; with
+    pull_keys only those key store's non-revoked member keys may connect (default: any CURVE key).
     """
 
     def __init__(
@@ -33,6 +58,8 @@ class WeightServer:
         keep_versions: int = 2,
         port: int = 0,
         advertise_host: str | None = None,
+        keypair: KeyPair | None = None,
+        pull_keys: KeyStore | None = None,
     ) -> None:
         """Bind on bind_host (port 0 = a free one) and start serving; `address` is what peers dial."""
         if chunk_bytes <= 0 or keep_versions <= 0:
@@ -46,6 +73,19 @@ class WeightServer:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, _MAX_REQUEST_BYTES)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        sock.setsockopt(zmq.SNDHWM, SNDHWM)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        creds = member_credentials()
+        keypair = keypair or (creds.keypair if creds is not None else None)
+        pull_keys = pull_keys or _pull_keys
+        self._auth = None
+        if keypair is not None:
+            store = pull_keys
+            allow = None if store is None else (lambda k: store.principal(k) is not None)
+            if store is not None:
+                store.refresh(force=True)
+            self._auth = curve_server(self._ctx, sock, keypair, allow)
         try:
             if port:
                 sock.bind(f"tcp://{bind_host}:{port}")
@@ -53,9 +93,13 @@ class WeightServer:
                 port = sock.bind_to_random_port(f"tcp://{bind_host}")
         except zmq.ZMQError as exc:
             sock.close(0)
+            if self._auth is not None:
+                self._auth.stop()
             self._ctx.term()
             raise ConnectError(f"weight server cannot bind {bind_host}:{port}: {exc}", hint="") from None
-        self.address: str = f"tcp://{advertise_host or bind_host}:{port}"
+        self.address: str = f"tcp://{advertise_host or bind_host}:{port}" + (
+            key_suffix(keypair.public) if keypair is not None else ""
+        )
         """Endpoint peers connect to (advertise_host when binding a wildcard address)."""
         self._sock = sock
         self._stop = threading.Event()
@@ -84,27 +128,39 @@ class WeightServer:
             return
         self._stop.set()
         self._thread.join(5.0)
+        if self._auth is not None:
+            self._auth.stop()
         self._ctx.term()
 
     def _serve(self) -> None:
         try:
             while not self._stop.is_set():
-                if not self._sock.poll(100):
-                    continue
-                while True:
-                    try:
-                        frames = self._sock.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    reply = self._answer(frames)
-                    try:
-                        self._sock.send_multipart([frames[0], encode(reply)], zmq.NOBLOCK, copy=False)
-                    except zmq.ZMQError:
-                        pass  # the peer is gone or not reading; it will ask again
-        except Exception:
-            _log.exception("weight server thread failed")
+                try:
+                    self._serve_once()
+                except Exception:  # no message may end the loop: log, and serve the next one
+                    _log.exception("weight server: a request failed")
         finally:
             self._sock.close(0)
+
+    def _serve_once(self) -> None:
+        if not self._sock.poll(100):
+            return
+        for _ in range(_MAX_DRAIN):
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                reply = self._answer(frames)
+            except Exception as exc:  # a bug in answering one request must not stop the server
+                _log.exception("weight server: answering a request failed")
+                reply = Error(code="internal", message=str(exc)[:200])
+            try:
+                # each queued reply is a copy of its chunk; SNDHWM bounds how many queue per peer, and
+                # zmq frees them when the peer disconnects
+                self._sock.send_multipart([frames[0], encode(reply)], zmq.NOBLOCK, copy=False)
+            except zmq.ZMQError:
+                pass  # the peer is gone or past its SNDHWM; it will ask again
 
     def _answer(self, frames: list[bytes]) -> Msg:
         if len(frames) != 2:
