@@ -20,18 +20,29 @@ def controller(
         str | None, typer.Option("--bind", help="ROUTER endpoint, e.g. tcp://0.0.0.0:7600.")
     ] = None,
     set_: SetOpt = None,
+    allow_recipe_change: Annotated[
+        bool,
+        typer.Option(
+            "--allow-recipe-change",
+            help="On an existing run, accept a recipe that differs in operational fields only "
+            "(timeouts, slots, controller settings, a larger run.steps); see docs/operations.md.",
+        ),
+    ] = False,
 ) -> None:
     """Run the controller: the run's state, task ledger, buffers and membership."""
     from astraflow import log
     from astraflow.config.load import load_recipe, validate_plugins
+    from astraflow.config.recipe_change import check_run_recipe
     from astraflow.roles.controller import run_controller
     from astraflow.rundir import prepare
 
     log.setup("controller")
     r = load_recipe(recipe, set_ or [])
     validate_plugins(r)
+    # before prepare() rewrites recipe.resolved.json: a refused recipe must leave the run as it was
+    check_run_recipe(run_dir, r, allow=allow_recipe_change)
     prepare(run_dir, r)
-    sys.exit(run_controller(r, run_dir, bind=bind))
+    sys.exit(run_controller(r, run_dir, bind=bind, allow_recipe_change=allow_recipe_change))
 
 
 def join(
