@@ -529,6 +529,9 @@ class Controller:
         if not self.store.members("alive"):
             return True
         grace = max(10.0, 4 * self.recipe.controller.member_timeout_s)
+        if self.failed is not None:
+            # members learn of the end from their next heartbeat; nothing more is worth waiting for
+            grace = 4 * self.recipe.controller.heartbeat_interval_s + 1.0
         return now - self.finished_at > grace
 
     def serve(self, server: Any) -> int:
