@@ -103,8 +103,20 @@ class Supervisor:
                 out.append((c, c.proc.returncode))
         return out
 
-    def stop_all(self, grace_s: float = 10.0) -> None:
-        """SIGTERM every running child (raas, then trainers, then the controller), SIGKILL stragglers."""
+    def stop_all(self, grace_s: float = 10.0, drain_s: float = 0.0) -> None:
+        """SIGTERM the RaaS workers first and give them drain_s to finish or return their leases while
+        the controller still runs; then the trainers and the controller; SIGKILL stragglers."""
+        workers = [c for c in self.children if c.role == "raas" and c.running and c.proc is not None]
+        for c in workers:
+            assert c.proc is not None
+            c.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + drain_s + 2.0
+        for c in workers:
+            assert c.proc is not None
+            try:
+                c.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass  # killed below with the others if it does not stop within grace_s
         order = {"raas": 0, "trainer": 1, "controller": 2}
         for c in sorted(self.children, key=lambda c: order.get(c.role, 0)):
             if c.running and c.proc is not None:
@@ -312,7 +324,7 @@ def run_up(recipe: Any, run_dir: Path, *, offline: bool = False, max_raas_restar
     except AstraflowError:
         raise
     finally:
-        sup.stop_all()
+        sup.stop_all(drain_s=recipe.rollout.drain_timeout_s)
         for s, h in old.items():
             signal.signal(s, h)
 
@@ -323,13 +335,22 @@ def _watch(
     """Supervise until the trainers finish, a fatal child fails, or a signal arrives. A dead RaaS is
     restarted up to max_restarts times, a dead trainer up to MAX_TRAINER_RESTARTS times; a controller
     failure, or a child past its restarts, ends the run."""
+    from astraflow.state.failure_tail import FailureTail
+
     metrics = MetricsTail(run_dir / "metrics.jsonl")
+    fails, next_fail_read = FailureTail(run_dir / "state.db"), 0.0
     trainers = [c for c in sup.children if c.role == "trainer"]
     seen_dead: set[tuple[str, int]] = set()
     while True:
         for rec in metrics.read():
             if "step" in rec and "policy" in rec:
                 sys.stdout.write(progress_line(rec, recipe.run.steps) + "\n")
+                sys.stdout.flush()
+        if time.monotonic() >= next_fail_read:
+            # failures reach the console as one line per kind and second (the full traceback is in the controller log)
+            next_fail_read = time.monotonic() + 1.0
+            for line in fails.read():
+                sys.stdout.write(line + "\n")
                 sys.stdout.flush()
         if stop["signal"]:
             _log.warning("stopping on signal %d", stop["signal"])

@@ -31,7 +31,8 @@ def test_status_schema_and_values(tmp_path: Path) -> None:
     ro = Store.open_readonly(tmp_path / "state.db")
     doc = build_status(ro)
     json.dumps(doc)  # plain JSON
-    assert set(doc) == {"schema", "run", "policies", "members", "tasks", "buffers"}
+    assert set(doc) == {"schema", "run", "policies", "members", "tasks", "failures", "buffers"}
+    assert doc["failures"] == {"by_reason": {}, "last_error": ""}
     assert doc["run"] == {"name": "demo", "steps": 7}
     (p,) = doc["policies"]
     assert {k: p[k] for k in ("name", "version", "step", "reward_mean", "max_staleness")} == {

@@ -6,7 +6,7 @@ import sys
 
 import typer
 
-from astraflow.cli import bench, keys, model, plugins_cmd, recipe, roles, status, up
+from astraflow.cli import bench, keys, leave, model, plugins_cmd, recipe, roles, status, up
 from astraflow.errors import AstraflowError
 
 app = typer.Typer(
@@ -20,6 +20,7 @@ app.command("up")(up.up)
 app.command("controller")(roles.controller)
 app.command("join")(roles.join)
 app.command("status")(status.status)
+app.command("leave")(leave.leave)
 app.command("plugins")(plugins_cmd.plugins)
 app.add_typer(recipe.app, name="recipe")
 app.add_typer(model.app, name="model")

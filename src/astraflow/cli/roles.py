@@ -27,10 +27,19 @@ def controller(
     insecure: Annotated[
         bool, typer.Option("--insecure", help="Allow a non-loopback --bind without keys (no authentication).")
     ] = False,
+    allow_recipe_change: Annotated[
+        bool,
+        typer.Option(
+            "--allow-recipe-change",
+            help="On an existing run, accept a recipe that differs in operational fields only "
+            "(timeouts, slots, controller settings, a larger run.steps); see docs/operations.md.",
+        ),
+    ] = False,
 ) -> None:
     """Run the controller: the run's state, task ledger, buffers and membership."""
     from astraflow import log
     from astraflow.config.load import load_recipe, validate_plugins
+    from astraflow.config.recipe_change import check_run_recipe
     from astraflow.roles.controller import run_controller
     from astraflow.rundir import prepare
     from astraflow.transport.security import set_server_keys
@@ -39,8 +48,10 @@ def controller(
     r = load_recipe(recipe, set_ or [])
     validate_plugins(r)
     set_server_keys(_controller_keys(keys, run_dir, bind or r.controller.bind, insecure))
+    # before prepare() rewrites recipe.resolved.json: a refused recipe must leave the run as it was
+    check_run_recipe(run_dir, r, allow=allow_recipe_change)
     prepare(run_dir, r)
-    sys.exit(run_controller(r, run_dir, bind=bind))
+    sys.exit(run_controller(r, run_dir, bind=bind, allow_recipe_change=allow_recipe_change))
 
 
 def _controller_keys(keys: Path | None, run_dir: Path, bind: str, insecure: bool) -> Any:

@@ -80,6 +80,12 @@ def render(doc: dict[str, Any]) -> str:
         lines.append(f"policy {p['name']}: step {p['step']} version {p['version']} reward {rtxt}")
     t = doc.get("tasks", {})
     lines.append("tasks: " + " ".join(f"{k}={v}" for k, v in t.items()))
+    by_reason = doc.get("failures", {}).get("by_reason", {})
+    if by_reason:
+        lines.append("failed attempts: " + " ".join(f"{k}={v}" for k, v in sorted(by_reason.items())))
+        last = doc["failures"].get("last_error", "")
+        if last:
+            lines.append("last error: " + last.strip().splitlines()[-1][:200])
     for m in doc.get("members", []):
         lines.append(
             f"member {m['id']}: {m['role']} {m['status']} policies={','.join(m.get('policies', []))}"

@@ -135,6 +135,10 @@ class RolloutConfig(_Model):
     """A RaaS gives up a task whose episodes run longer than this and reports it failed (it is requeued)."""
     max_attempts: int = Field(5, ge=1)
     """A task that fails this many times is marked failed."""
+    max_failed_tasks: int = Field(20, ge=0)
+    """The run ends with exit 1 once this many tasks in a row failed every attempt (0: never)."""
+    drain_timeout_s: float = Field(10.0, ge=0)
+    """A leaving RaaS (SIGTERM, `astraflow leave`) waits this long for its running tasks, then returns the rest."""
 
 
 class WeightsConfig(_Model):
@@ -159,6 +163,10 @@ class ControllerConfig(_Model):
     """A member silent for this long is dead; its leases return to the queue."""
     max_message_bytes: int = Field(64 << 20, ge=1024)
     """Largest accepted message; larger frames are dropped by the socket."""
+    forget_after_s: float = Field(60.0, gt=0)
+    """Dead or departed members are deleted from the state this long after they were last seen."""
+    max_member_slots: int = Field(64, ge=1)
+    """Most tasks one worker may hold at once, whatever slots it declares."""
     synchronous: Literal["normal", "full"] = "normal"
     """state.db durability: normal survives the controller being killed; full also an OS crash (fsync per commit)."""
 

@@ -191,6 +191,26 @@ class Ledger:
             )
             return cur.rowcount
 
+    def renew_tasks(
+        self, member_id: str, task_ids: Iterable[int], now: float | None = None, max_age_s: float = 0.0
+    ) -> int:
+        """Extend the member's leases on these tasks only (those it reports progress on); a lease
+        older than max_age_s (0: no limit) is not extended, so no heartbeat keeps a task forever."""
+        t = self.clock() if now is None else now
+        ids = sorted({int(i) for i in task_ids})[:4096]
+        if not ids:
+            return 0
+        marks = ",".join("?" for _ in ids)
+        # `updated` is the lease's start while a task is leased (renewals leave it alone)
+        oldest = t - max_age_s if max_age_s > 0 else float("-inf")
+        with self.store.write() as c:
+            cur = c.execute(
+                f"UPDATE tasks SET lease_expiry = MAX(lease_expiry, ?) WHERE status = 'leased' AND owner = ? "
+                f"AND updated >= ? AND id IN ({marks})",
+                (t + self.lease_timeout_s, member_id, oldest, *ids),
+            )
+            return cur.rowcount
+
     def counts(self) -> dict[str, int]:
         """Tasks per status: queued, leased, done, failed (zeros included)."""
         out = {"queued": 0, "leased": 0, "done": 0, "failed": 0}

@@ -134,6 +134,10 @@ class Heartbeat(Msg, kw_only=True):
     """Policy -> version the member's engine holds now."""
     busy: int = 0
     free: int = 0
+    active: list[int] = []
+    """Task ids the member is working on now: only these leases are renewed."""
+    error: str = ""
+    """The member's newest failure it survived (e.g. weights it could not apply); logged by the controller."""
 
 
 class HeartbeatAck(Msg, kw_only=True):
@@ -147,6 +151,12 @@ class Bye(Msg, kw_only=True):
     """A member leaves; its leases return to the queue at once."""
 
     reason: Text = ""
+
+
+class Leave(Msg, kw_only=True):
+    """Ask the controller to drain a RaaS: it gets no new tasks, finishes or returns its leases, leaves."""
+
+    member_id: str
 
 
 # ----- rollout -----------------------------------------------------------------------------------
@@ -281,6 +291,7 @@ Message = (
     | Heartbeat
     | HeartbeatAck
     | Bye
+    | Leave
     | TaskRequest
     | TaskGrant
     | TaskResult

@@ -18,13 +18,16 @@ from typing import Any, cast
 from astraflow import log
 from astraflow.config.load import role_map
 from astraflow.config.recipe import Recipe
+from astraflow.dataflow import failures
 from astraflow.dataflow.admission import Admission, PolicyLimits
 from astraflow.dataflow.buffer import Buffer
 from astraflow.dataflow.ledger import Ledger, TaskRow
 from astraflow.dataflow.pipeline import Pipeline
 from astraflow.dataflow.source import PromptSource, workflow_epochs
+from astraflow.dataflow.validate import ResultChecker
 from astraflow.protocol import messages as m
 from astraflow.protocol.codec import DecodeError
+from astraflow.roles import authz
 from astraflow.state.status import build_status
 from astraflow.state.store import Store
 from astraflow.transport.principal import Principal
@@ -35,13 +38,18 @@ TICK_S = 0.1
 """Seconds between rounds of periodic work (and the poll timeout)."""
 RETRY_S = 0.2
 """retry_after_s told to members when nothing is available yet."""
+PRUNE_EVERY_S = 2.0
+"""Seconds between passes that delete long-dead members."""
 
 
 class Controller:
     """The controller's state and handlers; `serve` runs the loop until stopped or the run ends."""
 
-    def __init__(self, recipe: Recipe, run_dir: Path, store: Store) -> None:
+    def __init__(
+        self, recipe: Recipe, run_dir: Path, store: Store, *, allow_recipe_change: bool = False
+    ) -> None:
         self.recipe = recipe
+        self.allow_recipe_change = allow_recipe_change
         self.run_dir = run_dir
         self.store = store
         rc = recipe.rollout
@@ -68,14 +76,29 @@ class Controller:
             p.name: deque([(time.time(), 0)], maxlen=6) for p in recipe.policy
         }
         self.last_tick = 0.0
+        self.last_prune = 0.0
+        self.checker = ResultChecker(recipe)
+        self.failed: str | None = None
+        """Set (to the last error) once max_failed_tasks tasks in a row failed: the run ends with exit 1."""
+        self.draining: set[str] = set()
+        """Members asked to leave (`astraflow leave`): they get no new tasks."""
 
     # ----- start and stop -----------------------------------------------------------------------
 
     def start(self) -> None:
         """Record the run (or read it back on restart) and give surviving members a fresh timer."""
+        from astraflow.config.recipe_change import check_recipe_change
         from astraflow.rundir import git_sha
 
-        fresh = self.store.init_run(self.recipe.run.name, self.recipe.model_dump(mode="json"), git_sha())
+        mine = self.recipe.model_dump(mode="json")
+        run = self.store.run()
+        if run is not None:
+            # refused (RecipeError with the diff) unless allowed; an allowed change becomes the stored recipe
+            if check_recipe_change(run["recipe"], mine, allow=self.allow_recipe_change):
+                with self.store.write() as c:
+                    c.execute("UPDATE runs SET recipe = ?", (json.dumps(mine, sort_keys=True),))
+                    self.store.add_event("recipe_changed", "restarted with --allow-recipe-change")
+        fresh = self.store.init_run(self.recipe.run.name, mine, git_sha())
         with self.store.write() as c:
             for p in self.recipe.policy:
                 self.store.ensure_policy(p.name, p.max_staleness)
@@ -124,7 +147,14 @@ class Controller:
                     _log.warning(
                         "member %s is dead (silent > %.1fs); %d tasks requeued", mem["id"], timeout, n
                     )
-            self.ledger.expire(t)
+            expired = self.ledger.expire(t)
+            if expired:
+                failures.record(self.store, "lease expired", expired)
+            if t - self.last_prune >= PRUNE_EVERY_S:
+                self.last_prune = t
+                authz.prune_members(self.store, t, self.recipe.controller.forget_after_s)
+        if expired:
+            self.check_failed_streak("lease expired (no progress reported within rollout.lease_timeout_s)")
         self.refill()
         if self.finished_at is None and self.finished():
             self.finished_at = t
@@ -132,7 +162,7 @@ class Controller:
 
     def refill(self, limit: int = 1024) -> int:
         """Queue prompts through admission and the curators; returns how many tasks were queued."""
-        if self.finished():
+        if self.stopping():
             return 0
         n = min(self.admission.tasks_to_admit(self.roles, self.group_size), limit)
         if n <= 0:
@@ -149,6 +179,10 @@ class Controller:
                     self.ledger.enqueue(key, {"key": key, **sample}, self.roles, self.group_size)
                     queued += 1
             self.source.save()
+            if offered:
+                # the curators' draws commit with the tasks they queued
+                for pol in self.task_policies:
+                    self.pipeline.save(pol)
         return queued
 
     # ----- handlers -----------------------------------------------------------------------------
@@ -156,20 +190,26 @@ class Controller:
     def handle(
         self, ident: bytes, msg: m.Msg | DecodeError, principal: Principal | None = None
     ) -> m.Msg | None:
-        """The reply to one message (None: no reply); `principal` is its authenticated sender (None: auth off)."""
+        """The reply to one message (None: no reply); `principal` is the sender's key (None: auth off)."""
         if isinstance(msg, DecodeError):
             return m.Error(rid=msg.rid, code=getattr(msg, "code", "bad_message"), message=str(msg)[:500])
         member_id = ident.decode("utf-8", "replace")
         rid = msg.rid
         if isinstance(msg, m.Hello):
-            return self.on_hello(ident, msg)
+            return self.on_hello(ident, msg, principal)
         if isinstance(msg, m.StatusRequest):
             return m.StatusReply(rid=rid, status=build_status(self.store))
+        if isinstance(msg, m.Leave):
+            return self.on_leave(msg, principal)
         member = self.store.member(member_id)
         if member is None or member["status"] != "alive":
             return m.Error(
                 rid=rid, code="unknown_member", message=f"{member_id!r} has not joined; send Hello"
             )
+        refused = authz.message_refusal(member, msg, principal)
+        if refused is not None:
+            _log.warning("refused %s from %r: %s", type(msg).__name__, member_id[:64], refused[1])
+            return m.Error(rid=rid, code=refused[0], message=refused[1])
         # each handler takes the message type it is keyed by
         handler = cast(
             "Callable[[dict[str, Any], Any], m.Msg] | None",
@@ -190,8 +230,8 @@ class Controller:
             )
         return handler(member, msg)
 
-    def on_hello(self, ident: bytes, msg: m.Hello) -> m.Msg:
-        """Check protocol and identity, register the member, send the recipe and versions."""
+    def on_hello(self, ident: bytes, msg: m.Hello, principal: Principal | None = None) -> m.Msg:
+        """Check protocol, identity and role, register the member, send the recipe and versions."""
         if msg.protocol != m.PROTOCOL_VERSION:
             return m.Error(
                 rid=msg.rid,
@@ -202,14 +242,18 @@ class Controller:
             return m.Error(
                 rid=msg.rid, code="bad_identity", message="member_id must equal the socket identity"
             )
-        if msg.role not in ("raas", "trainer", "observer"):
-            return m.Error(rid=msg.rid, code="bad_role", message=f"unknown role {msg.role!r}")
+        msg = authz.cap_hello(msg)
+        refused = authz.hello_refusal(self.store, self.recipe, msg, principal)
+        if refused is not None:
+            _log.warning("refused Hello of %r as %s: %s", msg.member_id[:64], msg.role, refused[1])
+            return m.Error(rid=msg.rid, code=refused[0], message=refused[1])
         with self.store.write():
             prev = self.store.member(msg.member_id)
             released = 0
             if prev is not None and (prev.get("pid") != msg.pid or prev.get("host") != msg.host):
-                # a new process under an old id holds none of the old one's tasks
+                # a new process under an id that fell silent holds none of the old one's tasks
                 released = self.ledger.release_member(msg.member_id)
+            self.draining.discard(msg.member_id)
             self.store.upsert_member(
                 msg.member_id,
                 msg.role,
@@ -242,22 +286,48 @@ class Controller:
             self.store.touch_member(
                 member["id"], now, dict(msg.loaded) if msg.loaded else None, slots if slots > 0 else None
             )
-            self.ledger.renew(member["id"], now)
-        return m.HeartbeatAck(rid=msg.rid, versions=self.versions(), stop=self.finished())
+            # only leases the worker reports working on are renewed, and none past the task timeout
+            rc = self.recipe.rollout
+            self.ledger.renew_tasks(
+                member["id"], msg.active, now, max_age_s=rc.task_timeout_s + rc.lease_timeout_s
+            )
+            if msg.error:
+                self.store.add_event("member_error", f"{member['id']}: {msg.error[:500]}")
+        if msg.error:
+            _log.warning("member %s reports: %s", member["id"], msg.error[:500])
+        return m.HeartbeatAck(rid=msg.rid, versions=self.versions(), stop=self.stopping())
 
     def on_bye(self, member: dict[str, Any], msg: m.Bye) -> m.Msg:
         """Return the member's leases at once and mark it left."""
         with self.store.write():
             n = self.ledger.release_member(member["id"])
             self.store.set_member_status(member["id"], "left")
-            self.store.add_event("member_left", f"{member['id']} ({msg.reason}); {n} leases back")
-        _log.info("member %s left (%s); %d tasks requeued", member["id"], msg.reason or "-", n)
+            self.store.add_event("member_left", f"{member['id']} ({msg.reason[:200]}); {n} leases back")
+        self.draining.discard(member["id"])
+        _log.info("member %s left (%s); %d tasks requeued", member["id"], msg.reason[:200] or "-", n)
         return m.Ack(rid=msg.rid)
+
+    def on_leave(self, msg: m.Leave, principal: Principal | None) -> m.Msg:
+        """Drain a member (`astraflow leave`): no new tasks; it finishes or returns its leases and says Bye."""
+        refused = authz.leave_refusal(msg, principal)
+        if refused is not None:
+            return m.Error(rid=msg.rid, code=refused[0], message=refused[1])
+        member = self.store.member(msg.member_id)
+        if member is None or member["status"] != "alive":
+            return m.Error(rid=msg.rid, code="unknown_member", message=f"no live member {msg.member_id!r}")
+        self.draining.add(member["id"])
+        self.store.add_event("member_draining", member["id"])
+        _log.info("member %s asked to leave; draining it", member["id"])
+        return m.Ack(rid=msg.rid, detail="draining")
 
     def on_task_request(self, member: dict[str, Any], msg: m.TaskRequest) -> m.Msg:
         """Lease up to n admitted tasks the member can serve (credit-based flow control)."""
-        if self.finished():
+        if self.stopping():
             return m.TaskGrant(rid=msg.rid, stop=True, versions=self.versions())
+        if member["id"] in self.draining:
+            return m.Error(
+                rid=msg.rid, code="draining", message="asked to leave: finish your tasks and say Bye"
+            )
         now = time.time()
         serves = set(member["policies"])
         loaded = dict(msg.loaded)
@@ -271,7 +341,8 @@ class Controller:
         self.refill()
         with self.store.write():
             self.store.touch_member(member["id"], now, loaded or None)
-            leased = self.ledger.lease(member["id"], max(0, min(msg.n, 1024)), now, accept)
+            n = authz.task_quota(self.store, self.recipe, member, msg.n)
+            leased = self.ledger.lease(member["id"], n, now, accept)
         tasks = [
             m.Task(task_id=t.id, epoch=t.epoch, sample=t.sample, group_size=t.group_size, roles=t.roles)
             for t in leased
@@ -283,24 +354,64 @@ class Controller:
     def on_task_result(self, member: dict[str, Any], msg: m.TaskResult) -> m.Msg:
         """Validate the lease; store trajectories, advantages and filter outcomes durably; then ack."""
         if msg.error:
-            status = self.ledger.fail(msg.task_id, msg.epoch, member["id"], msg.error)
-            _log.warning("task %d failed on %s: %s (%s)", msg.task_id, member["id"], msg.error[:200], status)
+            status = self.fail_attempt(member["id"], msg.task_id, msg.epoch, msg.error[:8000])
             return m.ResultAck(
                 rid=msg.rid,
                 task_id=msg.task_id,
                 status="failed" if status in ("requeued", "failed") else status,
             )
-        bad = _malformed(msg.episodes)
-        if bad:
-            status = self.ledger.fail(msg.task_id, msg.epoch, member["id"], f"malformed result: {bad}")
-            return m.Error(rid=msg.rid, code="bad_result", message=f"task {msg.task_id}: {bad} ({status})")
+        task = self.ledger.get(msg.task_id)
+        if task is not None and task.status == "leased" and task.owner == member["id"]:
+            latest = {p["name"]: int(p["version"]) for p in self.store.policies()}
+            bad = self.checker.check(
+                msg.episodes, group_size=task.group_size, roles=task.roles, latest=latest
+            )
+            if bad:
+                status = self.fail_attempt(member["id"], msg.task_id, msg.epoch, f"invalid result: {bad}")
+                return m.Error(
+                    rid=msg.rid, code="bad_result", message=f"task {msg.task_id}: {bad} ({status})"
+                )
         with self.store.write():
             status = self.ledger.complete(msg.task_id, msg.epoch, member["id"])
             if status == "accepted":
-                task = self.ledger.get(msg.task_id)
                 assert task is not None
                 self.pipeline.ingest(self.buffer, task.id, task.prompt_key, msg.episodes)
+                # stage state commits with the result that changed it: a kill -9 loses neither
+                for pol in task.policies:
+                    self.pipeline.save(pol)
         return m.ResultAck(rid=msg.rid, task_id=msg.task_id, status=status)
+
+    def fail_attempt(self, member_id: str, task_id: int, epoch: int, error: str) -> str:
+        """End a leased attempt with an error: count it by reason and end the run after too many failed tasks."""
+        with self.store.write():
+            status = self.ledger.fail(task_id, epoch, member_id, error)
+            if status in ("requeued", "failed"):
+                reason = failures.record(self.store, error)
+                self.store.add_event(
+                    "task_failed", f"task {task_id} on {member_id}: {reason}: {_summary(error)}"
+                )
+        if status in ("requeued", "failed"):
+            _log.warning("task %d failed on %s (%s):\n%s", task_id, member_id, status, error[:8000])
+            if status == "failed":
+                self.check_failed_streak(error)
+        return status
+
+    def check_failed_streak(self, error: str) -> None:
+        """End the run (exit 1) once max_failed_tasks tasks in a row failed every attempt."""
+        n = self.recipe.rollout.max_failed_tasks
+        if self.failed is None and failures.failed_streak(self.store, n):
+            self.failed = error[:2000]
+            self.finished_at = time.time()
+            self.store.add_event("run_failed", f"{n} tasks in a row failed; last error: {_summary(error)}")
+            _log.error(
+                "%d tasks in a row failed every attempt (rollout.max_failed_tasks); ending the run. Last error:\n%s",
+                n,
+                error[:2000],
+            )
+
+    def stopping(self) -> bool:
+        """True once members should stop: the run reached its budget or failed."""
+        return self.failed is not None or self.finished()
 
     def on_batch_request(self, member: dict[str, Any], msg: m.BatchRequest) -> m.Msg:
         """The recorded batch of the step, a new one, not ready yet, or done."""
@@ -312,17 +423,25 @@ class Controller:
             )
         if msg.step < 1:
             return m.Error(rid=msg.rid, code="bad_request", message="steps are numbered from 1")
+        if self.failed is not None:
+            return m.Error(rid=msg.rid, code="run_failed", message=f"the run failed: {_summary(self.failed)}")
         if msg.step > self.recipe.run.steps:
             return m.BatchReply(rid=msg.rid, policy=msg.policy, step=msg.step, done=True)
+        refused = authz.batch_refusal(self.store, msg.policy, msg.step)
+        if refused is not None:
+            return m.Error(rid=msg.rid, code=refused[0], message=refused[1])
         version = int(self.store.policy(msg.policy)["version"])
-        batch = self.buffer.next_batch(
-            msg.policy, msg.step, pol.batch_prompts * pol.group_size, pol.max_staleness, version
-        )
+        with self.store.write():
+            # the batch, its trajectories' status and the composers' counters commit together
+            batch = self.buffer.next_batch(
+                msg.policy, msg.step, pol.batch_prompts * pol.group_size, pol.max_staleness, version
+            )
+            if batch is not None and batch.new:
+                self.pipeline.on_batch(msg.policy, sum(1 for s in batch.samples if s.replay))
+                self.pipeline.save(msg.policy)
         if batch is None:
             self.refill()
             return m.BatchReply(rid=msg.rid, policy=msg.policy, step=msg.step, retry_after_s=RETRY_S)
-        if batch.new:
-            self.pipeline.on_batch(msg.policy, sum(1 for s in batch.samples if s.replay))
         return m.BatchReply(rid=msg.rid, policy=msg.policy, step=msg.step, samples=batch.samples, ready=True)
 
     def on_version(self, member: dict[str, Any], msg: m.VersionPublished) -> m.Msg:
@@ -331,6 +450,12 @@ class Controller:
             return m.Error(
                 rid=msg.rid, code="unknown_policy", message=f"no policy {msg.policy!r} in this run"
             )
+        refused = authz.version_refusal(self.store, msg)
+        if refused is not None:
+            _log.warning(
+                "refused version %d of %s from %s: %s", msg.version, msg.policy, member["id"], refused[1]
+            )
+            return m.Error(rid=msg.rid, code=refused[0], message=refused[1])
         now = time.time()
         with self.store.write():
             new = self.store.record_version(
@@ -404,10 +529,13 @@ class Controller:
         if not self.store.members("alive"):
             return True
         grace = max(10.0, 4 * self.recipe.controller.member_timeout_s)
+        if self.failed is not None:
+            # members learn of the end from their next heartbeat; nothing more is worth waiting for
+            grace = 4 * self.recipe.controller.heartbeat_interval_s + 1.0
         return now - self.finished_at > grace
 
     def serve(self, server: Any) -> int:
-        """Poll, dispatch, do periodic work; returns 0 on a signal or at the run's end."""
+        """Poll, dispatch, do periodic work; returns 0 on a signal or at the run's end, 1 if the run failed."""
         while not self.stop_requested:
             for ident, principal, msg in server.poll(int(TICK_S * 1000)):
                 try:
@@ -425,20 +553,21 @@ class Controller:
                     _log.info("run finished; exiting")
                     break
         self.pipeline.save()
+        if self.failed is not None:
+            _log.error("run failed: %s", _summary(self.failed))
+            return 1
         return 0
 
 
-def _malformed(episodes: list[m.Episode]) -> str:
-    """Why a result's sequences are inconsistent ('' when they are fine)."""
-    for i, ep in enumerate(episodes):
-        for j, s in enumerate(ep.sequences):
-            n = len(s.tokens)
-            if not (len(s.loss_mask) == len(s.logprobs) == len(s.versions) == n):
-                return f"episode {i} sequence {j}: tokens/loss_mask/logprobs/versions lengths differ"
-    return ""
+def _summary(text: str) -> str:
+    """The last non-empty line of an error (a traceback's summary line), capped."""
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    return (lines[-1] if lines else "")[:300]
 
 
-def run_controller(recipe: Recipe, run_dir: Path, bind: str | None = None) -> int:
+def run_controller(
+    recipe: Recipe, run_dir: Path, bind: str | None = None, *, allow_recipe_change: bool = False
+) -> int:
     """Run the controller on `run_dir` (resuming its state.db) until SIGTERM/SIGINT or the run's end."""
     from astraflow.transport.server import RouterServer
 
@@ -447,7 +576,7 @@ def run_controller(recipe: Recipe, run_dir: Path, bind: str | None = None) -> in
     store = Store.open(run_dir / "state.db", synchronous=recipe.controller.synchronous)
     server = None
     try:
-        ctl = Controller(recipe, run_dir, store)
+        ctl = Controller(recipe, run_dir, store, allow_recipe_change=allow_recipe_change)
         ctl.start()
         server = RouterServer(
             bind or recipe.controller.bind, max_message_bytes=recipe.controller.max_message_bytes

@@ -96,3 +96,28 @@ def require_model_dirs(recipe: Any, policies: list[str], client: Any) -> None:
                 hint="copy the model directory to the same path here (or use a shared filesystem); "
                 f"to make a random-init one: astraflow model init --arch qwen3 --preset tiny --out {model}",
             )
+
+
+RETRY_JOIN_CODES = ("member_id_in_use", "trainer_taken")
+"""Refusals that end by themselves: the previous process under this id (or the policy's previous
+trainer) falls silent and the controller declares it dead after controller.member_timeout_s."""
+
+
+def connect_retrying(client: Any, give_up_after_s: float = 120.0) -> Any:
+    """client.connect(), asking again while the controller still sees this id's previous process alive."""
+    import time
+
+    from astraflow import log
+    from astraflow.errors import ProtocolError
+
+    deadline = time.monotonic() + give_up_after_s
+    while True:
+        try:
+            return client.connect()
+        except ProtocolError as exc:
+            if not any(f": {code}:" in exc.message for code in RETRY_JOIN_CODES):
+                raise
+            if time.monotonic() > deadline:
+                raise
+            log.get("member").warning("%s; asking again", exc.message)
+            time.sleep(1.0)

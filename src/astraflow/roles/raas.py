@@ -18,6 +18,8 @@ from astraflow.engines.base import Completion, GenerationRequest, RolloutEngine
 
 _log = log.get("raas")
 RESULT_ATTEMPTS = 30
+MAX_ERROR_CHARS = 8000
+"""Longest traceback sent in TaskResult.error (the controller logs it)."""
 
 
 @dataclass
@@ -100,6 +102,15 @@ class RaaS:
         """Policy -> (version, address) of the pull in flight."""
         self.scheduled: dict[str, int] = {}
         self.tasks_done = 0
+        self.active: set[int] = set()
+        """Task ids running now: the heartbeat reports progress on these (only they are renewed)."""
+        self.rejected: dict[str, tuple[int, str]] = {}
+        """Policy -> (version, address) of weights the engine refused: not pulled again."""
+        self.last_error = ""
+        """The newest failure this worker survived, reported in heartbeats."""
+        self.fatal = ""
+        """Why the worker must stop at once (its decode loop died): it exits 1 without heartbeating."""
+        self.draining = False
 
     def loaded(self) -> dict[str, int]:
         """Policy -> version each engine decodes with now."""
@@ -112,12 +123,22 @@ class RaaS:
 
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
+        drain = asyncio.Event()
+
+        def on_signal() -> None:
+            # the first signal drains (finish or return the leases, then leave); a second one stops at once
+            if drain.is_set():
+                stop.set()
+            else:
+                _log.info("asked to stop: draining (no new tasks; finishing the running ones)")
+                drain.set()
+
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal)
         ticker = asyncio.create_task(self._tick(stop))
         running: set[asyncio.Task[None]] = set()
         try:
-            while not stop.is_set() and not self.client.stop_requested:
+            while not stop.is_set() and not self.client.stop_requested and not drain.is_set():
                 self._maybe_pull_weights()
                 free = self.slots - self.busy
                 if free <= 0:
@@ -132,6 +153,10 @@ class RaaS:
                 if reply is None:
                     break
                 if isinstance(reply, Error):
+                    if reply.code == "draining":
+                        _log.info("the controller asks this worker to leave: draining")
+                        drain.set()
+                        break
                     _log.warning("task request refused: %s %s", reply.code, reply.message)
                     await asyncio.sleep(0.5)
                     continue
@@ -150,12 +175,26 @@ class RaaS:
                         await asyncio.wait_for(stop.wait(), timeout=max(0.02, reply.retry_after_s or 0.1))
                     except TimeoutError:
                         pass
+            if drain.is_set() and running and not stop.is_set():
+                self.draining = True
+                timeout = self.recipe.rollout.drain_timeout_s
+                _log.info("waiting up to %.0fs for %d running tasks", timeout, len(running))
+                stopper = asyncio.ensure_future(stop.wait())
+                await asyncio.wait({*running, stopper}, timeout=timeout, return_when=asyncio.ALL_COMPLETED)
+                stopper.cancel()
+                if running:
+                    _log.warning(
+                        "%d tasks still running after the drain; returning their leases", len(running)
+                    )
         finally:
             for t in running:
                 t.cancel()
             ticker.cancel()
             for e in self.engines.values():
                 e.close()
+        if self.fatal:
+            _log.error("stopping: %s", self.fatal)
+            return 1
         _log.info("stopping after %d tasks", self.tasks_done)
         return 0
 
@@ -173,8 +212,16 @@ class RaaS:
     async def _tick(self, stop: asyncio.Event) -> None:
         """Prove liveness (the hang watchdog) and report load, a few times a second."""
         while not stop.is_set():
+            dead = [p for p, e in self.engines.items() if not engine_alive(e)]
+            if dead:
+                # no tick: heartbeats stop, so the controller takes the leases back; then exit 1
+                self.fatal = f"the decode loop of policy {dead[0]!r} died"
+                self.last_error = self.fatal
+                stop.set()
+                return
             self.client.tick()
             self.client.set_load(self.loaded(), self.busy, self.slots - self.busy)
+            self.client.set_progress(sorted(self.active), self.last_error)
             await asyncio.sleep(0.2)
 
     async def _run_task(self, task: Any) -> None:
@@ -182,6 +229,7 @@ class RaaS:
         from astraflow.errors import ConnectError
         from astraflow.protocol.messages import TaskResult
 
+        self.active.add(task.task_id)
         try:
             clients = {role: self.clients[pol] for role, pol in task.roles.items()}
             episodes = await asyncio.wait_for(
@@ -200,9 +248,9 @@ class RaaS:
             _log.error(
                 "task %d failed: %s", task.task_id, "".join(traceback.format_exception_only(exc)).strip()
             )
-            result = TaskResult(
-                task_id=task.task_id, epoch=task.epoch, error=f"{type(exc).__name__}: {exc}"[:2000]
-            )
+            # the whole traceback goes to the controller's log; the tail keeps the exception line
+            tb = "".join(traceback.format_exception(exc))
+            result = TaskResult(task_id=task.task_id, epoch=task.epoch, error=tb[-MAX_ERROR_CHARS:])
         try:
             for attempt in range(RESULT_ATTEMPTS):
                 try:
@@ -221,6 +269,7 @@ class RaaS:
             )
         finally:
             self.busy -= 1
+            self.active.discard(task.task_id)
 
     def _maybe_pull_weights(self) -> None:
         """Start pulling every policy whose published version is newer than what its engine holds.
@@ -233,7 +282,7 @@ class RaaS:
                 continue
             have = max(eng.version, self.scheduled.get(name, -1))
             want = (info.version, info.weights_addr)
-            if info.version <= have or self.pulling.get(name) == want:
+            if info.version <= have or self.pulling.get(name) == want or self.rejected.get(name) == want:
                 continue
             self.pulling[name] = want
             asyncio.get_running_loop().create_task(self._pull(name, info))
@@ -250,7 +299,16 @@ class RaaS:
             )
             sd = await in_daemon_thread(bytes_to_state_dict, blob)
             if info.version > max(self.engines[name].version, self.scheduled.get(name, -1)):
-                self.engines[name].load_weights(info.version, sd)
+                try:
+                    self.engines[name].load_weights(info.version, sd)
+                except Exception as exc:
+                    # weights that do not fit the model: keep decoding the old version, report, never retry it
+                    self.rejected[name] = mine
+                    self.last_error = (
+                        f"could not apply {name} version {info.version}: {type(exc).__name__}: {exc}"
+                    )[:2000]
+                    _log.error("%s; keeping version %d", self.last_error, self.engines[name].version)
+                    return
                 self.scheduled[name] = info.version
                 _log.debug("scheduled %s version %d (%d bytes)", name, info.version, len(blob))
         except Exception as exc:
@@ -260,6 +318,15 @@ class RaaS:
         finally:
             if self.pulling.get(name) == mine:
                 del self.pulling[name]
+
+
+def engine_alive(engine: Any) -> bool:
+    """Whether an engine can still decode: its `healthy()` if it has one, else its decode thread's liveness."""
+    healthy = getattr(engine, "healthy", None)
+    if callable(healthy):
+        return bool(healthy())
+    thread = getattr(engine, "_thread", None)
+    return thread.is_alive() if isinstance(thread, threading.Thread) else True
 
 
 async def in_daemon_thread(fn: Any, *args: Any) -> Any:
@@ -298,12 +365,12 @@ def run_raas(
     """Join the controller as a rollout worker and serve until told to stop."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from astraflow.config.load import role_map, validate_recipe
-    from astraflow.roles.member import make_hello, require_model_dirs
+    from astraflow.roles.member import connect_retrying, make_hello, require_model_dirs
     from astraflow.transport.client import MemberClient
 
     hello = make_hello("raas", member_id, policies=policies, region=region, slots=slots or 0)
     client = MemberClient(controller, hello, connect_timeout_s=connect_timeout_s)
-    welcome = client.connect()
+    welcome = connect_retrying(client)
     recipe = validate_recipe(welcome.recipe, source="recipe from the controller")
     require_model_dirs(recipe, sorted(set(role_map(recipe).values())), client)
     import torch
@@ -319,6 +386,8 @@ def run_raas(
             slots=n_slots,
             member_id=hello.member_id,
         )
-        return asyncio.run(worker.run())
+        rc = asyncio.run(worker.run())
+        client.close(worker.fatal or "done")
+        return rc
     finally:
         client.close("done")

@@ -66,12 +66,18 @@ def run_trainer(
     from astraflow import plugins
     from astraflow.config.load import validate_recipe
     from astraflow.protocol.messages import BatchReply, BatchRequest, Error, VersionPublished
-    from astraflow.roles.member import advertise_host, make_hello, request_retrying, require_model_dirs
+    from astraflow.roles.member import (
+        advertise_host,
+        connect_retrying,
+        make_hello,
+        request_retrying,
+        require_model_dirs,
+    )
     from astraflow.transport.client import MemberClient
 
     hello = make_hello("trainer", member_id or f"trainer-{policy}", policies=[policy], region=region)
     client = MemberClient(controller, hello, connect_timeout_s=connect_timeout_s)
-    welcome = client.connect()
+    welcome = connect_retrying(client)
     recipe = validate_recipe(welcome.recipe, source="recipe from the controller")
     try:
         pol = recipe.get_policy(policy)

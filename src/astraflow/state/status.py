@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from astraflow.dataflow import failures
 from astraflow.state.store import Store
 
 SCHEMA_VERSION = 1
@@ -53,11 +54,14 @@ def build_status(store: Store) -> dict[str, Any]:
     tasks = {"queued": 0, "leased": 0, "done": 0, "failed": 0}
     for r in store.query("SELECT status, COUNT(*) AS n FROM tasks GROUP BY status"):
         tasks[r["status"]] = int(r["n"])
+    fails = failures.counts(store)
+    by_reason = {k: int(v) for k, v in fails.get("by_reason", {}).items()}
     return {
         "schema": SCHEMA_VERSION,
         "run": {"name": run["name"] if run else "", "steps": steps},
         "policies": policies,
         "members": members,
         "tasks": tasks,
+        "failures": {"by_reason": by_reason, "last_error": str(fails.get("last_error", ""))[:500]},
         "buffers": buffers,
     }

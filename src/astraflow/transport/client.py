@@ -91,6 +91,8 @@ class MemberClient:
         self._rids = itertools.count(1)
         self._lock = threading.Lock()
         self._load: tuple[dict[str, int], int, int] = ({}, 0, 0)
+        self._progress: tuple[list[int], str] = ([], "")
+        """Task ids in progress and the newest survived error, for the next Heartbeat."""
         self._last_tick = time.monotonic()
         self._inbox: queue.SimpleQueue[Pending] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
@@ -157,6 +159,11 @@ class MemberClient:
         """Set the load reported in the next Heartbeat."""
         with self._lock:
             self._load = (dict(loaded), busy, free)
+
+    def set_progress(self, active: list[int], error: str = "") -> None:
+        """Set the tasks the next Heartbeat reports progress on (only their leases are renewed) and an error to report."""
+        with self._lock:
+            self._progress = (list(active), error)
 
     def tick(self) -> None:
         """Tell the watchdog the owner's loop is alive; call it at least every hang_timeout_s."""

@@ -146,7 +146,8 @@ class MemberLoop:
                 self._send_hello()
             return
         loaded, busy, free = c._load
-        beat = Heartbeat(rid=next(c._rids), loaded=loaded, busy=busy, free=free)
+        active, error = c._progress
+        beat = Heartbeat(rid=next(c._rids), loaded=loaded, busy=busy, free=free, active=active, error=error)
         # a heartbeat that cannot go out now is worthless later: replace any queued one
         self.outbox = deque(m for m in self.outbox if not isinstance(m, Heartbeat))
         self.outbox.append(beat)

@@ -1,0 +1,107 @@
+"""Check a task's result against the task before anything of it is recorded.
+
+A worker's result is data from the network: it may be buggy or forged. Everything a trainer
+relies on is checked here: the group has the size the task asked for, every sequence belongs to a
+policy the workflow's roles map to, token ids are inside the policy's vocabulary, the per-token
+lists have one entry per token, versions exist, logprobs are finite and at most 0, rewards are
+finite. A result that fails is a failed attempt with the reason (docs/protocol.md).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from astraflow import log
+from astraflow.config.recipe import Recipe
+from astraflow.protocol.messages import Episode, Sequence
+
+_log = log.get("validate")
+
+MAX_SEQUENCES_PER_EPISODE = 256
+"""Most sequences one episode may carry (a multi-turn, multi-agent episode stays far below)."""
+
+
+def vocab_size(model_dir: str) -> int | None:
+    """The vocabulary size in a transformers model directory's config.json (None if unreadable)."""
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    v = cfg.get("vocab_size") or cfg.get("text_config", {}).get("vocab_size")
+    return int(v) if isinstance(v, int) and v > 0 else None
+
+
+@dataclass
+class ResultChecker:
+    """Knows each policy's vocabulary size; `check` says what is wrong with a result ('' when nothing)."""
+
+    recipe: Recipe
+    vocab: dict[str, int | None] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for p in self.recipe.policy:
+            if p.name not in self.vocab:
+                self.vocab[p.name] = vocab_size(p.model)
+                if self.vocab[p.name] is None:
+                    _log.warning(
+                        "policy %r: no vocab_size in %s/config.json here; token ids are checked for >= 0 only",
+                        p.name,
+                        p.model,
+                    )
+
+    def check(
+        self,
+        episodes: list[Episode],
+        *,
+        group_size: int,
+        roles: dict[str, str],
+        latest: dict[str, int],
+    ) -> str:
+        """Why the result is invalid ('' when it is fine); `latest` is each policy's newest version."""
+        if len(episodes) != group_size:
+            return f"{len(episodes)} episodes, the task's group has {group_size}"
+        allowed = set(roles.values())
+        for i, ep in enumerate(episodes):
+            if not ep.sequences:
+                return f"episode {i} has no sequence"
+            if len(ep.sequences) > MAX_SEQUENCES_PER_EPISODE:
+                return f"episode {i} has {len(ep.sequences)} sequences (at most {MAX_SEQUENCES_PER_EPISODE})"
+            for j, s in enumerate(ep.sequences):
+                why = self._sequence(s, allowed, latest)
+                if why:
+                    return f"episode {i} sequence {j}: {why}"
+        return ""
+
+    def _sequence(self, s: Sequence, allowed: set[str], latest: dict[str, int]) -> str:
+        if s.policy not in allowed:
+            return f"policy {s.policy!r} is not one the task's roles map to ({sorted(allowed)})"
+        n = len(s.tokens)
+        if n == 0:
+            return "no tokens"
+        if not (len(s.loss_mask) == len(s.logprobs) == len(s.versions) == n):
+            return (
+                f"tokens/loss_mask/logprobs/versions lengths differ "
+                f"({n}/{len(s.loss_mask)}/{len(s.logprobs)}/{len(s.versions)})"
+            )
+        vocab = self.vocab.get(s.policy)
+        lo, hi = min(s.tokens), max(s.tokens)
+        if lo < 0 or (vocab is not None and hi >= vocab):
+            return f"token id {lo if lo < 0 else hi} outside the vocabulary [0, {vocab})"
+        if any(x not in (0, 1) for x in s.loss_mask):
+            return "loss_mask holds values other than 0 and 1"
+        if not all(map(math.isfinite, s.logprobs)) or max(s.logprobs) > 0.0:
+            return "logprobs must be finite and <= 0"
+        newest = latest.get(s.policy, 0)
+        for v, mk in zip(s.versions, s.loss_mask, strict=True):
+            if v > newest or v < (0 if mk else -1):
+                return f"version {v} does not exist (newest {newest}; -1 only where loss_mask is 0)"
+        if not math.isfinite(s.reward):
+            return "reward is not finite"
+        if not (math.isfinite(s.temperature) and s.temperature > 0):
+            return "temperature must be finite and > 0"
+        if not (0.0 < s.top_p <= 1.0) or s.top_k < 0:
+            return "top_p must be in (0, 1] and top_k >= 0"
+        return ""
