@@ -1,7 +1,7 @@
-"""Staleness-aware admission: produce only samples that can still be trained on.
+"""Admission: the one place that decides how much work is queued and who may lease it, per policy.
 
-Why (B = batch size in sequences, S = max_staleness, versions: the weights after step k are
-version k, and step k trains on version k-1):
+Why (B = fresh sequences a batch of the policy consumes, S = its staleness bound; the weights after
+step k are version k, and step k trains on version k-1):
 
 A sample generated under version v may be consumed by steps up to v + S + 1. When it is admitted,
 `outstanding` sequences (buffered + in flight + queued) are ahead of it, and `c` steps have already
@@ -17,22 +17,42 @@ has loaded is at least `target + floor((ahead + k - 1) / B) - S`, where ahead = 
 sequences (the queued tasks behind the one being leased do not count), k the sequences the task adds
 (so its last sequence is within the bound too), and target = max(published version, steps already taken)
 (a step that took its batch but has not published yet still moves the goal post: its weights will
-be the ones the next batch trains on). With S = 0 this is synchronous RL: one batch of work is
-admitted, nothing more until the trainer took it, and nothing is leased again until the new
-version is published and loaded.
+be the ones the next batch trains on). With S = 0 this is synchronous RL for that policy.
+
+Several policies: every rule is per policy, with the policy's own B, S and step budget. A task feeds
+several policies (one per workflow role); it is admitted only while every *active* policy it feeds
+has room, and leased only to a worker whose loaded versions satisfy every active policy's lease rule.
+A policy is active while it is trainable and has not taken its budget's last batch: a frozen policy or
+a finished one never holds anything back (its sequences are not kept), so one policy finishing or
+being slow cannot stall another beyond the tasks they share. With `workflow.after_budget = "stop"`,
+a task whose trainable policy finished is not admitted at all.
+
+`run.mode = "sync"` replaces the cap by rounds, lock-step across policies: a round (enough tasks for
+one batch of the neediest active policy) is admitted only when no task is queued or in flight, no
+active policy holds a full batch it has not taken, and every active policy published the version of
+every batch it took; a task is leased only to a worker holding every active policy's newest version.
+
+The `admission` data stages (e.g. `staleness`, which tightens S) are asked here too, through the
+pipeline, in groups; `OFFER_FACTOR` bounds how many prompts the curators may skip per admitted one.
 
 What it does not cover: a result can still arrive late (slow worker, lease expiry), and filters
 can drop groups so the queue refills; the buffer's staleness check at batch time stays the
-final guard. Sequences per task are estimated as group_size per role mapped to the policy.
+final guard. Sequences per task come from the workflow (`Workflow.sequences_per_task`; by default
+each role yields its policy's group size).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from astraflow.state.store import Store
+
+OFFER_FACTOR = 4
+"""Prompts the curators may be offered per task to admit (at least OFFER_MIN), so a curator that skips
+most prompts cannot spin the controller."""
+OFFER_MIN = 64
 
 
 @dataclass(frozen=True)
@@ -40,25 +60,63 @@ class PolicyLimits:
     """What admission needs to know of one policy."""
 
     batch_size: int
-    """Sequences per batch (batch_prompts * group_size)."""
+    """Fresh sequences per batch (batch_prompts * group_size, less what replay takes)."""
     max_staleness: int
-    """S of the policy."""
+    """S of the policy (the tighter of its own bound and its admission stages')."""
+    budget: int | None = None
+    """Step budget; None = unbounded."""
+    trainable: bool = True
+    """False for a frozen policy: never waited on, nothing of it is kept."""
+
+
+Shape = Callable[[dict[str, str], dict[str, int]], dict[str, int]]
+"""(roles, group sizes by policy) -> expected sequences per policy of one task."""
+
+
+def default_shape(roles: dict[str, str], group_sizes: dict[str, int]) -> dict[str, int]:
+    """Each role yields its policy's group size of sequences."""
+    out: dict[str, int] = {}
+    for pol in roles.values():
+        out[pol] = out.get(pol, 0) + group_sizes.get(pol, 1)
+    return out
 
 
 class Admission:
     """Caps queued + in-flight + buffered work per policy and gates leases on loaded versions."""
 
-    def __init__(self, store: Store, limits: dict[str, PolicyLimits]) -> None:
+    def __init__(
+        self,
+        store: Store,
+        limits: dict[str, PolicyLimits],
+        *,
+        mode: str = "async",
+        after_budget: str = "serve",
+        shape: Shape = default_shape,
+        group_room: Callable[[str, int], int] | None = None,
+        group_sizes: dict[str, int] | None = None,
+    ) -> None:
         self.store = store
         self.limits = limits
+        self.mode = mode
+        self.after_budget = after_budget
+        self.shape = shape
+        self.group_room = group_room
+        """(policy, outstanding groups) -> groups its admission stages still allow."""
+        self.group_sizes = dict(group_sizes or {})
+        """Policy -> group size (the recipe's); a task row's group_size stands in for others."""
+
+    # ----- counting ---------------------------------------------------------------------------------
 
     @staticmethod
-    def sequences_per_task(roles: dict[str, str], group_size: int) -> dict[str, int]:
-        """Expected sequences a task yields per policy."""
-        out: dict[str, int] = {}
-        for pol in roles.values():
-            out[pol] = out.get(pol, 0) + group_size
-        return out
+    def sequences_per_task(roles: dict[str, str], group_size: int | dict[str, int]) -> dict[str, int]:
+        """Expected sequences a task yields per policy under the default shape."""
+        sizes = group_size if isinstance(group_size, dict) else dict.fromkeys(roles.values(), group_size)
+        return default_shape(roles, sizes)
+
+    def task_sequences(self, roles: dict[str, str], group_size: int | dict[str, int]) -> dict[str, int]:
+        """Expected sequences a task yields per policy (the workflow's shape)."""
+        sizes = group_size if isinstance(group_size, dict) else dict.fromkeys(roles.values(), group_size)
+        return self.shape(roles, sizes)
 
     def _sequences(self, task_statuses: tuple[str, ...]) -> dict[str, int]:
         """Per policy: buffered trajectories + expected sequences of tasks in these statuses."""
@@ -73,10 +131,15 @@ class Admission:
             f"SELECT roles, group_size, COUNT(*) AS n FROM tasks WHERE status IN ({marks}) GROUP BY roles, group_size",
             task_statuses,
         ):
-            for pol, k in self.sequences_per_task(json.loads(r["roles"]), int(r["group_size"])).items():
+            roles = json.loads(r["roles"])
+            for pol, k in self.task_sequences(roles, self._sizes(roles, int(r["group_size"]))).items():
                 if pol in out:
                     out[pol] += k * int(r["n"])
         return out
+
+    def _sizes(self, roles: dict[str, str], fallback: int) -> dict[str, int]:
+        """Group size of every policy of a task: the recipe's, else the task row's."""
+        return {p: int(self.group_sizes.get(p, fallback)) for p in roles.values()}
 
     def outstanding(self) -> dict[str, int]:
         """Per policy: buffered trajectories + expected sequences of queued and leased tasks."""
@@ -103,13 +166,68 @@ class Admission:
         lim = self.limits[policy]
         return (lim.max_staleness + 1) * lim.batch_size
 
-    def tasks_to_admit(self, roles: dict[str, str], group_size: int) -> int:
-        """How many more tasks of this shape may be queued now (every policy they feed must have room)."""
-        per = self.sequences_per_task(roles, group_size)
+    def taken(self, policy: str) -> int:
+        """Steps whose batch was taken."""
+        return int(
+            self.store.scalar("SELECT COALESCE(MAX(step), 0) FROM batches WHERE policy = ?", (policy,))
+        )
+
+    def published(self, policy: str) -> int:
+        """The policy's newest published version (0 before its first step)."""
+        row = self.store.query("SELECT version FROM policies WHERE name = ?", (policy,))
+        return int(row[0]["version"]) if row else 0
+
+    def target_version(self, policy: str) -> int:
+        """max(published version, steps whose batch was taken): the version the next batch trains on at least."""
+        return max(self.published(policy), self.taken(policy))
+
+    def ahead(self, policy: str) -> int:
+        """Sequences that will be consumed before a task leased now: buffered + in flight."""
+        return self._sequences(("leased",)).get(policy, 0)
+
+    # ----- who is still waited on -------------------------------------------------------------------
+
+    def finished(self, policy: str) -> bool:
+        """True once the policy took the batch of its last budgeted step (or it is frozen)."""
+        lim = self.limits.get(policy)
+        if lim is None or not lim.trainable:
+            return True
+        return lim.budget is not None and self.taken(policy) >= lim.budget
+
+    def active(self, policies: Iterable[str]) -> list[str]:
+        """The trainable, unfinished policies among these: the only ones admission waits on."""
+        return [p for p in dict.fromkeys(policies) if p in self.limits and not self.finished(p)]
+
+    def read_only(self, policies: Iterable[str]) -> list[str]:
+        """Policies among these whose sequences are not kept (frozen, or budget taken)."""
+        return [p for p in dict.fromkeys(policies) if self.finished(p)]
+
+    # ----- admission --------------------------------------------------------------------------------
+
+    def tasks_to_admit(self, roles: dict[str, str], group_size: int | dict[str, int]) -> int:
+        """How many more tasks of this shape may be queued now (every active policy they feed must have room)."""
+        pols = list(dict.fromkeys(roles.values()))
+        active = self.active(pols)
+        if not active:
+            return 0
+        if self.after_budget == "stop" and any(
+            p in self.limits and self.limits[p].trainable and p not in active for p in pols
+        ):
+            return 0
+        per = self.task_sequences(roles, group_size)
         out = self.outstanding()
+        room = self._sync_room(active, per, out) if self.mode == "sync" else self._async_room(active, per, out)
+        if room > 0 and self.group_room is not None:
+            groups = self.outstanding_groups()
+            for pol in active:
+                room = min(room, max(0, self.group_room(pol, groups.get(pol, 0))))
+        return room
+
+    def _async_room(self, active: list[str], per: dict[str, int], out: dict[str, int]) -> int:
         room: int | None = None
-        for pol, k in per.items():
-            if pol not in self.limits or k <= 0:
+        for pol in active:
+            k = per.get(pol, 0)
+            if k <= 0:
                 continue
             free = self.cap(pol) - out[pol]
             # whole tasks that fit under the cap; rounding up would overshoot it by up to a group, and
@@ -121,32 +239,41 @@ class Admission:
             room = n if room is None else min(room, n)
         return room or 0
 
-    def target_version(self, policy: str) -> int:
-        """max(published version, steps whose batch was taken): the version the next batch trains on at least."""
-        row = self.store.query("SELECT version FROM policies WHERE name = ?", (policy,))
-        published = int(row[0]["version"]) if row else 0
-        taken = int(
-            self.store.scalar("SELECT COALESCE(MAX(step), 0) FROM batches WHERE policy = ?", (policy,))
-        )
-        return max(published, taken)
+    def _sync_room(self, active: list[str], per: dict[str, int], out: dict[str, int]) -> int:
+        """A whole round when the previous one is trained on and published by every active policy."""
+        if int(self.store.scalar("SELECT COUNT(*) FROM tasks WHERE status IN ('queued', 'leased')")):
+            return 0
+        need = 0
+        for pol in active:
+            lim = self.limits[pol]
+            if out[pol] >= lim.batch_size or self.published(pol) < self.taken(pol):
+                return 0  # that policy still trains on the last round
+            k = per.get(pol, 0)
+            if k > 0:
+                need = max(need, -(-(lim.batch_size - out[pol]) // k))
+        return need
 
-    def ahead(self, policy: str) -> int:
-        """Sequences that will be consumed before a task leased now: buffered + in flight."""
-        return self._sequences(("leased",)).get(policy, 0)
+    def offer_limit(self, n: int) -> int:
+        """Prompts the curators may be offered to queue n tasks."""
+        return max(OFFER_FACTOR * n, OFFER_MIN)
 
     def may_lease(
         self, loaded: dict[str, int], policies: Iterable[str], task_sequences: dict[str, int] | None = None
     ) -> bool:
-        """True if the worker's loaded version v of every policy satisfies
+        """True if the worker's loaded version v of every active policy satisfies
         v >= target + floor((ahead + k - 1) / B) - S, with k the sequences this task adds (unknown
         loaded counts as 0): the task's last sequence is still consumed within the bound. Counting k
-        matters when B is not a multiple of the group size (replay makes a batch's fresh part odd)."""
-        for pol in policies:
-            if pol not in self.limits:
-                continue
+        matters when B is not a multiple of the group size (replay makes a batch's fresh part odd).
+        In sync mode: v >= target (the newest weights of every active policy)."""
+        for pol in self.active(policies):
             lim = self.limits[pol]
-            k = max(1, (task_sequences or {}).get(pol, 1))
-            need = self.target_version(pol) + (self.ahead(pol) + k - 1) // lim.batch_size - lim.max_staleness
+            if self.mode == "sync":
+                need = self.target_version(pol)
+            else:
+                k = max(1, (task_sequences or {}).get(pol, 1))
+                need = (
+                    self.target_version(pol) + (self.ahead(pol) + k - 1) // lim.batch_size - lim.max_staleness
+                )
             if loaded.get(pol, 0) < need:
                 return False
         return True
