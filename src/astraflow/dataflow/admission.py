@@ -46,6 +46,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from astraflow.state.store import Store
 
@@ -216,7 +217,9 @@ class Admission:
             return 0
         per = self.task_sequences(roles, group_size)
         out = self.outstanding()
-        room = self._sync_room(active, per, out) if self.mode == "sync" else self._async_room(active, per, out)
+        room = (
+            self._sync_room(active, per, out) if self.mode == "sync" else self._async_room(active, per, out)
+        )
         if room > 0 and self.group_room is not None:
             groups = self.outstanding_groups()
             for pol in active:
@@ -277,3 +280,40 @@ class Admission:
             if loaded.get(pol, 0) < need:
                 return False
         return True
+
+
+def admission_for(recipe: Any, store: Store, pipeline: Any, roles: dict[str, str]) -> Admission:
+    """The run's admission: every policy's limits from the recipe, the workflow's task shape, the
+    pipeline's admission stages (their bound tightens S; their group budget is asked too)."""
+    from astraflow import plugins
+
+    wf_cls = plugins.load("workflows", recipe.workflow.name)
+    limits: dict[str, PolicyLimits] = {}
+    for p in recipe.policy:
+        # with replay, a batch consumes only its fresh part: admit for that rate, or work expires
+        fresh = pipeline.fresh_per_batch(p.name, p.batch_prompts * p.group_size)
+        limits[p.name] = PolicyLimits(
+            fresh, pipeline.max_staleness(p.name), recipe.budget(p.name) or None, p.trainable
+        )
+
+    def shape(task_roles: dict[str, str], group_sizes: dict[str, int]) -> dict[str, int]:
+        per_role = wf_cls.sequences_per_task({r: group_sizes.get(p, 1) for r, p in task_roles.items()})
+        out: dict[str, int] = {}
+        for r, p in task_roles.items():
+            out[p] = out.get(p, 0) + int(per_role.get(r, 0))
+        return out
+
+    if getattr(wf_cls, "baseline_per_role", True):
+        counts: dict[str, int] = {}
+        for p in roles.values():
+            counts[p] = counts.get(p, 0) + 1
+        pipeline.split_roles = {p for p, n in counts.items() if n > 1}
+    return Admission(
+        store,
+        limits,
+        mode=recipe.run.mode,
+        after_budget=recipe.workflow.after_budget,
+        shape=shape,
+        group_room=pipeline.group_room,
+        group_sizes={p.name: p.group_size for p in recipe.policy},
+    )

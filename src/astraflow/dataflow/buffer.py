@@ -123,6 +123,21 @@ class Buffer:
             out[r["status"]] = int(r["n"])
         return out
 
+    def role_metrics(self, traj_ids: list[int]) -> dict[str, float]:
+        """Per workflow role of these trajectories: `role/<role>/reward_mean` and `role/<role>/sequences`."""
+        if not traj_ids:
+            return {}
+        marks = ",".join("?" for _ in traj_ids)
+        out: dict[str, float] = {}
+        for r in self.store.query(
+            f"SELECT role, AVG(reward) AS reward, COUNT(*) AS n FROM trajectories WHERE id IN ({marks}) "
+            "AND role != '' GROUP BY role",
+            tuple(traj_ids),
+        ):
+            out[f"role/{r['role']}/reward_mean"] = float(r["reward"])
+            out[f"role/{r['role']}/sequences"] = float(r["n"])
+        return out
+
     def last_step(self, policy: str) -> int:
         """The highest step with a recorded batch (0 when none)."""
         return int(

@@ -151,7 +151,9 @@ class Pipeline:
         batch = self.recipe.get_policy(policy).batch_prompts
         for st in ps.admissions:
             n = st.budget(outstanding_groups, batch)
-            st.counts["admitted" if n > 0 else "held"] += 1
+            key = "admitted" if n > 0 else "held"
+            if key in st.counts:  # stages that declare these counters get them filled here
+                st.counts[key] += 1
             room = min(room, n)
         return room
 

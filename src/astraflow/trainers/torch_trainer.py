@@ -65,10 +65,10 @@ def token_logprobs(
     logits = model(input_ids=tokens, attention_mask=attn, use_cache=False).logits[:, :-1].float()
     b, t, v = logits.shape
 
-    def per_position(x: torch.Tensor | float) -> torch.Tensor | float:
-        if isinstance(x, torch.Tensor) and x.dim() > 0:
-            return x.to(logits.device).reshape(b, 1).expand(b, t).reshape(-1)
-        return x
+    def per_position(x: torch.Tensor | float) -> torch.Tensor:
+        # one setting per row, repeated over its positions (a scalar applies to every row)
+        x = torch.as_tensor(x, device=logits.device)
+        return x.reshape(-1, 1).expand(b, t).reshape(-1) if x.dim() > 0 else x.expand(b * t)
 
     logp_all = processed_logprobs(
         logits.reshape(b * t, v), per_position(temperature), per_position(top_p), per_position(top_k)
@@ -209,11 +209,25 @@ class TorchTrainer(Trainer):
             # Logprobs under the parameters before this step's first update.
             with torch.no_grad():
                 for m in micros_all:
-                    m["prox"] = token_logprobs(self.model, m["tokens"], m["attn"], **_settings(m))
+                    m["prox"] = token_logprobs(
+                        self.model,
+                        m["tokens"],
+                        m["attn"],
+                        temperature=m["temperature"],
+                        top_p=m["top_p"],
+                        top_k=m["top_k"],
+                    )
         if self.ref_model is not None:
             with torch.no_grad():
                 for m in micros_all:
-                    m["ref"] = token_logprobs(self.ref_model, m["tokens"], m["attn"], **_settings(m))
+                    m["ref"] = token_logprobs(
+                        self.ref_model,
+                        m["tokens"],
+                        m["attn"],
+                        temperature=m["temperature"],
+                        top_p=m["top_p"],
+                        top_k=m["top_k"],
+                    )
         if wants_prepare:
             batch_tokens = float(sum(float(m["mask"].sum()) for m in micros_all))
             self.loss.prepare(
@@ -230,7 +244,15 @@ class TorchTrainer(Trainer):
             self.optimizer.zero_grad(set_to_none=True)
             update_loss = 0.0
             for m in micros:
-                logp, ent = token_logprobs(self.model, m["tokens"], m["attn"], entropy=True, **_settings(m))
+                logp, ent = token_logprobs(
+                    self.model,
+                    m["tokens"],
+                    m["attn"],
+                    entropy=True,
+                    temperature=m["temperature"],
+                    top_p=m["top_p"],
+                    top_k=m["top_k"],
+                )
                 inputs = self._inputs(m, logp, ent, total, n_seqs)
                 loss, metrics = self.loss(inputs)
                 loss.backward()
@@ -323,11 +345,6 @@ class TorchTrainer(Trainer):
         py_version, py_state, py_gauss = state["python_rng"]
         random.setstate((py_version, tuple(py_state), py_gauss))
         self._step = int(state["step"])
-
-
-def _settings(m: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The per-row sampling settings of a micro-batch, as token_logprobs keywords."""
-    return {"temperature": m["temperature"], "top_p": m["top_p"], "top_k": m["top_k"]}
 
 
 def _mean(xs: list[float]) -> float:
