@@ -19,13 +19,15 @@ sequences (the queued tasks behind the one being leased do not count), k the seq
 (a step that took its batch but has not published yet still moves the goal post: its weights will
 be the ones the next batch trains on). With S = 0 this is synchronous RL for that policy.
 
-Several policies: every rule is per policy, with the policy's own B, S and step budget. A task feeds
-several policies (one per workflow role); it is admitted only while every *active* policy it feeds
-has room, and leased only to a worker whose loaded versions satisfy every active policy's lease rule.
-A policy is active while it is trainable and has not taken its budget's last batch: a frozen policy or
-a finished one never holds anything back (its sequences are not kept), so one policy finishing or
-being slow cannot stall another beyond the tasks they share. With `workflow.after_budget = "stop"`,
-a task whose trainable policy finished is not admitted at all.
+Several policies: every rule is per policy, with the policy's own B, S and step budget. A task's
+workflow roles call several policies; the task *feeds* those of them that can take its output when it
+is admitted (active, with room under their cap), and is read-only for the others: their sequences are
+generated (the workflow needs them) but not kept, and do not count against their cap. A task is
+admitted while at least one active policy it calls has room, and leased only to a worker whose loaded
+versions satisfy the lease rule of every policy it feeds. A policy is active while it is trainable and
+has not taken its budget's last batch: a frozen or finished policy never holds anything back. So a
+slow policy takes what it can train on within its bound and a fast one is never held to its pace.
+With `workflow.after_budget = "stop"`, a task whose trainable policy finished is not admitted at all.
 
 `run.mode = "sync"` replaces the cap by rounds, lock-step across policies: a round (enough tasks for
 one batch of the neediest active policy) is admitted only when no task is queued or in flight, no
@@ -129,12 +131,14 @@ class Admission:
                 out[r["policy"]] += int(r["n"])
         marks = ",".join("?" for _ in task_statuses)
         for r in self.store.query(
-            f"SELECT roles, group_size, COUNT(*) AS n FROM tasks WHERE status IN ({marks}) GROUP BY roles, group_size",
+            f"SELECT roles, group_size, read_only, COUNT(*) AS n FROM tasks WHERE status IN ({marks}) "
+            "GROUP BY roles, group_size, read_only",
             task_statuses,
         ):
             roles = json.loads(r["roles"])
+            skip = set(json.loads(r["read_only"] or "[]"))
             for pol, k in self.task_sequences(roles, self._sizes(roles, int(r["group_size"]))).items():
-                if pol in out:
+                if pol in out and pol not in skip:
                     out[pol] += k * int(r["n"])
         return out
 
@@ -155,9 +159,11 @@ class Admission:
             if r["policy"] in out:
                 out[r["policy"]] += int(r["n"])
         for r in self.store.query(
-            "SELECT roles, COUNT(*) AS n FROM tasks WHERE status IN ('queued', 'leased') GROUP BY roles"
+            "SELECT roles, read_only, COUNT(*) AS n FROM tasks WHERE status IN ('queued', 'leased') "
+            "GROUP BY roles, read_only"
         ):
-            for pol in set(json.loads(r["roles"]).values()):
+            skip = set(json.loads(r["read_only"] or "[]"))
+            for pol in set(json.loads(r["roles"]).values()) - skip:
                 if pol in out:
                     out[pol] += int(r["n"])
         return out
@@ -206,41 +212,43 @@ class Admission:
     # ----- admission --------------------------------------------------------------------------------
 
     def tasks_to_admit(self, roles: dict[str, str], group_size: int | dict[str, int]) -> int:
-        """How many more tasks of this shape may be queued now (every active policy they feed must have room)."""
+        """How many more tasks of this shape may be queued now (see `plan`)."""
+        return len(self.plan(roles, group_size))
+
+    def plan(self, roles: dict[str, str], group_size: int | dict[str, int]) -> list[list[str]]:
+        """The tasks to queue now, each as the active policies it feeds (the task's other policies are
+        read-only for it). Each active policy has room for some whole tasks; a task is queued while one
+        of them still has room, and feeds exactly those that do, so a slow policy (full buffer) never
+        holds back a fast one. In sync mode every task of the round feeds every active policy."""
         pols = list(dict.fromkeys(roles.values()))
         active = self.active(pols)
         if not active:
-            return 0
+            return []
         if self.after_budget == "stop" and any(
             p in self.limits and self.limits[p].trainable and p not in active for p in pols
         ):
-            return 0
+            return []
         per = self.task_sequences(roles, group_size)
         out = self.outstanding()
-        room = (
-            self._sync_room(active, per, out) if self.mode == "sync" else self._async_room(active, per, out)
-        )
-        if room > 0 and self.group_room is not None:
+        if self.mode == "sync":
+            return [list(active)] * self._sync_room(active, per, out)
+        rooms = {p: self._async_room(p, per, out) for p in active}
+        if self.group_room is not None:
             groups = self.outstanding_groups()
-            for pol in active:
-                room = min(room, max(0, self.group_room(pol, groups.get(pol, 0))))
-        return room
+            for p in active:
+                rooms[p] = min(rooms[p], max(0, self.group_room(p, groups.get(p, 0))))
+        return [[p for p in active if rooms[p] > i] for i in range(max(rooms.values(), default=0))]
 
-    def _async_room(self, active: list[str], per: dict[str, int], out: dict[str, int]) -> int:
-        room: int | None = None
-        for pol in active:
-            k = per.get(pol, 0)
-            if k <= 0:
-                continue
-            free = self.cap(pol) - out[pol]
-            # whole tasks that fit under the cap; rounding up would overshoot it by up to a group, and
-            # that overshoot is consumed a version too late (it expired under replay's odd batch sizes).
-            # With nothing outstanding, one task always goes, so a cap smaller than a group cannot stall.
-            n = max(0, free) // k
-            if n == 0 and out[pol] == 0:
-                n = 1
-            room = n if room is None else min(room, n)
-        return room or 0
+    def _async_room(self, pol: str, per: dict[str, int], out: dict[str, int]) -> int:
+        """Whole tasks the policy can still take under its cap (S + 1) * B."""
+        k = per.get(pol, 0)
+        if k <= 0:
+            return 0
+        # whole tasks that fit under the cap; rounding up would overshoot it by up to a group, and
+        # that overshoot is consumed a version too late (it expired under replay's odd batch sizes).
+        # With nothing outstanding, one task always goes, so a cap smaller than a group cannot stall.
+        n = max(0, self.cap(pol) - out[pol]) // k
+        return 1 if n == 0 and out[pol] == 0 else n
 
     def _sync_room(self, active: list[str], per: dict[str, int], out: dict[str, int]) -> int:
         """A whole round when the previous one is trained on and published by every active policy."""

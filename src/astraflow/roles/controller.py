@@ -161,16 +161,18 @@ class Controller:
         """Queue prompts through admission and the curators; returns how many tasks were queued."""
         if self.finished():
             return 0
-        n = min(self.admission.tasks_to_admit(self.roles, self.group_sizes), limit)
-        if n <= 0:
+        plan = self.admission.plan(self.roles, self.group_sizes)[:limit]
+        if not plan:
             return 0
         queued, offered = 0, 0
         with self.store.write():
-            while queued < n and offered < self.admission.offer_limit(n):
+            while queued < len(plan) and offered < self.admission.offer_limit(len(plan)):
                 key, sample = self.source.next()
                 offered += 1
-                if self.pipeline.submit(key, sample, self.task_policies):
-                    self.ledger.enqueue(key, {"key": key, **sample}, self.roles, self.group_size)
+                feeds = plan[queued]
+                if self.pipeline.submit(key, sample, feeds):
+                    skip = [p for p in self.task_policies if p not in feeds]
+                    self.ledger.enqueue(key, {"key": key, **sample}, self.roles, self.group_size, skip)
                     queued += 1
             self.source.save()
         return queued
@@ -286,8 +288,9 @@ class Controller:
 
         def accept(task: TaskRow) -> bool:
             pols = task.policies
+            feeds = [p for p in pols if p not in task.read_only]
             return (not serves or serves.issuperset(pols)) and self.admission.may_lease(
-                loaded, pols, self.admission.task_sequences(task.roles, self.group_sizes)
+                loaded, feeds, self.admission.task_sequences(task.roles, self.group_sizes)
             )
 
         self.refill()
@@ -302,7 +305,7 @@ class Controller:
                 group_size=t.group_size,
                 roles=t.roles,
                 group_sizes={p: self.group_sizes.get(p, t.group_size) for p in t.policies},
-                read_only=self.admission.read_only(t.policies),
+                read_only=sorted(set(t.read_only) | set(self.admission.read_only(t.policies))),
             )
             for t in leased
         ]
@@ -334,7 +337,7 @@ class Controller:
                     task.id,
                     task.prompt_key,
                     msg.episodes,
-                    read_only=self.admission.read_only(self.pipeline.policies),
+                    read_only=set(task.read_only) | set(self.admission.read_only(self.pipeline.policies)),
                 )
                 self.made_progress()
         return m.ResultAck(rid=msg.rid, task_id=msg.task_id, status=status)

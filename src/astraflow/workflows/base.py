@@ -35,6 +35,8 @@ class Workflow(ABC):
     """Options model (recipe: workflow.options)."""
     roles: tuple[str, ...] = ("actor",)
     """Roles this workflow calls; the recipe maps each to a policy."""
+    optional_roles: tuple[str, ...] = ()
+    """Roles the recipe may leave unmapped; the workflow sees only the mapped ones."""
     baseline_per_role: bool = True
     """One policy in several roles (self-play): True gives each role its own group and baseline."""
 
