@@ -174,13 +174,15 @@ class MetricsTail:
         return out
 
 
-def progress_line(rec: dict[str, Any], steps: int) -> str:
+def progress_line(rec: dict[str, Any], steps: int | dict[str, int]) -> str:
     """One human-readable progress line per trainer step."""
 
     def f(key: str, fmt: str = ".3f") -> str:
         v = rec.get(key)
         return "-" if v is None else format(v, fmt)
 
+    if isinstance(steps, dict):
+        steps = steps.get(str(rec.get("policy")), 0)
     return (
         f"[{rec.get('policy', '?')}] step {rec.get('step', '?')}/{steps}  version {rec.get('version', '?')}  "
         f"reward {f('reward_mean')}  samples/s {f('samples_per_s', '.1f')}  "
@@ -282,7 +284,7 @@ def run_up(recipe: Any, run_dir: Path, *, offline: bool = False, max_raas_restar
         ctl = sup.start("controller", "controller", ["controller", resolved, "--run-dir", str(run_dir)])
         addr = wait_for_address(addr_file, ctl)
         _log.info("controller at %s; run directory %s", addr, run_dir)
-        for pol in recipe.policy:
+        for pol in recipe.trainable():  # a frozen policy has no trainer
             sup.start(
                 f"trainer-{pol.name}",
                 "trainer",
@@ -340,11 +342,12 @@ def _watch(
     metrics = MetricsTail(run_dir / "metrics.jsonl")
     fails, next_fail_read = FailureTail(run_dir / "state.db"), 0.0
     trainers = [c for c in sup.children if c.role == "trainer"]
+    budgets = {p.name: recipe.budget(p.name) for p in recipe.trainable()}
     seen_dead: set[tuple[str, int]] = set()
     while True:
         for rec in metrics.read():
             if "step" in rec and "policy" in rec:
-                sys.stdout.write(progress_line(rec, recipe.run.steps) + "\n")
+                sys.stdout.write(progress_line(rec, budgets) + "\n")
                 sys.stdout.flush()
         if time.monotonic() >= next_fail_read:
             # failures reach the console as one line per kind and second (the full traceback is in the controller log)
@@ -398,10 +401,10 @@ def _watch(
         if trainers and all(t.proc is not None and t.proc.poll() == 0 for t in trainers):
             for rec in metrics.read():
                 if "step" in rec and "policy" in rec:
-                    sys.stdout.write(progress_line(rec, recipe.run.steps) + "\n")
+                    sys.stdout.write(progress_line(rec, budgets) + "\n")
             _log.info(
-                "every policy reached %d steps in %.1fs; run directory %s",
-                recipe.run.steps,
+                "every policy reached its step budget (%s) in %.1fs; run directory %s",
+                ", ".join(f"{k} {v}" for k, v in budgets.items()),
                 time.monotonic() - t0,
                 run_dir,
             )

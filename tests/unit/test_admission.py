@@ -86,9 +86,14 @@ def test_multi_policy_task_needs_room_in_every_policy(tmp_path: Path) -> None:
     led = Ledger(store)
     roles = {"solver": "a", "verifier": "b"}
     assert Admission.sequences_per_task(roles, 2) == {"a": 2, "b": 2}
-    assert adm.tasks_to_admit(roles, 2) == 2  # a's cap (4 sequences) binds
+    # a has room for 2 tasks (cap 4 sequences), b for 4: the first two feed both, the next two only b
+    assert adm.plan(roles, 2) == [["a", "b"], ["a", "b"], ["b"], ["b"]]
     for _ in range(2):
         led.enqueue("k", {}, roles, 2)
+    assert adm.plan(roles, 2) == [["b"], ["b"]]
+    for _ in range(2):
+        led.enqueue("k", {}, roles, 2, read_only=["a"])  # a's output of these is not kept
+    assert adm.outstanding() == {"a": 4, "b": 8}
     assert adm.tasks_to_admit(roles, 2) == 0
 
 
@@ -129,3 +134,65 @@ def test_lease_counts_the_whole_task_against_the_bound(tmp_path: Path) -> None:
     assert adm.may_lease({"main": 1}, ["main"], {"main": 8})  # target 0: 0 + (88 + 7) // 45 - 1 = 1
     assert not adm.may_lease({"main": 0}, ["main"], {"main": 8})
     assert adm.may_lease({"main": 0}, ["main"], {"main": 2})  # a small task still fits two batches deep
+
+
+def _two(tmp_path: Path, **kw: object) -> tuple[Store, Ledger, Buffer, Admission]:
+    store = Store.open(tmp_path / "s.db")
+    for p in ("a", "b", "frozen"):
+        store.ensure_policy(p, 0)
+    limits = {
+        "a": PolicyLimits(4, 0, budget=2),
+        "b": PolicyLimits(8, 0, budget=5),
+        "frozen": PolicyLimits(2, 0, trainable=False),
+    }
+    return store, Ledger(store), Buffer(store), Admission(store, limits, **kw)  # type: ignore[arg-type]
+
+
+ROLES3 = {"proposer": "a", "solver": "b", "judge": "frozen"}
+
+
+def _take(store: Store, policy: str, step: int) -> None:
+    store.conn.execute(
+        "INSERT INTO batches (policy, step, traj_ids, replay, version, created) VALUES (?, ?, '[]', '[]', 0, 0)",
+        (policy, step),
+    )
+
+
+def test_frozen_and_finished_policies_never_hold_admission(tmp_path: Path) -> None:
+    store, led, _buf, adm = _two(tmp_path)
+    assert adm.active(ROLES3.values()) == ["a", "b"] and adm.read_only(ROLES3.values()) == ["frozen"]
+    assert len(adm.plan(ROLES3, 2)) == 4  # the frozen policy's tiny cap does not bind
+    assert adm.may_lease({"a": 0, "b": 0}, ["a", "b", "frozen"])  # its version is never required
+    _take(store, "a", 1)
+    _take(store, "a", 2)  # a took its budget's last batch: it is finished, b goes on alone
+    assert adm.finished("a") and adm.active(ROLES3.values()) == ["b"]
+    assert adm.plan(ROLES3, 2) == [["b"]] * 4
+    stop = Admission(store, adm.limits, after_budget="stop")
+    assert stop.plan(ROLES3, 2) == []  # the recipe says: no more tasks once a policy of the workflow is done
+
+
+def test_sync_mode_admits_whole_rounds_in_lock_step(tmp_path: Path) -> None:
+    store, led, buf, adm = _two(tmp_path, mode="sync")
+    round1 = adm.plan(ROLES3, 2)
+    assert round1 == [["a", "b"]] * 4  # b needs 4 tasks of 2 for its batch of 8
+    for _ in round1:
+        led.enqueue("k", {}, ROLES3, 2)
+    assert adm.plan(ROLES3, 2) == []  # the round is in flight
+    for t in led.lease("w", 10):
+        led.complete(t.id, t.epoch, "w")
+        for pol in ("a", "b"):
+            seq = Sequence(
+                policy=pol, tokens=[1, 2], loss_mask=[0, 1], logprobs=[0.0, -1.0], versions=[-1, 0]
+            )
+            buf.insert(t.id, t.prompt_key, [seq] * 2, [0.0] * 2)
+    assert adm.plan(ROLES3, 2) == []  # both hold a full batch they have not taken
+    assert buf.next_batch("a", 1, 4, 0, 0) is not None and buf.next_batch("b", 1, 8, 0, 0) is not None
+    assert adm.plan(ROLES3, 2) == []  # taken, but not yet published
+    assert not adm.may_lease({"a": 0, "b": 0}, ["a", "b"])
+    store.record_version("a", 1, 1, "")
+    assert adm.plan(ROLES3, 2) == []  # b has not published: lock-step
+    store.record_version("b", 1, 1, "")
+    assert adm.may_lease({"a": 1, "b": 1}, ["a", "b"]) and not adm.may_lease({"a": 1, "b": 0}, ["a", "b"])
+    assert adm.plan(ROLES3, 2) == []  # a's 4 left-over sequences are a whole batch: a trains again first
+    assert buf.next_batch("a", 2, 4, 1, 1) is not None  # a's last budgeted step: a is finished
+    assert adm.plan(ROLES3, 2) == [["b"]] * 4  # the next round feeds b alone

@@ -144,7 +144,9 @@ def test_stages_are_built_validated_and_placed(tmp_path: Path) -> None:
     assert pipe.replay_count("main", 8) == 4
     assert pipe.fresh_per_batch("main", 8) == 4  # admission budgets for the fresh half only
     assert pipe.replay_count("main", 6) == 2  # 3 asked; the fresh part is rounded up to whole groups of 2
-    assert pipe.admit(["main"], {"main": 1}) and not pipe.admit(["main"], {"main": 1}, queued_now=1)
+    assert (
+        pipe.group_room("main", 1) == 1 and pipe.group_room("main", 2) == 0
+    )  # the stage's budget, in groups
     with pytest.raises(RecipeError):
         Pipeline(_recipe([StageSpec(name="skip", options={"nope": 1})]), None, loader=STAGES.__getitem__)
 

@@ -31,9 +31,10 @@ def test_status_schema_and_values(tmp_path: Path) -> None:
     ro = Store.open_readonly(tmp_path / "state.db")
     doc = build_status(ro)
     json.dumps(doc)  # plain JSON
-    assert set(doc) == {"schema", "run", "policies", "members", "tasks", "failures", "buffers"}
+    assert set(doc) == {"schema", "run", "policies", "members", "tasks", "failures", "buffers", "stall"}
     assert doc["failures"] == {"by_reason": {}, "last_error": ""}
-    assert doc["run"] == {"name": "demo", "steps": 7}
+    assert doc["run"] == {"name": "demo", "steps": 7, "mode": "async"}
+    assert doc["stall"] is None
     (p,) = doc["policies"]
     assert {k: p[k] for k in ("name", "version", "step", "reward_mean", "max_staleness")} == {
         "name": "main",
@@ -42,6 +43,7 @@ def test_status_schema_and_values(tmp_path: Path) -> None:
         "reward_mean": 0.5,
         "max_staleness": 2,
     }
+    assert p["trainable"] and p["budget"] == 7 and not p["finished"] and p["info"] == {}
     (m,) = doc["members"]
     assert {k: m[k] for k in ("id", "role", "status", "policies", "region", "hardware", "loaded")} == {
         "id": "raas-0",
@@ -58,5 +60,9 @@ def test_status_schema_and_values(tmp_path: Path) -> None:
 
 def test_status_of_empty_store(tmp_path: Path) -> None:
     doc = build_status(Store.open(tmp_path / "state.db"))
-    assert doc["policies"] == [] and doc["members"] == [] and doc["run"] == {"name": "", "steps": 0}
+    assert (
+        doc["policies"] == []
+        and doc["members"] == []
+        and doc["run"] == {"name": "", "steps": 0, "mode": "async"}
+    )
     assert doc["tasks"] == {"queued": 0, "leased": 0, "done": 0, "failed": 0}

@@ -14,7 +14,7 @@ from astraflow.state.store import StateError, Store
 
 def test_migration_0001_creates_every_table(tmp_path: Path) -> None:
     db = Database(sqlite3.connect(str(tmp_path / "s.db"), isolation_level=None))
-    assert migrations.apply(db) == ["0001_initial"]
+    assert migrations.apply(db) == ["0001_initial", "0002_sequence_roles"]
     names = set(db.table_names())
     for t in (
         "runs",
@@ -32,8 +32,9 @@ def test_migration_0001_creates_every_table(tmp_path: Path) -> None:
         assert t in names, t
     assert {"status", "epoch", "owner", "lease_expiry", "attempts"} <= set(db["tasks"].columns_dict)
     assert {"min_version", "arrival", "consumed_step", "tokens"} <= set(db["trajectories"].columns_dict)
+    assert {"role", "group_key", "temperature", "top_p", "top_k"} <= set(db["trajectories"].columns_dict)
     assert migrations.apply(db) == []
-    assert migrations.applied(db) == ["0001_initial"]
+    assert migrations.applied(db) == ["0001_initial", "0002_sequence_roles"]
 
 
 def test_migrations_are_append_only_and_atomic(tmp_path: Path) -> None:
@@ -45,15 +46,15 @@ def test_migrations_are_append_only_and_atomic(tmp_path: Path) -> None:
         raise RuntimeError("boom")
 
     with pytest.raises(RuntimeError):
-        migrations.apply(db, [*migrations.MIGRATIONS, ("0002_broken", broken)])
+        migrations.apply(db, [*migrations.MIGRATIONS, ("0099_broken", broken)])
     assert "extra" not in db.table_names()
-    assert migrations.applied(db) == ["0001_initial"]
+    assert migrations.applied(db) == ["0001_initial", "0002_sequence_roles"]
 
     def good(d: Database) -> None:
         d["extra"].create({"id": int}, pk="id")
 
-    assert migrations.apply(db, [*migrations.MIGRATIONS, ("0002_good", good)]) == ["0002_good"]
-    assert migrations.applied(db) == ["0001_initial", "0002_good"]
+    assert migrations.apply(db, [*migrations.MIGRATIONS, ("0099_good", good)]) == ["0099_good"]
+    assert migrations.applied(db) == ["0001_initial", "0002_sequence_roles", "0099_good"]
 
 
 def test_store_wal_and_write_rollback(tmp_path: Path) -> None:

@@ -85,6 +85,7 @@ def _on_policy_batch(model_dir: Path, temperature: float) -> list[TrainSample]:
                 versions=[-1] * 5 + c.versions,
                 reward=float(i % 2),
                 advantage=1.0 if i % 2 else -1.0,
+                temperature=temperature,
             )
         )
     return batch

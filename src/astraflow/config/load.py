@@ -141,6 +141,13 @@ def validate_plugins(recipe: Recipe) -> None:
     wf_cls = plugins.load("workflows", recipe.workflow.name)
     roles = tuple(getattr(wf_cls, "roles", ("actor",)))
     if recipe.workflow.roles:
+        optional = set(getattr(wf_cls, "optional_roles", ()))
+        unknown = [r for r in recipe.workflow.roles if r not in roles and r not in optional]
+        if unknown:
+            raise RecipeError(
+                f"workflow.roles maps roles {unknown} that workflow {recipe.workflow.name!r} does not have",
+                hint=f"its roles: {', '.join(roles + tuple(sorted(optional)))}",
+            )
         missing = [r for r in roles if r not in recipe.workflow.roles]
         if missing:
             raise RecipeError(
@@ -150,6 +157,13 @@ def validate_plugins(recipe: Recipe) -> None:
         raise RecipeError(
             "workflow.roles is empty but the recipe has several policies",
             hint=f"map each role of {recipe.workflow.name!r} ({', '.join(roles)}) to a policy",
+        )
+    mapped = set(role_map(recipe).values())
+    idle = [p.name for p in recipe.policy if p.trainable and p.name not in mapped]
+    if idle:
+        raise RecipeError(
+            f"trainable policies {idle} play no role of workflow {recipe.workflow.name!r}: they would never train",
+            hint="map a role to each in workflow.roles, or set trainable = false",
         )
     for i, pol in enumerate(recipe.policy):
         validate_options("losses", pol.loss, pol.loss_options, f"policy.{i}.loss_options")

@@ -19,7 +19,9 @@ class RunConfig(_Model):
     seed: int = 0
     """Seed of every random choice: prompts, sampling, initialisation."""
     steps: int = Field(100, ge=1)
-    """Optimizer steps each policy takes before the run ends (its step budget)."""
+    """Default step budget of every trainable policy (a policy's own `steps` overrides it)."""
+    mode: Literal["async", "sync"] = "async"
+    """async: every policy at its own pace within its staleness bound; sync: rollout, then train, in lock-step across policies (the baseline async is measured against)."""
 
 
 class OptimizerConfig(_Model):
@@ -44,6 +46,8 @@ class SamplingConfig(_Model):
     """Softmax temperature; behaviour logprobs are those of the tempered distribution."""
     top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus sampling mass (1.0 = off)."""
+    top_k: int = Field(0, ge=0)
+    """Keep only the k most likely tokens before top-p (0 = off)."""
     max_new_tokens: int = Field(64, ge=1)
     """Most tokens generated per call."""
 
@@ -58,12 +62,16 @@ class StageSpec(_Model):
 
 
 class PolicyConfig(_Model):
-    """One trained policy: its model, engine, trainer, objective, data pipeline and pace."""
+    """One policy: its model, engine, trainer, objective, data pipeline and pace."""
 
     name: str = "main"
     """Policy name; workflows address policies through roles mapped to these names."""
     model: str
     """Path of a transformers model directory (config, weights, tokenizer) on every machine."""
+    trainable: bool = True
+    """False: a frozen policy, served by RaaS at version 0 from `model`, with no trainer, no buffer and no budget."""
+    steps: int | None = Field(None, ge=1)
+    """This policy's step budget; None = run.steps."""
     engine: str = "torch"
     """Rollout engine plugin (astraflow.engines)."""
     engine_options: dict[str, Any] = {}
@@ -98,6 +106,8 @@ class PolicyConfig(_Model):
     """Save a trainer checkpoint every this many steps (and at the end)."""
     threads: int = Field(1, ge=1)
     """torch threads of this policy's trainer process."""
+    trainer_sleep_s: float = Field(0.0, ge=0)
+    """Benchmarking and testing knob: the trainer sleeps this long after every step, to model a policy whose steps cost more."""
 
 
 class WorkflowConfig(_Model):
@@ -109,6 +119,8 @@ class WorkflowConfig(_Model):
     """Options validated by the workflow's Config model."""
     roles: dict[str, str] = {}
     """Workflow role -> policy name; empty maps every role to the only policy."""
+    after_budget: Literal["serve", "stop"] = "serve"
+    """When a policy it feeds met its budget: serve keeps running tasks with that policy read-only (its sequences are not kept); stop queues no more tasks."""
 
 
 class DatasetConfig(_Model):
@@ -169,6 +181,10 @@ class ControllerConfig(_Model):
     """Most tasks one worker may hold at once, whatever slots it declares."""
     synchronous: Literal["normal", "full"] = "normal"
     """state.db durability: normal survives the controller being killed; full also an OS crash (fsync per commit)."""
+    stall_warn_s: float = Field(60.0, gt=0)
+    """No policy made progress (no result, no step) for this long: log and show in status what each policy waits on."""
+    stall_fail_s: float = Field(600.0, gt=0)
+    """No progress for this long: the controller stops the run and `astraflow up` exits 1."""
 
 
 class Recipe(_Model):
@@ -199,7 +215,22 @@ class Recipe(_Model):
         for role, pol in self.workflow.roles.items():
             if pol not in names:
                 raise ValueError(f"workflow role {role!r} maps to unknown policy {pol!r}; policies: {names}")
+        if not any(p.trainable for p in self.policy):
+            raise ValueError("every policy has trainable = false: nothing to train")
+        if self.controller.stall_fail_s < self.controller.stall_warn_s:
+            raise ValueError("controller.stall_fail_s must be at least controller.stall_warn_s")
         return self
+
+    def budget(self, name: str) -> int:
+        """Step budget of policy `name` (its own steps, else run.steps; 0 for a frozen policy)."""
+        p = self.get_policy(name)
+        if not p.trainable:
+            return 0
+        return p.steps if p.steps is not None else self.run.steps
+
+    def trainable(self) -> list[PolicyConfig]:
+        """The policies that have a trainer."""
+        return [p for p in self.policy if p.trainable]
 
     def get_policy(self, name: str) -> PolicyConfig:
         """The policy called `name`."""

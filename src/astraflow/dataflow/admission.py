@@ -1,7 +1,7 @@
-"""Staleness-aware admission: produce only samples that can still be trained on.
+"""Admission: the one place that decides how much work is queued and who may lease it, per policy.
 
-Why (B = batch size in sequences, S = max_staleness, versions: the weights after step k are
-version k, and step k trains on version k-1):
+Why (B = fresh sequences a batch of the policy consumes, S = its staleness bound; the weights after
+step k are version k, and step k trains on version k-1):
 
 A sample generated under version v may be consumed by steps up to v + S + 1. When it is admitted,
 `outstanding` sequences (buffered + in flight + queued) are ahead of it, and `c` steps have already
@@ -17,22 +17,45 @@ has loaded is at least `target + floor((ahead + k - 1) / B) - S`, where ahead = 
 sequences (the queued tasks behind the one being leased do not count), k the sequences the task adds
 (so its last sequence is within the bound too), and target = max(published version, steps already taken)
 (a step that took its batch but has not published yet still moves the goal post: its weights will
-be the ones the next batch trains on). With S = 0 this is synchronous RL: one batch of work is
-admitted, nothing more until the trainer took it, and nothing is leased again until the new
-version is published and loaded.
+be the ones the next batch trains on). With S = 0 this is synchronous RL for that policy.
+
+Several policies: every rule is per policy, with the policy's own B, S and step budget. A task's
+workflow roles call several policies; the task *feeds* those of them that can take its output when it
+is admitted (active, with room under their cap), and is read-only for the others: their sequences are
+generated (the workflow needs them) but not kept, and do not count against their cap. A task is
+admitted while at least one active policy it calls has room, and leased only to a worker whose loaded
+versions satisfy the lease rule of every policy it feeds. A policy is active while it is trainable and
+has not taken its budget's last batch: a frozen or finished policy never holds anything back. So a
+slow policy takes what it can train on within its bound and a fast one is never held to its pace.
+With `workflow.after_budget = "stop"`, a task whose trainable policy finished is not admitted at all.
+
+`run.mode = "sync"` replaces the cap by rounds, lock-step across policies: a round (enough tasks for
+one batch of the neediest active policy) is admitted only when no task is queued or in flight, no
+active policy holds a full batch it has not taken, and every active policy published the version of
+every batch it took; a task is leased only to a worker holding every active policy's newest version.
+
+The `admission` data stages (e.g. `staleness`, which tightens S) are asked here too, through the
+pipeline, in groups; `OFFER_FACTOR` bounds how many prompts the curators may skip per admitted one.
 
 What it does not cover: a result can still arrive late (slow worker, lease expiry), and filters
 can drop groups so the queue refills; the buffer's staleness check at batch time stays the
-final guard. Sequences per task are estimated as group_size per role mapped to the policy.
+final guard. Sequences per task come from the workflow (`Workflow.sequences_per_task`; by default
+each role yields its policy's group size).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from astraflow.state.store import Store
+
+OFFER_FACTOR = 4
+"""Prompts the curators may be offered per task to admit (at least OFFER_MIN), so a curator that skips
+most prompts cannot spin the controller."""
+OFFER_MIN = 64
 
 
 @dataclass(frozen=True)
@@ -40,25 +63,63 @@ class PolicyLimits:
     """What admission needs to know of one policy."""
 
     batch_size: int
-    """Sequences per batch (batch_prompts * group_size)."""
+    """Fresh sequences per batch (batch_prompts * group_size, less what replay takes)."""
     max_staleness: int
-    """S of the policy."""
+    """S of the policy (the tighter of its own bound and its admission stages')."""
+    budget: int | None = None
+    """Step budget; None = unbounded."""
+    trainable: bool = True
+    """False for a frozen policy: never waited on, nothing of it is kept."""
+
+
+Shape = Callable[[dict[str, str], dict[str, int]], dict[str, int]]
+"""(roles, group sizes by policy) -> expected sequences per policy of one task."""
+
+
+def default_shape(roles: dict[str, str], group_sizes: dict[str, int]) -> dict[str, int]:
+    """Each role yields its policy's group size of sequences."""
+    out: dict[str, int] = {}
+    for pol in roles.values():
+        out[pol] = out.get(pol, 0) + group_sizes.get(pol, 1)
+    return out
 
 
 class Admission:
     """Caps queued + in-flight + buffered work per policy and gates leases on loaded versions."""
 
-    def __init__(self, store: Store, limits: dict[str, PolicyLimits]) -> None:
+    def __init__(
+        self,
+        store: Store,
+        limits: dict[str, PolicyLimits],
+        *,
+        mode: str = "async",
+        after_budget: str = "serve",
+        shape: Shape = default_shape,
+        group_room: Callable[[str, int], int] | None = None,
+        group_sizes: dict[str, int] | None = None,
+    ) -> None:
         self.store = store
         self.limits = limits
+        self.mode = mode
+        self.after_budget = after_budget
+        self.shape = shape
+        self.group_room = group_room
+        """(policy, outstanding groups) -> groups its admission stages still allow."""
+        self.group_sizes = dict(group_sizes or {})
+        """Policy -> group size (the recipe's); a task row's group_size stands in for others."""
+
+    # ----- counting ---------------------------------------------------------------------------------
 
     @staticmethod
-    def sequences_per_task(roles: dict[str, str], group_size: int) -> dict[str, int]:
-        """Expected sequences a task yields per policy."""
-        out: dict[str, int] = {}
-        for pol in roles.values():
-            out[pol] = out.get(pol, 0) + group_size
-        return out
+    def sequences_per_task(roles: dict[str, str], group_size: int | dict[str, int]) -> dict[str, int]:
+        """Expected sequences a task yields per policy under the default shape."""
+        sizes = group_size if isinstance(group_size, dict) else dict.fromkeys(roles.values(), group_size)
+        return default_shape(roles, sizes)
+
+    def task_sequences(self, roles: dict[str, str], group_size: int | dict[str, int]) -> dict[str, int]:
+        """Expected sequences a task yields per policy (the workflow's shape)."""
+        sizes = group_size if isinstance(group_size, dict) else dict.fromkeys(roles.values(), group_size)
+        return self.shape(roles, sizes)
 
     def _sequences(self, task_statuses: tuple[str, ...]) -> dict[str, int]:
         """Per policy: buffered trajectories + expected sequences of tasks in these statuses."""
@@ -70,13 +131,20 @@ class Admission:
                 out[r["policy"]] += int(r["n"])
         marks = ",".join("?" for _ in task_statuses)
         for r in self.store.query(
-            f"SELECT roles, group_size, COUNT(*) AS n FROM tasks WHERE status IN ({marks}) GROUP BY roles, group_size",
+            f"SELECT roles, group_size, read_only, COUNT(*) AS n FROM tasks WHERE status IN ({marks}) "
+            "GROUP BY roles, group_size, read_only",
             task_statuses,
         ):
-            for pol, k in self.sequences_per_task(json.loads(r["roles"]), int(r["group_size"])).items():
-                if pol in out:
+            roles = json.loads(r["roles"])
+            skip = set(json.loads(r["read_only"] or "[]"))
+            for pol, k in self.task_sequences(roles, self._sizes(roles, int(r["group_size"]))).items():
+                if pol in out and pol not in skip:
                     out[pol] += k * int(r["n"])
         return out
+
+    def _sizes(self, roles: dict[str, str], fallback: int) -> dict[str, int]:
+        """Group size of every policy of a task: the recipe's, else the task row's."""
+        return {p: int(self.group_sizes.get(p, fallback)) for p in roles.values()}
 
     def outstanding(self) -> dict[str, int]:
         """Per policy: buffered trajectories + expected sequences of queued and leased tasks."""
@@ -91,9 +159,11 @@ class Admission:
             if r["policy"] in out:
                 out[r["policy"]] += int(r["n"])
         for r in self.store.query(
-            "SELECT roles, COUNT(*) AS n FROM tasks WHERE status IN ('queued', 'leased') GROUP BY roles"
+            "SELECT roles, read_only, COUNT(*) AS n FROM tasks WHERE status IN ('queued', 'leased') "
+            "GROUP BY roles, read_only"
         ):
-            for pol in set(json.loads(r["roles"]).values()):
+            skip = set(json.loads(r["read_only"] or "[]"))
+            for pol in set(json.loads(r["roles"]).values()) - skip:
                 if pol in out:
                     out[pol] += int(r["n"])
         return out
@@ -103,50 +173,155 @@ class Admission:
         lim = self.limits[policy]
         return (lim.max_staleness + 1) * lim.batch_size
 
-    def tasks_to_admit(self, roles: dict[str, str], group_size: int) -> int:
-        """How many more tasks of this shape may be queued now (every policy they feed must have room)."""
-        per = self.sequences_per_task(roles, group_size)
-        out = self.outstanding()
-        room: int | None = None
-        for pol, k in per.items():
-            if pol not in self.limits or k <= 0:
-                continue
-            free = self.cap(pol) - out[pol]
-            # whole tasks that fit under the cap; rounding up would overshoot it by up to a group, and
-            # that overshoot is consumed a version too late (it expired under replay's odd batch sizes).
-            # With nothing outstanding, one task always goes, so a cap smaller than a group cannot stall.
-            n = max(0, free) // k
-            if n == 0 and out[pol] == 0:
-                n = 1
-            room = n if room is None else min(room, n)
-        return room or 0
+    def taken(self, policy: str) -> int:
+        """Steps whose batch was taken."""
+        return int(
+            self.store.scalar("SELECT COALESCE(MAX(step), 0) FROM batches WHERE policy = ?", (policy,))
+        )
+
+    def published(self, policy: str) -> int:
+        """The policy's newest published version (0 before its first step)."""
+        row = self.store.query("SELECT version FROM policies WHERE name = ?", (policy,))
+        return int(row[0]["version"]) if row else 0
 
     def target_version(self, policy: str) -> int:
         """max(published version, steps whose batch was taken): the version the next batch trains on at least."""
-        row = self.store.query("SELECT version FROM policies WHERE name = ?", (policy,))
-        published = int(row[0]["version"]) if row else 0
-        taken = int(
-            self.store.scalar("SELECT COALESCE(MAX(step), 0) FROM batches WHERE policy = ?", (policy,))
-        )
-        return max(published, taken)
+        return max(self.published(policy), self.taken(policy))
 
     def ahead(self, policy: str) -> int:
         """Sequences that will be consumed before a task leased now: buffered + in flight."""
         return self._sequences(("leased",)).get(policy, 0)
 
+    # ----- who is still waited on -------------------------------------------------------------------
+
+    def finished(self, policy: str) -> bool:
+        """True once the policy took the batch of its last budgeted step (or it is frozen)."""
+        lim = self.limits.get(policy)
+        if lim is None or not lim.trainable:
+            return True
+        return lim.budget is not None and self.taken(policy) >= lim.budget
+
+    def active(self, policies: Iterable[str]) -> list[str]:
+        """The trainable, unfinished policies among these: the only ones admission waits on."""
+        return [p for p in dict.fromkeys(policies) if p in self.limits and not self.finished(p)]
+
+    def read_only(self, policies: Iterable[str]) -> list[str]:
+        """Policies among these whose sequences are not kept (frozen, or budget taken)."""
+        return [p for p in dict.fromkeys(policies) if self.finished(p)]
+
+    # ----- admission --------------------------------------------------------------------------------
+
+    def tasks_to_admit(self, roles: dict[str, str], group_size: int | dict[str, int]) -> int:
+        """How many more tasks of this shape may be queued now (see `plan`)."""
+        return len(self.plan(roles, group_size))
+
+    def plan(self, roles: dict[str, str], group_size: int | dict[str, int]) -> list[list[str]]:
+        """The tasks to queue now, each as the active policies it feeds (the task's other policies are
+        read-only for it). Each active policy has room for some whole tasks; a task is queued while one
+        of them still has room, and feeds exactly those that do, so a slow policy (full buffer) never
+        holds back a fast one. In sync mode every task of the round feeds every active policy."""
+        pols = list(dict.fromkeys(roles.values()))
+        active = self.active(pols)
+        if not active:
+            return []
+        if self.after_budget == "stop" and any(
+            p in self.limits and self.limits[p].trainable and p not in active for p in pols
+        ):
+            return []
+        per = self.task_sequences(roles, group_size)
+        out = self.outstanding()
+        if self.mode == "sync":
+            return [list(active)] * self._sync_room(active, per, out)
+        rooms = {p: self._async_room(p, per, out) for p in active}
+        if self.group_room is not None:
+            groups = self.outstanding_groups()
+            for p in active:
+                rooms[p] = min(rooms[p], max(0, self.group_room(p, groups.get(p, 0))))
+        return [[p for p in active if rooms[p] > i] for i in range(max(rooms.values(), default=0))]
+
+    def _async_room(self, pol: str, per: dict[str, int], out: dict[str, int]) -> int:
+        """Whole tasks the policy can still take under its cap (S + 1) * B."""
+        k = per.get(pol, 0)
+        if k <= 0:
+            return 0
+        # whole tasks that fit under the cap; rounding up would overshoot it by up to a group, and
+        # that overshoot is consumed a version too late (it expired under replay's odd batch sizes).
+        # With nothing outstanding, one task always goes, so a cap smaller than a group cannot stall.
+        n = max(0, self.cap(pol) - out[pol]) // k
+        return 1 if n == 0 and out[pol] == 0 else n
+
+    def _sync_room(self, active: list[str], per: dict[str, int], out: dict[str, int]) -> int:
+        """A whole round when the previous one is trained on and published by every active policy."""
+        if int(self.store.scalar("SELECT COUNT(*) FROM tasks WHERE status IN ('queued', 'leased')")):
+            return 0
+        need = 0
+        for pol in active:
+            lim = self.limits[pol]
+            if out[pol] >= lim.batch_size or self.published(pol) < self.taken(pol):
+                return 0  # that policy still trains on the last round
+            k = per.get(pol, 0)
+            if k > 0:
+                need = max(need, -(-(lim.batch_size - out[pol]) // k))
+        return need
+
+    def offer_limit(self, n: int) -> int:
+        """Prompts the curators may be offered to queue n tasks."""
+        return max(OFFER_FACTOR * n, OFFER_MIN)
+
     def may_lease(
         self, loaded: dict[str, int], policies: Iterable[str], task_sequences: dict[str, int] | None = None
     ) -> bool:
-        """True if the worker's loaded version v of every policy satisfies
+        """True if the worker's loaded version v of every active policy satisfies
         v >= target + floor((ahead + k - 1) / B) - S, with k the sequences this task adds (unknown
         loaded counts as 0): the task's last sequence is still consumed within the bound. Counting k
-        matters when B is not a multiple of the group size (replay makes a batch's fresh part odd)."""
-        for pol in policies:
-            if pol not in self.limits:
-                continue
+        matters when B is not a multiple of the group size (replay makes a batch's fresh part odd).
+        In sync mode: v >= target (the newest weights of every active policy)."""
+        for pol in self.active(policies):
             lim = self.limits[pol]
-            k = max(1, (task_sequences or {}).get(pol, 1))
-            need = self.target_version(pol) + (self.ahead(pol) + k - 1) // lim.batch_size - lim.max_staleness
+            if self.mode == "sync":
+                need = self.target_version(pol)
+            else:
+                k = max(1, (task_sequences or {}).get(pol, 1))
+                need = (
+                    self.target_version(pol) + (self.ahead(pol) + k - 1) // lim.batch_size - lim.max_staleness
+                )
             if loaded.get(pol, 0) < need:
                 return False
         return True
+
+
+def admission_for(recipe: Any, store: Store, pipeline: Any, roles: dict[str, str]) -> Admission:
+    """The run's admission: every policy's limits from the recipe, the workflow's task shape, the
+    pipeline's admission stages (their bound tightens S; their group budget is asked too)."""
+    from astraflow import plugins
+
+    wf_cls = plugins.load("workflows", recipe.workflow.name)
+    limits: dict[str, PolicyLimits] = {}
+    for p in recipe.policy:
+        # with replay, a batch consumes only its fresh part: admit for that rate, or work expires
+        fresh = pipeline.fresh_per_batch(p.name, p.batch_prompts * p.group_size)
+        limits[p.name] = PolicyLimits(
+            fresh, pipeline.max_staleness(p.name), recipe.budget(p.name) or None, p.trainable
+        )
+
+    def shape(task_roles: dict[str, str], group_sizes: dict[str, int]) -> dict[str, int]:
+        per_role = wf_cls.sequences_per_task({r: group_sizes.get(p, 1) for r, p in task_roles.items()})
+        out: dict[str, int] = {}
+        for r, p in task_roles.items():
+            out[p] = out.get(p, 0) + int(per_role.get(r, 0))
+        return out
+
+    if getattr(wf_cls, "baseline_per_role", True):
+        counts: dict[str, int] = {}
+        for p in roles.values():
+            counts[p] = counts.get(p, 0) + 1
+        pipeline.split_roles = {p for p, n in counts.items() if n > 1}
+    return Admission(
+        store,
+        limits,
+        mode=recipe.run.mode,
+        after_budget=recipe.workflow.after_budget,
+        shape=shape,
+        group_room=pipeline.group_room,
+        group_sizes={p.name: p.group_size for p in recipe.policy},
+    )

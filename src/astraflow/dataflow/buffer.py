@@ -86,8 +86,9 @@ class Buffer:
                 arrival += 1
                 cur = c.execute(
                     "INSERT INTO trajectories (task_id, policy, prompt_key, tokens, loss_mask, logprobs, versions, "
-                    "reward, advantage, length, min_version, arrival, status, consumed_step) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, NULL)",
+                    "reward, advantage, length, min_version, arrival, status, consumed_step, role, group_key, "
+                    "temperature, top_p, top_k) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, NULL, ?, ?, ?, ?, ?)",
                     (
                         task_id,
                         seq.policy,
@@ -102,6 +103,11 @@ class Buffer:
                         min_version(seq),
                         arrival,
                         status,
+                        seq.role,
+                        seq.group_key,
+                        float(seq.temperature),
+                        float(seq.top_p),
+                        int(seq.top_k),
                     ),
                 )
                 ids.append(int(cur.lastrowid or 0))
@@ -115,6 +121,21 @@ class Buffer:
         )
         for r in rows:
             out[r["status"]] = int(r["n"])
+        return out
+
+    def role_metrics(self, traj_ids: list[int]) -> dict[str, float]:
+        """Per workflow role of these trajectories: `role/<role>/reward_mean` and `role/<role>/sequences`."""
+        if not traj_ids:
+            return {}
+        marks = ",".join("?" for _ in traj_ids)
+        out: dict[str, float] = {}
+        for r in self.store.query(
+            f"SELECT role, AVG(reward) AS reward, COUNT(*) AS n FROM trajectories WHERE id IN ({marks}) "
+            "AND role != '' GROUP BY role",
+            tuple(traj_ids),
+        ):
+            out[f"role/{r['role']}/reward_mean"] = float(r["reward"])
+            out[f"role/{r['role']}/sequences"] = float(r["n"])
         return out
 
     def last_step(self, policy: str) -> int:
@@ -225,7 +246,8 @@ class Buffer:
             return []
         marks = ",".join("?" for _ in ids)
         rows = self.store.query(
-            f"SELECT id, tokens, loss_mask, logprobs, versions, reward, advantage FROM trajectories WHERE id IN ({marks})",
+            "SELECT id, tokens, loss_mask, logprobs, versions, reward, advantage, temperature, top_p, top_k "
+            f"FROM trajectories WHERE id IN ({marks})",
             tuple(ids),
         )
         by_id = {r["id"]: r for r in rows}
@@ -242,6 +264,9 @@ class Buffer:
                     reward=float(r["reward"]),
                     advantage=float(r["advantage"]),
                     replay=replay,
+                    temperature=float(r["temperature"]),
+                    top_p=float(r["top_p"]),
+                    top_k=int(r["top_k"]),
                 )
             )
         return out

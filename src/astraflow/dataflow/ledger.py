@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from astraflow.state.store import Store
@@ -32,6 +32,8 @@ class TaskRow:
     epoch: int
     lease_expiry: float
     attempts: int
+    read_only: list[str] = field(default_factory=list)
+    """Policies this task does not feed (decided at admission): their sequences are not kept."""
 
     @property
     def policies(self) -> list[str]:
@@ -51,6 +53,7 @@ def _row(r: Any) -> TaskRow:
         epoch=r["epoch"],
         lease_expiry=r["lease_expiry"],
         attempts=r["attempts"],
+        read_only=json.loads(r["read_only"]) if "read_only" in r.keys() else [],
     )
 
 
@@ -70,14 +73,29 @@ class Ledger:
         self.max_attempts = max_attempts
         self.clock = clock
 
-    def enqueue(self, prompt_key: str, sample: dict[str, Any], roles: dict[str, str], group_size: int) -> int:
-        """Queue one task; returns its id."""
+    def enqueue(
+        self,
+        prompt_key: str,
+        sample: dict[str, Any],
+        roles: dict[str, str],
+        group_size: int,
+        read_only: Iterable[str] = (),
+    ) -> int:
+        """Queue one task (not feeding the `read_only` policies); returns its id."""
         now = self.clock()
         with self.store.write() as c:
             cur = c.execute(
                 "INSERT INTO tasks (prompt_key, sample, roles, group_size, status, owner, epoch, lease_expiry, "
-                "attempts, error, created, updated) VALUES (?, ?, ?, ?, 'queued', '', 0, 0, 0, '', ?, ?)",
-                (prompt_key, json.dumps(sample, sort_keys=True), json.dumps(roles), group_size, now, now),
+                "attempts, error, created, updated, read_only) VALUES (?, ?, ?, ?, 'queued', '', 0, 0, 0, '', ?, ?, ?)",
+                (
+                    prompt_key,
+                    json.dumps(sample, sort_keys=True),
+                    json.dumps(roles),
+                    group_size,
+                    now,
+                    now,
+                    json.dumps(sorted(set(read_only))),
+                ),
             )
             return int(cur.lastrowid or 0)
 

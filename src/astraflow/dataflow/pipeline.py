@@ -8,7 +8,7 @@ is reloaded on restart; the pipeline's own counters are saved there too (stage i
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,6 +79,10 @@ class Pipeline:
         self.recipe = recipe
         self.store = store
         self.policies: dict[str, PolicyStages] = {}
+        self.split_roles: set[str] = set()
+        """Policies whose roles get separate groups (self-play with per-role baselines); set by the controller."""
+        self.info: dict[str, dict[str, tuple[float, int]]] = {}
+        """Policy -> info key -> (sum, count) since its last step's metrics."""
         for pol in recipe.policy:
             ps = PolicyStages(pol.name)
             for i, spec in enumerate(pol.data):
@@ -138,17 +142,27 @@ class Pipeline:
 
     # ----- before rollout -----------------------------------------------------------------------
 
-    def admit(self, policies: list[str], outstanding_groups: dict[str, int], queued_now: int = 0) -> bool:
-        """Ask the admission stages of the task's policies whether one more group may be queued."""
-        ok = True
-        for pol in policies:
-            ps = self.policies.get(pol)
-            if ps is None:
-                continue
-            batch = self.recipe.get_policy(pol).batch_prompts
-            for st in ps.admissions:
-                ok = st.admit(outstanding_groups.get(pol, 0) + queued_now, batch) and ok
-        return ok
+    def group_room(self, policy: str, outstanding_groups: int) -> int:
+        """Groups the policy's admission stages still allow (dataflow/admission.py asks; counts each answer)."""
+        ps = self.policies.get(policy)
+        room = 1 << 62
+        if ps is None:
+            return room
+        batch = self.recipe.get_policy(policy).batch_prompts
+        for st in ps.admissions:
+            n = st.budget(outstanding_groups, batch)
+            key = "admitted" if n > 0 else "held"
+            if key in st.counts:  # stages that declare these counters get them filled here
+                st.counts[key] += 1
+            room = min(room, n)
+        return room
+
+    def max_staleness(self, policy: str) -> int:
+        """The policy's staleness bound for admission: the tighter of its own and its admission stages'."""
+        bound = self.recipe.get_policy(policy).max_staleness
+        for st in self.policies[policy].admissions:
+            bound = min(bound, st.max_staleness)
+        return bound
 
     def submit(self, key: str, sample: dict[str, Any], policies: list[str]) -> bool:
         """Ask every curator of the task's policies; the prompt is submitted only if all agree."""
@@ -177,18 +191,32 @@ class Pipeline:
     # ----- after rollout ------------------------------------------------------------------------
 
     def ingest(
-        self, buffer: Buffer, task_id: int, prompt_key: str, episodes: list[Episode]
+        self,
+        buffer: Buffer,
+        task_id: int,
+        prompt_key: str,
+        episodes: list[Episode],
+        read_only: Iterable[str] = (),
     ) -> list[GroupOutcome]:
-        """Store a finished task's sequences: group advantages, curator feedback, filters, buffer entry."""
-        by_policy: dict[str, list[tuple[Sequence, dict[str, Any]]]] = {}
+        """Store a finished task's sequences: group advantages, curator feedback, filters, buffer entry.
+
+        Groups are (policy, group key): the sequence's group_key, with its role in front for a policy
+        that plays several roles (self-play: one baseline per role) unless the workflow shares them.
+        Sequences of read-only policies (frozen, or budget taken) are not kept."""
+        skip = set(read_only)
+        groups: dict[tuple[str, str, str], list[tuple[Sequence, dict[str, Any]]]] = {}
         for ep in episodes:
+            self._observe_info(ep, skip)
             for seq in ep.sequences:
                 if seq.policy not in self.policies:
                     log.warning("task %d: sequence of unknown policy %r ignored", task_id, seq.policy)
                     continue
-                by_policy.setdefault(seq.policy, []).append((seq, ep.info))
+                if seq.policy in skip:
+                    continue
+                role = seq.role if seq.policy in self.split_roles else ""
+                groups.setdefault((seq.policy, role, seq.group_key), []).append((seq, ep.info))
         out: list[GroupOutcome] = []
-        for pol, items in by_policy.items():
+        for (pol, _role, _key), items in groups.items():
             ps = self.policies[pol]
             seqs = [s for s, _ in items]
             rewards = [float(s.reward) for s in seqs]
@@ -214,6 +242,29 @@ class Pipeline:
             )
             out.append(GroupOutcome(pol, ids, rewards, kept))
         return out
+
+    def _observe_info(self, ep: Episode, skip: set[str]) -> None:
+        """Add an episode's numeric info to each (policy, role) it has sequences of."""
+        nums = {
+            k: float(v) for k, v in ep.info.items() if isinstance(v, int | float) and not isinstance(v, bool)
+        }
+        seen: set[tuple[str, str]] = set()
+        for seq in ep.sequences:
+            if seq.policy in self.policies and seq.policy not in skip:
+                seen.add((seq.policy, seq.role))
+        for pol in {p for p, _ in seen}:
+            acc = self.info.setdefault(pol, {})
+            pairs = [(f"info/{k}", v) for k, v in nums.items()]
+            for role in sorted({r for p, r in seen if p == pol and r}):
+                pairs += [(f"info/{role}/{k}", v) for k, v in nums.items()]
+            for key, v in pairs:
+                total, n = acc.get(key, (0.0, 0))
+                acc[key] = (total + v, n + 1)
+
+    def take_info(self, policy: str) -> dict[str, float]:
+        """Means of the episode info seen for the policy since the last call (then reset)."""
+        acc = self.info.pop(policy, {})
+        return {k: total / n for k, (total, n) in acc.items() if n}
 
     # ----- buffer and batching ------------------------------------------------------------------
 

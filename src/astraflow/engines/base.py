@@ -35,6 +35,10 @@ class Completion:
     """Weight version that produced each generated token (changes mid-sequence on a weight update)."""
     finish_reason: str
     """stop | length"""
+    temperature: float = 1.0
+    """Sampling settings this completion was drawn with (the request's); carried to the Sequence."""
+    top_p: float = 1.0
+    top_k: int = 0
 
 
 class RolloutEngine(ABC):

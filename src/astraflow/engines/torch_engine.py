@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from astraflow import log
 from astraflow.engines.base import Completion, GenerationRequest, RolloutEngine
 from astraflow.engines.device import resolve_device
+from astraflow.engines.sampling import processed_logprobs
 from astraflow.errors import AstraflowError
 
 _log = log.get("engines.torch")
@@ -70,18 +71,15 @@ def sample_tokens(
     temperature: torch.Tensor,
     top_p: torch.Tensor,
     uniforms: torch.Tensor,
+    top_k: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row by inverse CDF; return (tokens, logprob under the tempered, top-p
-    renormalised distribution). logits [B, V] float32; temperature, top_p, uniforms [B]."""
-    logp = torch.log_softmax(logits / temperature.unsqueeze(-1), dim=-1)
-    if bool((top_p < 1.0).any()):
+    """Sample one token per row by inverse CDF; return (tokens, logprob under the processed
+    distribution of engines/sampling.py: temperature, top-k, top-p, renormalised).
+    logits [B, V] float32; temperature, top_p, uniforms, top_k [B]."""
+    logp = processed_logprobs(logits, temperature, top_p, 0 if top_k is None else top_k)
+    filtered = bool((top_p < 1.0).any()) or (top_k is not None and bool((top_k > 0).any()))
+    if filtered:
         sorted_logp, order = torch.sort(logp, dim=-1, descending=True)
-        probs = sorted_logp.exp()
-        # Keep the smallest prefix whose mass reaches top_p (the first token is always kept).
-        mass_before = probs.cumsum(dim=-1) - probs
-        keep = mass_before < top_p.unsqueeze(-1)
-        sorted_logp = torch.where(keep, sorted_logp, torch.full_like(sorted_logp, float("-inf")))
-        sorted_logp = torch.log_softmax(sorted_logp, dim=-1)
     else:
         sorted_logp, order = logp, None
     cdf = sorted_logp.exp().cumsum(dim=-1)
@@ -264,6 +262,7 @@ class TorchEngine(RolloutEngine):
         positions = (mask.cumsum(-1) - 1).clamp_min(0)
         temperature = torch.tensor([p.request.temperature for p in batch], device=self.device)
         top_p = torch.tensor([p.request.top_p for p in batch], device=self.device)
+        top_k = torch.tensor([p.request.top_k for p in batch], device=self.device)
         cache = None
         active = list(range(len(rows)))
         seq = ids
@@ -284,7 +283,7 @@ class TorchEngine(RolloutEngine):
                 gen = rows[r].generator
                 if gen is not None:
                     uniforms[j] = torch.rand(1, generator=gen, device=self.device)[0]
-            tokens, logps = sample_tokens(logits, temperature, top_p, uniforms)
+            tokens, logps = sample_tokens(logits, temperature, top_p, uniforms, top_k)
             version = self._version
             keep: list[int] = []
             for j, (tok, lp) in enumerate(zip(tokens.tolist(), logps.tolist(), strict=True)):
@@ -308,7 +307,7 @@ class TorchEngine(RolloutEngine):
                 sel = torch.tensor(keep, device=self.device)
                 cache.batch_select_indices(sel)
                 tokens, mask, seq, step_pos = tokens[sel], mask[sel], seq[sel], step_pos[sel]
-                temperature, top_p = temperature[sel], top_p[sel]
+                temperature, top_p, top_k = temperature[sel], top_p[sel], top_k[sel]
                 active = [active[j] for j in keep]
             seq = torch.cat([seq, tokens.unsqueeze(-1)], dim=-1)
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)

@@ -51,6 +51,11 @@ class Sequence(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Nucleus mass the engine sampled with (1.0: off)."""
     top_k: int = 0
     """Top-k the engine sampled with (0: off)."""
+    role: str = ""
+    """Workflow role that produced this sequence ("" = not said); per-role metrics and baselines use it."""
+    group_key: str = ""
+    """Comparison set inside the task (e.g. the sub-problem a solver answered); advantages are computed
+    over (task, policy, group_key); "" = the task's whole group (in self-play: the role)."""
 
 
 class Episode(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -79,8 +84,13 @@ class Task(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Lease epoch; a result must echo it and is rejected if the task was re-leased since."""
     sample: dict[str, Any]
     group_size: int
+    """The largest group size of the task's policies (episodes run when the workflow has no run_group)."""
     roles: dict[str, str]
     """Workflow role -> policy name."""
+    group_sizes: dict[str, int] = {}
+    """Policy -> its group size (samples compared per group); {} = group_size for every policy."""
+    read_only: list[str] = []
+    """Policies of this task whose sequences are not trained on (frozen, or their budget is met)."""
 
 
 class TrainSample(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -19,11 +19,12 @@ from astraflow import log
 from astraflow.config.load import role_map
 from astraflow.config.recipe import Recipe
 from astraflow.dataflow import failures
-from astraflow.dataflow.admission import Admission, PolicyLimits
+from astraflow.dataflow.admission import admission_for
 from astraflow.dataflow.buffer import Buffer
 from astraflow.dataflow.ledger import Ledger, TaskRow
 from astraflow.dataflow.pipeline import Pipeline
 from astraflow.dataflow.source import PromptSource, workflow_epochs
+from astraflow.dataflow.stall import Progress, stall_report
 from astraflow.dataflow.validate import ResultChecker
 from astraflow.protocol import messages as m
 from astraflow.protocol.codec import DecodeError
@@ -56,21 +57,15 @@ class Controller:
         self.ledger = Ledger(store, lease_timeout_s=rc.lease_timeout_s, max_attempts=rc.max_attempts)
         self.pipeline = Pipeline(recipe, store)
         self.buffer = Buffer(store, order=self.pipeline.order, replay_count=self.pipeline.replay_count)
-        self.admission = Admission(
-            store,
-            {
-                # with replay, a batch consumes only its fresh part: admit for that rate, or work expires
-                p.name: PolicyLimits(
-                    self.pipeline.fresh_per_batch(p.name, p.batch_prompts * p.group_size), p.max_staleness
-                )
-                for p in recipe.policy
-            },
-        )
         self.roles = role_map(recipe)
         self.task_policies = list(dict.fromkeys(self.roles.values()))
-        self.group_size = recipe.get_policy(self.task_policies[0]).group_size
+        self.group_sizes = {p: recipe.get_policy(p).group_size for p in self.task_policies}
+        self.group_size = max(self.group_sizes.values())
+        self.admission = admission_for(recipe, store, self.pipeline, self.roles)
+        self.progress = Progress(time.time())
         self.source = PromptSource(workflow_epochs(recipe), store)
         self.stop_requested = False
+        self.exit_code = 0
         self.finished_at: float | None = None
         self.rate_hist: dict[str, deque[tuple[float, int]]] = {
             p.name: deque([(time.time(), 0)], maxlen=6) for p in recipe.policy
@@ -114,8 +109,9 @@ class Controller:
         self.refill()
 
     def finished(self) -> bool:
-        """True once every policy reached the step budget."""
-        return all(p["step"] >= self.recipe.run.steps for p in self.store.policies())
+        """True once every trainable policy reached its step budget."""
+        steps = {p["name"]: int(p["step"]) for p in self.store.policies()}
+        return all(steps.get(p.name, 0) >= self.recipe.budget(p.name) for p in self.recipe.trainable())
 
     def versions(self) -> list[m.VersionInfo]:
         """The newest version of each policy that has one."""
@@ -158,25 +154,56 @@ class Controller:
         self.refill()
         if self.finished_at is None and self.finished():
             self.finished_at = t
-            _log.info("every policy reached %d steps; telling members to stop", self.recipe.run.steps)
+            _log.info("every policy reached its step budget; telling members to stop")
+        if self.finished_at is None:
+            self.check_stall(t)
+
+    def check_stall(self, now: float) -> None:
+        """Warn (log, event, status) when nothing progressed for stall_warn_s; fail after stall_fail_s."""
+        cc = self.recipe.controller
+        idle = now - self.progress.last
+        if idle < cc.stall_warn_s:
+            return
+        if self.progress.warned_at is None or now - self.progress.warned_at >= cc.stall_warn_s:
+            self.progress.warned_at = now
+            report = stall_report(self, idle)
+            with self.store.write():
+                self.store.add_event("stall", json.dumps(report, sort_keys=True))
+            _log.warning(
+                "no progress for %.0fs: %s", idle, "; ".join(f"{k}: {v}" for k, v in report["waits"].items())
+            )
+        if idle >= cc.stall_fail_s and self.exit_code == 0:
+            _log.error("no progress for %.0fs (controller.stall_fail_s); stopping the run", idle)
+            with self.store.write():
+                self.store.add_event("stall_fail", f"no progress for {idle:.0f}s")
+            self.exit_code = 1
+            self.stop_requested = True
+
+    def made_progress(self, now: float | None = None) -> None:
+        """A result was accepted, a batch recorded or a version published: the run moves."""
+        t = time.time() if now is None else now
+        if self.progress.warned_at is not None:
+            with self.store.write():
+                self.store.add_event("unstalled", f"progress after {t - self.progress.last:.0f}s")
+            self.progress.warned_at = None
+        self.progress.last = t
 
     def refill(self, limit: int = 1024) -> int:
         """Queue prompts through admission and the curators; returns how many tasks were queued."""
         if self.stopping():
             return 0
-        n = min(self.admission.tasks_to_admit(self.roles, self.group_size), limit)
-        if n <= 0:
+        plan = self.admission.plan(self.roles, self.group_sizes)[:limit]
+        if not plan:
             return 0
-        groups = self.admission.outstanding_groups()
         queued, offered = 0, 0
         with self.store.write():
-            while queued < n and offered < max(4 * n, 64):
-                if not self.pipeline.admit(self.task_policies, groups, queued):
-                    break
+            while queued < len(plan) and offered < self.admission.offer_limit(len(plan)):
                 key, sample = self.source.next()
                 offered += 1
-                if self.pipeline.submit(key, sample, self.task_policies):
-                    self.ledger.enqueue(key, {"key": key, **sample}, self.roles, self.group_size)
+                feeds = plan[queued]
+                if self.pipeline.submit(key, sample, feeds):
+                    skip = [p for p in self.task_policies if p not in feeds]
+                    self.ledger.enqueue(key, {"key": key, **sample}, self.roles, self.group_size, skip)
                     queued += 1
             self.source.save()
             if offered:
@@ -334,8 +361,9 @@ class Controller:
 
         def accept(task: TaskRow) -> bool:
             pols = task.policies
+            feeds = [p for p in pols if p not in task.read_only]
             return (not serves or serves.issuperset(pols)) and self.admission.may_lease(
-                loaded, pols, Admission.sequences_per_task(task.roles, task.group_size)
+                loaded, feeds, self.admission.task_sequences(task.roles, self.group_sizes)
             )
 
         self.refill()
@@ -344,7 +372,15 @@ class Controller:
             n = authz.task_quota(self.store, self.recipe, member, msg.n)
             leased = self.ledger.lease(member["id"], n, now, accept)
         tasks = [
-            m.Task(task_id=t.id, epoch=t.epoch, sample=t.sample, group_size=t.group_size, roles=t.roles)
+            m.Task(
+                task_id=t.id,
+                epoch=t.epoch,
+                sample=t.sample,
+                group_size=t.group_size,
+                roles=t.roles,
+                group_sizes={p: self.group_sizes.get(p, t.group_size) for p in t.policies},
+                read_only=sorted(set(t.read_only) | set(self.admission.read_only(t.policies))),
+            )
             for t in leased
         ]
         return m.TaskGrant(
@@ -375,10 +411,17 @@ class Controller:
             status = self.ledger.complete(msg.task_id, msg.epoch, member["id"])
             if status == "accepted":
                 assert task is not None
-                self.pipeline.ingest(self.buffer, task.id, task.prompt_key, msg.episodes)
+                self.pipeline.ingest(
+                    self.buffer,
+                    task.id,
+                    task.prompt_key,
+                    msg.episodes,
+                    read_only=set(task.read_only) | set(self.admission.read_only(self.pipeline.policies)),
+                )
                 # stage state commits with the result that changed it: a kill -9 loses neither
                 for pol in task.policies:
                     self.pipeline.save(pol)
+                self.made_progress()
         return m.ResultAck(rid=msg.rid, task_id=msg.task_id, status=status)
 
     def fail_attempt(self, member_id: str, task_id: int, epoch: int, error: str) -> str:
@@ -425,7 +468,7 @@ class Controller:
             return m.Error(rid=msg.rid, code="bad_request", message="steps are numbered from 1")
         if self.failed is not None:
             return m.Error(rid=msg.rid, code="run_failed", message=f"the run failed: {_summary(self.failed)}")
-        if msg.step > self.recipe.run.steps:
+        if msg.step > self.recipe.budget(msg.policy):
             return m.BatchReply(rid=msg.rid, policy=msg.policy, step=msg.step, done=True)
         refused = authz.batch_refusal(self.store, msg.policy, msg.step)
         if refused is not None:
@@ -442,6 +485,8 @@ class Controller:
         if batch is None:
             self.refill()
             return m.BatchReply(rid=msg.rid, policy=msg.policy, step=msg.step, retry_after_s=RETRY_S)
+        if batch.new:
+            self.made_progress()
         return m.BatchReply(rid=msg.rid, policy=msg.policy, step=msg.step, samples=batch.samples, ready=True)
 
     def on_version(self, member: dict[str, Any], msg: m.VersionPublished) -> m.Msg:
@@ -468,6 +513,7 @@ class Controller:
                     msg.policy, msg.step, {k: v for k, v in row.items() if isinstance(v, int | float)}, now
                 )
                 self.pipeline.on_version(msg.policy, msg.version)
+                self.made_progress(now)
         if row is not None:
             with (self.run_dir / "metrics.jsonl").open("a") as f:
                 f.write(json.dumps(row, sort_keys=True) + "\n")
@@ -501,6 +547,8 @@ class Controller:
         rate = (generated - g0) / (now - t0) if now > t0 else 0.0
         row: dict[str, Any] = {k: float(v) for k, v in msg.metrics.items()}
         row.update(self.pipeline.metrics(msg.policy))
+        row.update(self.pipeline.take_info(msg.policy))
+        row.update(self.buffer.role_metrics(fresh_ids))
         row.update(
             {
                 "policy": msg.policy,
@@ -556,7 +604,7 @@ class Controller:
         if self.failed is not None:
             _log.error("run failed: %s", _summary(self.failed))
             return 1
-        return 0
+        return self.exit_code
 
 
 def _summary(text: str) -> str:

@@ -32,19 +32,61 @@ class EnginePolicyClient:
     sampling: Any
     stop_ids: list[int]
 
+    group_size: int = 1
+
     async def generate(self, prompt_ids: list[int], n: int = 1, **overrides: Any) -> list[Completion]:
-        """Sample n completions with the recipe's sampling settings (overridable per call)."""
+        """Sample n completions with the recipe's sampling settings (overridable per call); each
+        completion carries the settings it was drawn with."""
         reqs = [
             GenerationRequest(
                 prompt_ids=list(prompt_ids),
                 max_new_tokens=int(overrides.get("max_new_tokens", self.sampling.max_new_tokens)),
                 temperature=float(overrides.get("temperature", self.sampling.temperature)),
                 top_p=float(overrides.get("top_p", self.sampling.top_p)),
+                top_k=int(overrides.get("top_k", getattr(self.sampling, "top_k", 0))),
                 stop_ids=list(overrides.get("stop_ids", self.stop_ids)),
             )
             for _ in range(n)
         ]
-        return await self.engine.generate(reqs)
+        outs = await self.engine.generate(reqs)
+        for req, c in zip(reqs, outs, strict=True):
+            c.temperature, c.top_p, c.top_k = req.temperature, req.top_p, req.top_k
+        return outs
+
+
+@dataclass
+class TaskPolicyClient:
+    """One task's view of a policy: its group size in the task, and the sampling settings it used."""
+
+    base: EnginePolicyClient
+    group_size: int
+    used: set[tuple[float, float, int]]
+
+    @property
+    def policy(self) -> str:
+        """The policy's name."""
+        return self.base.policy
+
+    @property
+    def tokenizer(self) -> Any:
+        """The policy's tokenizer."""
+        return self.base.tokenizer
+
+    async def generate(self, prompt_ids: list[int], n: int = 1, **overrides: Any) -> list[Completion]:
+        """The engine client's generate, remembering each completion's settings."""
+        outs = await self.base.generate(prompt_ids, n, **overrides)
+        self.used.update((c.temperature, c.top_p, c.top_k) for c in outs)
+        return outs
+
+
+def fill_sampling(episodes: list[Any], used: dict[str, set[tuple[float, float, int]]]) -> None:
+    """A sequence left at the default settings (1.0, 1.0, 0) by a workflow that did not copy them gets
+    the settings its policy was sampled with in this task, when that was one setting only."""
+    for ep in episodes:
+        for seq in ep.sequences:
+            settings = used.get(seq.policy, set())
+            if len(settings) == 1 and (seq.temperature, seq.top_p, seq.top_k) == (1.0, 1.0, 0):
+                seq.temperature, seq.top_p, seq.top_k = next(iter(settings))
 
 
 class RaaS:
@@ -231,13 +273,19 @@ class RaaS:
 
         self.active.add(task.task_id)
         try:
-            clients = {role: self.clients[pol] for role, pol in task.roles.items()}
+            used: dict[str, set[tuple[float, float, int]]] = {}
+            sizes = {
+                role: int(task.group_sizes.get(pol, task.group_size)) for role, pol in task.roles.items()
+            }
+            clients = {
+                role: TaskPolicyClient(self.clients[pol], sizes[role], used.setdefault(pol, set()))
+                for role, pol in task.roles.items()
+            }
             episodes = await asyncio.wait_for(
-                asyncio.gather(
-                    *(self.workflow.run_episode(dict(task.sample), clients) for _ in range(task.group_size))
-                ),
+                self.workflow.run_group(dict(task.sample), clients, sizes),
                 timeout=self.recipe.rollout.task_timeout_s,
             )
+            fill_sampling(episodes, used)
             result = TaskResult(task_id=task.task_id, epoch=task.epoch, episodes=list(episodes))
         except asyncio.CancelledError:
             raise

@@ -86,6 +86,13 @@ def run_trainer(
         raise AstraflowError(
             f"the run has no policy {policy!r}", hint=f"policies: {', '.join(p.name for p in recipe.policy)}"
         ) from None
+    if not pol.trainable:
+        client.close("frozen policy")
+        raise AstraflowError(
+            f"policy {policy!r} is frozen (trainable = false): it has no trainer",
+            hint="RaaS workers serve it from its model directory at version 0",
+        )
+    budget = recipe.budget(policy)
 
     require_model_dirs(recipe, [policy], client)
     import torch
@@ -140,7 +147,7 @@ def run_trainer(
     try:
         if trainer.step_count > 0:
             publish({})
-        while trainer.step_count < recipe.run.steps and not stopping["sig"]:
+        while trainer.step_count < budget and not stopping["sig"]:
             step = trainer.step_count + 1
             t_wait = time.monotonic()
             batch: BatchReply | None = None
@@ -161,9 +168,11 @@ def run_trainer(
             client.tick()
             t_step = time.monotonic()
             metrics = dict(trainer.step(batch.samples))
+            if pol.trainer_sleep_s > 0:
+                time.sleep(pol.trainer_sleep_s)  # the benchmarking knob: a costlier policy's step
             step_s = time.monotonic() - t_step
             client.tick()
-            if trainer.step_count % pol.checkpoint_every == 0 or trainer.step_count >= recipe.run.steps:
+            if trainer.step_count % pol.checkpoint_every == 0 or trainer.step_count >= budget:
                 save_checkpoint(trainer, ckpt_root)
             metrics.update(
                 {"trainer_wait_s": wait_s, "trainer_step_s": step_s, "batch_size": float(len(batch.samples))}
@@ -171,7 +180,7 @@ def run_trainer(
             publish({k: float(v) for k, v in metrics.items()})
         if stopping["sig"]:
             _log.info("stopping on signal; last step %d", trainer.step_count)
-            return 0 if trainer.step_count >= recipe.run.steps else 143
+            return 0 if trainer.step_count >= budget else 143
         _log.info("policy %s reached %d steps", policy, trainer.step_count)
         return 0
     finally:

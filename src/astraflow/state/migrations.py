@@ -120,8 +120,21 @@ def m0001_initial(db: Database) -> None:
     db.table("events").create({"id": int, "time": float, "kind": str, "detail": str}, pk="id")
 
 
+def m0002_sequence_roles(db: Database) -> None:
+    """Trajectories keep their workflow role, group key and the sampling settings they were drawn with;
+    a task records the policies whose output it does not feed (read-only for it)."""
+    db.table("tasks").add_column("read_only", str, not_null_default="[]")
+    t = db.table("trajectories")
+    t.add_column("role", str, not_null_default="")
+    t.add_column("group_key", str, not_null_default="")
+    t.add_column("temperature", float, not_null_default=1.0)
+    t.add_column("top_p", float, not_null_default=1.0)
+    t.add_column("top_k", int, not_null_default=0)
+
+
 MIGRATIONS: list[tuple[str, Migration]] = [
     ("0001_initial", m0001_initial),
+    ("0002_sequence_roles", m0002_sequence_roles),
 ]
 """Every migration in the order applied; append only."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from astraflow.dataflow import failures
@@ -15,15 +16,23 @@ def build_status(store: Store) -> dict[str, Any]:
     run = store.run()
     recipe = run["recipe"] if run else {}
     steps = int(recipe.get("run", {}).get("steps", 0)) if recipe else 0
+    configs = {p.get("name"): p for p in recipe.get("policy", [])} if recipe else {}
     policies = []
     buffers: dict[str, dict[str, int]] = {}
     for p in store.policies():
         m = store.last_metrics(p["name"]) or {}
         reward = m.get("reward_mean")
         stale = m.get("staleness_max")
+        cfg = configs.get(p["name"], {})
+        trainable = bool(cfg.get("trainable", True))
+        budget = (cfg.get("steps") or steps) if trainable else 0
         policies.append(
             {
                 "name": p["name"],
+                "trainable": trainable,
+                "budget": int(budget),
+                "finished": trainable and int(p["step"]) >= int(budget),
+                "info": {k[5:]: float(v) for k, v in m.items() if k.startswith("info/")},
                 "version": int(p["version"]),
                 "step": int(p["step"]),
                 "reward_mean": None if reward is None else float(reward),
@@ -56,9 +65,22 @@ def build_status(store: Store) -> dict[str, Any]:
         tasks[r["status"]] = int(r["n"])
     fails = failures.counts(store)
     by_reason = {k: int(v) for k, v in fails.get("by_reason", {}).items()}
+    stall = None
+    for ev in reversed(store.events(limit=200)):
+        if ev["kind"] in ("stall", "unstalled", "stall_fail"):
+            if ev["kind"] == "stall":
+                stall = {"time": float(ev["time"]), **json.loads(ev["detail"])}
+            elif ev["kind"] == "stall_fail":
+                stall = {"time": float(ev["time"]), "failed": ev["detail"]}
+            break
     return {
         "schema": SCHEMA_VERSION,
-        "run": {"name": run["name"] if run else "", "steps": steps},
+        "run": {
+            "name": run["name"] if run else "",
+            "steps": steps,
+            "mode": str(recipe.get("run", {}).get("mode", "async")) if recipe else "async",
+        },
+        "stall": stall,
         "policies": policies,
         "members": members,
         "tasks": tasks,

@@ -3,7 +3,7 @@
 A batch is split into `policy.minibatches` optimizer updates; each update accumulates gradients
 over micro-batches of `micro_batch` sequences, and every micro-batch loss is divided by the trained
 tokens of its whole update, so the update's gradient is that of one token-mean. Logprobs are
-taken under the policy's sampling temperature, like the engine's behaviour logprobs.
+taken under each row's own sampling settings (temperature, top-k, top-p), like the engine's behaviour logprobs.
 """
 
 from __future__ import annotations
@@ -48,21 +48,38 @@ class TorchTrainerConfig(BaseModel):
 
 
 def token_logprobs(
-    model: Any, tokens: torch.Tensor, attn: torch.Tensor, *, temperature: float = 1.0, entropy: bool = False
+    model: Any,
+    tokens: torch.Tensor,
+    attn: torch.Tensor,
+    *,
+    temperature: torch.Tensor | float = 1.0,
+    top_p: torch.Tensor | float = 1.0,
+    top_k: torch.Tensor | int = 0,
+    entropy: bool = False,
 ) -> Any:
-    """Logprob of each token given its prefix under logits / temperature, [B, T-1] (position t-1
+    """Logprob of each token given its prefix under the processed sampling distribution of
+    engines/sampling.py (temperature, top-k, top-p; scalars or per row [B]), [B, T-1] (position t-1
     holds token t's logprob); with entropy=True also the per-position entropy (no grad)."""
+    from astraflow.engines.sampling import processed_logprobs
+
     logits = model(input_ids=tokens, attention_mask=attn, use_cache=False).logits[:, :-1].float()
-    if temperature != 1.0:
-        logits = logits / temperature
+    b, t, v = logits.shape
+
+    def per_position(x: torch.Tensor | float) -> torch.Tensor:
+        # one setting per row, repeated over its positions (a scalar applies to every row)
+        x = torch.as_tensor(x, device=logits.device)
+        return x.reshape(-1, 1).expand(b, t).reshape(-1) if x.dim() > 0 else x.expand(b * t)
+
+    logp_all = processed_logprobs(
+        logits.reshape(b * t, v), per_position(temperature), per_position(top_p), per_position(top_k)
+    ).reshape(b, t, v)
     targets = tokens[:, 1:].unsqueeze(-1)
-    lse = torch.logsumexp(logits, dim=-1)
-    logp = logits.gather(-1, targets).squeeze(-1) - lse
+    logp = logp_all.gather(-1, targets).squeeze(-1)
     if not entropy:
         return logp
     with torch.no_grad():
-        probs = torch.softmax(logits, dim=-1)
-        ent = lse - (probs * logits).sum(-1)
+        probs = logp_all.exp()
+        ent = -(probs * logp_all.masked_fill(probs == 0, 0.0)).sum(-1)
     return logp, ent
 
 
@@ -134,6 +151,10 @@ class TorchTrainer(Trainer):
         adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
         dev = self.device
         return {
+            # each row's sampling settings: its logprobs are recomputed under the distribution it was drawn from
+            "temperature": torch.tensor([s.temperature for s in samples], dtype=torch.float32).to(dev),
+            "top_p": torch.tensor([s.top_p for s in samples], dtype=torch.float32).to(dev),
+            "top_k": torch.tensor([s.top_k for s in samples], dtype=torch.long).to(dev),
             "tokens": tokens.to(dev),
             "attn": attn.to(dev),
             # The first token is never predicted, so the loss views start at position 1.
@@ -182,19 +203,31 @@ class TorchTrainer(Trainer):
         k = min(self.policy.minibatches, len(batch))
         size = math.ceil(len(batch) / k)
         updates = [self._micro_batches(batch[i : i + size]) for i in range(0, len(batch), size)]
-        # Behaviour logprobs are those of the tempered sampling distribution; match them.
-        temp = self.policy.sampling.temperature
         micros_all = [m for u in updates for m in u]
         wants_prepare = type(self.loss).prepare is not Loss.prepare
         if self.loss.needs_prox or wants_prepare:
             # Logprobs under the parameters before this step's first update.
             with torch.no_grad():
                 for m in micros_all:
-                    m["prox"] = token_logprobs(self.model, m["tokens"], m["attn"], temperature=temp)
+                    m["prox"] = token_logprobs(
+                        self.model,
+                        m["tokens"],
+                        m["attn"],
+                        temperature=m["temperature"],
+                        top_p=m["top_p"],
+                        top_k=m["top_k"],
+                    )
         if self.ref_model is not None:
             with torch.no_grad():
                 for m in micros_all:
-                    m["ref"] = token_logprobs(self.ref_model, m["tokens"], m["attn"], temperature=temp)
+                    m["ref"] = token_logprobs(
+                        self.ref_model,
+                        m["tokens"],
+                        m["attn"],
+                        temperature=m["temperature"],
+                        top_p=m["top_p"],
+                        top_k=m["top_k"],
+                    )
         if wants_prepare:
             batch_tokens = float(sum(float(m["mask"].sum()) for m in micros_all))
             self.loss.prepare(
@@ -211,7 +244,15 @@ class TorchTrainer(Trainer):
             self.optimizer.zero_grad(set_to_none=True)
             update_loss = 0.0
             for m in micros:
-                logp, ent = token_logprobs(self.model, m["tokens"], m["attn"], temperature=temp, entropy=True)
+                logp, ent = token_logprobs(
+                    self.model,
+                    m["tokens"],
+                    m["attn"],
+                    entropy=True,
+                    temperature=m["temperature"],
+                    top_p=m["top_p"],
+                    top_k=m["top_k"],
+                )
                 inputs = self._inputs(m, logp, ent, total, n_seqs)
                 loss, metrics = self.loss(inputs)
                 loss.backward()

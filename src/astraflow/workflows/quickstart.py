@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from astraflow.workflows.base import Episode, PolicyClient, Sequence, Workflow
+from astraflow.workflows.base import Episode, PolicyClient, Workflow, completion_sequence
 
 
 class QuickstartConfig(BaseModel):
@@ -88,14 +88,6 @@ class QuickstartWorkflow(Workflow):
         words = tok.decode(answer_ids, skip_special_tokens=True).split()
         answer = str(sample["answer"]).split()
         reward = score(words, stopped, answer, exact=self.config.reward == "exact")
-        n_prompt = len(prompt_ids)
-        seq = Sequence(
-            policy=actor.policy,
-            tokens=prompt_ids + generated,
-            loss_mask=[0] * n_prompt + [1] * len(generated),
-            logprobs=[0.0] * n_prompt + [float(x) for x in completion.logprobs],
-            versions=[-1] * n_prompt + [int(v) for v in completion.versions],
-            reward=reward,
-        )
+        seq = completion_sequence(actor, prompt_ids, completion, reward=reward, role="actor")
         correct = 1.0 if stopped and words == answer else 0.0
         return Episode(sequences=[seq], info={"correct": correct, "gen_tokens": float(len(generated))})

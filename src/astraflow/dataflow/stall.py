@@ -1,0 +1,78 @@
+"""Stall detection: when the run stops moving, say which policy waits on what.
+
+Progress is any accepted task result, any newly recorded batch or any published version. When none
+happened for `controller.stall_warn_s`, the controller logs one line per waiting policy, records a
+`stall` event (status shows it) and repeats every stall_warn_s; after `controller.stall_fail_s` it
+stops with exit code 1, so `astraflow up` exits 1 instead of hanging.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class Progress:
+    """When the run last moved, and when the current stall was last reported."""
+
+    last: float
+    warned_at: float | None = None
+
+
+def policy_wait(ctl: Any, policy: str) -> str:
+    """What one trainable, unfinished policy waits on, in words."""
+    adm = ctl.admission
+    pol = ctl.recipe.get_policy(policy)
+    row = ctl.store.policy(policy)
+    step, budget = int(row["step"]), ctl.recipe.budget(policy)
+    taken, published = adm.taken(policy), adm.published(policy)
+    if taken > published:
+        return f"step {taken}/{budget}: its trainer took the batch and has not published version {taken}"
+    batch = adm.limits[policy].batch_size
+    buffered = ctl.buffer.counts(policy)["buffered"]
+    if buffered >= batch:
+        return (
+            f"step {step}/{budget}: {buffered} sequences buffered (batch {batch}) but its trainer has not "
+            "asked for the batch (is a trainer for it running?)"
+        )
+    tasks = ctl.ledger.counts()
+    queued, leased = int(tasks.get("queued", 0)), int(tasks.get("leased", 0))
+    parts = [f"step {step}/{budget}: needs {batch - buffered} more sequences ({buffered} buffered)"]
+    raas = [mem for mem in ctl.store.members("alive") if mem["role"] == "raas"]
+    serving = [mem for mem in raas if not mem["policies"] or policy in mem["policies"]]
+    if queued and not serving:
+        parts.append(f"{queued} tasks queued but no alive RaaS serves {policy!r}")
+    elif queued and not leased:
+        need = adm.target_version(policy)
+        loaded = sorted({int(mem["loaded"].get(policy, 0)) for mem in serving})
+        parts.append(
+            f"{queued} tasks queued, none leasable: workers hold versions {loaded} of {policy!r}, "
+            f"admission needs about {need - (0 if ctl.recipe.run.mode == 'sync' else pol.max_staleness)}"
+        )
+    elif leased:
+        parts.append(f"{leased} tasks in flight")
+    else:
+        n = adm.tasks_to_admit(ctl.roles, ctl.group_sizes)
+        if n <= 0:
+            others = [p for p in adm.active(ctl.task_policies) if p != policy]
+            why = f"another policy of the task has no room ({', '.join(others)})" if others else "no room"
+            if ctl.recipe.workflow.after_budget == "stop" and len(adm.active(ctl.task_policies)) < len(
+                [p for p in ctl.task_policies if ctl.recipe.get_policy(p).trainable]
+            ):
+                why = "a policy of the workflow met its budget and workflow.after_budget = 'stop'"
+            parts.append(f"admission holds new tasks: {why}")
+        elif policy not in ctl.task_policies:
+            parts.append("no workflow role maps to it")
+    return "; ".join(parts)
+
+
+def stall_report(ctl: Any, idle_s: float) -> dict[str, Any]:
+    """{idle_s, waits: policy -> reason} for every trainable policy that has not met its budget."""
+    steps = {p["name"]: int(p["step"]) for p in ctl.store.policies()}
+    waits = {
+        p.name: policy_wait(ctl, p.name)
+        for p in ctl.recipe.trainable()
+        if steps.get(p.name, 0) < ctl.recipe.budget(p.name)
+    }
+    return {"idle_s": round(idle_s, 1), "waits": waits}

@@ -1,0 +1,148 @@
+"""The proposer/solver workflow: two roles that learn together from random init on a CPU.
+
+Each task: the proposer answers "+ =" with `length` digits (a problem); for each of its proposals
+the solver is asked "copy <digits> =" several times. Rewards:
+
+- solver: the quickstart's partial credit for copying the proposed digits (and stopping);
+- proposer: half for a well-formed problem (exactly `length` digits, then stop), half for how well
+  the solver did on it, so a proposer is paid for problems its partner can solve.
+
+Group sizes are each policy's own: the proposer's group is its `group_size` proposals of the task,
+and for each proposal the solver's group is its `group_size` attempts (`group_key` = the proposal),
+so the solver's baseline compares attempts at the same problem. With both roles mapped to one policy
+(self-play) the two roles get separate baselines (the controller groups by role too).
+
+An optional third role, "judge", is typically a frozen policy: it answers every problem once as a
+fixed reference; its success is reported as episode info `judge_solved` and changes no reward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Iterator
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from astraflow.workflows.base import Episode, PolicyClient, Workflow, completion_sequence
+from astraflow.workflows.quickstart import score
+
+
+class CollabConfig(BaseModel):
+    """Options of the proposer/solver workflow (recipe: workflow.options)."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    length: int = Field(1, ge=1, le=8)
+    """Digits of a proposed problem."""
+    size: int = Field(1000, ge=1)
+    """Tasks in the generated dataset (used when the recipe's dataset.size is 0)."""
+    solver_weight: float = Field(0.5, ge=0, le=1)
+    """Share of the proposer's reward that comes from the solver's success on its problem."""
+
+
+def _words(client: PolicyClient, token_ids: list[int]) -> tuple[list[str], bool]:
+    """The words generated before the stop token, and whether it stopped."""
+    tok = client.tokenizer
+    eos = tok.eos_token_id
+    stopped = eos is not None and eos in token_ids
+    ids = token_ids[: token_ids.index(eos)] if stopped else token_ids
+    return tok.decode(ids, skip_special_tokens=True).split(), stopped
+
+
+class CollabWorkflow(Workflow):
+    """Roles "proposer" and "solver"; see the module docstring."""
+
+    Config = CollabConfig
+    roles = ("proposer", "solver")
+    optional_roles = ("judge",)
+
+    def __init__(self, config: CollabConfig | None = None) -> None:
+        super().__init__(config if config is not None else CollabConfig())
+        self.config: CollabConfig
+
+    def dataset(self, seed: int, size: int = 0) -> Iterator[dict[str, Any]]:
+        """`size` tasks; each carries a seed that fills a malformed proposal with digits."""
+        rng = random.Random(seed)
+        for i in range(size or self.config.size):
+            yield {"id": f"collab-{i}", "prompt": "+ =", "fill_seed": rng.randrange(1 << 30)}
+
+    @classmethod
+    def sequences_per_task(cls, group_sizes: dict[str, int]) -> dict[str, int]:
+        """proposer: its group size; solver: its group size for each proposal."""
+        gp, gs = group_sizes.get("proposer", 1), group_sizes.get("solver", 1)
+        out = {"proposer": gp, "solver": gp * gs}
+        if "judge" in group_sizes:
+            out["judge"] = gp
+        return out
+
+    async def run_episode(self, sample: dict[str, Any], policies: dict[str, PolicyClient]) -> Episode:
+        """One proposal and one solver attempt (the group form is run_group)."""
+        (ep,) = await self.run_group(sample, policies, {"proposer": 1, "solver": 1})
+        return ep
+
+    async def run_group(
+        self, sample: dict[str, Any], policies: dict[str, PolicyClient], group_sizes: dict[str, int]
+    ) -> list[Episode]:
+        """The proposer's group, then the solver's group on each proposal; one Episode per proposal."""
+        proposer, solver = policies["proposer"], policies["solver"]
+        n = self.config.length
+        prompt = list(proposer.tokenizer.encode(str(sample.get("prompt", "+ ="))))
+        proposals = await proposer.generate(prompt, n=group_sizes.get("proposer", 1))
+        rng = random.Random(int(sample.get("fill_seed", 0)))
+        problems: list[tuple[list[str], float]] = []
+        for c in proposals:
+            words, stopped = _words(proposer, list(c.token_ids))
+            well_formed = [w for w in words[:n] if w.isdigit() and len(w) == 1]
+            digits = (well_formed + [str(rng.randrange(10)) for _ in range(n)])[:n]
+            # format credit: each position a digit, and the stop right after the last one
+            fmt = score([w if w.isdigit() and len(w) == 1 else "x" for w in words], stopped, digits)
+            problems.append((digits, fmt))
+        attempts = await asyncio.gather(
+            *(
+                solver.generate(
+                    list(solver.tokenizer.encode("copy " + " ".join(d) + " =")),
+                    n=group_sizes.get("solver", 1),
+                )
+                for d, _ in problems
+            )
+        )
+        judge = policies.get("judge")
+        verdicts = []
+        if judge is not None:
+            verdicts = await asyncio.gather(
+                *(
+                    judge.generate(list(judge.tokenizer.encode("copy " + " ".join(d) + " =")), n=1)
+                    for d, _ in problems
+                )
+            )
+        episodes = []
+        for i, (c, (digits, fmt), tries) in enumerate(zip(proposals, problems, attempts, strict=True)):
+            sprompt = list(solver.tokenizer.encode("copy " + " ".join(digits) + " ="))
+            solver_seqs = []
+            for t in tries:
+                words, stopped = _words(solver, list(t.token_ids))
+                solver_seqs.append(
+                    completion_sequence(
+                        solver,
+                        sprompt,
+                        t,
+                        reward=score(words, stopped, digits),
+                        role="solver",
+                        group_key=f"p{i}",
+                    )
+                )
+            solved = sum(s.reward for s in solver_seqs) / len(solver_seqs)
+            w = self.config.solver_weight
+            reward = (1 - w) * fmt + w * solved
+            info = {"well_formed": 1.0 if fmt >= 1.0 else 0.0, "solved": solved}
+            seqs = [completion_sequence(proposer, prompt, c, reward=reward, role="proposer"), *solver_seqs]
+            if judge is not None:
+                (v,) = verdicts[i]
+                words, stopped = _words(judge, list(v.token_ids))
+                info["judge_solved"] = score(words, stopped, digits)
+                jprompt = list(judge.tokenizer.encode("copy " + " ".join(digits) + " ="))
+                seqs.append(completion_sequence(judge, jprompt, v, reward=info["judge_solved"], role="judge"))
+            episodes.append(Episode(sequences=seqs, info=info))
+        return episodes
