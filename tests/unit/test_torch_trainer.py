@@ -82,6 +82,7 @@ def _on_policy_batch(model_dir: Path, temperature: float) -> list[TrainSample]:
                 tokens=prompt + c.token_ids,
                 loss_mask=[0] * 5 + [1] * len(c.token_ids),
                 logprobs=[0.0] * 5 + c.logprobs,
+                temperature=temperature,
                 versions=[-1] * 5 + c.versions,
                 reward=float(i % 2),
                 advantage=1.0 if i % 2 else -1.0,
