@@ -256,6 +256,7 @@ def run_up(recipe: Any, run_dir: Path, *, offline: bool = False, max_raas_restar
                     f"trainer-{pol.name}",
                     "--checkpoint-dir",
                     str(run_dir / "checkpoints" / pol.name),
+                    *(["--nproc", str(pol.trainer_nproc)] if pol.trainer_nproc > 1 else []),
                 ],
             )
         for i in range(recipe.rollout.local_workers):

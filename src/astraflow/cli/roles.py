@@ -63,6 +63,10 @@ def join(
     connect_timeout: Annotated[
         float, typer.Option("--connect-timeout", help="Seconds to wait for the controller's Welcome.")
     ] = 30.0,
+    nproc: Annotated[
+        int,
+        typer.Option("--nproc", min=1, help="Trainer ranks on this machine (torchrun, FSDP2; one GPU each)."),
+    ] = 1,
 ) -> None:
     """Join a running controller as a rollout worker (raas) or as one policy's trainer."""
     from astraflow import log
@@ -86,6 +90,20 @@ def join(
         log.setup(member_id or "trainer")
         if not policy or len(policy) != 1:
             raise AstraflowError("a trainer trains exactly one policy", hint="pass --policy NAME once")
+        if nproc > 1:
+            from astraflow.roles.trainer_ranks import exec_torchrun, world_from_env
+
+            if world_from_env() == 1:
+                args = ["--role", "trainer", "--controller", controller, "--policy", policy[0]]
+                args += ["--region", region, "--connect-timeout", str(connect_timeout)]
+                for flag, value in (
+                    ("--member-id", member_id),
+                    ("--checkpoint-dir", checkpoint_dir),
+                    ("--advertise", advertise),
+                ):
+                    if value is not None:
+                        args += [flag, str(value)]
+                exec_torchrun(nproc, args)
         from astraflow.roles.trainer import run_trainer
 
         sys.exit(

@@ -98,6 +98,8 @@ class PolicyConfig(_Model):
     """Save a trainer checkpoint every this many steps (and at the end)."""
     threads: int = Field(1, ge=1)
     """torch threads of this policy's trainer process."""
+    trainer_nproc: int = Field(1, ge=1)
+    """Trainer ranks `astraflow up` starts for this policy (torchrun, FSDP2; one GPU each on CUDA)."""
 
 
 class WorkflowConfig(_Model):

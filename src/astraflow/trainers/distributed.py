@@ -46,7 +46,12 @@ def init_from_env(device: str) -> torch.device:
     if use_cuda:
         torch.cuda.set_device(local)
     if not active():
-        torch.distributed.init_process_group(backend="nccl" if use_cuda else "gloo")
+        from datetime import timedelta
+
+        # Followers wait in a broadcast while rank 0 waits for the controller's next batch.
+        torch.distributed.init_process_group(
+            backend="nccl" if use_cuda else "gloo", timeout=timedelta(minutes=60)
+        )
     return torch.device(f"cuda:{local}") if use_cuda else torch.device("cpu")
 
 

@@ -82,7 +82,9 @@ class PolicyLM(nn.Module):
         if b == 0:
             # An empty filler still touches every parameter, so sharded collectives stay in step.
             zero = (h.sum() * 0.0).float() + logp.sum()
-            return zero.reshape(1, 1), torch.zeros(1, 1, device=h.device)
-        lp_view = torch.zeros(b * length, dtype=torch.float32, device=h.device).index_put((mb.dst,), logp)
-        ent_view = torch.zeros(b * length, dtype=torch.float32, device=h.device).index_put((mb.dst,), ent)
-        return lp_view.reshape(b, length), ent_view.reshape(b, length)
+            return zero * torch.ones(1, 1, device=h.device), torch.zeros(1, 1, device=h.device)
+        # Fresh [B, L] tensors (not views): FSDP hooks its pre-backward onto the outputs.
+        at = (mb.dst // length, mb.dst % length)
+        lp_view = torch.zeros(b, length, dtype=torch.float32, device=h.device).index_put(at, logp)
+        ent_view = torch.zeros(b, length, dtype=torch.float32, device=h.device).index_put(at, ent)
+        return lp_view, ent_view

@@ -316,14 +316,16 @@ class TorchTrainer(Trainer):
                     merged.setdefault(name, []).extend(values)
             acc = merged
         out = self._batch_metrics(batch)
+        for name, values in acc.items():
+            out[name] = sum(values) / len(values)
+        # After the objective's metrics: its entropy is a mean of micro-batch means; this one is the
+        # token mean over the whole batch, the same whatever the micro-batch layout.
         out.update(
             loss=sum(update_losses) / len(update_losses),
             grad_norm=sum(grad_norms) / len(grad_norms),
             entropy=ent_sum / max(ent_tokens, 1.0),
             lr=lr,
         )
-        for name, values in acc.items():
-            out[name] = sum(values) / len(values)
         return out
 
     def batch_gradients(self, batch: list[TrainSample]) -> tuple[float, dict[str, torch.Tensor]]:
