@@ -39,13 +39,16 @@ def _settings(n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor,
     return temp, top_p, top_k
 
 
+@pytest.mark.parametrize("filters", [True, False])
 @pytest.mark.parametrize("chunk", [1, 7, 64])
-def test_chunked_logprobs_equal_full_values_and_grads(chunk: int) -> None:
+def test_chunked_logprobs_equal_full_values_and_grads(chunk: int, filters: bool) -> None:
     gen = torch.Generator().manual_seed(chunk)
     n, h, v = 37, 16, 50
     hidden = torch.randn(n, h, generator=gen)
     weight = torch.randn(v, h, generator=gen)
     temp, top_p, top_k = _settings(n, gen)
+    if not filters:  # the closed-form path: tempered softmax only
+        top_p, top_k = torch.ones(n), torch.zeros(n, dtype=torch.long)
     # Targets inside each row's kept set, as sampled tokens are (outside it the logprob is -inf).
     logits = hidden @ weight.t()
     lp_ref = processed_logprobs(logits, temp, top_p, top_k)

@@ -162,9 +162,8 @@ def run_trainer_bench(
     ranks = dist.world()
     # Every rank draws the same global batch; each trains its own share (plan balances by tokens).
     samples = synthetic_batch(batch * ranks, seq_len, prompt_len, vocab, seed=0)
+    # A sharded parameter (DTensor) reports its full, unsharded size.
     n_params = sum(p.numel() for p in trainer.model.parameters())
-    if trainer.sharded:
-        n_params = int(dist.all_sum([float(n_params)], dev)[0])
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     peak = peak_flops(name, peak_tflops)
     tokens = batch * seq_len * ranks

@@ -27,6 +27,8 @@ class LoraOptions(BaseModel):
     """Dropout on the adapter's input."""
     target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     """Names of the linear layers that get adapters."""
+    also_train: list[str] = []
+    """Parameters trained in full beside the adapters: name fragments, e.g. "norm" for every RMSNorm."""
 
 
 def wrap(model: Any, options: LoraOptions, *, seed: int) -> Any:
@@ -50,11 +52,20 @@ def wrap(model: Any, options: LoraOptions, *, seed: int) -> Any:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         try:
-            return peft.get_peft_model(model, config)
+            wrapped = peft.get_peft_model(model, config)
         except ValueError as exc:
             raise AstraflowError(
                 f"cannot add LoRA adapters: {exc}", hint="check trainer_options.lora.target_modules"
             ) from exc
+    for fragment in options.also_train:
+        hits = [p for name, p in wrapped.named_parameters() if fragment in name and ".lora_" not in name]
+        if not hits:
+            raise AstraflowError(
+                f"lora.also_train: no parameter name contains {fragment!r}", hint='e.g. also_train = ["norm"]'
+            )
+        for p in hits:
+            p.requires_grad_(True)
+    return wrapped
 
 
 def merged_state_dict(model: Any) -> dict[str, Any]:

@@ -159,45 +159,46 @@ def build(
     attn = torch.zeros((len(rows), width), dtype=torch.long)
     mask = torch.zeros((b, max(view_len, 0)), dtype=torch.float32)
     behaviour = torch.zeros_like(mask)
-    src: list[int] = []
-    dst: list[int] = []
-    tgt: list[int] = []
-    temp: list[float] = []
-    top_p: list[float] = []
-    top_k: list[int] = []
+    src: list[torch.Tensor] = []
+    dst: list[torch.Tensor] = []
+    tgt: list[torch.Tensor] = []
+    settings: list[tuple[float, float, int, int]] = []
     for r, row in enumerate(rows):
         start = 0
         for i in row:
             s, n = samples[i], lengths[i]
-            ids[r, start : start + n] = torch.tensor(s.tokens, dtype=torch.long)
+            toks = torch.tensor(s.tokens, dtype=torch.long)
+            ids[r, start : start + n] = toks
             pos[r, start : start + n] = torch.arange(n)
             attn[r, start : start + n] = 1
             # Position j of the views is token j+1, predicted by the hidden state at token j.
-            mask[i, : n - 1] = torch.tensor(s.loss_mask[1:], dtype=torch.float32)
+            trained = torch.tensor(s.loss_mask[1:], dtype=torch.float32)
+            mask[i, : n - 1] = trained
             behaviour[i, : n - 1] = torch.tensor(s.logprobs[1:], dtype=torch.float32)
-            for j in range(n - 1):
-                if s.loss_mask[j + 1]:
-                    src.append(r * width + start + j)
-                    dst.append(i * view_len + j)
-                    tgt.append(s.tokens[j + 1])
-                    temp.append(s.temperature)
-                    top_p.append(s.top_p)
-                    top_k.append(s.top_k)
+            j = trained.nonzero().squeeze(-1)
+            src.append(r * width + start + j)
+            dst.append(i * view_len + j)
+            tgt.append(toks[1:][j])
+            settings.append((s.temperature, s.top_p, s.top_k, int(j.numel())))
             start += n
         if pack and start < width:
             # Trailing padding is its own "sequence" (positions from 0) so nothing attends into it.
             pos[r, start:] = torch.arange(width - start)
+    counts = torch.tensor([c for *_, c in settings], dtype=torch.long)
+    temp = torch.tensor([t for t, *_ in settings], dtype=torch.float32).repeat_interleave(counts)
+    top_p = torch.tensor([p for _, p, _, _ in settings], dtype=torch.float32).repeat_interleave(counts)
+    top_k = torch.tensor([k for _, _, k, _ in settings], dtype=torch.long).repeat_interleave(counts)
     padded = bool((attn == 0).any())
     return MicroBatch(
         input_ids=ids.to(device),
         position_ids=pos.to(device),
         attention_mask=attn.to(device) if (padded and not pack) else None,
-        src=torch.tensor(src, dtype=torch.long).to(device),
-        dst=torch.tensor(dst, dtype=torch.long).to(device),
-        targets=torch.tensor(tgt, dtype=torch.long).to(device),
-        temperature=torch.tensor(temp, dtype=torch.float32).to(device),
-        top_p=torch.tensor(top_p, dtype=torch.float32).to(device),
-        top_k=torch.tensor(top_k, dtype=torch.long).to(device),
+        src=torch.cat(src).to(device),
+        dst=torch.cat(dst).to(device),
+        targets=torch.cat(tgt).to(device),
+        temperature=temp.to(device),
+        top_p=top_p.to(device),
+        top_k=top_k.to(device),
         mask=mask.to(device),
         behaviour=behaviour.to(device),
         adv=torch.tensor([s.advantage for s in samples], dtype=torch.float32).to(device),
