@@ -303,6 +303,7 @@ def run_up(recipe: Any, run_dir: Path, *, offline: bool = False, max_raas_restar
                     *member_keys[f"trainer-{pol.name}"],
                     "--keys",
                     str(run_dir / "keys"),
+                    *(["--nproc", str(pol.trainer_nproc)] if pol.trainer_nproc > 1 else []),
                 ],
             )
         for i in range(recipe.rollout.local_workers):

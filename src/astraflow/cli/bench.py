@@ -179,3 +179,86 @@ def rollout(
     typer.echo(format_table(res), err=json_)
     if json_:
         typer.echo(json.dumps(res.to_dict(), indent=2))
+
+
+@app.command("trainer")
+def trainer(
+    model: Annotated[
+        Path,
+        typer.Option("--model", help="Model directory (e.g. `astraflow model init --preset 0.6b-shape`)."),
+    ],
+    batch: Annotated[
+        int, typer.Option("--batch", min=1, help="Sequences per step (per rank under torchrun).")
+    ] = 8,
+    seq_len: Annotated[int, typer.Option("--seq-len", min=2, help="Tokens per sequence.")] = 2048,
+    prompt_len: Annotated[
+        int,
+        typer.Option("--prompt-len", min=1, help="Untrained prompt tokens at the start of each sequence."),
+    ] = 256,
+    option: Annotated[
+        list[str] | None,
+        typer.Option("--option", help="Trainer option KEY=VALUE (JSON value), e.g. pack=true (repeatable)."),
+    ] = None,
+    loss: Annotated[str, typer.Option("--loss", help="Objective plugin of the trainer side.")] = "grpo",
+    steps: Annotated[int, typer.Option("--steps", min=1, help="Timed steps per side (median).")] = 5,
+    warmup: Annotated[int, typer.Option("--warmup", min=0, help="Untimed steps first.")] = 2,
+    baseline: Annotated[
+        bool, typer.Option("--baseline/--no-baseline", help="Also time bare transformers + AdamW (one rank).")
+    ] = True,
+    device: Annotated[str, typer.Option("--device", help="auto | cpu | cuda.")] = "auto",
+    peak_tflops: Annotated[
+        float | None, typer.Option("--peak-tflops", help="Peak FLOP/s of one device in TFLOP/s (for MFU).")
+    ] = None,
+    json_: Annotated[
+        bool, typer.Option("--json", help="Print the result as JSON on stdout (the table goes to stderr).")
+    ] = False,
+) -> None:
+    """Tokens/s, MFU and peak memory of the trainer's step beside a bare transformers step."""
+    import json
+    import os
+
+    from astraflow import log
+    from astraflow.bench.rollout import check_model_dir
+    from astraflow.bench.trainer import format_table, run_trainer_bench
+    from astraflow.errors import AstraflowError
+
+    log.setup("bench")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if device not in ("auto", "cpu", "cuda"):
+        raise AstraflowError(f"unknown --device {device!r}", hint="choose auto, cpu or cuda")
+    options: dict[str, object] = {}
+    for item in option or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise AstraflowError(f"--option {item!r} is not KEY=VALUE", hint='e.g. --option dtype="bfloat16"')
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    check_model_dir(model)
+    from astraflow.trainers.torch_trainer import TorchTrainerConfig
+
+    try:
+        TorchTrainerConfig.model_validate(options)
+    except ValueError as exc:
+        raise AstraflowError(
+            f"bad trainer option: {exc}", hint="see docs/recipes.md (trainer_options)"
+        ) from exc
+    res = run_trainer_bench(
+        model,
+        batch=batch,
+        seq_len=seq_len,
+        prompt_len=prompt_len,
+        options=options,
+        loss=loss,
+        steps=steps,
+        warmup=warmup,
+        baseline=baseline,
+        device=device,
+        peak_tflops=peak_tflops,
+    )
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    typer.echo(format_table(res), err=json_)
+    if json_:
+        typer.echo(json.dumps(res.to_dict(), indent=2))

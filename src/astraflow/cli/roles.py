@@ -150,6 +150,10 @@ def join(
             help="Trainer: a copy of the controller's key store; only its member keys may pull weights.",
         ),
     ] = None,
+    nproc: Annotated[
+        int,
+        typer.Option("--nproc", min=1, help="Trainer ranks on this machine (torchrun, FSDP2; one GPU each)."),
+    ] = 1,
 ) -> None:
     """Join a running controller as a rollout worker (raas) or as one policy's trainer."""
     from astraflow import log
@@ -183,6 +187,23 @@ def join(
         log.setup(member_id or "trainer")
         if not policy or len(policy) != 1:
             raise AstraflowError("a trainer trains exactly one policy", hint="pass --policy NAME once")
+        if nproc > 1:
+            from astraflow.roles.trainer_ranks import exec_torchrun, world_from_env
+
+            if world_from_env() == 1:
+                args = ["--role", "trainer", "--controller", controller, "--policy", policy[0]]
+                args += ["--region", region, "--connect-timeout", str(connect_timeout)]
+                for flag, value in (
+                    ("--member-id", member_id),
+                    ("--checkpoint-dir", checkpoint_dir),
+                    ("--advertise", advertise),
+                    ("--key", key),
+                    ("--controller-key", controller_key),
+                    ("--keys", keys),
+                ):
+                    if value is not None:
+                        args += [flag, str(value)]
+                exec_torchrun(nproc, args)
         from astraflow.roles.trainer import run_trainer
 
         sys.exit(

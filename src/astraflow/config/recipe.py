@@ -108,6 +108,8 @@ class PolicyConfig(_Model):
     """torch threads of this policy's trainer process."""
     trainer_sleep_s: float = Field(0.0, ge=0)
     """Benchmarking and testing knob: the trainer sleeps this long after every step, to model a policy whose steps cost more."""
+    trainer_nproc: int = Field(1, ge=1)
+    """Trainer ranks `astraflow up` starts for this policy (torchrun, FSDP2; one GPU each on CUDA)."""
 
 
 class WorkflowConfig(_Model):

@@ -73,7 +73,24 @@ def run_trainer(
         request_retrying,
         require_model_dirs,
     )
+    from astraflow.roles.trainer_ranks import Leader, follow, world_from_env
     from astraflow.transport.client import MemberClient
+
+    ranks = world_from_env()
+    if ranks > 1:
+        from astraflow.trainers import distributed as dist
+
+        dist.init_from_env("auto")
+        if dist.rank() != 0:
+            # A follower: the recipe comes from rank 0, which alone talks to the controller.
+            recipe_dict = dist.broadcast(None)
+            recipe = validate_recipe(recipe_dict, source="recipe from rank 0")
+            pol = recipe.get_policy(policy)
+            import torch
+
+            torch.set_num_threads(pol.threads)
+            follower = plugins.load("trainers", pol.trainer)(pol, seed=recipe.run.seed)
+            return follow(follower)
 
     hello = make_hello("trainer", member_id or f"trainer-{policy}", policies=[policy], region=region)
     client = MemberClient(controller, hello, connect_timeout_s=connect_timeout_s)
@@ -95,6 +112,8 @@ def run_trainer(
     budget = recipe.budget(policy)
 
     require_model_dirs(recipe, [policy], client)
+    if ranks > 1:
+        dist.broadcast(welcome.recipe)
     import torch
 
     from astraflow.weights.server import WeightServer
@@ -112,6 +131,9 @@ def run_trainer(
 
     trainer_cls = plugins.load("trainers", pol.trainer)
     trainer = trainer_cls(pol, seed=recipe.run.seed)
+    if ranks > 1:
+        trainer = Leader(trainer)
+        _log.info("training %s over %d ranks (FSDP2)", policy, ranks)
     ckpt_root = checkpoint_dir or Path("checkpoints") / recipe.run.name / policy
     ckpt_root.mkdir(parents=True, exist_ok=True)
     last = latest_checkpoint(ckpt_root)
@@ -182,6 +204,8 @@ def run_trainer(
             _log.info("stopping on signal; last step %d", trainer.step_count)
             return 0 if trainer.step_count >= budget else 143
         _log.info("policy %s reached %d steps", policy, trainer.step_count)
+        if isinstance(trainer, Leader):
+            trainer.stop()
         return 0
     finally:
         server.close()

@@ -3,7 +3,10 @@
 A batch is split into `policy.minibatches` optimizer updates; each update accumulates gradients
 over micro-batches of `micro_batch` sequences, and every micro-batch loss is divided by the trained
 tokens of its whole update, so the update's gradient is that of one token-mean. Logprobs are
-taken under each row's own sampling settings (temperature, top-k, top-p), like the engine's behaviour logprobs.
+taken under each sequence's own sampling settings (temperature, top-p, top-k), like the engine's
+behaviour logprobs, from hidden states a chunk of tokens at a time (trainers/logprobs.py). Micro-batches
+are padded or packed (trainers/packing.py); under torchrun the model is sharded with FSDP2
+(trainers/distributed.py); with `lora` only peft adapters train (trainers/lora.py).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import copy
 import json
 import math
 import random
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Literal
 
@@ -24,7 +28,13 @@ from astraflow.engines.device import resolve_device
 from astraflow.errors import AstraflowError
 from astraflow.losses.base import Loss, LossInputs
 from astraflow.protocol.messages import TrainSample
+from astraflow.trainers import distributed as dist
+from astraflow.trainers import lora, packing
 from astraflow.trainers.base import Trainer
+from astraflow.trainers.logprobs import chunked_token_logprobs
+from astraflow.trainers.lora import LoraOptions
+from astraflow.trainers.packing import MicroBatch
+from astraflow.trainers.policy_lm import PolicyLM, causal_lm, decoder_layers
 
 _log = log.get("trainers.torch")
 
@@ -32,6 +42,7 @@ _MODEL_FILE = "model.safetensors"
 _OPTIM_FILE = "optimizer.pt"
 _RNG_FILE = "rng.pt"
 _STATE_FILE = "trainer_state.json"
+_DCP_DIR = "dcp"
 
 
 class TorchTrainerConfig(BaseModel):
@@ -40,11 +51,25 @@ class TorchTrainerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """Parameter and optimizer-state dtype."""
+    """Parameter and optimizer-state dtype (float32 with compute_dtype bfloat16 = fp32 master weights)."""
+    compute_dtype: Literal["float32", "bfloat16"] | None = None
+    """Forward/backward dtype; None = dtype. Autocast on one process, FSDP2 mixed precision on several."""
     micro_batch: int = Field(64, ge=1)
     """Sequences per forward/backward pass (gradient accumulation inside one update)."""
+    micro_batch_tokens: int = Field(0, ge=0)
+    """Tokens per forward/backward pass instead of micro_batch: sequences balanced by tokens; 0 = off."""
+    pack: bool = False
+    """Pack several sequences per row without padding (document masking through position ids)."""
+    pack_row_tokens: int = Field(0, ge=0)
+    """Longest packed row in tokens (first-fit decreasing); 0 = one row per micro-batch."""
+    logprob_chunk: int = Field(2048, ge=1)
+    """Tokens whose logits exist at once in the logprob computation (forward and recomputed backward)."""
     gradient_checkpointing: bool = False
-    """Recompute activations in the backward pass to save memory."""
+    """Recompute each decoder layer's activations in the backward pass to save memory."""
+    compile: bool = False
+    """torch.compile each decoder layer (fuses norms, rotary, activations; the first steps compile)."""
+    lora: LoraOptions | None = None
+    """Train LoRA adapters (peft) instead of every weight; engines get merged dense weights."""
 
 
 def token_logprobs(
@@ -56,35 +81,36 @@ def token_logprobs(
     top_p: torch.Tensor | float = 1.0,
     top_k: torch.Tensor | int = 0,
     entropy: bool = False,
+    chunk: int = 2048,
 ) -> Any:
-    """Logprob of each token given its prefix under the processed sampling distribution of
-    engines/sampling.py (temperature, top-k, top-p; scalars or per row [B]), [B, T-1] (position t-1
-    holds token t's logprob); with entropy=True also the per-position entropy (no grad)."""
-    from astraflow.engines.sampling import processed_logprobs
+    """Logprob of each token given its prefix under the processed sampling distribution, [B, T-1]
+    (position t-1 holds token t's logprob); settings are scalars or one per row [B]. With
+    entropy=True also the per-position entropy (no grad). Logits are taken `chunk` tokens at a time."""
+    b, t = tokens.shape
+    pos = (attn.long().cumsum(-1) - 1).clamp(min=0)
+    lm = PolicyLM(model, chunk=chunk)
+    h = lm.hidden(tokens, pos, attn)[:, :-1].reshape(b * (t - 1), -1)
 
-    logits = model(input_ids=tokens, attention_mask=attn, use_cache=False).logits[:, :-1].float()
-    b, t, v = logits.shape
+    def rows(x: torch.Tensor | float | int, dtype: torch.dtype) -> torch.Tensor:
+        v = torch.as_tensor(x, dtype=dtype, device=tokens.device).reshape(-1)
+        return v.expand(b).repeat_interleave(t - 1)
 
-    def per_position(x: torch.Tensor | float) -> torch.Tensor:
-        # one setting per row, repeated over its positions (a scalar applies to every row)
-        x = torch.as_tensor(x, device=logits.device)
-        return x.reshape(-1, 1).expand(b, t).reshape(-1) if x.dim() > 0 else x.expand(b * t)
-
-    logp_all = processed_logprobs(
-        logits.reshape(b * t, v), per_position(temperature), per_position(top_p), per_position(top_k)
-    ).reshape(b, t, v)
-    targets = tokens[:, 1:].unsqueeze(-1)
-    logp = logp_all.gather(-1, targets).squeeze(-1)
-    if not entropy:
-        return logp
-    with torch.no_grad():
-        probs = logp_all.exp()
-        ent = -(probs * logp_all.masked_fill(probs == 0, 0.0)).sum(-1)
-    return logp, ent
+    weight = causal_lm(model).get_output_embeddings().weight
+    logp, ent = chunked_token_logprobs(
+        h,
+        weight,
+        tokens[:, 1:].reshape(-1),
+        rows(temperature, torch.float32),
+        rows(top_p, torch.float32),
+        rows(top_k, torch.long),
+        chunk=chunk,
+    )
+    logp = logp.reshape(b, t - 1)
+    return (logp, ent.reshape(b, t - 1)) if entropy else logp
 
 
 class TorchTrainer(Trainer):
-    """Trains one policy with AdamW and a plug-in objective on CPU or one GPU."""
+    """Trains one policy with AdamW and a plug-in objective on CPU, one GPU, or FSDP2 over ranks."""
 
     Config = TorchTrainerConfig
 
@@ -92,34 +118,63 @@ class TorchTrainer(Trainer):
         from transformers import AutoModelForCausalLM
 
         self.policy = policy
-        self.config = TorchTrainerConfig.model_validate(policy.trainer_options)
-        self.device = torch.device(resolve_device(device))
+        self.config = cfg = TorchTrainerConfig.model_validate(policy.trainer_options)
+        self.sharded = dist.active()
+        self.device = dist.init_from_env(device) if self.sharded else torch.device(resolve_device(device))
         self.seed = seed
         torch.manual_seed(seed)
         random.seed(seed)
         try:
-            self.model = AutoModelForCausalLM.from_pretrained(
-                policy.model, dtype=getattr(torch, self.config.dtype)
-            )
+            model = AutoModelForCausalLM.from_pretrained(policy.model, dtype=getattr(torch, cfg.dtype))
         except OSError as exc:
             raise AstraflowError(
                 f"cannot load model from {policy.model!r}: {exc}",
                 hint="create one with `astraflow model init --arch qwen3 --preset tiny --out DIR`",
             ) from exc
         # transformers wraps PreTrainedModel.to with functools.wraps, which hides the bound signature
-        self.model.to(self.device).train()  # type: ignore[arg-type]
-        if self.config.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
+        model.to(self.device).train()  # type: ignore[arg-type]
+        if cfg.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if cfg.compile:
+            for layer in decoder_layers(model):
+                layer.compile()
         loss_cls = plugins.load("losses", policy.loss)
         self.loss: Loss = loss_cls(loss_cls.Config.model_validate(policy.loss_options))
+        self._wants_prepare = type(self.loss).prepare is not Loss.prepare
+        if self.sharded and (cfg.lora is not None or self._wants_prepare):
+            raise AstraflowError(
+                "LoRA and objectives that see the whole batch first (prepare) do not run on several ranks yet",
+                hint="train with one process (trainer_nproc = 1)",
+            )
+        compute = getattr(torch, cfg.compute_dtype or cfg.dtype)
+        self._autocast = not self.sharded and compute != getattr(torch, cfg.dtype)
+        self._compute = compute
         self.ref_model: Any = None
-        if self.loss.needs_ref:
-            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self._ref_lm: PolicyLM | None = None
+        if self.loss.needs_ref and cfg.lora is None:
+            self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+            self._ref_lm = PolicyLM(self.ref_model, chunk=cfg.logprob_chunk)
+            if self.sharded:
+                dist.shard(self._ref_lm, decoder_layers(self.ref_model), compute)
+        if cfg.lora is not None:
+            model = lora.wrap(model, cfg.lora, seed=seed)
+        self.model: Any = model
+        self.policy_lm = PolicyLM(model, chunk=cfg.logprob_chunk)
+        if self.sharded:
+            dist.shard(self.policy_lm, decoder_layers(model), compute)
+        self._params = [p for p in self.policy_lm.parameters() if p.requires_grad]
+        if cfg.lora is not None:
+            total = sum(p.numel() for p in self.policy_lm.parameters())
+            _log.info(
+                "LoRA adapters: training %d of %d parameters", sum(p.numel() for p in self._params), total
+            )
         opt = policy.optimizer
+        # The fused CUDA kernel: one launch per step instead of several per parameter group.
+        fused = {"fused": True} if self.device.type == "cuda" else {}
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay
+            self._params, lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay, **fused
         )
-        pad = self.model.config.pad_token_id
+        pad = causal_lm(model).config.pad_token_id
         self._pad_id = int(pad) if pad is not None else 0
         self._step = 0
 
@@ -130,46 +185,37 @@ class TorchTrainer(Trainer):
 
     # ----- one step -----------------------------------------------------------------------------
 
-    def _pad(self, samples: list[TrainSample]) -> dict[str, torch.Tensor]:
-        """Right-pad samples into [B, T] tensors (predicted-token views are sliced later)."""
-        width = max(len(s.tokens) for s in samples)
-        b = len(samples)
-        tokens = torch.full((b, width), self._pad_id, dtype=torch.long)
-        attn = torch.zeros((b, width), dtype=torch.long)
-        mask = torch.zeros((b, width), dtype=torch.float32)
-        blogp = torch.zeros((b, width), dtype=torch.float32)
-        for i, s in enumerate(samples):
-            n = len(s.tokens)
-            if not (len(s.loss_mask) == len(s.logprobs) == len(s.versions) == n):
-                raise ValueError(
-                    f"sample {s.traj_id}: tokens, loss_mask, logprobs and versions differ in length"
-                )
-            tokens[i, :n] = torch.tensor(s.tokens, dtype=torch.long)
-            attn[i, :n] = 1
-            mask[i, :n] = torch.tensor(s.loss_mask, dtype=torch.float32)
-            blogp[i, :n] = torch.tensor(s.logprobs, dtype=torch.float32)
-        adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
-        dev = self.device
-        return {
-            # each row's sampling settings: its logprobs are recomputed under the distribution it was drawn from
-            "temperature": torch.tensor([s.temperature for s in samples], dtype=torch.float32).to(dev),
-            "top_p": torch.tensor([s.top_p for s in samples], dtype=torch.float32).to(dev),
-            "top_k": torch.tensor([s.top_k for s in samples], dtype=torch.long).to(dev),
-            "tokens": tokens.to(dev),
-            "attn": attn.to(dev),
-            # The first token is never predicted, so the loss views start at position 1.
-            "mask": mask[:, 1:].to(dev),
-            "behaviour": blogp[:, 1:].to(dev),
-            "adv": adv.to(dev),
-        }
+    def _micro_batches(self, samples: list[TrainSample]) -> list[MicroBatch]:
+        """This rank's micro-batches of one update's samples."""
+        cfg = self.config
+        groups = packing.plan(
+            samples,
+            micro_batch=cfg.micro_batch,
+            micro_batch_tokens=cfg.micro_batch_tokens,
+            world=dist.world(),
+            rank=dist.rank(),
+        )
+        return [
+            packing.build(
+                [samples[i] for i in g],
+                pack=cfg.pack,
+                row_tokens=cfg.pack_row_tokens,
+                pad_id=self._pad_id,
+                device=self.device,
+            )
+            for g in groups
+        ]
 
-    def _micro_batches(self, samples: list[TrainSample]) -> list[dict[str, torch.Tensor]]:
-        mb = self.config.micro_batch
-        return [self._pad(samples[i : i + mb]) for i in range(0, len(samples), mb)]
+    def _forward(self, lm: PolicyLM, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logp, entropy) views of one micro-batch, under autocast when compute_dtype asks for it."""
+        ctx = torch.autocast(self.device.type, dtype=self._compute) if self._autocast else nullcontext()
+        with ctx:
+            return lm(mb)
 
     def _inputs(
         self,
-        m: dict[str, torch.Tensor],
+        m: MicroBatch,
+        extra: dict[str, torch.Tensor],
         logp: torch.Tensor,
         ent: torch.Tensor | None,
         tokens: float,
@@ -178,11 +224,11 @@ class TorchTrainer(Trainer):
         """LossInputs of micro-batch `m`, normalised by `tokens` trained tokens and `seqs` sequences."""
         return LossInputs(
             logp=logp,
-            behaviour_logp=m["behaviour"],
-            mask=m["mask"],
-            advantages=m["adv"],
-            ref_logp=m.get("ref"),
-            prox_logp=m.get("prox") if self.loss.needs_prox else None,
+            behaviour_logp=m.behaviour,
+            mask=m.mask,
+            advantages=m.adv,
+            ref_logp=extra.get("ref"),
+            prox_logp=extra.get("prox") if self.loss.needs_prox else None,
             entropy=ent,
             total_tokens=max(tokens, 1.0),
             total_sequences=seqs,
@@ -196,87 +242,121 @@ class TorchTrainer(Trainer):
             group["lr"] = lr
         return lr
 
+    def _ref_logprobs(self, mb: MicroBatch) -> torch.Tensor:
+        """Reference-policy logprobs: the frozen copy, or the base model with the adapters off (LoRA)."""
+        if self._ref_lm is not None:
+            return self._forward(self._ref_lm, mb)[0]
+        with self.model.disable_adapter():
+            return self._forward(self.policy_lm, mb)[0]
+
+    def _extras(self, micros: list[MicroBatch], batch_size: int) -> dict[int, dict[str, torch.Tensor]]:
+        """Prox and ref logprobs of every micro-batch (before the first update), and loss.prepare."""
+        extras: dict[int, dict[str, torch.Tensor]] = {id(m): {} for m in micros}
+        with torch.no_grad():
+            if self.loss.needs_prox or self._wants_prepare:
+                for m in micros:
+                    extras[id(m)]["prox"] = self._forward(self.policy_lm, m)[0]
+            if self.loss.needs_ref:
+                for m in micros:
+                    extras[id(m)]["ref"] = self._ref_logprobs(m)
+        if self._wants_prepare:
+            tokens = float(sum(float(m.mask.sum()) for m in micros))
+            self.loss.prepare(
+                [
+                    self._inputs(m, extras[id(m)], extras[id(m)]["prox"], None, tokens, float(batch_size))
+                    for m in micros
+                ]
+            )
+        return extras
+
+    def _accumulate(
+        self,
+        part: list[TrainSample],
+        micros: list[MicroBatch],
+        extras: dict[int, dict[str, torch.Tensor]],
+        acc: dict[str, list[float]],
+    ) -> float:
+        """Forward/backward of one update's micro-batches into .grad; returns this rank's loss sum."""
+        # Every rank knows the whole update, so the normalisers are global without a collective.
+        total = float(sum(sum(s.loss_mask[1:]) for s in part))
+        n_seqs = float(len(part))
+        world = dist.world()
+        update_loss = 0.0
+        for j, m in enumerate(micros):
+            if self.sharded:
+                dist.set_grad_sync(self.policy_lm, j == len(micros) - 1)
+            logp, ent = self._forward(self.policy_lm, m)
+            if m.sequences == 0:
+                logp.sum().backward()  # a filler: zero gradients, but the collectives run
+                continue
+            loss, metrics = self.loss(self._inputs(m, extras[id(m)], logp, ent, total, n_seqs))
+            # FSDP averages gradients over ranks; each rank's loss is a part of one global sum.
+            (loss * world if world > 1 else loss).backward()
+            update_loss += float(loss.detach())
+            acc.setdefault("_ent_sum", []).append(float((ent * m.mask).sum()))
+            acc.setdefault("_ent_tokens", []).append(float(m.mask.sum()))
+            for name, value in metrics.items():
+                acc.setdefault(name, []).append(float(value))
+        return update_loss
+
     def step(self, batch: list[TrainSample]) -> dict[str, float]:
         """One optimizer step over `batch` (policy.minibatches updates); returns metrics."""
         if not batch:
             raise ValueError("empty batch")
         k = min(self.policy.minibatches, len(batch))
         size = math.ceil(len(batch) / k)
-        updates = [self._micro_batches(batch[i : i + size]) for i in range(0, len(batch), size)]
-        micros_all = [m for u in updates for m in u]
-        wants_prepare = type(self.loss).prepare is not Loss.prepare
-        if self.loss.needs_prox or wants_prepare:
-            # Logprobs under the parameters before this step's first update.
-            with torch.no_grad():
-                for m in micros_all:
-                    m["prox"] = token_logprobs(
-                        self.model,
-                        m["tokens"],
-                        m["attn"],
-                        temperature=m["temperature"],
-                        top_p=m["top_p"],
-                        top_k=m["top_k"],
-                    )
-        if self.ref_model is not None:
-            with torch.no_grad():
-                for m in micros_all:
-                    m["ref"] = token_logprobs(
-                        self.ref_model,
-                        m["tokens"],
-                        m["attn"],
-                        temperature=m["temperature"],
-                        top_p=m["top_p"],
-                        top_k=m["top_k"],
-                    )
-        if wants_prepare:
-            batch_tokens = float(sum(float(m["mask"].sum()) for m in micros_all))
-            self.loss.prepare(
-                [self._inputs(m, m["prox"], None, batch_tokens, float(len(batch))) for m in micros_all]
-            )
+        parts = [batch[i : i + size] for i in range(0, len(batch), size)]
+        updates = [(part, self._micro_batches(part)) for part in parts]
+        extras = self._extras([m for _, ms in updates for m in ms], len(batch))
         lr = self._set_lr()
-        losses: list[float] = []
+        update_losses: list[float] = []
         grad_norms: list[float] = []
-        loss_metrics: dict[str, list[float]] = {}
-        ent_sum, ent_tokens = 0.0, 0.0
-        for micros in updates:
-            total = float(sum(float(m["mask"].sum()) for m in micros))
-            n_seqs = float(sum(m["tokens"].shape[0] for m in micros))
+        acc: dict[str, list[float]] = {}
+        for part, micros in updates:
             self.optimizer.zero_grad(set_to_none=True)
-            update_loss = 0.0
-            for m in micros:
-                logp, ent = token_logprobs(
-                    self.model,
-                    m["tokens"],
-                    m["attn"],
-                    entropy=True,
-                    temperature=m["temperature"],
-                    top_p=m["top_p"],
-                    top_k=m["top_k"],
-                )
-                inputs = self._inputs(m, logp, ent, total, n_seqs)
-                loss, metrics = self.loss(inputs)
-                loss.backward()
-                update_loss += float(loss.detach())
-                ent_sum += float((ent * m["mask"]).sum())
-                ent_tokens += float(m["mask"].sum())
-                for name, value in metrics.items():
-                    loss_metrics.setdefault(name, []).append(float(value))
-            clip = self.policy.optimizer.grad_clip
-            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
+            update_losses.append(self._accumulate(part, micros, extras, acc))
+            grad_norms.append(dist.grad_norm(self._params, self.policy.optimizer.grad_clip))
             self.optimizer.step()
-            losses.append(update_loss)
-            grad_norms.append(float(norm))
         self._step += 1
+        ent = [sum(acc.pop("_ent_sum", [])), sum(acc.pop("_ent_tokens", []))]
+        sums = dist.all_sum([*update_losses, *ent], self.device)
+        update_losses, (ent_sum, ent_tokens) = sums[:-2], sums[-2:]
+        if self.sharded:
+            merged: dict[str, list[float]] = {}
+            for d in dist.gather_objects(acc):
+                for name, values in d.items():
+                    merged.setdefault(name, []).extend(values)
+            acc = merged
         out = self._batch_metrics(batch)
+        for name, values in acc.items():
+            out[name] = sum(values) / len(values)
+        # After the objective's metrics: its entropy is a mean of micro-batch means; this one is the
+        # token mean over the whole batch, the same whatever the micro-batch layout.
         out.update(
-            loss=sum(losses) / len(losses),
+            loss=sum(update_losses) / len(update_losses),
             grad_norm=sum(grad_norms) / len(grad_norms),
             entropy=ent_sum / max(ent_tokens, 1.0),
             lr=lr,
         )
-        for name, values in loss_metrics.items():
-            out[name] = sum(values) / len(values)
         return out
+
+    def batch_gradients(self, batch: list[TrainSample]) -> tuple[float, dict[str, torch.Tensor]]:
+        """(loss, gradients) of `batch` taken as one update at the current parameters, without stepping;
+        gradients are full CPU tensors on rank 0 ({} elsewhere). For checking layouts and sharding."""
+        micros = self._micro_batches(batch)
+        extras = self._extras(micros, len(batch))
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = dist.all_sum([self._accumulate(batch, micros, extras, {})], self.device)[0]
+        grads: dict[str, torch.Tensor] = {}
+        for name, p in causal_lm(self.model).named_parameters():
+            if p.grad is None:
+                continue
+            g = p.grad
+            full = g.full_tensor() if hasattr(g, "full_tensor") else g
+            if dist.rank() == 0:
+                grads[name] = full.detach().to("cpu", copy=True)
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss, grads
 
     def _batch_metrics(self, batch: list[TrainSample]) -> dict[str, float]:
         """Rewards, advantages, sizes and staleness of a batch (version before the step = step - 1)."""
@@ -304,28 +384,53 @@ class TorchTrainer(Trainer):
     # ----- weights and checkpoints --------------------------------------------------------------
 
     def export_weights(self) -> dict[str, Any]:
-        """The current weights: name -> detached CPU tensor, a copy later steps do not touch."""
+        """The current dense weights: name -> detached CPU tensor, a copy later steps do not touch.
+
+        LoRA: base + adapter deltas merged. Several ranks: every rank must call this; the weights are
+        gathered a tensor at a time and returned on rank 0 ({} on the others).
+        """
+        if self.sharded:
+            return dist.full_state_dict(self.model)
+        if self.config.lora is not None:
+            return lora.merged_state_dict(self.model)
         return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
 
+    def _rng_state(self) -> dict[str, Any]:
+        rng: dict[str, Any] = {"torch": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.stack(torch.cuda.get_rng_state_all())
+        return rng
+
     def save_checkpoint(self, path: Path) -> None:
-        """Write model (safetensors), optimizer, RNG states and step count to directory `path`."""
+        """Write model, optimizer, RNG states and step count to directory `path`: one safetensors file
+        and optimizer.pt on one process; under several ranks every rank writes its shards (dcp/) and
+        its RNG state (every rank must call this)."""
         from safetensors.torch import save_model
 
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        save_model(self.model, str(path / _MODEL_FILE))
-        torch.save(self.optimizer.state_dict(), path / _OPTIM_FILE)
-        rng: dict[str, Any] = {"torch": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            rng["cuda"] = torch.stack(torch.cuda.get_rng_state_all())
-        torch.save(rng, path / _RNG_FILE)
+        if self.sharded:
+            dist.save_sharded(self.policy_lm, self.optimizer, path / _DCP_DIR)
+            torch.save(self._rng_state(), path / f"rng-{dist.rank()}.pt")
+            dist.barrier()
+            if dist.rank() != 0:
+                return
+        else:
+            save_model(self.model, str(path / _MODEL_FILE))
+            torch.save(self.optimizer.state_dict(), path / _OPTIM_FILE)
+            torch.save(self._rng_state(), path / _RNG_FILE)
         py_version, py_state, py_gauss = random.getstate()
-        state = {"step": self._step, "seed": self.seed, "python_rng": [py_version, list(py_state), py_gauss]}
+        state = {
+            "step": self._step,
+            "seed": self.seed,
+            "python_rng": [py_version, list(py_state), py_gauss],
+            "ranks": dist.world(),
+        }
         # The state file is written last: its presence marks a complete checkpoint.
         (path / _STATE_FILE).write_text(json.dumps(state))
 
     def load_checkpoint(self, path: Path) -> None:
-        """Restore everything save_checkpoint wrote."""
+        """Restore everything save_checkpoint wrote (every rank must call this under several ranks)."""
         from safetensors.torch import load_model
 
         path = Path(path)
@@ -333,15 +438,25 @@ class TorchTrainer(Trainer):
             raise AstraflowError(
                 f"no complete trainer checkpoint in {path}", hint="point at a checkpoint directory"
             )
-        load_model(self.model, str(path / _MODEL_FILE), device=str(self.device))
-        self.optimizer.load_state_dict(
-            torch.load(path / _OPTIM_FILE, map_location=self.device, weights_only=True)
-        )
-        rng = torch.load(path / _RNG_FILE, weights_only=True)
+        state = json.loads((path / _STATE_FILE).read_text())
+        ranks = int(state.get("ranks", 1))
+        if self.sharded != (path / _DCP_DIR).is_dir() or (self.sharded and ranks != dist.world()):
+            raise AstraflowError(
+                f"checkpoint {path} was written by {ranks} rank(s); this trainer runs {dist.world()}",
+                hint="resume with the same number of trainer processes (changing it is not supported yet)",
+            )
+        if self.sharded:
+            dist.load_sharded(self.policy_lm, self.optimizer, path / _DCP_DIR)
+            rng = torch.load(path / f"rng-{dist.rank()}.pt", weights_only=True)
+        else:
+            load_model(self.model, str(path / _MODEL_FILE), device=str(self.device))
+            self.optimizer.load_state_dict(
+                torch.load(path / _OPTIM_FILE, map_location=self.device, weights_only=True)
+            )
+            rng = torch.load(path / _RNG_FILE, weights_only=True)
         torch.set_rng_state(rng["torch"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(list(rng["cuda"]))
-        state = json.loads((path / _STATE_FILE).read_text())
         py_version, py_state, py_gauss = state["python_rng"]
         random.setstate((py_version, tuple(py_state), py_gauss))
         self._step = int(state["step"])

@@ -1,0 +1,176 @@
+"""Logprobs and entropy of chosen tokens without the vocabulary wall.
+
+The trainer needs, for each trained token, its logprob under the *processed* sampling distribution of
+its sequence (`engines.sampling.processed_logprobs`: temperature, top-k, top-p, per row) and the
+entropy of that distribution. Materialising the fp32 logits of every token at once costs
+tokens x vocab x 4 bytes (16k tokens x 152k vocabulary = 10 GB per copy), so here the hidden states
+are multiplied by the output embedding a chunk of tokens at a time, in the forward pass and again in
+the backward pass (recomputation), inside one autograd Function. Only [tokens] logprobs and entropies
+and the [tokens x hidden] hidden states are kept between the passes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from astraflow.engines.sampling import processed_logprobs
+
+
+def _chunk_logprobs(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    top_k: torch.Tensor,
+) -> torch.Tensor:
+    """Processed log-probabilities [n, V] of one chunk of hidden states."""
+    logits = h @ weight.t()
+    return processed_logprobs(logits, temperature, top_p, top_k)
+
+
+def _entropy(lp: torch.Tensor) -> torch.Tensor:
+    """Entropy of each row of log-probabilities (-inf entries, outside the nucleus, count zero)."""
+    p = lp.exp()
+    return -torch.where(torch.isfinite(lp), p * lp, torch.zeros_like(lp)).sum(-1)
+
+
+def _unfiltered(top_p: torch.Tensor, top_k: torch.Tensor, vocab: int) -> bool:
+    """Whether no row of a chunk uses top-p or top-k (the plain tempered softmax)."""
+    return not bool(((top_p < 1.0) | ((top_k > 0) & (top_k < vocab))).any())
+
+
+def _tempered(logits: torch.Tensor, temperature: torch.Tensor, unit: bool) -> torch.Tensor:
+    """logits / temperature in float32 (no division when `unit`: every temperature is 1)."""
+    x = logits.float()
+    return x if unit else x / temperature.reshape(-1, 1)
+
+
+class ChunkedTokenLogprobs(torch.autograd.Function):
+    """(logp [N], entropy [N]) of `targets` from hidden states [N, H] and output embedding [V, H].
+
+    Forward and backward each visit the tokens `chunk` at a time, so the largest temporary is
+    [chunk, V]. The gradient flows to the hidden states and the output embedding through logp only;
+    the entropy is a metric (no gradient). Chunks without top-p/top-k take a closed form (softmax
+    gradient) with fewer passes over the logits; others recompute through processed_logprobs.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        temperature: torch.Tensor,
+        top_p: torch.Tensor,
+        top_k: torch.Tensor,
+        chunk: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        n, vocab = hidden.shape[0], weight.shape[0]
+        logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        ent = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        # Decided once per call (each check is a device sync), not per chunk.
+        plain = _unfiltered(top_p, top_k, vocab)
+        unit = not bool((temperature != 1.0).any())
+        for s in range(0, n, chunk):
+            e = min(n, s + chunk)
+            tgt = targets[s:e].unsqueeze(-1)
+            if plain:
+                x = _tempered(hidden[s:e] @ weight.t(), temperature[s:e], unit)
+                lse = torch.logsumexp(x, dim=-1)
+                logp[s:e] = x.gather(-1, tgt).squeeze(-1) - lse
+                # H = lse - sum(softmax(x) * x)
+                ent[s:e] = lse - (torch.softmax(x, dim=-1) * x).sum(-1)
+                del x
+            else:
+                lp = _chunk_logprobs(
+                    hidden[s:e], weight, targets[s:e], temperature[s:e], top_p[s:e], top_k[s:e]
+                )
+                logp[s:e] = lp.gather(-1, tgt).squeeze(-1)
+                ent[s:e] = _entropy(lp)
+                del lp
+        ctx.save_for_backward(hidden, weight, targets, temperature, top_p, top_k)
+        ctx.chunk, ctx.plain, ctx.unit = chunk, plain, unit
+        # The backward pass recomputes the logits: under the same autocast as this forward pass.
+        dev = hidden.device.type
+        ctx.autocast = (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
+        ctx.mark_non_differentiable(ent)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx: Any, grad_logp: torch.Tensor, _grad_ent: torch.Tensor | None) -> Any:
+        hidden, weight, targets, temperature, top_p, top_k = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.zeros_like(hidden) if need_h else None
+        # Accumulate the output embedding's gradient in fp32 across chunks, cast once at the end.
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        n = hidden.shape[0]
+        dev, enabled, dtype = ctx.autocast
+        for s in range(0, n, ctx.chunk):
+            e = min(n, s + ctx.chunk)
+            g = grad_logp[s:e]
+            h = hidden[s:e].detach()
+            with torch.autocast(dev, dtype=dtype, enabled=enabled):
+                if ctx.plain:
+                    # d logp / d logits = (onehot(target) - softmax(x)) / temperature
+                    logits = h @ weight.t()
+                    gt = (g if ctx.unit else g / temperature[s:e]).unsqueeze(-1)
+                    gl = torch.softmax(_tempered(logits, temperature[s:e], ctx.unit), dim=-1).mul_(-gt)
+                    gl.scatter_add_(-1, targets[s:e].unsqueeze(-1), gt)
+                    gl = gl.to(logits.dtype)
+                    if need_h:
+                        assert grad_h is not None
+                        grad_h[s:e] = (gl @ weight.to(gl.dtype)).to(grad_h.dtype)
+                    if need_w:
+                        assert grad_w is not None
+                        grad_w += (gl.t() @ h.to(gl.dtype)).float()
+                    continue
+                with torch.enable_grad():
+                    hh = h.requires_grad_(need_h)
+                    w = weight.detach().requires_grad_(need_w)
+                    lp = _chunk_logprobs(hh, w, targets[s:e], temperature[s:e], top_p[s:e], top_k[s:e])
+                    picked = lp.gather(-1, targets[s:e].unsqueeze(-1)).squeeze(-1)
+                    inputs = [t for t, need in ((hh, need_h), (w, need_w)) if need]
+                    grads = iter(torch.autograd.grad(picked, inputs, g))
+            if need_h:
+                assert grad_h is not None
+                grad_h[s:e] = next(grads)
+            if need_w:
+                assert grad_w is not None
+                grad_w += next(grads).float()
+        gw = grad_w.to(weight.dtype) if grad_w is not None else None
+        return grad_h, gw, None, None, None, None, None
+
+
+def chunked_token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    top_k: torch.Tensor,
+    *,
+    chunk: int = 2048,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logp, entropy), each [N] float32, of `targets` [N] given hidden states [N, H] and the output
+    embedding [V, H], under each token's processed sampling distribution (settings [N])."""
+    if hidden.shape[0] == 0:
+        z = hidden.new_zeros(0, dtype=torch.float32) + 0 * weight.sum()
+        return z, z.detach()
+    out = ChunkedTokenLogprobs.apply(hidden, weight, targets, temperature, top_p, top_k, max(1, chunk))
+    return out[0], out[1]
+
+
+def full_token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    top_k: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same as chunked_token_logprobs with every logit materialised at once (the reference)."""
+    lp = _chunk_logprobs(hidden, weight, targets, temperature, top_p, top_k)
+    return lp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), _entropy(lp).detach()
