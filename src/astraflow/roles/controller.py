@@ -365,7 +365,8 @@ class Controller:
                 status="failed" if status in ("requeued", "failed") else status,
             )
         task = self.ledger.get(msg.task_id)
-        if task is not None and task.status == "leased" and task.owner == member["id"]:
+        # a lapsed lease still accepts its owner's late result, so that one is checked too
+        if task is not None and task.status in ("leased", "queued") and task.owner == member["id"]:
             latest = {p["name"]: int(p["version"]) for p in self.store.policies()}
             bad = self.checker.check(
                 msg.episodes, group_size=task.group_size, roles=task.roles, latest=latest
