@@ -37,6 +37,7 @@ def stage_state_matches_events(db: sqlite3.Connection) -> dict[int, dict]:
 
 
 @pytest.mark.chaos
+@pytest.mark.timeout(600)  # several processes on 2 shared cores
 def test_kill_9_keeps_stage_state_and_recipe_changes_are_checked(tiny_model: Path, tmp_path: Path) -> None:
     steps = 6
     overrides = ("policy.batch_prompts=4", "policy.group_size=8", STAGES, "controller.member_timeout_s=4.0")

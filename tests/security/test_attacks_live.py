@@ -30,6 +30,7 @@ def _versions(peer: Peer) -> dict[str, int]:
 
 
 @pytest.mark.chaos
+@pytest.mark.timeout(600)  # several processes on 2 shared cores
 def test_attacks_fail_and_the_run_finishes(tiny_model: Path, tmp_path: Path) -> None:
     steps, slots = 8, 4
     overrides = (
