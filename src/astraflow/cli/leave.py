@@ -16,7 +16,7 @@ def leave(
     controller: Annotated[
         str, typer.Option("--controller", help="Controller endpoint, e.g. tcp://HOST:7600.")
     ],
-    timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait for the controller.")] = 10.0,
+    timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait for the controller.")] = 30.0,
 ) -> None:
     """Ask a RaaS to leave: it gets no new tasks, finishes (or returns) its leases, says Bye and exits."""
     from astraflow.protocol.messages import PROTOCOL_VERSION, Ack, Error, Hello, Leave

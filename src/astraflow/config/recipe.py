@@ -177,7 +177,7 @@ class ControllerConfig(_Model):
     """A member silent for this long is dead; its leases return to the queue."""
     max_message_bytes: int = Field(64 << 20, ge=1024)
     """Largest accepted message; larger frames are dropped by the socket."""
-    forget_after_s: float = Field(60.0, gt=0)
+    forget_after_s: float = Field(300.0, gt=0)
     """Dead or departed members are deleted from the state this long after they were last seen."""
     max_member_slots: int = Field(64, ge=1)
     """Most tasks one worker may hold at once, whatever slots it declares."""

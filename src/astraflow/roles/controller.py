@@ -76,6 +76,7 @@ class Controller:
         self.failed: str | None = None
         """Set (to the last error) once max_failed_tasks tasks in a row failed: the run ends with exit 1."""
         self.draining: set[str] = set()
+        self._recipe_doc: dict[str, Any] | None = None
         """Members asked to leave (`astraflow leave`): they get no new tasks."""
 
     # ----- start and stop -----------------------------------------------------------------------
@@ -132,17 +133,18 @@ class Controller:
         t = time.time() if now is None else now
         timeout = self.recipe.controller.member_timeout_s
         with self.store.write():
-            for mem in self.store.members("alive"):
-                if (mem["last_seen"] or 0.0) < t - timeout:
-                    self.store.set_member_status(mem["id"], "dead")
-                    n = self.ledger.release_member(mem["id"])
-                    self.store.add_event(
-                        "member_dead",
-                        f"{mem['id']} silent {t - (mem['last_seen'] or 0):.1f}s; {n} leases back",
-                    )
-                    _log.warning(
-                        "member %s is dead (silent > %.1fs); %d tasks requeued", mem["id"], timeout, n
-                    )
+            # only the silent ones: reading every live row each tick would cost O(members) per 0.1s
+            for mem in self.store.query(
+                "SELECT id, last_seen FROM members WHERE status = 'alive' AND COALESCE(last_seen, 0) < ?",
+                (t - timeout,),
+            ):
+                self.store.set_member_status(mem["id"], "dead")
+                n = self.ledger.release_member(mem["id"])
+                self.store.add_event(
+                    "member_dead",
+                    f"{mem['id']} silent {t - (mem['last_seen'] or 0):.1f}s; {n} leases back",
+                )
+                _log.warning("member %s is dead (silent > %.1fs); %d tasks requeued", mem["id"], timeout, n)
             expired = self.ledger.expire(t)
             if expired:
                 failures.record(self.store, "lease expired", expired)
@@ -297,10 +299,12 @@ class Controller:
                 + (f"; {released} leases of its previous process back" if released else ""),
             )
         _log.info("member %s joined as %s (%s)", msg.member_id, msg.role, msg.hardware or "?")
+        if self._recipe_doc is None:
+            self._recipe_doc = self.recipe.model_dump(mode="json")
         return m.Welcome(
             rid=msg.rid,
             run_name=self.recipe.run.name,
-            recipe=self.recipe.model_dump(mode="json"),
+            recipe=self._recipe_doc,
             heartbeat_interval_s=self.recipe.controller.heartbeat_interval_s,
             versions=self.versions(),
         )
@@ -397,7 +401,8 @@ class Controller:
                 status="failed" if status in ("requeued", "failed") else status,
             )
         task = self.ledger.get(msg.task_id)
-        if task is not None and task.status == "leased" and task.owner == member["id"]:
+        # a lapsed lease still accepts its owner's late result, so that one is checked too
+        if task is not None and task.status in ("leased", "queued") and task.owner == member["id"]:
             latest = {p["name"]: int(p["version"]) for p in self.store.policies()}
             bad = self.checker.check(
                 msg.episodes, group_size=task.group_size, roles=task.roles, latest=latest

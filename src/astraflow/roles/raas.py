@@ -175,8 +175,15 @@ class RaaS:
                 _log.info("asked to stop: draining (no new tasks; finishing the running ones)")
                 drain.set()
 
+        def on_os_signal(_signum: int, _frame: Any) -> None:
+            # a plain handler that stays installed after the loop ends: a SIGTERM during shutdown is harmless
+            try:
+                loop.call_soon_threadsafe(on_signal)
+            except RuntimeError:
+                pass  # the loop is closed: the worker is already leaving
+
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, on_signal)
+            signal.signal(sig, on_os_signal)
         ticker = asyncio.create_task(self._tick(stop))
         running: set[asyncio.Task[None]] = set()
         try:
