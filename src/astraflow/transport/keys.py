@@ -230,6 +230,11 @@ class KeyStore:
             self._by_key = by_key
             self._seen = seen
 
+    def admits(self, public_z85: bytes) -> bool:
+        """Whether a key may connect now (the ZAP check: re-reads the registry if it changed)."""
+        self.refresh()
+        return self.principal(public_z85) is not None
+
     def principal(self, public_z85: bytes) -> Principal | None:
         """The member a (non-revoked) public key belongs to, or None."""
         return self._by_key.get(public_z85)
