@@ -36,7 +36,7 @@ from astraflow.transport.security import MemberCredentials, curve_client
 from astraflow.weights.client import fetch_weights
 from astraflow.weights.server import WeightServer
 
-QUIET_S = 2.0
+QUIET_S = 1.0
 """How long a refused peer waits to be sure nothing comes back."""
 
 
@@ -278,11 +278,11 @@ def test_weight_server_admits_only_member_keys(tmp_path: Path) -> None:
             assert fetch_weights(server.address, "main", 1, timeout_s=20) == blob
             security.set_member_credentials(MemberCredentials(pairs["stranger"], b""))
             with pytest.raises(ConnectError):
-                fetch_weights(server.address, "main", 1, timeout_s=3)
+                fetch_weights(server.address, "main", 1, timeout_s=2)
             store.revoke("raas-1")
             security.set_member_credentials(MemberCredentials(pairs["raas-1"], b""))
             with pytest.raises(ConnectError):
-                fetch_weights(server.address, "main", 1, timeout_s=3)
+                fetch_weights(server.address, "main", 1, timeout_s=2)
         finally:
             security.set_member_credentials(None)
     finally:
