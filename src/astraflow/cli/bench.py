@@ -262,3 +262,41 @@ def trainer(
     typer.echo(format_table(res), err=json_)
     if json_:
         typer.echo(json.dumps(res.to_dict(), indent=2))
+
+
+@app.command("wire")
+def wire(
+    frames: Annotated[
+        int, typer.Option("--frames", min=1, help="Malformed frames sent to each service.")
+    ] = 100_000,
+    seconds: Annotated[
+        float, typer.Option("--seconds", help="Seconds of each round-trip measurement.")
+    ] = 3.0,
+    json_: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
+) -> None:
+    """Fuzz a live controller and weight server on loopback; dispatch round trips/s vs plain ZeroMQ."""
+    import json
+    import tempfile
+
+    from astraflow.bench.wire import run
+
+    with tempfile.TemporaryDirectory(prefix="astraflow-bench-wire-") as tmp:
+        res = run(frames, seconds, Path(tmp))
+    if json_:
+        typer.echo(json.dumps(res, indent=2))
+        return
+    for name in ("controller", "weight_server"):
+        r = res[name]
+        typer.echo(
+            f"{name}: frames sent {r['frames_sent']}  errors answered {r['errors_answered']}  "
+            f"crashes {int(r['crashed'])}  answers afterwards {'yes' if r['answers_after'] else 'NO'}  "
+            f"RSS {r['rss_mb_before']} -> {r['rss_mb_after']} MiB  ({r['seconds']}s)"
+        )
+    h = res["hoard_1000_chunks"]
+    typer.echo(
+        f"weight server, 1000 chunk requests never read: RSS {h['rss_mb_before']} -> {h['rss_mb_while_held']} "
+        f"MiB while held -> {h['rss_mb_after_disconnect']} MiB after disconnect"
+    )
+    tp, ratio = res["roundtrips_per_s"], res["ratio_to_plain_zmq"]
+    for k in tp:
+        typer.echo(f"dispatch {k:16} {tp[k]:8d} round trips/s  ratio to plain zmq {ratio[k]:.3f}")

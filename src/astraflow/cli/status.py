@@ -51,7 +51,10 @@ def ask_status(controller: str, timeout_s: float = 5.0, credentials: Any = None)
     sock.setsockopt(zmq.IDENTITY, ident.encode())
     try:
         sock.connect(controller)
-        sock.send(encode(StatusRequest(rid=1)))
+        try:
+            sock.send(encode(StatusRequest(rid=1)), zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # no connection to queue to yet: the poll below times out with the hint
         if not sock.poll(int(timeout_s * 1000)):
             raise ConnectError(
                 f"controller at {controller} did not answer within {timeout_s:.0f}s",

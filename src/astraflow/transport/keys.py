@@ -219,16 +219,21 @@ class KeyStore:
             return
         try:
             members = _read_members(self.directory)
-        except KeyStoreError:
-            members = {}  # an unreadable registry admits nobody rather than everybody
-        by_key = {
-            row["public_key"].encode(): Principal(name=name, role=row["role"], policy=row.get("policy"))
-            for name, row in members.items()
-            if not row.get("revoked")
-        }
+            by_key = {
+                row["public_key"].encode(): Principal(name=name, role=row["role"], policy=row.get("policy"))
+                for name, row in members.items()
+                if not row.get("revoked")
+            }
+        except Exception:  # an unreadable or hand-broken registry admits nobody rather than everybody
+            by_key = {}
         with self._lock:
             self._by_key = by_key
             self._seen = seen
+
+    def admits(self, public_z85: bytes) -> bool:
+        """Whether a key may connect now (the ZAP check: re-reads the registry if it changed)."""
+        self.refresh()
+        return self.principal(public_z85) is not None
 
     def principal(self, public_z85: bytes) -> Principal | None:
         """The member a (non-revoked) public key belongs to, or None."""

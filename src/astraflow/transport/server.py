@@ -67,10 +67,7 @@ class RouterServer:
         """The key store that authenticates members; None: authentication off."""
         self._auth = None
         if keys is not None:
-            keys_ = keys
-            self._auth = curve_server(
-                self._ctx, self._sock, keys.controller_keypair(), lambda k: keys_.principal(k) is not None
-            )
+            self._auth = curve_server(self._ctx, self._sock, keys.controller_keypair(), keys.admits)
         try:
             if bind.endswith(":0"):
                 port = self._sock.bind_to_random_port(bind[: -len(":0")])

@@ -118,7 +118,12 @@ class _Puller:
         self.ctx.term()
 
     def _send(self, req: WeightRequest) -> None:
-        self.sock.send(encode(req))
+        try:
+            self.sock.send(encode(req), zmq.NOBLOCK)
+        except zmq.Again:
+            # no connection to queue to (a refused CURVE handshake drops it): the request is
+            # re-sent after retry_s, and the pull fails with ConnectError at its deadline
+            pass
 
     def _recv(self, wait_s: float) -> Msg | None:
         if not self.sock.poll(max(0, int(wait_s * 1000))):

@@ -81,10 +81,7 @@ class WeightServer:
         pull_keys = pull_keys or _pull_keys
         self._auth = None
         if keypair is not None:
-            store = pull_keys
-            allow = None if store is None else (lambda k: store.principal(k) is not None)
-            if store is not None:
-                store.refresh(force=True)
+            allow = None if pull_keys is None else pull_keys.admits
             self._auth = curve_server(self._ctx, sock, keypair, allow)
         try:
             if port:
