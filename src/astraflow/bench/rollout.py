@@ -2,8 +2,9 @@
 
 Both generators run on the same loaded model (one copy of the weights, same dtype and device) and the
 same random prompts of equal length, with temperature 1.0 and no stop token, so every sequence
-decodes exactly `new_tokens` tokens. A forward hook on the model marks the end of the first forward
-(the prefill), so the decode phase is timed on its own: `new_tokens - 1` steps after the prefill.
+decodes exactly `new_tokens` tokens. The decode phase is timed on its own: `new_tokens - 1` steps after
+the prefill. For HF generate a forward hook on the model marks the end of the first forward (the
+prefill); the engine runs its own forward over its KV cache and stamps the end of its prefill itself.
 
 The bound is what one decode step must at least read from memory: every parameter once, plus the
 keys and values of every cached position of every row, divided by the bandwidth of a large copy
@@ -198,7 +199,9 @@ def run_rollout_bench(
             "--device cuda was asked for but torch sees no GPU",
             hint="use --device cpu (or auto), or install a CUDA build of torch on a machine with a GPU",
         )
-    config = TorchEngineConfig(max_batch=max(batches), dtype=dtype, batch_wait_s=0.0)
+    config = TorchEngineConfig(
+        max_batch=max(batches), dtype=dtype, batch_wait_s=0.0, max_seq_len=prompt_len + new_tokens
+    )
     engine = TorchEngine(str(model_dir), config, seed=seed, device=dev)
     try:
         model = engine.model
@@ -297,7 +300,11 @@ def _bench_batch(
     attention_mask = torch.ones_like(input_ids)
 
     def run_engine() -> int:
+        engine.timeline = []
         completions = loop.run_until_complete(engine.generate(requests))
+        # The engine runs its own forward (the HF hook never fires): it stamps the end of its prefill.
+        timer.armed, timer.stamp = False, engine.timeline[0][1]
+        engine.timeline = None
         return sum(len(c.token_ids) for c in completions)
 
     def run_hf() -> int:
