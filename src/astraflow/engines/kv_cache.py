@@ -1,6 +1,6 @@
 """The preallocated KV cache of the embedded engine: one fixed-size slot per sequence.
 
-Keys and values of every layer live in one tensor [layers, slots + 1, kv_heads, max_len + 1, head_dim],
+Keys and values of every layer live in one tensor [layers, slots, kv_heads, max_len + 1, head_dim],
 allocated once. Running sequences occupy slots 0..n-1 (the engine compacts them when one finishes), so
 a decode step over n rows reads plain views and a CUDA graph captured for a batch bucket always
 addresses the same memory. Position `max_len` of every slot is scratch: padding rows of a bucket write
