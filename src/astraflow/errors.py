@@ -37,3 +37,7 @@ class WeightIntegrityError(AstraflowError):
 
 class WeightsMismatchError(AstraflowError):
     """Weights offered to an engine do not fit its model (names, shapes or dtypes differ)."""
+
+
+class EngineFailedError(AstraflowError):
+    """A rollout engine's decode loop stopped on an error; the engine serves nothing more."""

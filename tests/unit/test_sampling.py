@@ -6,8 +6,8 @@ import math
 
 import torch
 
+from astraflow.engines.sampler import Sampler
 from astraflow.engines.sampling import processed_logprobs
-from astraflow.engines.torch_engine import sample_tokens
 
 
 def test_plain_is_tempered_log_softmax() -> None:
@@ -31,7 +31,11 @@ def test_top_p_matches_the_engine_sampler() -> None:
     logits = torch.randn(64, 50) * 3
     temp = torch.full((64,), 0.9)
     top_p = torch.rand(64) * 0.9 + 0.05
-    tokens, chosen = sample_tokens(logits, temp, top_p, torch.rand(64))
+    gens = [torch.Generator().manual_seed(i) for i in range(64)]
+    toks, lps = Sampler(torch.device("cpu"), use_triton=False).sample(
+        logits, temp.tolist(), top_p.tolist(), [0] * 64, [0] * 64, [0] * 64, gens
+    )
+    tokens, chosen = torch.tensor(toks), torch.tensor(lps)
     logp = processed_logprobs(logits, temp, top_p)
     assert torch.allclose(logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), chosen, atol=1e-5)
     # nucleus: the smallest prefix reaching top_p, the top token always in

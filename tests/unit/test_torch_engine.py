@@ -1,5 +1,6 @@
-"""The embedded engine: exact behaviour logprobs, batching of concurrent callers, weight updates
-between decode steps (partial rollouts), stop handling and seeded sampling."""
+"""The embedded engine: exact behaviour logprobs, continuous batching, prompts shared by a group,
+weight updates between decode steps (partial rollouts), weight checks, a failing decode loop, stop
+handling, top-k/top-p and seeded sampling; our Qwen3 forward against transformers' logits."""
 
 from __future__ import annotations
 
@@ -17,7 +18,11 @@ import pytest
 import torch
 
 from astraflow.engines.base import GenerationRequest
-from astraflow.engines.torch_engine import TorchEngine, TorchEngineConfig, sample_tokens
+from astraflow.engines.qwen3_forward import Qwen3Forward
+from astraflow.engines.sampler import Sampler
+from astraflow.engines.sampling import processed_logprobs
+from astraflow.engines.torch_engine import TorchEngine, TorchEngineConfig
+from astraflow.errors import AstraflowError, EngineFailedError, WeightsMismatchError
 from astraflow.models.init import init_model
 
 torch.set_num_threads(1)
@@ -73,25 +78,28 @@ def test_behaviour_logprobs_match_a_fresh_forward(engine: TorchEngine) -> None:
 
 
 def test_top_p_logprob_is_of_the_renormalised_nucleus() -> None:
-    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
-    # u near 1 picks the last token kept by top_p = 0.7 (tokens 0 and 1 hold 0.8 of the mass).
-    tok, lp = sample_tokens(logits, torch.tensor([1.0]), torch.tensor([0.7]), torch.tensor([0.999]))
-    assert int(tok) == 1
-    assert float(lp) == pytest.approx(float(torch.log(torch.tensor(0.3 / 0.8))), abs=1e-6)
-    tok, lp = sample_tokens(logits, torch.tensor([1.0]), torch.tensor([1.0]), torch.tensor([0.999]))
-    assert int(tok) == 3 and float(lp) == pytest.approx(float(torch.log(torch.tensor(0.05))), abs=1e-6)
+    sampler = Sampler(torch.device("cpu"), use_triton=False)
+    n = 4000
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).expand(n, 4)
+    gens = [torch.Generator().manual_seed(i) for i in range(n)]
+    # top_p = 0.7 keeps tokens 0 and 1 (they hold 0.8 of the mass), renormalised to 5/8 and 3/8.
+    tokens, logps = sampler.sample(logits, [1.0] * n, [0.7] * n, [0] * n, [0] * n, [0] * n, gens)
+    assert set(tokens) == {0, 1}
+    assert abs(tokens.count(1) / n - 0.375) < 0.03
+    lp1 = next(lp for t, lp in zip(tokens, logps, strict=True) if t == 1)
+    assert lp1 == pytest.approx(float(torch.log(torch.tensor(0.3 / 0.8))), abs=1e-6)
 
 
 def test_concurrent_callers_share_batches_up_to_max_batch(model_dirs: tuple[Path, Path]) -> None:
     eng = TorchEngine(str(model_dirs[0]), TorchEngineConfig(max_batch=4, batch_wait_s=0.05), seed=0)
     sizes: list[int] = []
-    decode = eng._decode
+    decode = eng.runner.decode
 
-    def recording(batch: list[Any]) -> None:
-        sizes.append(len(batch))
-        decode(batch)
+    def recording(tokens: list[int], positions: list[int]) -> Any:
+        sizes.append(len(tokens))
+        return decode(tokens, positions)
 
-    eng._decode = recording  # type: ignore[method-assign]
+    eng.runner.decode = recording
 
     async def one(i: int) -> Any:
         return (await eng.generate([GenerationRequest(prompt_ids=[1, 14, 5 + i % 10], max_new_tokens=3)]))[0]
@@ -104,8 +112,9 @@ def test_concurrent_callers_share_batches_up_to_max_batch(model_dirs: tuple[Path
     finally:
         eng.close()
     assert len(outs) == 10 and all(len(o.token_ids) == 3 for o in outs)
-    assert sum(sizes) == 10 and max(sizes) <= 4
-    assert len(sizes) == 3  # 10 concurrent requests in batches of 4, 4, 2
+    # Slots are the limit: 10 concurrent requests never decode more than 4 at a time, and they
+    # share steps (4 rows at once) rather than running one by one.
+    assert max(sizes) == 4
     assert eng.capacity() == 4
 
 
@@ -141,24 +150,27 @@ def test_weights_change_mid_sequence_and_later_tokens_carry_the_new_version(
 ) -> None:
     new = _weights(model_dirs[1])
     old = {k: v.clone() for k, v in engine.model.state_dict().items()}
-    forward = engine.model.forward
+    prefill, decode = engine.runner.prefill, engine.runner.decode
     calls = {"n": 0}
 
-    def staging_forward(*args: Any, **kwargs: Any) -> Any:
-        calls["n"] += 1
-        if calls["n"] == 3:
-            # Staged while the third decode step runs: applies at the safe point after it.
-            engine.load_weights(1, new)
-        return forward(*args, **kwargs)
+    def counting(fn: Any) -> Any:
+        def wrapped(*args: Any) -> Any:
+            calls["n"] += 1
+            if calls["n"] == 3:
+                # Staged while the third forward (prefill, decode, decode) runs: applies after it.
+                engine.load_weights(1, new)
+            return fn(*args)
 
-    engine.model.forward = staging_forward  # type: ignore[method-assign]
+        return wrapped
+
+    engine.runner.prefill, engine.runner.decode = counting(prefill), counting(decode)
     prompt = [1, 14, 5, 6, 7, 18]
 
     async def go() -> Any:
         return (await engine.generate([GenerationRequest(prompt_ids=prompt, max_new_tokens=7)]))[0]
 
     out = asyncio.run(go())
-    engine.model.forward = forward  # type: ignore[method-assign]
+    engine.runner.prefill, engine.runner.decode = prefill, decode
     assert out.versions == [0, 0, 0, 1, 1, 1, 1]
     assert engine.version == 1
     assert torch.equal(engine.model.state_dict()["model.norm.weight"], new["model.norm.weight"])
@@ -181,7 +193,7 @@ def test_load_weights_while_idle_and_from_other_threads(
         t.join()
     assert engine.wait_version(6, timeout=10)
     assert torch.equal(engine.model.model.norm.weight, new["model.norm.weight"] * 2)
-    with pytest.raises(KeyError):
+    with pytest.raises(WeightsMismatchError):
         engine.load_weights(7, {"no.such.weight": torch.zeros(1)})
 
 
@@ -194,3 +206,154 @@ def test_closed_engine_refuses_work(model_dirs: tuple[Path, Path]) -> None:
 
     with pytest.raises(RuntimeError):
         asyncio.run(go())
+
+
+def _processed_ref(model: Any, req: GenerationRequest, completion: list[int]) -> list[float]:
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([req.prompt_ids + completion])).logits[0]
+    logp = processed_logprobs(logits, req.temperature, req.top_p, req.top_k)
+    n = len(req.prompt_ids)
+    return [float(logp[n - 1 + k, t]) for k, t in enumerate(completion)]
+
+
+def test_a_request_arriving_mid_batch_joins_the_running_batch(engine: TorchEngine) -> None:
+    sizes: list[int] = []
+    decode = engine.runner.decode
+
+    def recording(tokens: list[int], positions: list[int]) -> Any:
+        sizes.append(len(tokens))
+        return decode(tokens, positions)
+
+    engine.runner.decode = recording
+    long = GenerationRequest(prompt_ids=[1, 14, 5, 6], max_new_tokens=40)
+    short = GenerationRequest(prompt_ids=[1, 16, 4, 17, 6, 18, 9], max_new_tokens=4)
+
+    async def go() -> tuple[Any, Any, bool]:
+        first = asyncio.ensure_future(engine.generate([long]))
+        while len(sizes) < 3:  # the long request is decoding
+            await asyncio.sleep(0.001)
+        second = (await engine.generate([short]))[0]
+        done = first.done()
+        return (await first)[0], second, done
+
+    a, b, long_done_when_short_finished = asyncio.run(go())
+    assert not long_done_when_short_finished  # the short one did not wait for the running batch
+    assert 2 in sizes and sizes[0] == 1 and sizes[-1] == 1  # joined, then left when it finished
+    for req, out in ((long, a), (short, b)):
+        ref = _processed_ref(engine.model, req, out.token_ids)
+        assert max(abs(x - y) for x, y in zip(ref, out.logprobs, strict=True)) < 1e-4
+
+
+def test_a_group_prompt_is_prefilled_once_and_shared(engine: TorchEngine) -> None:
+    prefilled: list[int] = []
+    prefill = engine.runner.prefill
+
+    def recording(prompts: list[list[int]], slots: list[int]) -> Any:
+        prefilled.append(len(prompts))
+        return prefill(prompts, slots)
+
+    engine.runner.prefill = recording
+    group = [
+        GenerationRequest(prompt_ids=[1, 14, 5, 6, 7], max_new_tokens=6, temperature=1.5) for _ in range(8)
+    ]
+    other = GenerationRequest(prompt_ids=[1, 15, 9], max_new_tokens=6)
+    outs = asyncio.run(engine.generate([*group, other]))
+    assert prefilled == [2]  # two distinct prompts, one prefill row each
+    assert len({tuple(o.token_ids) for o in outs[:8]}) > 1  # the samples are independent
+    for req, out in zip([*group, other], outs, strict=True):
+        ref = _processed_ref(engine.model, req, out.token_ids)
+        assert max(abs(x - y) for x, y in zip(ref, out.logprobs, strict=True)) < 1e-4
+
+
+def test_top_k_and_top_p_logprobs_are_the_processed_distributions(engine: TorchEngine) -> None:
+    reqs = [
+        GenerationRequest(prompt_ids=[1, 14, 5], max_new_tokens=10, top_k=3),
+        GenerationRequest(prompt_ids=[1, 16, 4], max_new_tokens=10, top_k=5, top_p=0.8, temperature=0.8),
+        GenerationRequest(prompt_ids=[1, 18], max_new_tokens=10),
+    ]
+    outs = asyncio.run(engine.generate(reqs))
+    for req, out in zip(reqs, outs, strict=True):
+        ref = _processed_ref(engine.model, req, out.token_ids)
+        assert all(r > float("-inf") for r in ref)  # every token inside its step's top-k / nucleus
+        assert max(abs(x - y) for x, y in zip(ref, out.logprobs, strict=True)) < 1e-4
+
+
+def test_mismatched_weights_are_refused_without_touching_the_model(engine: TorchEngine) -> None:
+    before = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    norm = before["model.norm.weight"]
+    bad = [
+        {"model.norm.weight": torch.zeros(norm.shape[0] + 1)},  # shape
+        {"model.norm.weight": torch.zeros(norm.shape, dtype=torch.int64)},  # dtype kind
+        {"model.norm.weight": norm * 2, "model.no_such.weight": torch.zeros(3)},  # unknown name
+    ]
+    for sd in bad:
+        with pytest.raises(WeightsMismatchError):
+            engine.load_weights(9, sd)
+    assert engine.version == 0 and engine.healthy()
+    out = asyncio.run(engine.generate([GenerationRequest(prompt_ids=[1, 14, 5], max_new_tokens=3)]))[0]
+    assert out.versions == [0, 0, 0]
+    assert all(torch.equal(v, before[k]) for k, v in engine.model.state_dict().items())
+
+
+def test_a_failing_decode_loop_fails_callers_fast_and_reports_unhealthy(engine: TorchEngine) -> None:
+    def broken(tokens: list[int], positions: list[int]) -> Any:
+        raise RuntimeError("device lost")
+
+    engine.runner.decode = broken
+    req = GenerationRequest(prompt_ids=[1, 14, 5], max_new_tokens=4)
+    with pytest.raises(EngineFailedError, match="device lost"):
+        asyncio.run(engine.generate([req, req]))
+    assert not engine.healthy() and "device lost" in (engine.failure or "")
+    with pytest.raises(EngineFailedError):
+        asyncio.run(engine.generate([req]))
+    with pytest.raises(EngineFailedError):
+        engine.load_weights(1, {})
+
+
+def test_requests_the_engine_cannot_serve_are_refused(engine: TorchEngine) -> None:
+    too_long = GenerationRequest(prompt_ids=[1] * 10, max_new_tokens=engine.config.max_seq_len)
+    for req in (
+        too_long,
+        GenerationRequest(prompt_ids=[], max_new_tokens=2),
+        GenerationRequest(prompt_ids=[1, 10**6], max_new_tokens=2),
+    ):
+        with pytest.raises(AstraflowError):
+            asyncio.run(engine.generate([req]))
+    assert engine.healthy()
+
+
+def test_our_qwen3_forward_matches_transformers_logits(model_dirs: tuple[Path, Path]) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dirs[0]).eval()
+    fwd = Qwen3Forward(model, slots=4, max_len=32)
+    prompts = [[1, 14, 5, 6, 7, 18], [1, 16, 4]]
+    steps = [[9, 11, 3], [12, 8, 17]]
+    got = [fwd.prefill(prompts, [0, 1])]
+    for k in range(3):
+        pos = torch.tensor([len(p) + k for p in prompts])
+        got.append(fwd.decode_step(torch.tensor([s[k] for s in steps]), pos, pos + 1, int(pos.max()) + 1))
+    for row, (prompt, cont) in enumerate(zip(prompts, steps, strict=True)):
+        with torch.no_grad():
+            ref = model(input_ids=torch.tensor([prompt + cont])).logits[0]
+        for k in range(4):
+            assert torch.allclose(got[k][row], ref[len(prompt) - 1 + k], atol=1e-4)
+
+
+def test_other_architectures_fall_back_to_recomputing_with_transformers(
+    model_dirs: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from astraflow.engines import qwen3_forward
+    from astraflow.engines.runners import HFRecomputeRunner
+
+    monkeypatch.setattr(qwen3_forward, "supports", lambda model: False)
+    eng = TorchEngine(str(model_dirs[0]), TorchEngineConfig(max_batch=4), seed=1)
+    try:
+        assert isinstance(eng.runner, HFRecomputeRunner)
+        reqs = [GenerationRequest(prompt_ids=p, max_new_tokens=5) for p in ([1, 14, 5], [1, 14, 5], [1, 18])]
+        outs = asyncio.run(eng.generate(reqs))
+    finally:
+        eng.close()
+    for req, out in zip(reqs, outs, strict=True):
+        ref = _processed_ref(eng.model, req, out.token_ids)
+        assert max(abs(x - y) for x, y in zip(ref, out.logprobs, strict=True)) < 1e-4

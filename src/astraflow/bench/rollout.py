@@ -2,8 +2,9 @@
 
 Both generators run on the same loaded model (one copy of the weights, same dtype and device) and the
 same random prompts of equal length, with temperature 1.0 and no stop token, so every sequence
-decodes exactly `new_tokens` tokens. A forward hook on the model marks the end of the first forward
-(the prefill), so the decode phase is timed on its own: `new_tokens - 1` steps after the prefill.
+decodes exactly `new_tokens` tokens. The decode phase is timed on its own: `new_tokens - 1` steps after
+the prefill. For HF generate a forward hook on the model marks the end of the first forward (the
+prefill); the engine runs its own forward over its KV cache and stamps the end of its prefill itself.
 
 The bound is what one decode step must at least read from memory: every parameter once, plus the
 keys and values of every cached position of every row, divided by the bandwidth of a large copy
@@ -84,6 +85,8 @@ class RolloutBench:
     """Timed calls per generator and batch size (the median is reported), after one warm-up call."""
     threads: int
     """torch CPU threads."""
+    group: int
+    """Sequences per prompt (a GRPO group): batch / group distinct prompts, each repeated `group` times."""
     param_bytes: int
     """Bytes of all parameters (tied weights counted once)."""
     kv_bytes_per_token: int
@@ -177,9 +180,15 @@ def run_rollout_bench(
     repeats: int = 3,
     seed: int = 0,
     threads: int = 1,
+    group: int = 1,
 ) -> RolloutBench:
     """Time TorchEngine.generate and transformers generate at each batch size on one model."""
     check_model_dir(model_dir)
+    if group < 1 or any(b % group for b in batches):
+        raise AstraflowError(
+            f"--group {group} must divide every batch size {batches}",
+            hint="a batch holds whole groups: batch / group prompts, each sampled group times",
+        )
     if new_tokens < 2 or prompt_len < 1 or repeats < 1:
         raise AstraflowError(
             "the rollout bench needs --new-tokens >= 2, --prompt-len >= 1 and --repeats >= 1",
@@ -198,7 +207,9 @@ def run_rollout_bench(
             "--device cuda was asked for but torch sees no GPU",
             hint="use --device cpu (or auto), or install a CUDA build of torch on a machine with a GPU",
         )
-    config = TorchEngineConfig(max_batch=max(batches), dtype=dtype, batch_wait_s=0.0)
+    config = TorchEngineConfig(
+        max_batch=max(batches), dtype=dtype, batch_wait_s=0.0, max_seq_len=prompt_len + new_tokens
+    )
     engine = TorchEngine(str(model_dir), config, seed=seed, device=dev)
     try:
         model = engine.model
@@ -213,6 +224,7 @@ def run_rollout_bench(
             new_tokens=new_tokens,
             repeats=repeats,
             threads=threads,
+            group=group,
             param_bytes=param_bytes(model),
             kv_bytes_per_token=kv_bytes_per_token(model),
             bandwidth_gb_s=bw / 1e9,
@@ -288,7 +300,8 @@ def _bench_batch(
     gen = torch.Generator().manual_seed(seed + batch)
     # Skip the lowest ids, which the model init reserves for special tokens.
     low = min(4, model.config.vocab_size - 1)
-    prompts = torch.randint(low, model.config.vocab_size, (batch, res.prompt_len), generator=gen)
+    prompts = torch.randint(low, model.config.vocab_size, (batch // res.group, res.prompt_len), generator=gen)
+    prompts = prompts.repeat_interleave(res.group, dim=0)
     requests = [
         GenerationRequest(prompt_ids=p.tolist(), max_new_tokens=res.new_tokens, temperature=1.0, top_p=1.0)
         for p in prompts
@@ -297,7 +310,11 @@ def _bench_batch(
     attention_mask = torch.ones_like(input_ids)
 
     def run_engine() -> int:
+        engine.timeline = []
         completions = loop.run_until_complete(engine.generate(requests))
+        # The engine runs its own forward (the HF hook never fires): it stamps the end of its prefill.
+        timer.armed, timer.stamp = False, engine.timeline[0][1]
+        engine.timeline = None
         return sum(len(c.token_ids) for c in completions)
 
     def run_hf() -> int:
@@ -394,7 +411,7 @@ def format_table(res: RolloutBench) -> str:
     """The result as an aligned text table with a header line of settings."""
     head = (
         f"{res.model} on {res.device} ({res.device_name}), {res.dtype}, prompt {res.prompt_len}, "
-        f"new tokens {res.new_tokens}, median of {res.repeats}, {res.threads} thread(s)\n"
+        f"new tokens {res.new_tokens}, group {res.group}, median of {res.repeats}, {res.threads} thread(s)\n"
         f"parameters {res.param_bytes / 1e6:.1f} MB, KV {res.kv_bytes_per_token / 1024:.1f} KiB/token, "
         f"measured bandwidth {res.bandwidth_gb_s:.1f} GB/s (copy, read+write)\n"
     )

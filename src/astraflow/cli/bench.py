@@ -143,6 +143,10 @@ def rollout(
     ] = 3,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the prompts and the sampling.")] = 0,
     threads: Annotated[int, typer.Option("--threads", min=1, help="torch CPU threads.")] = 1,
+    group: Annotated[
+        int,
+        typer.Option("--group", min=1, help="Sequences per prompt (GRPO group); must divide each batch."),
+    ] = 1,
     json_: Annotated[
         bool, typer.Option("--json", help="Print the result as JSON on stdout (the table goes to stderr).")
     ] = False,
@@ -175,6 +179,7 @@ def rollout(
         repeats=repeats,
         seed=seed,
         threads=threads,
+        group=group,
     )
     typer.echo(format_table(res), err=json_)
     if json_:

@@ -1,18 +1,23 @@
-"""The embedded rollout engine: a transformers causal LM behind our own batched decode loop.
+"""The embedded rollout engine: continuous batching over a preallocated slot KV cache.
 
-One background thread owns the model. Coroutines enqueue requests; the thread takes up to
-`max_batch` of them, decodes them together (left-padded, with a KV cache) and resolves each
-caller's future. New weights are staged by `load_weights` and copied into the parameters between
-two decode steps, so an in-flight sequence carries on under the new version and every token records
-the version that produced it; the KV cache is then recomputed under the new weights, so every
-behaviour logprob is exactly that of the version it is tagged with. What this does not do: requests that arrive while a batch is decoding
-wait for that batch to finish (no continuous batching).
+One background thread owns the model. Coroutines enqueue requests; at every decode step the thread
+admits queued requests into free slots (continuous batching: they join the running batch, and a
+finished row frees its slot at once). Requests with the same prompt (a GRPO group) are prefilled
+once and the prompt's KV is copied into each sample's slot. Qwen3 models run our own forward
+(engines/qwen3_forward.py), on a GPU with Triton kernels and one CUDA graph per batch bucket; other
+architectures run transformers' forward without a cache (engines/runners.py).
+
+New weights are checked (engines/weights.py), staged by `load_weights` and copied into the parameters
+in place between two decode steps, so an in-flight sequence carries on under the new version and
+every token records the version that produced it; the KV of running rows is then recomputed under
+the new weights, so every behaviour logprob is exactly that of the version it is tagged with. If the
+decode loop ever fails, every waiting and later call raises EngineFailedError and `healthy()` is False.
 """
 
 from __future__ import annotations
 
 import asyncio
-import inspect
+import random
 import threading
 import time
 from collections import deque
@@ -26,10 +31,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from astraflow import log
 from astraflow.engines.base import Completion, GenerationRequest, RolloutEngine
 from astraflow.engines.device import resolve_device
-from astraflow.engines.sampling import processed_logprobs
-from astraflow.errors import AstraflowError
+from astraflow.engines.sampler import Sampler
+from astraflow.engines.weights import check_weights
+from astraflow.errors import AstraflowError, EngineFailedError
 
 _log = log.get("engines.torch")
+
+_PREFILL_TOKENS = 16384
+"""Most (padded) prompt tokens one prefill forward takes; longer admissions are split."""
 
 
 class TorchEngineConfig(BaseModel):
@@ -38,11 +47,18 @@ class TorchEngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     max_batch: int = Field(64, ge=1)
-    """Most sequences decoded together in one batch."""
+    """Most sequences decoded together (KV-cache slots)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter dtype; sampling always runs in float32."""
     batch_wait_s: float = Field(0.002, ge=0)
-    """How long the decode thread waits for more requests before starting a batch that is not full."""
+    """When idle, how long the decode thread waits for more requests before starting a batch that is
+    not full (requests arriving later join the running batch at its next step)."""
+    max_seq_len: int = Field(2048, ge=2)
+    """Longest prompt plus completion of one sequence; the KV cache holds max_batch slots this long."""
+    cuda_graphs: bool = True
+    """On a GPU, replay each decode step as a CUDA graph (one per batch-size bucket)."""
+    kernels: Literal["auto", "triton", "torch"] = "auto"
+    """Decode-step kernels on a GPU: Triton when it is installed (auto), Triton, or plain PyTorch."""
 
 
 @dataclass
@@ -56,43 +72,29 @@ class _Pending:
 
 @dataclass
 class _Row:
-    """Decode state of one sequence of the running batch."""
+    """A running sequence; it occupies the KV slot equal to its index in the engine's row list."""
 
     pending: _Pending
+    seed: int
     generator: torch.Generator | None
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     finish_reason: str = ""
 
+    @property
+    def prompt(self) -> list[int]:
+        """The request's prompt."""
+        return self.pending.request.prompt_ids
 
-def sample_tokens(
-    logits: torch.Tensor,
-    temperature: torch.Tensor,
-    top_p: torch.Tensor,
-    uniforms: torch.Tensor,
-    top_k: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row by inverse CDF; return (tokens, logprob under the processed
-    distribution of engines/sampling.py: temperature, top-k, top-p, renormalised).
-    logits [B, V] float32; temperature, top_p, uniforms, top_k [B]."""
-    logp = processed_logprobs(logits, temperature, top_p, 0 if top_k is None else top_k)
-    filtered = bool((top_p < 1.0).any()) or (top_k is not None and bool((top_k > 0).any()))
-    if filtered:
-        sorted_logp, order = torch.sort(logp, dim=-1, descending=True)
-    else:
-        sorted_logp, order = logp, None
-    cdf = sorted_logp.exp().cumsum(dim=-1)
-    # Scale by the total so float rounding in the cumsum can never push u past the last bucket.
-    u = (uniforms.clamp_min(1e-12) * cdf[:, -1]).unsqueeze(-1)
-    idx = torch.searchsorted(cdf, u).clamp_max(cdf.shape[-1] - 1)
-    chosen_logp = sorted_logp.gather(-1, idx).squeeze(-1)
-    tokens = idx.squeeze(-1) if order is None else order.gather(-1, idx).squeeze(-1)
-    return tokens, chosen_logp
+    @property
+    def cached(self) -> int:
+        """Positions whose KV is in the slot: the prompt and every token but the last (the next input)."""
+        return len(self.prompt) + len(self.tokens) - 1
 
 
 class TorchEngine(RolloutEngine):
-    """Batched sampling with per-token logprobs and versions, and in-place weight updates."""
+    """Continuous batching with per-token logprobs and versions, and in-place weight updates."""
 
     Config = TorchEngineConfig
 
@@ -106,12 +108,13 @@ class TorchEngine(RolloutEngine):
     ) -> None:
         from transformers import AutoModelForCausalLM
 
-        self.config = config if config is not None else TorchEngineConfig()
+        from astraflow.engines import qwen3_forward
+        from astraflow.engines.runners import CachedRunner, HFRecomputeRunner
+
+        self.config = cfg = config if config is not None else TorchEngineConfig()
         self.device = torch.device(resolve_device(device))
         try:
-            self.model = AutoModelForCausalLM.from_pretrained(
-                model_path, dtype=getattr(torch, self.config.dtype)
-            )
+            self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, cfg.dtype))
         except OSError as exc:
             raise AstraflowError(
                 f"cannot load model from {model_path!r}: {exc}",
@@ -120,31 +123,45 @@ class TorchEngine(RolloutEngine):
         # transformers wraps PreTrainedModel.to with functools.wraps, which hides the bound signature
         self.model.to(self.device).eval()  # type: ignore[arg-type]
         self.model.requires_grad_(False)
+        self.runner: Any
+        if qwen3_forward.supports(self.model):
+            self.runner = CachedRunner(
+                self.model, cfg.max_batch, cfg.max_seq_len, graphs=cfg.cuda_graphs, kernels=cfg.kernels
+            )
+        else:
+            _log.info("%s: no cached forward for this architecture; recomputing each step", model_path)
+            self.runner = HFRecomputeRunner(self.model, cfg.max_batch)
+        # Taken after the runner re-pointed fused weights, so updates copy into what decode reads.
         self._params = self.model.state_dict()
-        params = inspect.signature(self.model.forward).parameters
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        pad = self.model.config.pad_token_id
-        self._pad_id = int(pad) if pad is not None else 0
-        self._generator = torch.Generator(device=self.device)
-        self._generator.manual_seed(seed)
+        self._vocab = int(self.model.config.vocab_size)
+        self._sampler = Sampler(self.device, self.runner.uses_triton)
+        self._rng = random.Random(seed)
         self._version = 0
         self._queue: deque[_Pending] = deque()
-        self._staged: tuple[int, Mapping[str, Any]] | None = None
+        self._rows: list[_Row] = []
+        self._staged: tuple[int, dict[str, torch.Tensor]] | None = None
         self._cond = threading.Condition()
         self._closed = False
+        self._failure: BaseException | None = None
         self._applied = threading.Condition(threading.Lock())
+        self.timeline: list[tuple[str, float]] | None = None
+        """When a list, the decode thread appends ("prefill", time) after each admission's prefill
+        (with the device synchronised): the rollout bench splits prefill from decode with it."""
         self._thread = threading.Thread(target=self._worker, name="torch-engine", daemon=True)
         self._thread.start()
 
     # ----- the contract -------------------------------------------------------------------------
 
     async def generate(self, requests: list[GenerationRequest]) -> list[Completion]:
-        """Complete every request; requests of concurrent callers are decoded in one batch."""
+        """Complete every request; requests of concurrent callers share decode steps."""
         if not requests:
             return []
+        for r in requests:
+            self._validate(r)
         loop = asyncio.get_running_loop()
         futures = [loop.create_future() for _ in requests]
         with self._cond:
+            self._raise_if_failed()
             if self._closed:
                 raise RuntimeError("engine is closed")
             self._queue.extend(_Pending(r, f, loop) for r, f in zip(requests, futures, strict=True))
@@ -152,17 +169,15 @@ class TorchEngine(RolloutEngine):
         return list(await asyncio.gather(*futures))
 
     def load_weights(self, version: int, state_dict: Mapping[str, Any]) -> None:
-        """Stage new weights; the decode thread copies them in before its next step."""
-        unknown = [k for k in state_dict if k not in self._params]
-        if unknown:
-            raise KeyError(f"weights for unknown parameters: {unknown[:5]}")
+        """Check the weights against the model (WeightsMismatchError, nothing applied, on a mismatch),
+        then stage them; the decode thread copies them in before its next step."""
+        self._raise_if_failed()
+        tensors = check_weights(self._params, state_dict)
         with self._cond:
             if self._staged is not None:
                 # A newer version supersedes one not yet applied; merge so partial updates compose.
-                merged = dict(self._staged[1])
-                merged.update(state_dict)
-                state_dict = merged
-            self._staged = (version, state_dict)
+                tensors = {**self._staged[1], **tensors}
+            self._staged = (version, tensors)
             self._cond.notify()
 
     @property
@@ -175,7 +190,7 @@ class TorchEngine(RolloutEngine):
         return self.config.max_batch
 
     def close(self) -> None:
-        """Stop the decode thread; queued requests fail."""
+        """Stop the decode thread; queued and running requests fail."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
@@ -183,18 +198,71 @@ class TorchEngine(RolloutEngine):
 
     # ----- extras -------------------------------------------------------------------------------
 
+    def healthy(self) -> bool:
+        """False once the decode loop has failed (see `failure`)."""
+        return self._failure is None and (self._closed or self._thread.is_alive())
+
+    @property
+    def failure(self) -> str | None:
+        """Why the decode loop stopped, if it failed."""
+        return None if self._failure is None else f"{type(self._failure).__name__}: {self._failure}"
+
     def wait_version(self, version: int, timeout: float | None = None) -> bool:
         """Block until weights of `version` (or newer) are in use; False on timeout."""
         with self._applied:
             return self._applied.wait_for(lambda: self._version >= version, timeout=timeout)
 
+    # ----- checks -------------------------------------------------------------------------------
+
+    def _validate(self, r: GenerationRequest) -> None:
+        """Refuse a request the engine cannot serve, before it is queued."""
+        problem = ""
+        if not r.prompt_ids:
+            problem = "a generation request needs at least one prompt token"
+        elif min(r.prompt_ids) < 0 or max(r.prompt_ids) >= self._vocab:
+            problem = f"prompt token ids must lie in [0, {self._vocab})"
+        elif len(r.prompt_ids) + max(r.max_new_tokens, 0) > self.config.max_seq_len:
+            problem = (
+                f"prompt ({len(r.prompt_ids)}) plus max_new_tokens ({r.max_new_tokens}) exceeds the "
+                f"engine's max_seq_len ({self.config.max_seq_len})"
+            )
+        elif not r.temperature > 0 or not 0 < r.top_p <= 1 or r.top_k < 0:
+            problem = "sampling needs temperature > 0, 0 < top_p <= 1 and top_k >= 0"
+        if problem:
+            raise AstraflowError(
+                problem, hint="raise policy.engine_options.max_seq_len or shorten the request"
+            )
+
+    def _raise_if_failed(self) -> None:
+        if self._failure is not None:
+            raise EngineFailedError(
+                f"the rollout engine's decode loop failed: {self.failure}",
+                hint="see the RaaS log for the traceback; restart the worker",
+            ) from self._failure
+
     # ----- the decode thread --------------------------------------------------------------------
 
     def _worker(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # noqa: BLE001 - every failure must reach the callers
+            _log.exception("the decode loop failed")
+            with self._cond:
+                self._failure = exc
+                waiting = list(self._queue) + [r.pending for r in self._rows]
+                self._queue.clear()
+                self._rows.clear()
+            err = EngineFailedError(f"the rollout engine's decode loop failed: {self.failure}")
+            for p in waiting:
+                _resolve(p, exc=err)
+
+    def _loop(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._closed or self._queue or self._staged is not None)
-                if self._queue and not self._closed:
+                self._cond.wait_for(
+                    lambda: self._closed or self._queue or self._staged is not None or self._rows
+                )
+                if self._queue and not self._rows and not self._closed:
                     # Concurrent callers enqueue within a moment of each other; gather them into one batch.
                     deadline = time.monotonic() + self.config.batch_wait_s
                     while len(self._queue) < self.config.max_batch and not self._closed:
@@ -203,18 +271,19 @@ class TorchEngine(RolloutEngine):
                             break
                         self._cond.wait(remaining)
                 if self._closed:
-                    failed = list(self._queue)
+                    failed = list(self._queue) + [r.pending for r in self._rows]
                     self._queue.clear()
+                    self._rows.clear()
                     break
-                batch = [self._queue.popleft() for _ in range(min(len(self._queue), self.config.max_batch))]
-            self._apply_staged()
-            if batch:
-                try:
-                    self._decode(batch)
-                except Exception as exc:  # deliver the failure to the callers instead of killing the thread
-                    _log.exception("decode failed")
-                    for p in batch:
-                        _resolve(p, exc=exc)
+                free = self.config.max_batch - len(self._rows)
+                admitted = [self._queue.popleft() for _ in range(min(free, len(self._queue)))]
+            # A safe point: every running row has its next input token and nothing is in flight.
+            if self._apply_staged() and self._rows:
+                self._recompute_cache()
+            if admitted:
+                self._admit(admitted)
+            if self._rows:
+                self._step()
         for p in failed:
             _resolve(p, exc=RuntimeError("engine closed"))
 
@@ -224,10 +293,10 @@ class TorchEngine(RolloutEngine):
             staged, self._staged = self._staged, None
         if staged is None:
             return False
-        version, state_dict = staged
+        version, tensors = staged
         with torch.no_grad():
-            for name, value in state_dict.items():
-                self._params[name].copy_(torch.as_tensor(value), non_blocking=True)
+            for name, value in tensors.items():
+                self._params[name].copy_(value, non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         with self._applied:
@@ -235,88 +304,102 @@ class TorchEngine(RolloutEngine):
             self._applied.notify_all()
         return True
 
-    @torch.no_grad()
-    def _decode(self, batch: list[_Pending]) -> None:
-        for p in [p for p in batch if p.request.max_new_tokens <= 0]:
-            _resolve(p, Completion([], [], [], "length"))
-        batch = [p for p in batch if p.request.max_new_tokens > 0]
-        if not batch:
-            return
-        rows = []
+    def _recompute_cache(self) -> None:
+        """Rebuild the running rows' KV under the weights just applied."""
+        seqs = [(r.prompt + r.tokens[:-1], i) for i, r in enumerate(self._rows)]
+        for chunk in _chunks(seqs):
+            self.runner.prefill([s for s, _ in chunk], [i for _, i in chunk])
+
+    def _admit(self, batch: list[_Pending]) -> None:
+        """Give each request a slot; prefill each distinct prompt once and share its KV."""
         for p in batch:
+            if p.request.max_new_tokens <= 0:
+                _resolve(p, Completion([], [], [], "length"))
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for p in batch:
+            if p.request.max_new_tokens <= 0:
+                continue
+            seed = p.request.seed if p.request.seed is not None else self._rng.getrandbits(62)
             gen = None
-            if p.request.seed is not None:
+            if not self._sampler.use_triton:
                 gen = torch.Generator(device=self.device)
-                gen.manual_seed(p.request.seed)
-            rows.append(_Row(p, gen))
-        lengths = [len(p.request.prompt_ids) for p in batch]
-        if min(lengths) == 0:
-            raise ValueError("a generation request needs at least one prompt token")
-        width = max(lengths)
-        ids = torch.full((len(rows), width), self._pad_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, p in enumerate(batch):
-            ids[i, width - lengths[i] :] = torch.tensor(p.request.prompt_ids, dtype=torch.long)
-            mask[i, width - lengths[i] :] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        positions = (mask.cumsum(-1) - 1).clamp_min(0)
-        temperature = torch.tensor([p.request.temperature for p in batch], device=self.device)
-        top_p = torch.tensor([p.request.top_p for p in batch], device=self.device)
-        top_k = torch.tensor([p.request.top_k for p in batch], device=self.device)
-        cache = None
-        active = list(range(len(rows)))
-        seq = ids
-        step_ids, step_pos = ids, positions
-        while active:
-            out = self.model(
-                input_ids=step_ids,
-                attention_mask=mask,
-                position_ids=step_pos,
-                use_cache=True,
-                logits_to_keep=1,
-                **{self._cache_kw: cache},
-            )
-            cache = getattr(out, self._cache_kw)
-            logits = out.logits[:, -1, :].float()
-            uniforms = torch.rand(len(active), generator=self._generator, device=self.device)
-            for j, r in enumerate(active):
-                gen = rows[r].generator
-                if gen is not None:
-                    uniforms[j] = torch.rand(1, generator=gen, device=self.device)[0]
-            tokens, logps = sample_tokens(logits, temperature, top_p, uniforms, top_k)
-            version = self._version
-            keep: list[int] = []
-            for j, (tok, lp) in enumerate(zip(tokens.tolist(), logps.tolist(), strict=True)):
-                row = rows[active[j]]
-                row.tokens.append(tok)
-                row.logprobs.append(lp)
-                row.versions.append(version)
-                req = row.pending.request
-                if tok in req.stop_ids:
-                    row.finish_reason = "stop"
-                elif len(row.tokens) >= req.max_new_tokens:
-                    row.finish_reason = "length"
-                else:
-                    keep.append(j)
-                    continue
-                _resolve(row.pending, Completion(row.tokens, row.logprobs, row.versions, row.finish_reason))
-            if not keep:
-                break
-            if len(keep) < len(active):
-                # Drop finished rows from the batch and the KV cache so they cost nothing further.
-                sel = torch.tensor(keep, device=self.device)
-                cache.batch_select_indices(sel)
-                tokens, mask, seq, step_pos = tokens[sel], mask[sel], seq[sel], step_pos[sel]
-                temperature, top_p, top_k = temperature[sel], top_p[sel], top_k[sel]
-                active = [active[j] for j in keep]
-            seq = torch.cat([seq, tokens.unsqueeze(-1)], dim=-1)
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
-            step_ids, step_pos = tokens.unsqueeze(-1), step_pos[:, -1:] + 1
-            # Safe point: every row has taken the same number of steps. When new weights land here,
-            # the cache is rebuilt under them, so later logprobs are exactly the new model's.
-            if self._apply_staged():
-                cache = None
-                step_ids, step_pos = seq, (mask.cumsum(-1) - 1).clamp_min(0)
+                gen.manual_seed(seed)
+            groups.setdefault(tuple(p.request.prompt_ids), []).append(len(self._rows))
+            self._rows.append(_Row(p, seed, gen))
+        for chunk in _chunks([(list(prompt), slots) for prompt, slots in groups.items()]):
+            logits = self.runner.prefill([prompt for prompt, _ in chunk], [slots[0] for _, slots in chunk])
+            members: list[int] = []
+            for i, (prompt, slots) in enumerate(chunk):
+                self.runner.copy_slot(slots[0], slots[1:], len(prompt))
+                members += [i] * len(slots)
+            if len(members) > len(chunk):
+                logits = logits[torch.tensor(members, device=logits.device)]
+            self._take([s for _, slots in chunk for s in slots], logits)
+        if self.timeline is not None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.timeline.append(("prefill", time.perf_counter()))
+        self._finish_done()
+
+    def _step(self) -> None:
+        """One decode step for every running row."""
+        rows = self._rows
+        logits = self.runner.decode([r.tokens[-1] for r in rows], [r.cached for r in rows])
+        self._take(list(range(len(rows))), logits)
+        self._finish_done()
+
+    def _take(self, idx: list[int], logits: torch.Tensor) -> None:
+        """Sample the next token of rows `idx` from their logits and record it."""
+        rows = [self._rows[i] for i in idx]
+        reqs = [r.pending.request for r in rows]
+        tokens, logps = self._sampler.sample(
+            logits,
+            [q.temperature for q in reqs],
+            [q.top_p for q in reqs],
+            [q.top_k for q in reqs],
+            [r.seed for r in rows],
+            [len(r.tokens) for r in rows],
+            [r.generator for r in rows],
+        )
+        version = self._version
+        for row, req, tok, lp in zip(rows, reqs, tokens, logps, strict=True):
+            row.tokens.append(tok)
+            row.logprobs.append(lp)
+            row.versions.append(version)
+            if tok in req.stop_ids:
+                row.finish_reason = "stop"
+            elif len(row.tokens) >= req.max_new_tokens:
+                row.finish_reason = "length"
+
+    def _finish_done(self) -> None:
+        """Deliver finished rows and compact the rest into slots 0..n-1 (highest index first, so a
+        row moved down is never one that has finished)."""
+        rows = self._rows
+        for i in [i for i, r in enumerate(rows) if r.finish_reason][::-1]:
+            r = rows[i]
+            _resolve(r.pending, Completion(r.tokens, r.logprobs, r.versions, r.finish_reason))
+            last = len(rows) - 1
+            if i != last:
+                self.runner.move_slot(last, i, rows[last].cached)
+                rows[i] = rows[last]
+            rows.pop()
+
+
+def _chunks(items: list[tuple[list[int], Any]]) -> list[list[tuple[list[int], Any]]]:
+    """Split (sequence, tag) items into prefill calls of at most _PREFILL_TOKENS padded tokens."""
+    out: list[list[tuple[list[int], Any]]] = []
+    cur: list[tuple[list[int], Any]] = []
+    width = 0
+    for item in items:
+        w = max(width, len(item[0]))
+        if cur and w * (len(cur) + 1) > _PREFILL_TOKENS:
+            out.append(cur)
+            cur, w = [], len(item[0])
+        cur.append(item)
+        width = w
+    if cur:
+        out.append(cur)
+    return out
 
 
 def _resolve(p: _Pending, completion: Completion | None = None, exc: BaseException | None = None) -> None:

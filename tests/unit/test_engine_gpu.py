@@ -1,0 +1,132 @@
+"""The embedded engine's GPU path: Triton kernels against the PyTorch ops they replace, fused sampling
+against the unfused one, and the whole engine (CUDA graphs, Triton) against a fresh HF forward,
+including a weight swap between graph replays. Skipped without a GPU."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+triton_ops = pytest.importorskip("astraflow.engines.triton_ops")
+
+from astraflow.engines import ops, triton_sampling  # noqa: E402
+from astraflow.engines.base import GenerationRequest  # noqa: E402
+from astraflow.engines.sampling import processed_logprobs  # noqa: E402
+from astraflow.engines.torch_engine import TorchEngine, TorchEngineConfig  # noqa: E402
+from astraflow.models.init import init_model  # noqa: E402
+
+DEV = torch.device("cuda")
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_ops_match_torch_ops(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    b, h, hk, d, s, length, n = 37, 16, 8, 128, 40, 300, 1024
+    tol = 2e-2 if dtype == torch.bfloat16 else 5e-3
+    x, r = torch.randn(b, n, device=DEV, dtype=dtype), torch.randn(b, n, device=DEV, dtype=dtype)
+    w = torch.randn(n, device=DEV, dtype=dtype)
+    for res in (None, r):
+        got, want = triton_ops.rmsnorm(x, w, 1e-6, res), ops.rmsnorm(x, w, 1e-6, res)
+        assert _rel(got[0], want[0]) < tol and _rel(got[1], want[1]) < tol
+    qkv = torch.randn(b, (h + 2 * hk) * d, device=DEV, dtype=dtype)
+    qw, kw = torch.randn(d, device=DEV, dtype=dtype), torch.randn(d, device=DEV, dtype=dtype)
+    pos = torch.randint(0, length, (b,), device=DEV)
+    ang = torch.rand(b, d // 2, device=DEV) * 6
+    cos, sin = torch.cat([ang.cos()] * 2, -1).to(dtype), torch.cat([ang.sin()] * 2, -1).to(dtype)
+    kc = torch.randn(s, hk, length + 1, d, device=DEV, dtype=dtype)
+    vc = torch.randn_like(kc)
+    kc2, vc2 = kc.clone(), vc.clone()
+    q1 = ops.qk_norm_rope_write(qkv, qw, kw, cos, sin, pos, kc, vc, 1e-6, h, hk)
+    q2 = triton_ops.qk_norm_rope_write(qkv, qw, kw, cos, sin, pos, kc2, vc2, 1e-6, h, hk)
+    assert _rel(q2, q1) < tol and _rel(kc2, kc) < tol and torch.equal(vc2, vc)
+    lens = pos + 1
+    want = ops.decode_attention(q1, kc, vc, lens, length + 1)
+    assert _rel(triton_ops.decode_attention(q1, kc, vc, lens, length + 1), want) < tol
+    gu = torch.randn(b, 2 * 3072, device=DEV, dtype=dtype)
+    assert _rel(triton_ops.silu_mul(gu), ops.silu_mul(gu)) < tol
+
+
+def test_fused_sampling_matches_the_unfused_path_and_the_distribution() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(64, 151936, device=DEV, dtype=torch.bfloat16) * 4
+    temp = torch.rand(64, device=DEV) + 0.5
+    seeds = torch.randint(0, 2**62, (64,), device=DEV)
+    tok, lp = triton_sampling.fused_sample(logits, temp, seeds)
+    logp = processed_logprobs(logits, temp)
+    ref = (logp + triton_sampling.gumbel_noise(seeds, logits.shape[1])).argmax(-1)
+    assert torch.equal(tok.long(), ref)
+    assert torch.allclose(lp, logp.gather(1, ref[:, None]).squeeze(1), atol=1e-4)
+    n = 200_000
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05], device=DEV)
+    t, _ = triton_sampling.fused_sample(
+        probs.log().expand(n, 4).contiguous(), torch.ones(n, device=DEV), torch.arange(n, device=DEV) * 7919
+    )
+    freq = torch.bincount(t.long(), minlength=4).float() / n
+    assert torch.allclose(freq, probs, atol=0.005)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("gpu-engine")
+    return init_model("qwen3", "tiny", root / "a", seed=0), init_model("qwen3", "tiny", root / "b", seed=1)
+
+
+def _ref_logprobs(model: Any, req: GenerationRequest, tokens: list[int]) -> list[float]:
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([req.prompt_ids + tokens], device=DEV)).logits[0]
+    logp = processed_logprobs(logits, req.temperature, req.top_p, req.top_k)
+    n = len(req.prompt_ids)
+    return [float(logp[n - 1 + k, t]) for k, t in enumerate(tokens)]
+
+
+def test_graph_engine_logprobs_and_weight_swap_between_replays(models: tuple[Path, Path]) -> None:
+    from transformers import AutoModelForCausalLM
+
+    eng = TorchEngine(str(models[0]), TorchEngineConfig(max_batch=16, max_seq_len=64), device="cuda")
+    assert eng.runner.graphs is not None and eng.runner.uses_triton
+    new = AutoModelForCausalLM.from_pretrained(models[1]).state_dict()
+    old = {k: v.clone() for k, v in eng.model.state_dict().items()}
+    reqs = [
+        GenerationRequest(prompt_ids=[1, 14, 5 + i, 6, 7][: 2 + i % 4], max_new_tokens=12) for i in range(5)
+    ]
+    reqs += [
+        GenerationRequest(prompt_ids=[1, 16, 4], max_new_tokens=12, top_k=5, top_p=0.9) for _ in range(3)
+    ]
+    decode = eng.runner.decode
+    calls = {"n": 0}
+
+    def staging(*args: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 4:
+            eng.load_weights(1, new)
+        return decode(*args)
+
+    eng.runner.decode = staging
+    try:
+        outs = asyncio.run(eng.generate(reqs))
+    finally:
+        eng.close()
+    for req, out in zip(reqs, outs, strict=True):
+        assert out.versions == [0] * 5 + [1] * 7
+        eng.model.load_state_dict(old)
+        before = _ref_logprobs(eng.model, req, out.token_ids)[:5]
+        eng.model.load_state_dict(new)
+        after = _ref_logprobs(eng.model, req, out.token_ids)[5:]
+        # float32 weights; Triton's dots run in tf32, hence the tolerance.
+        assert max(abs(a - b) for a, b in zip(before + after, out.logprobs, strict=True)) < 2e-2
