@@ -181,7 +181,9 @@ def test_sync_mode_admits_whole_rounds_in_lock_step(tmp_path: Path) -> None:
     for t in led.lease("w", 10):
         led.complete(t.id, t.epoch, "w")
         for pol in ("a", "b"):
-            seq = Sequence(policy=pol, tokens=[1, 2], loss_mask=[0, 1], logprobs=[0.0, -1.0], versions=[-1, 0])
+            seq = Sequence(
+                policy=pol, tokens=[1, 2], loss_mask=[0, 1], logprobs=[0.0, -1.0], versions=[-1, 0]
+            )
             buf.insert(t.id, t.prompt_key, [seq] * 2, [0.0] * 2)
     assert adm.plan(ROLES3, 2) == []  # both hold a full batch they have not taken
     assert buf.next_batch("a", 1, 4, 0, 0) is not None and buf.next_batch("b", 1, 8, 0, 0) is not None

@@ -59,5 +59,9 @@ def test_status_schema_and_values(tmp_path: Path) -> None:
 
 def test_status_of_empty_store(tmp_path: Path) -> None:
     doc = build_status(Store.open(tmp_path / "state.db"))
-    assert doc["policies"] == [] and doc["members"] == [] and doc["run"] == {"name": "", "steps": 0, "mode": "async"}
+    assert (
+        doc["policies"] == []
+        and doc["members"] == []
+        and doc["run"] == {"name": "", "steps": 0, "mode": "async"}
+    )
     assert doc["tasks"] == {"queued": 0, "leased": 0, "done": 0, "failed": 0}

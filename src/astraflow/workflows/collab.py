@@ -12,6 +12,9 @@ and for each proposal the solver's group is its `group_size` attempts (`group_ke
 so the solver's baseline compares attempts at the same problem. With both roles mapped to one policy
 (self-play) the two roles get separate baselines (the controller groups by role too).
 
+When the solver's output is not kept for a task (frozen, budget met, or no room), it makes only
+READ_ONLY_TRIES attempts per proposal, enough to score the proposer.
+
 An optional third role, "judge", is typically a frozen policy: it answers every problem once as a
 fixed reference; its success is reported as episode info `judge_solved` and changes no reward.
 """
@@ -27,6 +30,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from astraflow.workflows.base import Episode, PolicyClient, Workflow, completion_sequence
 from astraflow.workflows.quickstart import score
+
+READ_ONLY_TRIES = 2
+"""Solver attempts per proposal when the solver's sequences are not kept (only its success is needed)."""
 
 
 class CollabConfig(BaseModel):
@@ -99,11 +105,13 @@ class CollabWorkflow(Workflow):
             # format credit: each position a digit, and the stop right after the last one
             fmt = score([w if w.isdigit() and len(w) == 1 else "x" for w in words], stopped, digits)
             problems.append((digits, fmt))
+        # a read-only solver (frozen, or its budget met) only scores the proposals: two tries each do
+        tries_each = group_sizes.get("solver", 1)
+        if solver.read_only:
+            tries_each = min(tries_each, READ_ONLY_TRIES)
         attempts = await asyncio.gather(
             *(
-                solver.generate(
-                    list(solver.tokenizer.encode("copy " + " ".join(d) + " =")), n=group_sizes.get("solver", 1)
-                )
+                solver.generate(list(solver.tokenizer.encode("copy " + " ".join(d) + " =")), n=tries_each)
                 for d, _ in problems
             )
         )
@@ -124,7 +132,12 @@ class CollabWorkflow(Workflow):
                 words, stopped = _words(solver, list(t.token_ids))
                 solver_seqs.append(
                     completion_sequence(
-                        solver, sprompt, t, reward=score(words, stopped, digits), role="solver", group_key=f"p{i}"
+                        solver,
+                        sprompt,
+                        t,
+                        reward=score(words, stopped, digits),
+                        role="solver",
+                        group_key=f"p{i}",
                     )
                 )
             solved = sum(s.reward for s in solver_seqs) / len(solver_seqs)
