@@ -167,4 +167,4 @@ def test_a_run_that_cannot_move_says_why_and_exits_1(tiny_model: Path, tmp_path:
             timeout=60,
         ).stdout
     )
-    assert status["stall"] is not None
+    assert "no alive RaaS serves 'main'" in status["stall"]["waits"]["main"] and status["stall"]["failed"]
