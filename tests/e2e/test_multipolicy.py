@@ -83,7 +83,8 @@ def test_asymmetric_policies_both_learn_and_a_frozen_one_is_only_served(
     for pol, rows in recs.items():
         first, last = _rise(rows)
         print(f"{pol}: {len(rows)} steps, reward {first:.3f} -> {last:.3f}")
-        assert last > first + 0.1, (pol, [r["reward_mean"] for r in rows])
+        # means over a third of the steps (>= 64 sequences each): noise is ~0.01, a rise of 0.05 is learning
+        assert last > first + 0.05 and last > 1.5 * first, (pol, [r["reward_mean"] for r in rows])
         assert max(r["staleness_max"] for r in rows) <= (1 if pol == "proposer" else 2)
     # the frozen judge was served (its answers are episode info) and nothing of it was kept or trained
     assert all("info/judge_solved" in r for r in recs["proposer"])
