@@ -305,3 +305,57 @@ def wire(
     tp, ratio = res["roundtrips_per_s"], res["ratio_to_plain_zmq"]
     for k in tp:
         typer.echo(f"dispatch {k:16} {tp[k]:8d} round trips/s  ratio to plain zmq {ratio[k]:.3f}")
+
+
+@app.command("pipeline")
+def pipeline(
+    recipe: Annotated[Path, typer.Argument(help="Recipe to run in sync mode, then in async mode.")],
+    set_: Annotated[
+        list[str] | None,
+        typer.Option("--set", help="Override a recipe field in both runs: a.b=value (repeatable)."),
+    ] = None,
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            "--out", help="Directory for the two run directories (default runs/bench-pipeline-<time>/)."
+        ),
+    ] = None,
+    json_: Annotated[
+        bool,
+        typer.Option("--json", help="Print the comparison as JSON on stdout (the table goes to stderr)."),
+    ] = False,
+    timeout_s: Annotated[
+        float,
+        typer.Option("--timeout-s", help="Stop a run that takes longer than this and record it as failed."),
+    ] = 3600.0,
+) -> None:
+    """Run one recipe lock-step (run.mode=sync) and asynchronously; compare pace, idle time and staleness."""
+    import json
+    import signal
+
+    from astraflow import log
+    from astraflow.bench.pipeline import MODES, compare, format_table, run_mode
+    from astraflow.config.load import load_recipe, validate_plugins
+
+    log.setup("bench")
+    signal.signal(signal.SIGTERM, _interrupt)
+    overrides = set_ or []
+    r = load_recipe(recipe, overrides)
+    validate_plugins(r)
+    base = out or Path("runs") / f"bench-pipeline-{time.strftime('%Y%m%d-%H%M%S')}"
+    base.mkdir(parents=True, exist_ok=True)
+    results = []
+    for mode in MODES:
+        res = run_mode(
+            recipe, mode, base / mode, overrides, timeout_s, r.rollout.local_workers, r.rollout.slots
+        )
+        results.append(res)
+        status = "ok" if res.ok else f"FAILED: {res.error}"
+        typer.echo(f"{mode}: {status} ({res.wall_s:.0f}s) -> {res.run_dir}", err=json_)
+    summary = compare(results)
+    summary["out"] = str(base)
+    (base / "bench.json").write_text(json.dumps(summary, indent=2) + "\n")
+    typer.echo("", err=json_)
+    typer.echo(format_table(summary), err=json_)
+    if json_:
+        typer.echo(json.dumps(summary, indent=2))

@@ -80,7 +80,19 @@ def render(doc: dict[str, Any]) -> str:
     for p in doc.get("policies", []):
         rm = p.get("reward_mean")
         rtxt = "-" if rm is None else f"{rm:.3f}"
-        lines.append(f"policy {p['name']}: step {p['step']} version {p['version']} reward {rtxt}")
+        if p.get("trainable", True):
+            budget = f"/{p['budget']}" if p.get("budget") else ""
+            done = " (finished)" if p.get("finished") else ""
+            lines.append(
+                f"policy {p['name']}: step {p['step']}{budget} version {p['version']} reward {rtxt}{done}"
+            )
+        else:
+            lines.append(f"policy {p['name']}: frozen, version {p['version']}")
+    stall = doc.get("stall")
+    if stall:
+        stopped = f", run stopped ({stall['failed']})" if "failed" in stall else ""
+        lines.append(f"stalled for {stall.get('idle_s', 0):.0f}s{stopped}:")
+        lines += [f"  {k}: {v}" for k, v in stall.get("waits", {}).items()]
     t = doc.get("tasks", {})
     lines.append("tasks: " + " ".join(f"{k}={v}" for k, v in t.items()))
     by_reason = doc.get("failures", {}).get("by_reason", {})

@@ -124,9 +124,9 @@ class Ledger:
                 task.epoch += 1
                 task.status, task.owner, task.lease_expiry = "leased", member_id, t + self.lease_timeout_s
                 c.execute(
-                    "UPDATE tasks SET status = 'leased', owner = ?, epoch = ?, lease_expiry = ?, updated = ? "
-                    "WHERE id = ?",
-                    (member_id, task.epoch, task.lease_expiry, t, task.id),
+                    "UPDATE tasks SET status = 'leased', owner = ?, epoch = ?, lease_expiry = ?, updated = ?, "
+                    "leased_at = ? WHERE id = ?",
+                    (member_id, task.epoch, task.lease_expiry, t, t, task.id),
                 )
                 out.append(task)
                 if len(out) >= n:

@@ -176,8 +176,9 @@ class Controller:
             )
         if idle >= cc.stall_fail_s and self.exit_code == 0:
             _log.error("no progress for %.0fs (controller.stall_fail_s); stopping the run", idle)
+            report = {**stall_report(self, idle), "failed": f"no progress for {idle:.0f}s"}
             with self.store.write():
-                self.store.add_event("stall_fail", f"no progress for {idle:.0f}s")
+                self.store.add_event("stall_fail", json.dumps(report, sort_keys=True))
             self.exit_code = 1
             self.stop_requested = True
 

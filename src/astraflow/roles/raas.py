@@ -61,6 +61,7 @@ class TaskPolicyClient:
     base: EnginePolicyClient
     group_size: int
     used: set[tuple[float, float, int]]
+    read_only: bool = False
 
     @property
     def policy(self) -> str:
@@ -285,7 +286,9 @@ class RaaS:
                 role: int(task.group_sizes.get(pol, task.group_size)) for role, pol in task.roles.items()
             }
             clients = {
-                role: TaskPolicyClient(self.clients[pol], sizes[role], used.setdefault(pol, set()))
+                role: TaskPolicyClient(
+                    self.clients[pol], sizes[role], used.setdefault(pol, set()), pol in task.read_only
+                )
                 for role, pol in task.roles.items()
             }
             episodes = await asyncio.wait_for(

@@ -124,6 +124,7 @@ def m0002_sequence_roles(db: Database) -> None:
     """Trajectories keep their workflow role, group key and the sampling settings they were drawn with;
     a task records the policies whose output it does not feed (read-only for it)."""
     db.table("tasks").add_column("read_only", str, not_null_default="[]")
+    db.table("tasks").add_column("leased_at", float, not_null_default=0.0)
     t = db.table("trajectories")
     t.add_column("role", str, not_null_default="")
     t.add_column("group_key", str, not_null_default="")

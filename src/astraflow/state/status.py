@@ -68,10 +68,8 @@ def build_status(store: Store) -> dict[str, Any]:
     stall = None
     for ev in reversed(store.events(limit=200)):
         if ev["kind"] in ("stall", "unstalled", "stall_fail"):
-            if ev["kind"] == "stall":
+            if ev["kind"] != "unstalled":
                 stall = {"time": float(ev["time"]), **json.loads(ev["detail"])}
-            elif ev["kind"] == "stall_fail":
-                stall = {"time": float(ev["time"]), "failed": ev["detail"]}
             break
     return {
         "schema": SCHEMA_VERSION,

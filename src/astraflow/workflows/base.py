@@ -22,6 +22,9 @@ class PolicyClient(Protocol):
     """A transformers tokenizer of the policy's model."""
     group_size: int
     """The policy's group size in this task (samples compared with each other)."""
+    read_only: bool
+    """True when this task's sequences of the policy are not kept (frozen, budget met, or no room):
+    a workflow may then generate less with it (e.g. fewer samples) where that is all it needs."""
 
     async def generate(self, prompt_ids: list[int], n: int = 1, **overrides: Any) -> list[Completion]:
         """Sample n completions of prompt_ids with the recipe's sampling settings (overridable)."""

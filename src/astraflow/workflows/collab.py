@@ -12,6 +12,9 @@ and for each proposal the solver's group is its `group_size` attempts (`group_ke
 so the solver's baseline compares attempts at the same problem. With both roles mapped to one policy
 (self-play) the two roles get separate baselines (the controller groups by role too).
 
+When the solver's output is not kept for a task (frozen, budget met, or no room), it makes only
+READ_ONLY_TRIES attempts per proposal, enough to score the proposer.
+
 An optional third role, "judge", is typically a frozen policy: it answers every problem once as a
 fixed reference; its success is reported as episode info `judge_solved` and changes no reward.
 """
@@ -27,6 +30,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from astraflow.workflows.base import Episode, PolicyClient, Workflow, completion_sequence
 from astraflow.workflows.quickstart import score
+
+READ_ONLY_TRIES = 2
+"""Solver attempts per proposal when the solver's sequences are not kept (only its success is needed)."""
 
 
 class CollabConfig(BaseModel):
@@ -99,12 +105,13 @@ class CollabWorkflow(Workflow):
             # format credit: each position a digit, and the stop right after the last one
             fmt = score([w if w.isdigit() and len(w) == 1 else "x" for w in words], stopped, digits)
             problems.append((digits, fmt))
+        # a read-only solver (frozen, or its budget met) only scores the proposals: two tries each do
+        tries_each = group_sizes.get("solver", 1)
+        if solver.read_only:
+            tries_each = min(tries_each, READ_ONLY_TRIES)
         attempts = await asyncio.gather(
             *(
-                solver.generate(
-                    list(solver.tokenizer.encode("copy " + " ".join(d) + " =")),
-                    n=group_sizes.get("solver", 1),
-                )
+                solver.generate(list(solver.tokenizer.encode("copy " + " ".join(d) + " =")), n=tries_each)
                 for d, _ in problems
             )
         )
@@ -136,13 +143,17 @@ class CollabWorkflow(Workflow):
             solved = sum(s.reward for s in solver_seqs) / len(solver_seqs)
             w = self.config.solver_weight
             reward = (1 - w) * fmt + w * solved
-            info = {"well_formed": 1.0 if fmt >= 1.0 else 0.0, "solved": solved}
+            info: dict[str, str | int | float | bool | None] = {
+                "well_formed": 1.0 if fmt >= 1.0 else 0.0,
+                "solved": solved,
+            }
             seqs = [completion_sequence(proposer, prompt, c, reward=reward, role="proposer"), *solver_seqs]
             if judge is not None:
                 (v,) = verdicts[i]
                 words, stopped = _words(judge, list(v.token_ids))
-                info["judge_solved"] = score(words, stopped, digits)
+                judge_solved = score(words, stopped, digits)
+                info["judge_solved"] = judge_solved
                 jprompt = list(judge.tokenizer.encode("copy " + " ".join(digits) + " ="))
-                seqs.append(completion_sequence(judge, jprompt, v, reward=info["judge_solved"], role="judge"))
+                seqs.append(completion_sequence(judge, jprompt, v, reward=judge_solved, role="judge"))
             episodes.append(Episode(sequences=seqs, info=info))
         return episodes

@@ -1,0 +1,54 @@
+"""`astraflow bench pipeline`: the same recipe lock-step and asynchronously, through `astraflow up`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_bench_pipeline_runs_sync_then_async_and_compares(tiny_model: Path, tmp_path: Path) -> None:
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "astraflow",
+            "bench",
+            "pipeline",
+            str(ROOT / "recipes/collab/bench.toml"),
+            "--out",
+            str(tmp_path / "bench"),
+            "--json",
+            "--set",
+            f'policy.model="{tiny_model}"',  # both policies start from the same init here
+            "--set",
+            "policy.0.steps=2",
+            "--set",
+            "policy.1.steps=4",
+            "--set",
+            "policy.0.trainer_sleep_s=0.5",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    summary = json.loads(out.stdout)
+    runs = {r["mode"]: r for r in summary["runs"]}
+    assert list(runs) == ["sync", "async"] and all(r["ok"] for r in runs.values())
+    for r in runs.values():
+        assert r["policies"]["proposer"]["steps"] == 2 and r["policies"]["solver"]["steps"] == 4
+        assert 0.0 <= r["raas_idle"] <= 1.0 and r["steps_per_s"] > 0
+    # lock-step: a round is exactly the proposer's batch, trained on the weights it was sampled with
+    assert runs["sync"]["policies"]["proposer"]["staleness_max"] == 0
+    resolved = json.loads((tmp_path / "bench/sync/recipe.resolved.json").read_text())
+    assert resolved["run"]["mode"] == "sync"
+    assert summary["throughput_ratio"] > 0 and set(summary["per_policy_speedup"]) == {"proposer", "solver"}
+    assert "async / sync throughput" in out.stderr
