@@ -33,7 +33,9 @@ if TYPE_CHECKING:
 _log = log.get("transport.client")
 
 REOPEN_AFTER_S = 6.0
-"""Seconds without any answer to Hello after which the member dials on a new connection."""
+"""Seconds without any answer to Hello after which the member dials on a new connection (then 12, 24...)."""
+REOPEN_MAX_S = 60.0
+"""The longest wait between two reopens."""
 
 
 @dataclass
@@ -55,6 +57,8 @@ class MemberLoop:
         self.reopen = reopen
         """Makes a fresh connected socket: used when a Hello goes unanswered for REOPEN_AFTER_S."""
         self.opened = time.monotonic()
+        self.reopen_after = REOPEN_AFTER_S
+        """Silence before the next reopen; doubles each time (a slow controller is not a lost route)."""
         self.poller = zmq.Poller()
         self.pending: dict[int, Pending] = {}
         self.outbox: deque[Msg] = deque()
@@ -139,8 +143,9 @@ class MemberLoop:
             return
         self.hung_logged = False
         if not self.joined:
-            if self.hello_rid and now - max(self.opened, c.last_heard) > REOPEN_AFTER_S:
+            if self.hello_rid and now - max(self.opened, c.last_heard) > self.reopen_after:
                 self._reopen()
+                self.reopen_after = min(2 * self.reopen_after, REOPEN_MAX_S)
             # Hello lost on a dropped connection, or the controller came back: ask again
             if self.hello_rid and now - self.hello_sent > max(1.0, 2 * c.heartbeat_interval_s):
                 self._send_hello()
@@ -220,6 +225,7 @@ class MemberLoop:
             self._merge_versions(msg.versions)
             if msg.rid == self.hello_rid:
                 self.joined = True
+                self.reopen_after = REOPEN_AFTER_S
                 self.hello_rid = 0
                 self.next_beat = time.monotonic() + c.heartbeat_interval_s
                 for p in self.backlog:
