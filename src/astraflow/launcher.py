@@ -277,7 +277,9 @@ def run_up(recipe: Any, run_dir: Path, *, offline: bool = False, max_raas_restar
     member_keys = throwaway_keys(
         run_dir / "keys",
         [(f"trainer-{p.name}", "trainer", p.name) for p in recipe.policy]
-        + [(f"raas-{i}", "raas", None) for i in range(recipe.rollout.local_workers)],
+        + [(f"raas-{i}", "raas", None) for i in range(recipe.rollout.local_workers)]
+        # for `astraflow status --controller ADDR --key RUN/keys/members/observer.key_secret ...`
+        + [("observer", "observer", None)],
     )
     try:
         # the controller authenticates with <run-dir>/keys, which it finds by itself

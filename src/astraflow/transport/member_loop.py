@@ -33,7 +33,10 @@ if TYPE_CHECKING:
 _log = log.get("transport.client")
 
 REOPEN_AFTER_S = 6.0
-"""Seconds without any answer to Hello after which the member dials on a new connection."""
+"""Seconds of silence from the controller, while expecting an answer, after which the member dials on a
+new connection; doubles on each reopen without an answer in between."""
+REOPEN_MAX_S = 60.0
+"""The longest wait between two reopens."""
 
 
 @dataclass
@@ -53,8 +56,10 @@ class MemberLoop:
         self.c = client
         self.sock = sock
         self.reopen = reopen
-        """Makes a fresh connected socket: used when a Hello goes unanswered for REOPEN_AFTER_S."""
+        """Makes a fresh connected socket (see _reopen)."""
         self.opened = time.monotonic()
+        self.reopen_after = REOPEN_AFTER_S
+        """Silence before the next reopen; doubles each time (a slow controller is not a lost route)."""
         self.poller = zmq.Poller()
         self.pending: dict[int, Pending] = {}
         self.outbox: deque[Msg] = deque()
@@ -132,6 +137,12 @@ class MemberLoop:
         if now < self.next_beat:
             return
         self.next_beat = now + c.heartbeat_interval_s
+        # expecting an answer (a request in flight, or heartbeats going out) and hearing nothing: the
+        # connection may be one the controller's ROUTER ignores (see _reopen); dial again
+        waiting = bool(self.pending) or (self.joined and not c.hung)
+        if waiting and now - max(self.opened, c.last_heard) > self.reopen_after:
+            self._reopen()
+            self.reopen_after = min(2 * self.reopen_after, REOPEN_MAX_S)
         if c.hung:
             if not self.hung_logged:
                 _log.warning("owner loop silent for %.0fs: heartbeats stopped", c.hang_timeout_s)
@@ -139,8 +150,6 @@ class MemberLoop:
             return
         self.hung_logged = False
         if not self.joined:
-            if self.hello_rid and now - max(self.opened, c.last_heard) > REOPEN_AFTER_S:
-                self._reopen()
             # Hello lost on a dropped connection, or the controller came back: ask again
             if self.hello_rid and now - self.hello_sent > max(1.0, 2 * c.heartbeat_interval_s):
                 self._send_hello()
@@ -154,9 +163,13 @@ class MemberLoop:
 
     def _reopen(self) -> None:
         """Dial again on a fresh connection. The controller's ROUTER ignores a connection that claims
-        a routing id still held by an older one (no handover), and such a connection stays ignored
-        even after the old one is gone; a new connection is accepted once the old one has closed."""
-        _log.info("no answer from %s: opening a new connection", self.c.controller)
+        a routing id still held by an older one (no handover; e.g. a reconnect that it sees before the
+        old connection's close), and such a connection stays ignored even after the old one is gone;
+        a new connection is accepted once the old one has closed. Replies owed on the old connection
+        are lost: those requests time out and their callers retry."""
+        _log.info(
+            "no answer from %s for %.0fs: opening a new connection", self.c.controller, self.reopen_after
+        )
         self.poller.unregister(self.sock)
         self.sock.close(0)
         self.sock = self.reopen()
@@ -206,6 +219,7 @@ class MemberLoop:
                 _log.warning("ignored an undecodable reply: %s", exc)
                 continue
             self.c.last_heard = time.monotonic()
+            self.reopen_after = REOPEN_AFTER_S
             self._handle(msg)
 
     def _handle(self, msg: Msg) -> None:
