@@ -32,7 +32,7 @@ def _versions(peer: Peer) -> dict[str, int]:
 @pytest.mark.chaos
 @pytest.mark.timeout(900)  # several processes on 2 shared cores
 def test_attacks_fail_and_the_run_finishes(tiny_model: Path, tmp_path: Path) -> None:
-    steps, slots = 8, 4
+    steps, slots = 12, 4
     overrides = (
         "policy.batch_prompts=4",
         "policy.group_size=8",
@@ -113,16 +113,27 @@ def test_attacks_fail_and_the_run_finishes(tiny_model: Path, tmp_path: Path) -> 
         assert isinstance(big.hello("raas", hardware="x" * 9_000_000), m.Welcome)
         big.close()
 
-        # the real workers; once both hold work, one leaves by `astraflow leave` and one by SIGTERM:
-        # both drain (finish or return their leases) and exit 0
+        # the real workers and trainer, and an impostor trainer as soon as the real one is there
         workers = [c.raas(i) for i in range(3)]
+        trainer = c.trainer()
+        impostor = Peer(ctx, c.addr, "trainer-evil")
         deadline = time.monotonic() + 400
+        while time.monotonic() < deadline:
+            doc = impostor.ask(m.StatusRequest()).status  # type: ignore[attr-defined]
+            if any(mm["id"] == "trainer-main" and mm["status"] == "alive" for mm in doc["members"]):
+                break
+            time.sleep(0.05)
+        r = impostor.hello("trainer")
+        assert isinstance(r, m.Error) and r.code == "trainer_taken", r
+
+        # once both hold work, one worker leaves by `astraflow leave` and one by SIGTERM:
+        # both drain (finish or return their leases) and exit 0, while raas-0 finishes the run
         while time.monotonic() < deadline:
             with ro(c.run_dir) as db:
                 busy = {r[0] for r in db.execute("SELECT DISTINCT owner FROM tasks WHERE status != 'queued'")}
             if {"raas-1", "raas-2"} <= busy:
                 break
-            time.sleep(0.2)
+            time.sleep(0.1)
         assert {"raas-1", "raas-2"} <= busy, c.log("raas-1.log")
         out = subprocess.run(
             [sys.executable, "-m", "astraflow", "leave", "raas-1", "--controller", c.addr],
@@ -135,18 +146,6 @@ def test_attacks_fail_and_the_run_finishes(tiny_model: Path, tmp_path: Path) -> 
         workers[2].send_signal(signal.SIGTERM)
         assert workers[1].wait(timeout=120) == 0, c.log("raas-1.log")
         assert workers[2].wait(timeout=120) == 0, c.log("raas-2.log")
-
-        # the real trainer, and an impostor trainer as soon as it is there
-        trainer = c.trainer()
-        impostor = Peer(ctx, c.addr, "trainer-evil")
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            doc = impostor.ask(m.StatusRequest()).status  # type: ignore[attr-defined]
-            if any(mm["id"] == "trainer-main" and mm["status"] == "alive" for mm in doc["members"]):
-                break
-            time.sleep(0.05)
-        r = impostor.hello("trainer")
-        assert isinstance(r, m.Error) and r.code == "trainer_taken", r
         rogue.close()
         impostor.close()
 
