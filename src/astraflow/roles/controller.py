@@ -283,7 +283,8 @@ class Controller:
             if prev is not None and (prev.get("pid") != msg.pid or prev.get("host") != msg.host):
                 # a new process under an id that fell silent holds none of the old one's tasks
                 released = self.ledger.release_member(msg.member_id)
-            self.draining.discard(msg.member_id)
+                # a drain was asked of the old process; the same process rejoining stays draining
+                self.draining.discard(msg.member_id)
             self.store.upsert_member(
                 msg.member_id,
                 msg.role,
