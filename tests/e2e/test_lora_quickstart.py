@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_lora_run_learns_the_quickstart(tiny_model: Path, tmp_path: Path) -> None:
     pytest.importorskip("peft")
     run_dir = tmp_path / "run"
