@@ -170,7 +170,7 @@ class TorchTrainer(Trainer):
             )
         opt = policy.optimizer
         # The fused CUDA kernel: one launch per step instead of several per parameter group.
-        fused = {"fused": True} if self.device.type == "cuda" else {}
+        fused = {"fused": True} if self.device.type == "cuda" and not self.sharded else {}
         self.optimizer = torch.optim.AdamW(
             self._params, lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay, **fused
         )
