@@ -151,7 +151,9 @@ class TorchTrainer(Trainer):
         self._compute = compute
         self.ref_model: Any = None
         self._ref_lm: PolicyLM | None = None
-        if self.loss.needs_ref and cfg.lora is None:
+        # With plain LoRA the reference is the same model with its adapters off; parameters trained in
+        # full (also_train) would move it, so then a frozen copy is kept instead.
+        if self.loss.needs_ref and (cfg.lora is None or cfg.lora.also_train):
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
             self._ref_lm = PolicyLM(self.ref_model, chunk=cfg.logprob_chunk)
             if self.sharded:
