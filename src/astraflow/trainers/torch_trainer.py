@@ -67,7 +67,7 @@ class TorchTrainerConfig(BaseModel):
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass to save memory."""
     compile: bool = False
-    """torch.compile each decoder layer (fuses norms, rotary, activations; the first steps compile)."""
+    """torch.compile each decoder layer and the logprob arithmetic over the vocabulary (first steps compile)."""
     lora: LoraOptions | None = None
     """Train LoRA adapters (peft) instead of every weight; engines get merged dense weights."""
 
@@ -161,7 +161,7 @@ class TorchTrainer(Trainer):
         if cfg.lora is not None:
             model = lora.wrap(model, cfg.lora, seed=seed)
         self.model: Any = model
-        self.policy_lm = PolicyLM(model, chunk=cfg.logprob_chunk)
+        self.policy_lm = PolicyLM(model, chunk=cfg.logprob_chunk, fused=cfg.compile)
         if self.sharded:
             dist.shard(self.policy_lm, decoder_layers(model), compute)
         self._params = [p for p in self.policy_lm.parameters() if p.requires_grad]
