@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_lora_run_learns_the_quickstart(tiny_model: Path, tmp_path: Path) -> None:
     pytest.importorskip("peft")
     run_dir = tmp_path / "run"
@@ -32,11 +33,11 @@ def test_lora_run_learns_the_quickstart(tiny_model: Path, tmp_path: Path) -> Non
             "--set",
             'policy.trainer_options={lora={rank=16, alpha=32, also_train=["embed_tokens", "norm"]}}',
             "--set",
-            "policy.optimizer.lr=2e-2",
+            "policy.optimizer.lr=5e-3",
             "--set",
             "policy.batch_prompts=16",
             "--set",
-            "run.steps=40",
+            "run.steps=60",
         ],
         capture_output=True,
         text=True,
@@ -45,9 +46,9 @@ def test_lora_run_learns_the_quickstart(tiny_model: Path, tmp_path: Path) -> Non
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    assert [r["step"] for r in recs] == list(range(1, 41))
+    assert [r["step"] for r in recs] == list(range(1, 61))
     rewards = [r["reward_mean"] for r in recs]
-    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    first, last = sum(rewards[:6]) / 6, sum(rewards[-6:]) / 6
     print(f"lora quickstart: reward {first:.3f} -> {last:.3f}")
     assert last > first + 0.1, rewards
     # The trainer really ran LoRA: its log names the adapters' parameter count.

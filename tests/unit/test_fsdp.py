@@ -67,3 +67,13 @@ def test_fsdp_two_ranks_match_one_process_and_resume_exactly(tmp_path: Path) -> 
     straight, resumed = res["straight"], res["resumed"]
     assert straight.keys() == resumed.keys() and "lm_head.weight" in straight
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+
+
+def test_ranks_get_the_same_command_line_without_nproc() -> None:
+    from astraflow.roles.trainer_ranks import torchrun_argv, without_nproc
+
+    args = ["join", "--role", "trainer", "--nproc", "2", "--policy", "main", "--nproc=3", "--keys", "k"]
+    assert without_nproc(args) == ["join", "--role", "trainer", "--policy", "main", "--keys", "k"]
+    argv = torchrun_argv(2, without_nproc(args))
+    assert argv[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    assert argv[5:] == ["-m", "astraflow", *without_nproc(args)]

@@ -191,19 +191,7 @@ def join(
             from astraflow.roles.trainer_ranks import exec_torchrun, world_from_env
 
             if world_from_env() == 1:
-                args = ["--role", "trainer", "--controller", controller, "--policy", policy[0]]
-                args += ["--region", region, "--connect-timeout", str(connect_timeout)]
-                for flag, value in (
-                    ("--member-id", member_id),
-                    ("--checkpoint-dir", checkpoint_dir),
-                    ("--advertise", advertise),
-                    ("--key", key),
-                    ("--controller-key", controller_key),
-                    ("--keys", keys),
-                ):
-                    if value is not None:
-                        args += [flag, str(value)]
-                exec_torchrun(nproc, args)
+                exec_torchrun(nproc)
         from astraflow.roles.trainer import run_trainer
 
         sys.exit(

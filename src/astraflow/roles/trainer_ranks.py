@@ -20,8 +20,22 @@ from astraflow.trainers import distributed as dist
 _log = log.get("trainer.ranks")
 
 
-def torchrun_argv(nproc: int, join_args: list[str]) -> list[str]:
-    """The command that starts `astraflow join JOIN_ARGS` as `nproc` ranks on this machine."""
+def without_nproc(args: list[str]) -> list[str]:
+    """Command-line arguments with `--nproc N` / `--nproc=N` removed (the ranks must not re-launch)."""
+    out: list[str] = []
+    skip = False
+    for a in args:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            out.append(a)
+    return out
+
+
+def torchrun_argv(nproc: int, args: list[str]) -> list[str]:
+    """The command that starts `astraflow ARGS` as `nproc` ranks on this machine."""
     return [
         sys.executable,
         "-m",
@@ -30,14 +44,14 @@ def torchrun_argv(nproc: int, join_args: list[str]) -> list[str]:
         f"--nproc-per-node={nproc}",
         "-m",
         "astraflow",
-        "join",
-        *join_args,
+        *args,
     ]
 
 
-def exec_torchrun(nproc: int, join_args: list[str]) -> None:
-    """Replace this process with torchrun running `nproc` trainer ranks (never returns)."""
-    argv = torchrun_argv(nproc, join_args)
+def exec_torchrun(nproc: int) -> None:
+    """Replace this process with torchrun running this same command line as `nproc` ranks (never
+    returns); every option given is passed on as it was, except --nproc."""
+    argv = torchrun_argv(nproc, without_nproc(sys.argv[1:]))
     _log.info("starting %d trainer ranks: %s", nproc, shlex.join(argv))
     os.execv(argv[0], argv)
 

@@ -42,10 +42,48 @@ def _unfiltered(top_p: torch.Tensor, top_k: torch.Tensor, vocab: int) -> bool:
     return not bool(((top_p < 1.0) | ((top_k > 0) & (top_k < vocab))).any())
 
 
-def _tempered(logits: torch.Tensor, temperature: torch.Tensor, unit: bool) -> torch.Tensor:
-    """logits / temperature in float32 (no division when `unit`: every temperature is 1)."""
-    x = logits.float()
-    return x if unit else x / temperature.reshape(-1, 1)
+def _plain_stats(
+    logits: torch.Tensor, targets: torch.Tensor, inv_temp: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logp, entropy) of `targets` under softmax(logits * inv_temp) (no top-p/top-k)."""
+    x = logits.float() * inv_temp.unsqueeze(-1)
+    lse = torch.logsumexp(x, dim=-1)
+    logp = x.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    # H = lse - sum(softmax(x) * x)
+    ent = lse - (torch.softmax(x, dim=-1) * x).sum(-1)
+    return logp, ent
+
+
+def _plain_grad(
+    logits: torch.Tensor, targets: torch.Tensor, inv_temp: torch.Tensor, g: torch.Tensor
+) -> torch.Tensor:
+    """d(sum g * logp) / d logits = g * (onehot(target) - softmax(x)) / temperature, in logits' dtype."""
+    gt = (g * inv_temp).unsqueeze(-1)
+    gl = torch.softmax(logits.float() * inv_temp.unsqueeze(-1), dim=-1).mul_(-gt)
+    gl.scatter_add_(-1, targets.unsqueeze(-1), gt)
+    return gl.to(logits.dtype)
+
+
+def _plain_grad_fusable(
+    logits: torch.Tensor, targets: torch.Tensor, inv_temp: torch.Tensor, g: torch.Tensor
+) -> torch.Tensor:
+    """_plain_grad written without in-place ops, so torch.compile fuses it into few kernels."""
+    x = logits.float() * inv_temp.unsqueeze(-1)
+    onehot = torch.arange(x.shape[-1], device=x.device).unsqueeze(0) == targets.unsqueeze(-1)
+    return ((onehot.float() - torch.softmax(x, dim=-1)) * (g * inv_temp).unsqueeze(-1)).to(logits.dtype)
+
+
+_COMPILED: dict[str, Any] = {}
+
+
+def _kernel(name: str, fused: bool) -> Any:
+    """`_plain_stats` / `_plain_grad`, fused into a few kernels by torch.compile when `fused`."""
+    if not fused:
+        return {"stats": _plain_stats, "grad": _plain_grad}[name]
+    if name not in _COMPILED:
+        fn: Any = {"stats": _plain_stats, "grad": _plain_grad_fusable}[name]
+        _COMPILED[name] = torch.compile(fn, dynamic=True)
+    return _COMPILED[name]
 
 
 class ChunkedTokenLogprobs(torch.autograd.Function):
@@ -67,23 +105,20 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         top_p: torch.Tensor,
         top_k: torch.Tensor,
         chunk: int,
+        fused: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         n, vocab = hidden.shape[0], weight.shape[0]
         logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
         ent = torch.empty(n, dtype=torch.float32, device=hidden.device)
         # Decided once per call (each check is a device sync), not per chunk.
         plain = _unfiltered(top_p, top_k, vocab)
-        unit = not bool((temperature != 1.0).any())
+        inv_temp = 1.0 / temperature
+        stats = _kernel("stats", fused)
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
             tgt = targets[s:e].unsqueeze(-1)
             if plain:
-                x = _tempered(hidden[s:e] @ weight.t(), temperature[s:e], unit)
-                lse = torch.logsumexp(x, dim=-1)
-                logp[s:e] = x.gather(-1, tgt).squeeze(-1) - lse
-                # H = lse - sum(softmax(x) * x)
-                ent[s:e] = lse - (torch.softmax(x, dim=-1) * x).sum(-1)
-                del x
+                logp[s:e], ent[s:e] = stats(hidden[s:e] @ weight.t(), targets[s:e], inv_temp[s:e])
             else:
                 lp = _chunk_logprobs(
                     hidden[s:e], weight, targets[s:e], temperature[s:e], top_p[s:e], top_k[s:e]
@@ -92,7 +127,7 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
                 ent[s:e] = _entropy(lp)
                 del lp
         ctx.save_for_backward(hidden, weight, targets, temperature, top_p, top_k)
-        ctx.chunk, ctx.plain, ctx.unit = chunk, plain, unit
+        ctx.chunk, ctx.plain, ctx.fused = chunk, plain, fused
         # The backward pass recomputes the logits: under the same autocast as this forward pass.
         dev = hidden.device.type
         ctx.autocast = (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
@@ -116,10 +151,7 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
                 if ctx.plain:
                     # d logp / d logits = (onehot(target) - softmax(x)) / temperature
                     logits = h @ weight.t()
-                    gt = (g if ctx.unit else g / temperature[s:e]).unsqueeze(-1)
-                    gl = torch.softmax(_tempered(logits, temperature[s:e], ctx.unit), dim=-1).mul_(-gt)
-                    gl.scatter_add_(-1, targets[s:e].unsqueeze(-1), gt)
-                    gl = gl.to(logits.dtype)
+                    gl = _kernel("grad", ctx.fused)(logits, targets[s:e], 1.0 / temperature[s:e], g)
                     if need_h:
                         assert grad_h is not None
                         grad_h[s:e] = (gl @ weight.to(gl.dtype)).to(grad_h.dtype)
@@ -141,7 +173,7 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
                 assert grad_w is not None
                 grad_w += next(grads).float()
         gw = grad_w.to(weight.dtype) if grad_w is not None else None
-        return grad_h, gw, None, None, None, None, None
+        return grad_h, gw, None, None, None, None, None, None
 
 
 def chunked_token_logprobs(
@@ -153,13 +185,15 @@ def chunked_token_logprobs(
     top_k: torch.Tensor,
     *,
     chunk: int = 2048,
+    fused: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(logp, entropy), each [N] float32, of `targets` [N] given hidden states [N, H] and the output
-    embedding [V, H], under each token's processed sampling distribution (settings [N])."""
+    embedding [V, H], under each token's processed sampling distribution (settings [N]); `fused`
+    compiles the element-wise work over the vocabulary (torch.compile) for chunks without filters."""
     if hidden.shape[0] == 0:
         z = hidden.new_zeros(0, dtype=torch.float32) + 0 * weight.sum()
         return z, z.detach()
-    out = ChunkedTokenLogprobs.apply(hidden, weight, targets, temperature, top_p, top_k, max(1, chunk))
+    out = ChunkedTokenLogprobs.apply(hidden, weight, targets, temperature, top_p, top_k, max(1, chunk), fused)
     return out[0], out[1]
 
 

@@ -41,7 +41,7 @@ def decoder_layers(model: Any) -> list[nn.Module]:
 class PolicyLM(nn.Module):
     """Logprobs (with grad) and entropies (without) of a micro-batch's trained tokens."""
 
-    def __init__(self, model: Any, *, chunk: int = 2048) -> None:
+    def __init__(self, model: Any, *, chunk: int = 2048, fused: bool = False) -> None:
         super().__init__()
         self.model = model
         lm = causal_lm(model)
@@ -52,6 +52,7 @@ class PolicyLM(nn.Module):
                     hint="use a model whose logits are hidden states x output embedding",
                 )
         self.chunk = chunk
+        self.fused = fused
 
     def hidden(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None
@@ -77,6 +78,7 @@ class PolicyLM(nn.Module):
             mb.top_p,
             mb.top_k,
             chunk=self.chunk,
+            fused=self.fused,
         )
         b, length = mb.view_shape
         if b == 0:

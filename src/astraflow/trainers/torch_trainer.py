@@ -67,7 +67,7 @@ class TorchTrainerConfig(BaseModel):
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass to save memory."""
     compile: bool = False
-    """torch.compile each decoder layer (fuses norms, rotary, activations; the first steps compile)."""
+    """torch.compile each decoder layer and the logprob arithmetic over the vocabulary (first steps compile)."""
     lora: LoraOptions | None = None
     """Train LoRA adapters (peft) instead of every weight; engines get merged dense weights."""
 
@@ -151,7 +151,9 @@ class TorchTrainer(Trainer):
         self._compute = compute
         self.ref_model: Any = None
         self._ref_lm: PolicyLM | None = None
-        if self.loss.needs_ref and cfg.lora is None:
+        # With plain LoRA the reference is the same model with its adapters off; parameters trained in
+        # full (also_train) would move it, so then a frozen copy is kept instead.
+        if self.loss.needs_ref and (cfg.lora is None or cfg.lora.also_train):
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
             self._ref_lm = PolicyLM(self.ref_model, chunk=cfg.logprob_chunk)
             if self.sharded:
@@ -159,7 +161,7 @@ class TorchTrainer(Trainer):
         if cfg.lora is not None:
             model = lora.wrap(model, cfg.lora, seed=seed)
         self.model: Any = model
-        self.policy_lm = PolicyLM(model, chunk=cfg.logprob_chunk)
+        self.policy_lm = PolicyLM(model, chunk=cfg.logprob_chunk, fused=cfg.compile)
         if self.sharded:
             dist.shard(self.policy_lm, decoder_layers(model), compute)
         self._params = [p for p in self.policy_lm.parameters() if p.requires_grad]
@@ -170,7 +172,7 @@ class TorchTrainer(Trainer):
             )
         opt = policy.optimizer
         # The fused CUDA kernel: one launch per step instead of several per parameter group.
-        fused = {"fused": True} if self.device.type == "cuda" else {}
+        fused = {"fused": True} if self.device.type == "cuda" and not self.sharded else {}
         self.optimizer = torch.optim.AdamW(
             self._params, lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay, **fused
         )
