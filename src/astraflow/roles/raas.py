@@ -32,17 +32,15 @@ class EnginePolicyClient:
 
     async def generate(self, prompt_ids: list[int], n: int = 1, **overrides: Any) -> list[Completion]:
         """Sample n completions with the recipe's sampling settings (overridable per call)."""
-        reqs = [
-            GenerationRequest(
-                prompt_ids=list(prompt_ids),
-                max_new_tokens=int(overrides.get("max_new_tokens", self.sampling.max_new_tokens)),
-                temperature=float(overrides.get("temperature", self.sampling.temperature)),
-                top_p=float(overrides.get("top_p", self.sampling.top_p)),
-                stop_ids=list(overrides.get("stop_ids", self.stop_ids)),
-            )
-            for _ in range(n)
-        ]
-        return await self.engine.generate(reqs)
+        req = GenerationRequest(
+            prompt_ids=list(prompt_ids),
+            max_new_tokens=int(overrides.get("max_new_tokens", self.sampling.max_new_tokens)),
+            temperature=float(overrides.get("temperature", self.sampling.temperature)),
+            top_p=float(overrides.get("top_p", self.sampling.top_p)),
+            stop_ids=list(overrides.get("stop_ids", self.stop_ids)),
+        )
+        # One n-sample call, so an engine can prefill the prompt once for the whole group.
+        return await self.engine.generate_n(req, n) if n > 1 else await self.engine.generate([req])
 
 
 class RaaS:
