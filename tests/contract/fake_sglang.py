@@ -9,12 +9,13 @@ ignore_eos, sampling_seed) and return_logprob, and answers output_ids plus meta_
 TEMPERED distribution, weight_version); /pause_generation {"mode": "abort"} returns every in-flight
 request with what it has and holds new ones until /continue_generation; /update_weights_from_disk
 {model_path, weight_version}; /flush_cache; /abort_request {rid}; /get_server_info
-(max_running_requests). It has no KV or prefix cache (every step is a full forward), so /flush_cache
+(max_running_requests). It keeps only a per-request KV cache (no shared prefix cache), so /flush_cache
 does nothing here: the plugin's cache handling is only as right as SGLang's documentation.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -26,6 +27,10 @@ import torch
 from astraflow.engines.sampling import processed_logprobs
 
 
+class _Server(ThreadingHTTPServer):
+    request_queue_size = 128  # the default backlog of 5 resets connections when many calls arrive at once
+
+
 class FakeSglangServer:
     """FAKE SGLang HTTP server on 127.0.0.1 (see the module docstring for what it implements)."""
 
@@ -33,6 +38,10 @@ class FakeSglangServer:
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        # transformers renamed past_key_values to cache; use whichever this version takes.
+        self._cache_kw = (
+            "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        )
         self.max_running_requests = max_running_requests
         self.weight_version = "default"
         self._model_lock = threading.Lock()
@@ -43,7 +52,7 @@ class FakeSglangServer:
         self._aborted: set[str] = set()
         self.calls: list[str] = []
         """Paths called, in order (the tests read the update sequence from it)."""
-        self._http = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self._http = _Server(("127.0.0.1", 0), self._handler())
         self._http.daemon_threads = True
         self._thread = threading.Thread(target=self._http.serve_forever, name="fake-sglang", daemon=True)
 
@@ -133,6 +142,7 @@ class FakeSglangServer:
         lps: list[list[Any]] = []
         finish: dict[str, Any] = {"type": "length", "length": int(sp.get("max_new_tokens", 128))}
         version = self.weight_version
+        past: Any = None
         with self._slots:
             while len(out) < int(sp.get("max_new_tokens", 128)):
                 with self._cond:
@@ -142,7 +152,14 @@ class FakeSglangServer:
                 with self._model_lock:
                     version = self.weight_version
                     with torch.no_grad():
-                        logits = self.model(input_ids=torch.tensor([prompt + out])).logits[0, -1:].float()
+                        # A KV cache per request; an update aborts every request, so no cache outlives its weights.
+                        step = self.model(
+                            input_ids=torch.tensor([(prompt + out)[-1:] if past is not None else prompt]),
+                            use_cache=True,
+                            **{self._cache_kw: past},
+                        )
+                    past = getattr(step, self._cache_kw)
+                    logits = step.logits[0, -1:].float()
                 sample_lp = processed_logprobs(logits, temperature, top_p, max(top_k, 0))[0]
                 tok = int(torch.multinomial(sample_lp.exp(), 1, generator=gen))
                 reported = torch.log_softmax(logits[0] / temperature, dim=-1)[tok]  # SGLang's: tempered only

@@ -251,11 +251,11 @@ class SglangEngine(RolloutEngine):
             if not (isinstance(reply, dict) and reply.get("success")):
                 raise RuntimeError(f"server refused the update: {reply}")
             self._call("POST", "/flush_cache")
-            with self._applied:
-                self._version = version
-                self._applied.notify_all()
         finally:
             self._call("POST", "/continue_generation", {})
+        with self._applied:
+            self._version = version
+            self._applied.notify_all()
         for old in Path(self.config.weights_dir).glob("v*"):
             if old != out and old.is_dir():
                 shutil.rmtree(old, ignore_errors=True)
