@@ -179,7 +179,7 @@ def test_versions_across_a_weight_update_mid_generation(harness: Harness) -> Non
 def test_zz_close_is_clean(harness: Harness) -> None:
     """Last in the module: close the shared engine while it decodes."""
     eng = harness.engine
-    reqs = [GenerationRequest(prompt_ids=[1, 5], max_new_tokens=300, temperature=1.0, seed=7)]
+    reqs = [GenerationRequest(prompt_ids=[1, 5], max_new_tokens=120, temperature=1.0, seed=7)]
 
     async def close_while_decoding() -> Any:
         task = asyncio.ensure_future(eng.generate(reqs))
