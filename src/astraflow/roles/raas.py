@@ -37,19 +37,17 @@ class EnginePolicyClient:
     async def generate(self, prompt_ids: list[int], n: int = 1, **overrides: Any) -> list[Completion]:
         """Sample n completions with the recipe's sampling settings (overridable per call); each
         completion carries the settings it was drawn with."""
-        reqs = [
-            GenerationRequest(
-                prompt_ids=list(prompt_ids),
-                max_new_tokens=int(overrides.get("max_new_tokens", self.sampling.max_new_tokens)),
-                temperature=float(overrides.get("temperature", self.sampling.temperature)),
-                top_p=float(overrides.get("top_p", self.sampling.top_p)),
-                top_k=int(overrides.get("top_k", getattr(self.sampling, "top_k", 0))),
-                stop_ids=list(overrides.get("stop_ids", self.stop_ids)),
-            )
-            for _ in range(n)
-        ]
-        outs = await self.engine.generate(reqs)
-        for req, c in zip(reqs, outs, strict=True):
+        req = GenerationRequest(
+            prompt_ids=list(prompt_ids),
+            max_new_tokens=int(overrides.get("max_new_tokens", self.sampling.max_new_tokens)),
+            temperature=float(overrides.get("temperature", self.sampling.temperature)),
+            top_p=float(overrides.get("top_p", self.sampling.top_p)),
+            top_k=int(overrides.get("top_k", getattr(self.sampling, "top_k", 0))),
+            stop_ids=list(overrides.get("stop_ids", self.stop_ids)),
+        )
+        # One n-sample call, so an engine can prefill the prompt once for the whole group.
+        outs = await self.engine.generate_n(req, n) if n > 1 else await self.engine.generate([req])
+        for c in outs:
             c.temperature, c.top_p, c.top_k = req.temperature, req.top_p, req.top_k
         return outs
 
