@@ -42,6 +42,8 @@ class Sequence(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Nucleus mass the engine sampled with (1.0: off)."""
     top_k: int = 0
     """Top-k the engine sampled with (0: off)."""
+    turns: list[tuple[int, int, bool]] | None = None
+    """Policy turns as (start index, generated tokens, truncated); None: derived from loss_mask runs."""
 
 
 class Episode(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

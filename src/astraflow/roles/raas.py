@@ -32,6 +32,9 @@ class EnginePolicyClient:
 
     async def generate(self, prompt_ids: list[int], n: int = 1, **overrides: Any) -> list[Completion]:
         """Sample n completions with the recipe's sampling settings (overridable per call)."""
+        from astraflow.workflows.transcript import check_overrides
+
+        check_overrides(overrides)
         reqs = [
             GenerationRequest(
                 prompt_ids=list(prompt_ids),
