@@ -12,8 +12,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.fixture(scope="module")
+def bpe_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random-init model with a BPE tokenizer (shared by the smoke runs: byte-level covers code too)."""
+    return _bpe_model(tmp_path_factory.mktemp("models") / "tiny-bpe", ROOT / "recipes/math/data/corpus.txt")
+
+
 def _bpe_model(out: Path, corpus: Path) -> Path:
-    """A tiny random-init model with a BPE tokenizer trained on `corpus`, made by `astraflow model init`."""
     cmd = [sys.executable, "-m", "astraflow", "model", "init", "--preset", "tiny", "--tokenizer", "bpe"]
     cmd += ["--corpus", str(corpus), "--vocab-size", "320", "--out", str(out)]
     subprocess.run(cmd, check=True, capture_output=True, timeout=180)
@@ -30,13 +35,12 @@ def _up(recipe: Path, run_dir: Path, cwd: Path, *sets: str) -> list[dict[str, fl
 
 
 @pytest.mark.slow
-def test_math_smoke_runs_through_up_with_math_verify(tmp_path: Path) -> None:
-    model = _bpe_model(tmp_path / "tiny-math", ROOT / "recipes/math/data/corpus.txt")
+def test_math_smoke_runs_through_up_with_math_verify(bpe_model: Path, tmp_path: Path) -> None:
     recs = _up(
         ROOT / "recipes/math/smoke.toml",
         tmp_path / "run",
         tmp_path,
-        f'policy.model="{model}"',
+        f'policy.model="{bpe_model}"',
         f'dataset.path="{ROOT / "recipes/math/data/arith-smoke.jsonl"}"',
         "run.steps=2",
     )
@@ -44,3 +48,19 @@ def test_math_smoke_runs_through_up_with_math_verify(tmp_path: Path) -> None:
     assert all(0.0 <= r["reward_mean"] <= 1.0 for r in recs)
     logs = "".join(p.read_text() for p in (tmp_path / "run" / "logs").glob("*"))
     assert "task_timeout" not in logs and "failed" not in logs.lower()
+
+
+@pytest.mark.slow
+def test_code_smoke_runs_through_up_with_the_sandbox(bpe_model: Path, tmp_path: Path) -> None:
+    recs = _up(
+        ROOT / "recipes/code/smoke.toml",
+        tmp_path / "run",
+        tmp_path,
+        f'policy.model="{bpe_model}"',
+        "run.steps=2",
+    )
+    assert [r["step"] for r in recs] == [1, 2]
+    logs = "".join(p.read_text() for p in (tmp_path / "run" / "logs").glob("*"))
+    assert "task_timeout" not in logs and "failed" not in logs.lower()
+    # The sandbox really ran (and says which backend): bubblewrap in CI, where .ci/run installs it.
+    assert "falling back" not in logs

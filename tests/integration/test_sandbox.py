@@ -232,3 +232,13 @@ def test_pool_bounds_concurrency_and_isolates_slots(backend: str) -> None:
     assert peak == 3
     if ROOT:
         assert len({r.uid for r in results}) == 3
+
+
+@needs_root
+def test_two_pools_on_one_machine_get_disjoint_uids() -> None:
+    a, b = SandboxPool(SandboxConfig(concurrency=2)), SandboxPool(SandboxConfig(concurrency=2))
+    try:
+        assert {a.slot_uid(0), a.slot_uid(1)}.isdisjoint({b.slot_uid(0), b.slot_uid(1)})
+    finally:
+        a.close()
+        b.close()

@@ -39,8 +39,9 @@ class SandboxConfig(BaseModel):
     """bwrap: bubblewrap namespaces + rlimits; rlimit: rlimits and a separate uid only (weaker: no
     network or filesystem isolation); auto: bwrap when it is installed and works, else rlimit."""
     base_uid: int = Field(1_610_000, ge=1000)
-    """First of the dedicated uids (one per concurrent run: base_uid + slot). Used only when running as
-    root; they must have no passwd entry, so no real account is ever signalled or confused."""
+    """First of the dedicated uids: a pool holds a block of 1024 (base_uid + 1024 * block + slot, one
+    block per pool on the machine, claimed by a lock file). Used only when running as root; they must
+    have no passwd entry, so no real account is ever signalled or confused."""
     concurrency: int = Field(8, ge=1, le=1024)
     """Runs at once in one pool; further runs wait for a free slot."""
     python: str = ""

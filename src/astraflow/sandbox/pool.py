@@ -8,6 +8,7 @@ left the process group. Not root: runs use our own uid, cleanup is the process g
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
 import os
 import pwd
@@ -22,6 +23,13 @@ from astraflow.sandbox import isolation
 from astraflow.sandbox.config import SandboxConfig, SandboxLimits
 
 log = logging.getLogger("astraflow.sandbox")
+
+UID_BLOCK = 1024
+"""uids per pool: base_uid + block * UID_BLOCK + slot (concurrency is at most 1024)."""
+MAX_BLOCKS = 64
+"""Pools at once on one machine."""
+LOCK_DIR = Path(tempfile.gettempdir()) / "astraflow-sandbox-uids"
+"""Lock files that say which uid blocks live pools hold."""
 
 Status = Literal["ok", "error", "timeout", "killed", "output_limit"]
 
@@ -76,6 +84,8 @@ class SandboxPool:
         self._free: asyncio.Queue[int] | None = None
         self._root = Path(tempfile.mkdtemp(prefix="astraflow-sandbox-"))
         os.chmod(self._root, 0o711)
+        self._block = 0
+        self._lock_fd = -1
         self.busy = 0
         """Slots in use now."""
         self.peak_busy = 0
@@ -99,9 +109,23 @@ class SandboxPool:
 
     def slot_uid(self, slot: int) -> int:
         """The uid runs in `slot` use."""
-        return self.config.base_uid + slot if self.as_root else os.getuid()
+        return self.config.base_uid + self._block * UID_BLOCK + slot if self.as_root else os.getuid()
 
     def _claim_uids(self) -> None:
+        # Several pools on one machine (one per RaaS process) each hold a block of uids, claimed by a
+        # lock file held for the pool's life, so no pool ever signals another pool's runs.
+        LOCK_DIR.mkdir(mode=0o700, exist_ok=True)
+        for block in range(MAX_BLOCKS):
+            fd = os.open(LOCK_DIR / f"block-{self.config.base_uid}-{block}", os.O_CREAT | os.O_RDWR, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            self._block, self._lock_fd = block, fd
+            break
+        else:
+            raise SandboxError(f"all {MAX_BLOCKS} sandbox uid blocks are in use on this machine")
         for slot in range(self.config.concurrency):
             uid = self.slot_uid(slot)
             try:
@@ -233,16 +257,26 @@ class SandboxPool:
         # a pidfd says when the program itself exits.
         loop = asyncio.get_running_loop()
         exited = asyncio.Event()
-        pidfd = os.pidfd_open(proc.pid)
-        loop.add_reader(pidfd, exited.set)
+        try:
+            pidfd = os.pidfd_open(proc.pid)
+        except ProcessLookupError:
+            # Already exited and reaped by the loop's child watcher.
+            pidfd = -1
+            exited.set()
+        if pidfd >= 0:
+            loop.add_reader(pidfd, exited.set)
+        if proc.returncode is not None:
+            # Reaped before the pidfd opened (the pid may even be reused): it has exited.
+            exited.set()
         try:
             waits = {asyncio.ensure_future(exited.wait()), asyncio.ensure_future(flood.wait())}
             await asyncio.wait(waits, timeout=lim.wall_s, return_when=asyncio.FIRST_COMPLETED)
             for w in waits:
                 w.cancel()
         finally:
-            loop.remove_reader(pidfd)
-            os.close(pidfd)
+            if pidfd >= 0:
+                loop.remove_reader(pidfd)
+                os.close(pidfd)
         timed_out = not exited.is_set() and not flood.is_set()
         # Whatever happened, nothing of the run may outlive it: its session, then (as root) its uid.
         isolation.kill_group(proc.pid)
@@ -273,8 +307,11 @@ class SandboxPool:
         return status, rc, bytes(out.data), bytes(err.data)
 
     def close(self) -> None:
-        """Remove the pool's scratch directory."""
+        """Remove the pool's scratch directory and give its uid block back."""
         shutil.rmtree(self._root, ignore_errors=True)
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
 
 
 async def _feed(writer: asyncio.StreamWriter, data: bytes) -> None:
