@@ -20,12 +20,30 @@ from astraflow.sandbox import SandboxConfig, SandboxLimits, SandboxPool, Sandbox
 from astraflow.sandbox.isolation import bwrap_path, processes_of_uid
 
 ROOT = os.geteuid() == 0
-BACKENDS = [
-    pytest.param(
-        "bwrap", marks=pytest.mark.skipif(bwrap_path() is None, reason="bubblewrap is not installed")
-    ),
-    "rlimit",
-]
+
+
+def _bwrap_unusable() -> str:
+    """Why bubblewrap cannot run here ("" when it can): not installed, or no user namespaces."""
+    if bwrap_path() is None:
+        return "bubblewrap is not installed"
+
+    async def probe() -> str:
+        pool = SandboxPool(SandboxConfig(backend="bwrap", concurrency=1))
+        try:
+            r = await pool.run("print('ok')")
+            return (
+                ""
+                if r.status == "ok"
+                else f"bubblewrap cannot create its namespaces here: {r.stderr[-200:]!r}"
+            )
+        finally:
+            pool.close()
+
+    return asyncio.run(probe())
+
+
+BWRAP_SKIP = _bwrap_unusable()
+BACKENDS = [pytest.param("bwrap", marks=pytest.mark.skipif(bool(BWRAP_SKIP), reason=BWRAP_SKIP)), "rlimit"]
 needs_root = pytest.mark.skipif(not ROOT, reason="the dedicated sandbox uid needs root")
 
 
@@ -95,7 +113,7 @@ def test_ten_gigabyte_allocation_fails(backend: str) -> None:
     assert r.status == "error"
 
 
-@pytest.mark.skipif(bwrap_path() is None, reason="bubblewrap is not installed")
+@pytest.mark.skipif(bool(BWRAP_SKIP), reason=BWRAP_SKIP)
 def test_cannot_connect_to_a_loopback_listener() -> None:
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
