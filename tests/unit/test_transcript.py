@@ -243,3 +243,20 @@ def test_sync_tool_runs_off_the_event_loop_with_a_timeout() -> None:
     assert not boom.ok and "ZeroDivisionError" in boom.text()
     assert not unknown.ok and "unknown_tool" in unknown.error
     assert threading.active_count() >= 1
+
+
+def test_controller_rejects_turns_that_do_not_fit_the_sequence() -> None:
+    from astraflow.data.turns import turns_problem
+    from astraflow.roles.controller import _malformed
+
+    base = _fields(
+        Sequence(
+            policy="main", tokens=[1, 2, 3, 4], loss_mask=[0, 1, 1, 0], logprobs=[0.0] * 4, versions=[0] * 4
+        )
+    )
+    good = Sequence(**{**base, "turns": [(1, 2, False)]})
+    assert turns_problem(good) == "" and _malformed([Episode(sequences=[good])]) == ""
+    outside = Sequence(**{**base, "turns": [(3, 5, False)]})
+    masked = Sequence(**{**base, "turns": [(0, 2, False)]})
+    assert "outside" in _malformed([Episode(sequences=[outside])])
+    assert "loss_mask 0" in _malformed([Episode(sequences=[masked])])

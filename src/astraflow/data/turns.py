@@ -44,3 +44,18 @@ def sequence_turns(seq: Sequence, max_new_tokens: int) -> list[Turn]:
     if seq.turns is not None:
         return [Turn(int(s), int(n), bool(t)) for s, n, t in seq.turns]
     return [Turn(s, n, n >= max_new_tokens) for s, n in mask_runs(seq.loss_mask)]
+
+
+def turns_problem(seq: Sequence) -> str:
+    """Why `seq.turns` cannot describe `seq` ('' when it can or is absent): each turn must lie inside
+    the tokens, on loss-mask 1 only, in order and without overlap."""
+    if seq.turns is None:
+        return ""
+    end = 0
+    for k, (start, length, _) in enumerate(seq.turns):
+        if start < end or length < 0 or start + length > len(seq.tokens):
+            return f"turn {k} ({start}, {length}) is out of order or outside the {len(seq.tokens)} tokens"
+        if not all(seq.loss_mask[start : start + length]):
+            return f"turn {k} covers tokens with loss_mask 0"
+        end = start + length
+    return ""

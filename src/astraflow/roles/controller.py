@@ -18,6 +18,7 @@ from typing import Any, cast
 from astraflow import log
 from astraflow.config.load import role_map
 from astraflow.config.recipe import Recipe
+from astraflow.data.turns import turns_problem
 from astraflow.dataflow.admission import Admission, PolicyLimits
 from astraflow.dataflow.buffer import Buffer
 from astraflow.dataflow.ledger import Ledger, TaskRow
@@ -432,6 +433,8 @@ def _malformed(episodes: list[m.Episode]) -> str:
             n = len(s.tokens)
             if not (len(s.loss_mask) == len(s.logprobs) == len(s.versions) == n):
                 return f"episode {i} sequence {j}: tokens/loss_mask/logprobs/versions lengths differ"
+            if problem := turns_problem(s):
+                return f"episode {i} sequence {j}: {problem}"
     return ""
 
 
