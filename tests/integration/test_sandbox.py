@@ -260,3 +260,22 @@ def test_two_pools_on_one_machine_get_disjoint_uids() -> None:
     finally:
         a.close()
         b.close()
+
+
+@needs_root
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cancelled_run_is_killed(backend: str) -> None:
+    async def go() -> int:
+        pool = SandboxPool(SandboxConfig(backend=backend, concurrency=1))  # type: ignore[arg-type]
+        try:
+            task = asyncio.ensure_future(pool.run("import time\ntime.sleep(120)"))
+            await asyncio.sleep(1.0)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            return pool.slot_uid(0)
+        finally:
+            pool.close()
+
+    uid = asyncio.run(go())
+    assert processes_of_uid(uid) == []

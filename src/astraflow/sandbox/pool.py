@@ -268,12 +268,21 @@ class SandboxPool:
         if proc.returncode is not None:
             # Reaped before the pidfd opened (the pid may even be reused): it has exited.
             exited.set()
+        waits = {asyncio.ensure_future(exited.wait()), asyncio.ensure_future(flood.wait())}
         try:
-            waits = {asyncio.ensure_future(exited.wait()), asyncio.ensure_future(flood.wait())}
             await asyncio.wait(waits, timeout=lim.wall_s, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            # Cancelled (the task's episode was abandoned): the run must not outlive it either.
+            isolation.kill_group(proc.pid)
+            if self.as_root:
+                isolation.kill_uid(uid)
+            feeder.cancel()
+            out.task.cancel()
+            err.task.cancel()
+            raise
+        finally:
             for w in waits:
                 w.cancel()
-        finally:
             if pidfd >= 0:
                 loop.remove_reader(pidfd)
                 os.close(pidfd)

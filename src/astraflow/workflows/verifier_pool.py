@@ -106,6 +106,10 @@ class VerifierPool:
         except (EOFError, OSError, BrokenPipeError) as exc:
             worker = self._replace(worker)
             return CallResult(False, error=f"worker died: {exc}")
+        except BaseException:
+            # Cancelled mid-call: the worker's pending answer would reach the next caller; replace it.
+            worker = self._replace(worker)
+            raise
         finally:
             idle.put_nowait(worker)
 
