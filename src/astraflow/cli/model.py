@@ -16,6 +16,13 @@ def init(
     arch: Annotated[str, typer.Option("--arch", help="Architecture (qwen3).")] = "qwen3",
     preset: Annotated[str, typer.Option("--preset", help="Size preset (tiny, small, ...).")] = "tiny",
     seed: Annotated[int, typer.Option("--seed", help="Initialisation seed.")] = 0,
+    tokenizer: Annotated[
+        str, typer.Option("--tokenizer", help="words (quickstart digits) or bpe (byte-level, from --corpus).")
+    ] = "words",
+    corpus: Annotated[
+        Path | None, typer.Option("--corpus", help="UTF-8 text file the bpe tokenizer is trained on.")
+    ] = None,
+    vocab_size: Annotated[int, typer.Option("--vocab-size", help="Tokens of the bpe tokenizer.")] = 4096,
 ) -> None:
     """Write a random-init model directory (config, weights, tokenizer); downloads nothing."""
     import os
@@ -23,5 +30,5 @@ def init(
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from astraflow.models.init import init_model
 
-    path = init_model(arch, preset, out, seed)
+    path = init_model(arch, preset, out, seed, tokenizer=tokenizer, corpus=corpus, vocab_size=vocab_size)
     typer.echo(f"wrote {arch}/{preset} model to {path}")

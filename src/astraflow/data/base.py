@@ -30,10 +30,14 @@ class GroupView:
     rewards: list[float]
     advantages: list[float]
     lengths: list[int]
-    """Generated tokens per sequence."""
+    """Generated tokens per sequence (all of its policy turns together)."""
     truncated: list[bool] = field(default_factory=list)
-    """Whether each sequence hit max_new_tokens without a stop token."""
+    """Whether any policy turn of each sequence hit max_new_tokens without a stop token."""
     info: list[dict[str, Any]] = field(default_factory=list)
+    turn_lengths: list[list[int]] = field(default_factory=list)
+    """Generated tokens of each policy turn, per sequence (a single-turn sequence has one entry)."""
+    turn_truncated: list[list[bool]] = field(default_factory=list)
+    """Truncation of each policy turn, per sequence."""
 
 
 @dataclass

@@ -22,6 +22,7 @@ from astraflow.data.base import (
     GroupView,
     Stage,
 )
+from astraflow.data.turns import sequence_turns
 from astraflow.dataflow.advantages import group_advantages
 from astraflow.dataflow.buffer import Buffer, default_order
 from astraflow.errors import RecipeError
@@ -222,16 +223,18 @@ class Pipeline:
             rewards = [float(s.reward) for s in seqs]
             advantages = group_advantages(rewards, self.recipe.get_policy(pol).advantage)
             max_new = self.recipe.get_policy(pol).sampling.max_new_tokens
-            lengths = [int(sum(1 for m in s.loss_mask if m)) for s in seqs]
+            turns = [sequence_turns(s, max_new) for s in seqs]
             view = GroupView(
                 task_id=task_id,
                 prompt_key=prompt_key,
                 policy=pol,
                 rewards=rewards,
                 advantages=advantages,
-                lengths=lengths,
-                truncated=[n >= max_new for n in lengths],
+                lengths=[sum(t.length for t in ts) for ts in turns],
+                truncated=[any(t.truncated for t in ts) for ts in turns],
                 info=[dict(info) for _, info in items],
+                turn_lengths=[[t.length for t in ts] for ts in turns],
+                turn_truncated=[[t.truncated for t in ts] for ts in turns],
             )
             for cur in ps.curators:
                 cur.observe(prompt_key, rewards)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from astraflow import log
 from astraflow.config.recipe import Recipe
+from astraflow.data.turns import turns_problem
 from astraflow.protocol.messages import Episode, Sequence
 
 _log = log.get("validate")
@@ -104,4 +105,4 @@ class ResultChecker:
             return "temperature must be finite and > 0"
         if not (0.0 < s.top_p <= 1.0) or s.top_k < 0:
             return "top_p must be in (0, 1] and top_k >= 0"
-        return ""
+        return turns_problem(s)

@@ -1,4 +1,7 @@
-"""Random-init transformers models with a tiny word-level tokenizer, written fully offline.
+"""Random-init transformers models with a locally built tokenizer, written fully offline.
+
+The tokenizer is either the tiny word-level one of the quickstart tasks ("words") or a byte-level BPE
+trained on a corpus file ("bpe", models/bpe.py) for text tasks.
 
 `init_model` is what `astraflow model init` runs: it needs no hub access, and the same seed
 gives byte-identical weights, so a quickstart run is reproducible from the recipe alone.
@@ -129,8 +132,19 @@ def get_preset(arch: str, preset: str) -> Preset:
     return PRESETS[arch][preset]
 
 
-def init_model(arch: str, preset: str, out: Path, seed: int = 0) -> Path:
-    """Write a random-init model directory (config, safetensors weights, generation config, tokenizer)."""
+def init_model(
+    arch: str,
+    preset: str,
+    out: Path,
+    seed: int = 0,
+    tokenizer: str = "words",
+    corpus: Path | None = None,
+    vocab_size: int = 4096,
+) -> Path:
+    """Write a random-init model directory (config, safetensors weights, generation config, tokenizer).
+
+    tokenizer "words": the quickstart's word-level vocabulary; "bpe": a byte-level BPE of `vocab_size`
+    tokens trained on `corpus`, with a chat template."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     p = get_preset(arch, preset)
@@ -139,9 +153,8 @@ def init_model(arch: str, preset: str, out: Path, seed: int = 0) -> Path:
         raise AstraflowError(
             f"output path {out} exists and is not empty", hint="pick a new --out or remove it first"
         )
-    tokenizer = build_tokenizer()
-    vocab_size = p.vocab if p.vocab is not None else len(tokenizer)
-    config = _qwen3_config(p, vocab_size)
+    tok = _build(tokenizer, corpus, vocab_size)
+    config = _qwen3_config(p, p.vocab if p.vocab is not None else len(tok))
     dtype = getattr(torch, p.dtype)
     # Fork the global RNG so initialising a model never perturbs the caller's random stream.
     with torch.random.fork_rng(devices=[]):
@@ -157,8 +170,22 @@ def init_model(arch: str, preset: str, out: Path, seed: int = 0) -> Path:
     )
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
+    tok.save_pretrained(out)
     return out
+
+
+def _build(kind: str, corpus: Path | None, vocab_size: int) -> Any:
+    if kind == "words":
+        if corpus is not None:
+            raise AstraflowError("--corpus is only used with --tokenizer bpe", hint="add --tokenizer bpe")
+        return build_tokenizer()
+    if kind == "bpe":
+        if corpus is None:
+            raise AstraflowError("--tokenizer bpe needs a corpus", hint="pass --corpus FILE (UTF-8 text)")
+        from astraflow.models.bpe import build_bpe_tokenizer
+
+        return build_bpe_tokenizer(corpus, vocab_size)
+    raise AstraflowError(f"unknown tokenizer {kind!r}", hint="choose one of: words, bpe")
 
 
 def count_parameters(arch: str, preset: str) -> int:

@@ -56,6 +56,8 @@ class Sequence(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     group_key: str = ""
     """Comparison set inside the task (e.g. the sub-problem a solver answered); advantages are computed
     over (task, policy, group_key); "" = the task's whole group (in self-play: the role)."""
+    turns: list[tuple[int, int, bool]] | None = None
+    """Policy turns as (start index, generated tokens, truncated); None: derived from loss_mask runs."""
 
 
 class Episode(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -37,6 +37,9 @@ class EnginePolicyClient:
     async def generate(self, prompt_ids: list[int], n: int = 1, **overrides: Any) -> list[Completion]:
         """Sample n completions with the recipe's sampling settings (overridable per call); each
         completion carries the settings it was drawn with."""
+        from astraflow.workflows.transcript import check_overrides
+
+        check_overrides(overrides)
         req = GenerationRequest(
             prompt_ids=list(prompt_ids),
             max_new_tokens=int(overrides.get("max_new_tokens", self.sampling.max_new_tokens)),

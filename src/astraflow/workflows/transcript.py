@@ -1,0 +1,210 @@
+"""Transcript: one policy's side of a multi-turn episode, built turn by turn into one Sequence.
+
+Policy turns are appended exactly as the engine produced them (token ids, behaviour logprobs, versions;
+loss mask 1). Everything else (the prompt, tool results, the environment's replies, a chat template's
+turn markers) is appended masked (loss mask 0, logprob 0.0, version -1). The policy's tokens are never
+re-tokenized, so what the trainer scores is what the engine sampled.
+
+Two modes. Chat (`chat=True`): messages go through the tokenizer's chat template; each new message's
+tokens are the template's rendering of the conversation so far minus what is already in the
+transcript, so the template must render a conversation as a prefix of its extension (ChatML-style
+templates do; one that rewrites earlier turns is reported as an error: use raw mode). Raw
+(`chat=False`): text or ids are appended as given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from astraflow.engines.base import Completion
+from astraflow.protocol.messages import Sequence
+
+SAMPLING_OVERRIDES: frozenset[str] = frozenset({"max_new_tokens", "temperature", "top_p", "stop_ids"})
+"""Keys a workflow may pass to PolicyClient.generate to change the recipe's sampling for one call."""
+
+
+class TranscriptError(ValueError):
+    """A transcript was used in a way that cannot give a correct Sequence."""
+
+
+class TranscriptFull(TranscriptError):
+    """The transcript reached max_tokens: no room for another policy turn."""
+
+
+@dataclass(frozen=True)
+class PolicyTurn:
+    """One policy turn as generated."""
+
+    start: int
+    """Index of its first token in the transcript."""
+    length: int
+    """Tokens generated (stop token included)."""
+    truncated: bool
+    """The engine stopped at max_new_tokens, not at a stop token."""
+    text: str
+    """Decoded text of the turn without its stop token."""
+
+
+def check_overrides(overrides: dict[str, Any]) -> None:
+    """Reject sampling override keys the engine would not apply."""
+    unknown = set(overrides) - SAMPLING_OVERRIDES
+    if unknown:
+        raise TranscriptError(
+            f"unknown sampling override(s) {sorted(unknown)}; allowed: {sorted(SAMPLING_OVERRIDES)}"
+        )
+
+
+class Transcript:
+    """Builds one policy's interleaved conversation and its masks; `sequence(reward)` ends it."""
+
+    def __init__(self, client: Any, *, chat: bool = True, max_tokens: int | None = None) -> None:
+        """`client`: the role's PolicyClient; `max_tokens`: context budget of the whole transcript."""
+        self.client = client
+        self.tokenizer = client.tokenizer
+        self.chat = chat
+        self.max_tokens = max_tokens
+        self.tokens: list[int] = []
+        self.loss_mask: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+        self.turns: list[PolicyTurn] = []
+        self.messages: list[dict[str, str]] = []
+        self._text = ""
+        self._sampling: dict[str, float] | None = None
+        self._header_open = False
+        if chat and not getattr(self.tokenizer, "chat_template", None):
+            raise TranscriptError("the tokenizer has no chat template; use Transcript(chat=False)")
+
+    # ----- masked (non-policy) content -----------------------------------------------------------
+
+    def add_ids(self, ids: list[int]) -> None:
+        """Append tokens the policy did not generate (masked)."""
+        self.tokens += ids
+        self.loss_mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.versions += [-1] * len(ids)
+
+    def add_text(self, text: str, *, special_tokens: bool = False) -> None:
+        """Raw mode: append `text` tokenized as is (masked); special_tokens adds e.g. <bos> in front."""
+        if self.chat:
+            raise TranscriptError("add_text is for raw transcripts; use add_message in chat mode")
+        self.add_ids(list(self.tokenizer.encode(text, add_special_tokens=special_tokens)))
+
+    def add_message(self, role: str, content: str) -> None:
+        """Chat mode: append a message (system, user, tool, ...) rendered by the chat template (masked)."""
+        if not self.chat:
+            raise TranscriptError("add_message is for chat transcripts; use add_text in raw mode")
+        if self._header_open:
+            raise TranscriptError("a message after prompt_ids() and before the policy's turn")
+        self.messages.append({"role": role, "content": content})
+        self._extend_to(self._render(add_generation_prompt=False))
+
+    def _extend_to(self, rendered: str) -> None:
+        if not rendered.startswith(self._text):
+            raise TranscriptError(
+                "the chat template does not render the conversation as a prefix of its extension "
+                "(it rewrites earlier turns); build this transcript with chat=False"
+            )
+        delta = rendered[len(self._text) :]
+        self.add_ids(list(self.tokenizer.encode(delta, add_special_tokens=False)))
+        self._text = rendered
+
+    def prompt_ids(self) -> list[int]:
+        """The tokens to generate the next policy turn from (chat: after the assistant's turn header)."""
+        if self.chat and not self._header_open:
+            self._extend_to(self._render(add_generation_prompt=True))
+            self._header_open = True
+        return list(self.tokens)
+
+    def _render(self, add_generation_prompt: bool) -> str:
+        text = self.tokenizer.apply_chat_template(
+            self.messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+        return str(text)
+
+    # ----- policy turns --------------------------------------------------------------------------
+
+    def room(self) -> int | None:
+        """Tokens left under max_tokens (None: no budget)."""
+        return None if self.max_tokens is None else self.max_tokens - len(self.tokens)
+
+    async def generate(self, **overrides: Any) -> PolicyTurn:
+        """Sample the policy's next turn from the whole transcript and append it (trainable)."""
+        check_overrides(overrides)
+        prompt = self.prompt_ids()
+        room = self.room()
+        if room is not None:
+            if room <= 0:
+                raise TranscriptFull(f"transcript is at max_tokens={self.max_tokens}")
+            default = getattr(getattr(self.client, "sampling", None), "max_new_tokens", room)
+            overrides["max_new_tokens"] = min(int(overrides.get("max_new_tokens", default)), room)
+        completion = (await self.client.generate(prompt, n=1, **overrides))[0]
+        return self.add_completion(completion, **overrides)
+
+    def add_completion(self, completion: Completion, **overrides: Any) -> PolicyTurn:
+        """Append a completion the policy generated for this transcript (with the overrides it used)."""
+        check_overrides(overrides)
+        self._check_sampling(overrides)
+        ids = [int(t) for t in completion.token_ids]
+        if len(completion.logprobs) != len(ids) or len(completion.versions) != len(ids):
+            raise TranscriptError("completion token_ids, logprobs and versions differ in length")
+        start = len(self.tokens)
+        self.tokens += ids
+        self.loss_mask += [1] * len(ids)
+        self.logprobs += [float(x) for x in completion.logprobs]
+        self.versions += [int(v) for v in completion.versions]
+        stops = set(overrides.get("stop_ids", getattr(self.client, "stop_ids", None) or []))
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        if eos is not None:
+            stops.add(int(eos))
+        body = ids[:-1] if ids and ids[-1] in stops else ids
+        text = str(self.tokenizer.decode(body, skip_special_tokens=True))
+        turn = PolicyTurn(start, len(ids), completion.finish_reason == "length", text)
+        self.turns.append(turn)
+        if self.chat:
+            if not self._header_open:
+                raise TranscriptError(
+                    "in chat mode, generate from prompt_ids() (it opens the assistant turn)"
+                )
+            self._header_open = False
+            self.messages.append({"role": "assistant", "content": str(self.tokenizer.decode(body))})
+            self._text += str(self.tokenizer.decode(ids))
+        return turn
+
+    def _check_sampling(self, overrides: dict[str, Any]) -> None:
+        # One Sequence records one set of sampling settings; the trainer recomputes logprobs with them.
+        base = getattr(self.client, "sampling", None)
+        used = {
+            "temperature": float(overrides.get("temperature", getattr(base, "temperature", 1.0))),
+            "top_p": float(overrides.get("top_p", getattr(base, "top_p", 1.0))),
+        }
+        if self._sampling is None:
+            self._sampling = used
+        elif used != self._sampling:
+            raise TranscriptError(
+                f"policy turns of one transcript sampled with different settings ({self._sampling} then "
+                f"{used}); a Sequence has one temperature/top_p: keep them equal across turns"
+            )
+
+    # ----- the result ----------------------------------------------------------------------------
+
+    @property
+    def truncated(self) -> bool:
+        """Some policy turn hit max_new_tokens."""
+        return any(t.truncated for t in self.turns)
+
+    def sequence(self, reward: float) -> Sequence:
+        """The finished Sequence, with its per-turn metadata and the sampling settings it used."""
+        sampling = self._sampling or {}
+        return Sequence(
+            policy=self.client.policy,
+            tokens=list(self.tokens),
+            loss_mask=list(self.loss_mask),
+            logprobs=list(self.logprobs),
+            versions=list(self.versions),
+            reward=float(reward),
+            temperature=sampling.get("temperature", 1.0),
+            top_p=sampling.get("top_p", 1.0),
+            turns=[(t.start, t.length, t.truncated) for t in self.turns],
+        )
