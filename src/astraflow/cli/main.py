@@ -6,7 +6,7 @@ import sys
 
 import typer
 
-from astraflow.cli import bench, model, plugins_cmd, recipe, roles, status, up
+from astraflow.cli import bench, dash, model, plugins_cmd, recipe, roles, status, up
 from astraflow.errors import AstraflowError
 
 app = typer.Typer(
@@ -21,6 +21,7 @@ app.command("controller")(roles.controller)
 app.command("join")(roles.join)
 app.command("status")(status.status)
 app.command("plugins")(plugins_cmd.plugins)
+app.command("dash")(dash.dash)
 app.add_typer(recipe.app, name="recipe")
 app.add_typer(model.app, name="model")
 app.add_typer(bench.app, name="bench")

@@ -7,7 +7,6 @@ work (liveness, lease expiry, refilling the task queue) runs between polls.
 
 from __future__ import annotations
 
-import json
 import signal
 import time
 from collections import deque
@@ -23,6 +22,7 @@ from astraflow.dataflow.buffer import Buffer
 from astraflow.dataflow.ledger import Ledger, TaskRow
 from astraflow.dataflow.pipeline import Pipeline
 from astraflow.dataflow.source import PromptSource, workflow_epochs
+from astraflow.metrics.sinks import Sinks
 from astraflow.protocol import messages as m
 from astraflow.protocol.codec import DecodeError
 from astraflow.state.status import build_status
@@ -67,6 +67,7 @@ class Controller:
             p.name: deque([(time.time(), 0)], maxlen=6) for p in recipe.policy
         }
         self.last_tick = 0.0
+        self.sinks = Sinks.from_specs([(s.name, s.options) for s in recipe.metrics.sinks], run_dir)
 
     # ----- start and stop -----------------------------------------------------------------------
 
@@ -341,8 +342,7 @@ class Controller:
                 )
                 self.pipeline.on_version(msg.policy, msg.version)
         if row is not None:
-            with (self.run_dir / "metrics.jsonl").open("a") as f:
-                f.write(json.dumps(row, sort_keys=True) + "\n")
+            self.sinks.write(row)
         return m.Ack(rid=msg.rid, detail="recorded" if new else "known")
 
     def step_metrics(self, msg: m.VersionPublished, now: float) -> dict[str, Any]:
@@ -422,6 +422,7 @@ class Controller:
                     _log.info("run finished; exiting")
                     break
         self.pipeline.save()
+        self.sinks.close()
         return 0
 
 
