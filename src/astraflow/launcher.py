@@ -210,8 +210,18 @@ def wait_for_address(path: Path, controller: Child, timeout_s: float = 60.0) -> 
     )
 
 
-def run_up(recipe: Any, run_dir: Path, *, offline: bool = False, max_raas_restarts: int = 3) -> int:
-    """Run a whole recipe on this machine; returns the exit code (0 when every policy reached its budget)."""
+def run_up(
+    recipe: Any,
+    run_dir: Path,
+    *,
+    offline: bool = False,
+    max_raas_restarts: int = 3,
+    viewer: list[str] | None = None,
+) -> int:
+    """Run a whole recipe on this machine; returns the exit code (0 when every policy reached its budget).
+
+    viewer: `astraflow` arguments of a process that shows the run on this terminal instead of progress
+    lines (the dashboard); closing it stops the run, and at the run's end `up` waits until it is closed."""
     from astraflow.errors import AstraflowError
     from astraflow.rundir import prepare
 
@@ -236,6 +246,7 @@ def run_up(recipe: Any, run_dir: Path, *, offline: bool = False, max_raas_restar
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     t0 = time.monotonic()
+    shown: subprocess.Popen[bytes] | None = None
     try:
         ctl = sup.start("controller", "controller", ["controller", resolved, "--run-dir", str(run_dir)])
         addr = wait_for_address(addr_file, ctl)
@@ -274,17 +285,28 @@ def run_up(recipe: Any, run_dir: Path, *, offline: bool = False, max_raas_restar
                     str(recipe.rollout.slots),
                 ],
             )
-        return _watch(sup, recipe, run_dir, stop, t0, max_raas_restarts)
+        if viewer is not None:
+            shown = subprocess.Popen(astraflow_cmd() + viewer, env=sup.env, preexec_fn=_die_with_parent)
+        return _watch(sup, recipe, run_dir, stop, t0, max_raas_restarts, shown)
     except AstraflowError:
         raise
     finally:
+        if shown is not None and shown.poll() is None:
+            shown.terminate()  # gives the terminal back before any error is printed
+            shown.wait()
         sup.stop_all()
         for s, h in old.items():
             signal.signal(s, h)
 
 
 def _watch(
-    sup: Supervisor, recipe: Any, run_dir: Path, stop: dict[str, int], t0: float, max_restarts: int
+    sup: Supervisor,
+    recipe: Any,
+    run_dir: Path,
+    stop: dict[str, int],
+    t0: float,
+    max_restarts: int,
+    viewer: subprocess.Popen[bytes] | None = None,
 ) -> int:
     """Supervise until the trainers finish, a fatal child fails, or a signal arrives. A dead RaaS is
     restarted up to max_restarts times, a dead trainer up to MAX_TRAINER_RESTARTS times; a controller
@@ -292,14 +314,23 @@ def _watch(
     metrics = MetricsTail(run_dir / "metrics.jsonl")
     trainers = [c for c in sup.children if c.role == "trainer"]
     seen_dead: set[tuple[str, int]] = set()
+    reached: dict[str, int] = {}
     while True:
         for rec in metrics.read():
             if "step" in rec and "policy" in rec:
+                reached[rec["policy"]] = max(reached.get(rec["policy"], 0), int(rec["step"]))
+            if viewer is None and "step" in rec and "policy" in rec:
                 sys.stdout.write(progress_line(rec, recipe.run.steps) + "\n")
                 sys.stdout.flush()
         if stop["signal"]:
             _log.warning("stopping on signal %d", stop["signal"])
             return 130
+        if viewer is not None and viewer.poll() is not None:
+            if len(reached) == len(recipe.policy) and min(reached.values()) >= recipe.run.steps:
+                viewer = None  # closed after the last step: let the roles finish on their own
+            else:
+                _log.warning("the dashboard was closed; stopping the run")
+                return 130
         trainers_done = bool(trainers) and all(t.proc is not None and t.proc.poll() == 0 for t in trainers)
         for child, rc in sup.exited():
             if child.proc is None or (child.name, child.restarts) in seen_dead:
@@ -342,7 +373,7 @@ def _watch(
             return 1
         if trainers and all(t.proc is not None and t.proc.poll() == 0 for t in trainers):
             for rec in metrics.read():
-                if "step" in rec and "policy" in rec:
+                if viewer is None and "step" in rec and "policy" in rec:
                     sys.stdout.write(progress_line(rec, recipe.run.steps) + "\n")
             _log.info(
                 "every policy reached %d steps in %.1fs; run directory %s",
@@ -353,5 +384,7 @@ def _watch(
             deadline = time.monotonic() + 10.0
             while time.monotonic() < deadline and any(c.running for c in sup.children):
                 time.sleep(0.1)
+            while viewer is not None and viewer.poll() is None and not stop["signal"]:
+                time.sleep(0.1)  # the run is over; the dashboard stays until its user closes it
             return 0
         time.sleep(0.1)
