@@ -267,6 +267,7 @@ class Dashboard(App[int]):
                 version_span(smp.versions), smp.status, "-" if smp.consumed_step is None else str(smp.consumed_step),
                 key=str(smp.id),
             )  # fmt: skip
+        table.focus()  # arrow keys walk the samples
         detail = self.query_one("#sample-detail", Static)
         if not self.shown_samples:
             why = "no trajectories yet" if self.source.kind == "run-dir" else "needs --run-dir"
