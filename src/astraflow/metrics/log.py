@@ -11,8 +11,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-TAIL_BYTES = 1 << 20
-"""Bytes read from the end of the file at start (about 700 rows of a typical run)."""
+TAIL_BYTES = 256 << 10
+"""Bytes read from the end of the file at start (about 200 rows of a typical run)."""
 
 
 def _parse(data: bytes) -> list[dict[str, Any]]:

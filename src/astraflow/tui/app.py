@@ -142,6 +142,7 @@ class Dashboard(App[int]):
         """Take a poll's result and redraw."""
         self.polls += 1
         self._add_rows(snap.new_rows)
+        curves_changed = bool(snap.new_rows) or self.polls == 1
         status = self.query_one("#status-line", Static)
         if snap.error:
             status.update(f"{self.source.kind}: {snap.error}")
@@ -155,7 +156,7 @@ class Dashboard(App[int]):
             self.policy = snap.policies[0]["name"]
         self.title = f"astraflow · {snap.run_name or '?'}"
         self.sub_title = f"{self.source.kind} · policy {self.policy or '-'}"
-        self.render_overview()
+        self.render_overview(curves=curves_changed)
         self.render_members()
         self.render_events(new_events)
 
@@ -187,11 +188,12 @@ class Dashboard(App[int]):
             out.append("run finished: every policy reached its step budget", style="bold green")
         return out
 
-    def render_overview(self) -> None:
-        """Progress lines, the curves of the selected policy, staleness, queues and data counters."""
+    def render_overview(self, curves: bool = True) -> None:
+        """Progress lines, the curves of the selected policy (when they changed), staleness, queues and
+        data counters."""
         self.query_one("#progress", Static).update(self.progress_text())
         s = self.series.get(self.policy, Series())
-        for pid, key in CURVES:
+        for pid, key in CURVES if curves else ():
             metric = key or s.kl_key() or "kl"
             plot = self.query_one(f"#plot-{pid.replace('/', '')}", PlotextPlot)
             plot.plt.clear_data()

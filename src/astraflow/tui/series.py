@@ -17,20 +17,27 @@ class Series:
     """Every metrics row of one policy, in step order."""
 
     rows: list[dict[str, Any]] = field(default_factory=list)
+    steps: set[Any] = field(default_factory=set)
+    points: dict[str, tuple[int, list[tuple[float, float]]]] = field(default_factory=dict)
+    """Per metric: (rows already scanned, their points), so a poll only scans the rows it added."""
 
     def add(self, rows: list[dict[str, Any]], prepend: bool = False) -> None:
         """Add rows (new ones at the end, older history at the front), skipping steps already held."""
-        have = {r.get("step") for r in self.rows}
-        fresh = [r for r in rows if r.get("step") not in have]
+        fresh = [r for r in rows if r.get("step") not in self.steps]
+        self.steps.update(r.get("step") for r in fresh)
+        if prepend and fresh:
+            self.points.clear()
         self.rows = fresh + self.rows if prepend else self.rows + fresh
 
     def curve(self, key: str) -> tuple[list[float], list[float]]:
         """(steps, values) of one metric, thinned to at most PLOT_POINTS points."""
-        pts = [
+        done, pts = self.points.get(key, (0, []))
+        pts = pts + [
             (float(r["step"]), float(r[key]))
-            for r in self.rows
+            for r in self.rows[done:]
             if isinstance(r.get(key), int | float) and isinstance(r.get("step"), int)
         ]
+        self.points[key] = (len(self.rows), pts)
         if len(pts) > PLOT_POINTS:
             stride = len(pts) / PLOT_POINTS
             pts = [pts[int(i * stride)] for i in range(PLOT_POINTS - 1)] + [pts[-1]]
