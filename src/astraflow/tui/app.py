@@ -43,13 +43,14 @@ class Dashboard(App[int]):
     #failed { height: 10; }
     """
     BINDINGS: ClassVar[list[BindingType]] = [
-        Binding("1", "tab('overview')", "Overview"),
-        Binding("2", "tab('members')", "Members"),
-        Binding("3", "tab('events')", "Events"),
-        Binding("4", "tab('samples')", "Samples"),
-        Binding("p", "next_policy", "Next policy"),
-        Binding("r", "refresh_now", "Refresh"),
-        Binding("q", "quit", "Quit"),
+        # priority: a focused table must not swallow them (the app has no text input)
+        Binding("1", "tab('overview')", "Overview", priority=True),
+        Binding("2", "tab('members')", "Members", priority=True),
+        Binding("3", "tab('events')", "Events", priority=True),
+        Binding("4", "tab('samples')", "Samples", priority=True),
+        Binding("p", "next_policy", "Next policy", priority=True),
+        Binding("r", "refresh_now", "Refresh", priority=True),
+        Binding("q", "quit", "Quit", priority=True),
     ]
 
     def __init__(self, source: Source, interval_s: float = 1.0) -> None:
@@ -140,6 +141,8 @@ class Dashboard(App[int]):
 
     def apply(self, snap: Snapshot) -> None:
         """Take a poll's result and redraw."""
+        if not self.is_running or not self.query("#status-line"):
+            return  # a poll that finished while the app was closing
         self.polls += 1
         self._add_rows(snap.new_rows)
         curves_changed = bool(snap.new_rows) or self.polls == 1
@@ -326,6 +329,8 @@ class Dashboard(App[int]):
 
     def action_tab(self, tab: str) -> None:
         """Show a tab."""
+        # a focused widget in the pane being left would pull the tabs back to its pane
+        self.set_focus(None)
         self.query_one(TabbedContent).active = tab
 
     def action_next_policy(self) -> None:
