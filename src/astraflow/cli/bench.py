@@ -191,7 +191,7 @@ def dash(
     interval: Annotated[float, typer.Option("--interval", help="The dashboard's poll interval.")] = 1.0,
 ) -> None:
     """The dashboard's start-up on a long run, one poll's cost, and state.db writes with it attached."""
-    from astraflow.bench.dash import run_bench
+    from astraflow.cli.dash import run_dash_bench as run_bench
 
     r = run_bench(steps, seconds, interval)
     typer.echo(

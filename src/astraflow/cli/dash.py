@@ -41,3 +41,10 @@ def dash(
         Dashboard(source, interval_s=interval).run()
     finally:
         source.close()
+
+
+def run_dash_bench(steps: int, seconds: float, interval_s: float) -> dict[str, float]:
+    """`astraflow bench dash`'s measurements (the TUI is imported here, never by core code)."""
+    from astraflow.tui.bench import run_bench
+
+    return run_bench(steps, seconds, interval_s)

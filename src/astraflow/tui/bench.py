@@ -1,4 +1,4 @@
-"""`astraflow bench dash`: what the dashboard costs — start-up on a long run, one poll, and the
+"""`astraflow bench dash` (through cli/dash.py): what the dashboard costs — start-up on a long run, one poll, and the
 controller's state.db writes with a dashboard reading beside them — each against a baseline measured
 in the same run."""
 
