@@ -72,7 +72,7 @@ def summary(run_dir: Path, code: int) -> str:
     """What the terminal keeps once the dashboard closed: each policy's last progress line."""
     import json
 
-    from astraflow.launcher import progress_line
+    from astraflow.launcher import progress_line, tail_log
     from astraflow.metrics.log import MetricsLog
 
     last: dict[str, dict[str, object]] = {}
@@ -81,5 +81,8 @@ def summary(run_dir: Path, code: int) -> str:
     steps = json.loads((run_dir / "recipe.resolved.json").read_text())["run"]["steps"]
     lines = [progress_line(row, steps) for row in last.values()]
     verdict = "finished" if code == 0 else f"stopped (exit {code})"
-    lines.append(f"run {verdict}; run directory {run_dir} (launcher log: {run_dir / 'logs' / 'up.log'})")
+    up_log = run_dir / "logs" / "up.log"
+    if code not in (0, 130):  # a failure: what the launcher said went to its log while the dashboard ran
+        lines.append(tail_log(up_log, 20))
+    lines.append(f"run {verdict}; run directory {run_dir} (launcher log: {up_log})")
     return "\n".join(lines)
