@@ -19,7 +19,7 @@ def dash(
     ] = None,
     interval: Annotated[float, typer.Option("--interval", help="Seconds between polls.", min=0.2)] = 1.0,
 ) -> None:
-    """Show a run's curves, progress, members, events and samples; read-only, never slows the run."""
+    """Show a run's curves, progress, members, events and samples (read-only; never blocks the controller)."""
     if (run_dir is None) == (controller is None):
         raise AstraflowError(
             "give exactly one of --run-dir or --controller",
