@@ -110,7 +110,8 @@ class Dashboard(App[int]):
         )
         self.apply(self.source.poll())
         self.first_paint_s = time.perf_counter() - self._t0
-        self.run_worker(self._load_history, thread=True, group="history")
+        # after the first frame is on screen: parsing a long history holds the GIL for a while
+        self.call_after_refresh(self.run_worker, self._load_history, thread=True, group="history")
         self.set_interval(self.interval_s, self.action_refresh_now)
 
     # ----- polling ------------------------------------------------------------------------------
