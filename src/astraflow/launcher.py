@@ -248,8 +248,18 @@ def throwaway_keys(keys_dir: Path, members: list[tuple[str, str, str | None]]) -
     return flags
 
 
-def run_up(recipe: Any, run_dir: Path, *, offline: bool = False, max_raas_restarts: int = 3) -> int:
-    """Run a whole recipe on this machine; returns the exit code (0 when every policy reached its budget)."""
+def run_up(
+    recipe: Any,
+    run_dir: Path,
+    *,
+    offline: bool = False,
+    max_raas_restarts: int = 3,
+    viewer: list[str] | None = None,
+) -> int:
+    """Run a whole recipe on this machine; returns the exit code (0 when every policy reached its budget).
+
+    viewer: `astraflow` arguments of a process that shows the run on this terminal instead of progress
+    lines (the dashboard); closing it stops the run, and at the run's end `up` waits until it is closed."""
     from astraflow.errors import AstraflowError
     from astraflow.rundir import prepare
 
@@ -281,6 +291,7 @@ def run_up(recipe: Any, run_dir: Path, *, offline: bool = False, max_raas_restar
         # for `astraflow status --controller ADDR --key RUN/keys/members/observer.key_secret ...`
         + [("observer", "observer", None)],
     )
+    shown: subprocess.Popen[bytes] | None = None
     try:
         # the controller authenticates with <run-dir>/keys, which it finds by itself
         ctl = sup.start("controller", "controller", ["controller", resolved, "--run-dir", str(run_dir)])
@@ -325,17 +336,28 @@ def run_up(recipe: Any, run_dir: Path, *, offline: bool = False, max_raas_restar
                     *member_keys[f"raas-{i}"],
                 ],
             )
-        return _watch(sup, recipe, run_dir, stop, t0, max_raas_restarts)
+        if viewer is not None:
+            shown = subprocess.Popen(astraflow_cmd() + viewer, env=sup.env, preexec_fn=_die_with_parent)
+        return _watch(sup, recipe, run_dir, stop, t0, max_raas_restarts, shown)
     except AstraflowError:
         raise
     finally:
+        if shown is not None and shown.poll() is None:
+            shown.terminate()  # gives the terminal back before any error is printed
+            shown.wait()
         sup.stop_all(drain_s=recipe.rollout.drain_timeout_s)
         for s, h in old.items():
             signal.signal(s, h)
 
 
 def _watch(
-    sup: Supervisor, recipe: Any, run_dir: Path, stop: dict[str, int], t0: float, max_restarts: int
+    sup: Supervisor,
+    recipe: Any,
+    run_dir: Path,
+    stop: dict[str, int],
+    t0: float,
+    max_restarts: int,
+    viewer: subprocess.Popen[bytes] | None = None,
 ) -> int:
     """Supervise until the trainers finish, a fatal child fails, or a signal arrives. A dead RaaS is
     restarted up to max_restarts times, a dead trainer up to MAX_TRAINER_RESTARTS times; a controller
@@ -347,20 +369,30 @@ def _watch(
     trainers = [c for c in sup.children if c.role == "trainer"]
     budgets = {p.name: recipe.budget(p.name) for p in recipe.trainable()}
     seen_dead: set[tuple[str, int]] = set()
+    reached: dict[str, int] = {}
     while True:
         for rec in metrics.read():
             if "step" in rec and "policy" in rec:
-                sys.stdout.write(progress_line(rec, budgets) + "\n")
-                sys.stdout.flush()
+                reached[rec["policy"]] = max(reached.get(rec["policy"], 0), int(rec["step"]))
+                if viewer is None:
+                    sys.stdout.write(progress_line(rec, budgets) + "\n")
+                    sys.stdout.flush()
         if time.monotonic() >= next_fail_read:
             # failures reach the console as one line per kind and second (the full traceback is in the controller log)
             next_fail_read = time.monotonic() + 1.0
             for line in fails.read():
-                sys.stdout.write(line + "\n")
+                if viewer is None:
+                    sys.stdout.write(line + "\n")
                 sys.stdout.flush()
         if stop["signal"]:
             _log.warning("stopping on signal %d", stop["signal"])
             return 130
+        if viewer is not None and viewer.poll() is not None:
+            if all(reached.get(p, 0) >= b for p, b in budgets.items()):
+                viewer = None  # closed after the last step: let the roles finish on their own
+            else:
+                _log.warning("the dashboard was closed; stopping the run")
+                return 130
         trainers_done = bool(trainers) and all(t.proc is not None and t.proc.poll() == 0 for t in trainers)
         for child, rc in sup.exited():
             if child.proc is None or (child.name, child.restarts) in seen_dead:
@@ -403,7 +435,7 @@ def _watch(
             return 1
         if trainers and all(t.proc is not None and t.proc.poll() == 0 for t in trainers):
             for rec in metrics.read():
-                if "step" in rec and "policy" in rec:
+                if viewer is None and "step" in rec and "policy" in rec:
                     sys.stdout.write(progress_line(rec, budgets) + "\n")
             _log.info(
                 "every policy reached its step budget (%s) in %.1fs; run directory %s",
@@ -414,5 +446,7 @@ def _watch(
             deadline = time.monotonic() + 10.0
             while time.monotonic() < deadline and any(c.running for c in sup.children):
                 time.sleep(0.1)
+            while viewer is not None and viewer.poll() is None and not stop["signal"]:
+                time.sleep(0.1)  # the run is over; the dashboard stays until its user closes it
             return 0
         time.sleep(0.1)

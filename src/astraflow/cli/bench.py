@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -359,3 +360,41 @@ def pipeline(
     typer.echo(format_table(summary), err=json_)
     if json_:
         typer.echo(json.dumps(summary, indent=2))
+
+
+@app.command("dash")
+def dash(
+    steps: Annotated[
+        int, typer.Option("--steps", min=1, help="Recorded steps of the synthetic run.")
+    ] = 10_000,
+    seconds: Annotated[float, typer.Option("--seconds", help="Duration of each writer measurement.")] = 3.0,
+    interval: Annotated[float, typer.Option("--interval", help="The dashboard's poll interval.")] = 1.0,
+) -> None:
+    """The dashboard's start-up on a long run, one poll's cost, and state.db writes with it attached."""
+    from astraflow.cli.dash import run_dash_bench as run_bench
+
+    r = run_bench(steps, seconds, interval)
+    typer.echo(
+        f"synthetic run: {steps} steps (state.db via the real Store, metrics.jsonl rows of 36 metrics)"
+    )
+    typer.echo(
+        f"start-up: first paint {r['first_paint_s'] * 1000:.0f} ms; baseline (parse all of metrics.jsonl) "
+        f"{r['full_parse_s'] * 1000:.0f} ms; ratio {r['first_paint_s'] / r['full_parse_s']:.2f}; "
+        f"history in after {r['history_loaded_s'] * 1000:.0f} ms"
+    )
+    typer.echo(
+        f"cold start (fresh interpreter: imports, app, first painted poll; best of 3): "
+        f"{r['cold_start_s'] * 1000:.0f} ms wall, {r['cold_start_cpu_s'] * 1000:.0f} ms CPU; "
+        f"load average now {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+    )
+    typer.echo(
+        f"one poll (run-dir source): {r['poll_s'] * 1000:.1f} ms; one StatusReply built by the controller "
+        f"(--controller source): {r['status_reply_s'] * 1000:.1f} ms = {r['status_reply_s'] / interval * 100:.2f}% "
+        f"of the controller's time at one poll per {interval:g}s"
+    )
+    typer.echo(
+        f"controller-shaped writes/s: alone {r['writes_per_s_alone']:.0f}; with a dashboard polling every "
+        f"{interval:g}s {r['writes_per_s_dashboard']:.0f} (ratio {r['writes_per_s_dashboard'] / r['writes_per_s_alone']:.3f}); "
+        f"with a reader polling at 20 Hz {r['writes_per_s_20hz_reader']:.0f} "
+        f"(ratio {r['writes_per_s_20hz_reader'] / r['writes_per_s_alone']:.3f})"
+    )

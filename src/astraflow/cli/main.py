@@ -6,7 +6,21 @@ import sys
 
 import typer
 
-from astraflow.cli import bench, keys, leave, model, plugins_cmd, recipe, roles, status, up
+from astraflow.cli import (
+    bench,
+    dash,
+    keys,
+    leave,
+    logs,
+    model,
+    plugins_cmd,
+    recipe,
+    report,
+    roles,
+    runs,
+    status,
+    up,
+)
 from astraflow.errors import AstraflowError
 
 app = typer.Typer(
@@ -22,6 +36,11 @@ app.command("join")(roles.join)
 app.command("status")(status.status)
 app.command("leave")(leave.leave)
 app.command("plugins")(plugins_cmd.plugins)
+app.command("dash")(dash.dash)
+app.command("logs")(logs.logs)
+app.command("runs")(runs.runs)
+app.command("export")(report.export)
+app.command("plot")(report.plot)
 app.add_typer(recipe.app, name="recipe")
 app.add_typer(model.app, name="model")
 app.add_typer(bench.app, name="bench")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -21,7 +22,7 @@ def up(
         bool,
         typer.Option(
             "--no-dash",
-            help="Plain progress lines even on a terminal (the only output until the dashboard lands).",
+            help="Plain progress lines even on a terminal (without it a terminal shows the dashboard).",
         ),
     ] = False,
     offline: Annotated[
@@ -34,7 +35,54 @@ def up(
     from astraflow.launcher import run_up
     from astraflow.rundir import default_run_dir
 
-    log.setup("up")
+    logger = log.setup("up")
     r = load_recipe(recipe, set_ or [])
     validate_plugins(r)
-    sys.exit(run_up(r, run_dir or default_run_dir(r), offline=offline))
+    rd = run_dir or default_run_dir(r)
+    if no_dash or not wants_dashboard():
+        sys.exit(run_up(r, rd, offline=offline))
+    # the dashboard owns the terminal: the launcher's own log lines go to logs/up.log meanwhile
+    (rd / "logs").mkdir(parents=True, exist_ok=True)
+    handlers = [h for h in logger.handlers if isinstance(h, logging.StreamHandler)]
+    with open(rd / "logs" / "up.log", "a") as up_log:
+        for h in handlers:
+            h.setStream(up_log)
+        try:
+            code = run_up(r, rd, offline=offline, viewer=["dash", "--run-dir", str(rd)])
+        finally:
+            for h in handlers:
+                h.setStream(sys.stderr)
+    sys.stdout.write(summary(rd, code) + "\n")
+    sys.exit(code)
+
+
+def wants_dashboard() -> bool:
+    """A terminal on both ends and the dashboard's packages installed."""
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        return False
+    import importlib.util
+
+    if importlib.util.find_spec("textual") is None or importlib.util.find_spec("textual_plotext") is None:
+        sys.stderr.write("the dashboard needs `pip install 'astraflow[dash]'`; showing plain lines\n")
+        return False
+    return True
+
+
+def summary(run_dir: Path, code: int) -> str:
+    """What the terminal keeps once the dashboard closed: each policy's last progress line."""
+    import json
+
+    from astraflow.launcher import progress_line, tail_log
+    from astraflow.metrics.log import MetricsLog
+
+    last: dict[str, dict[str, object]] = {}
+    for row in MetricsLog(run_dir / "metrics.jsonl").load_tail(1 << 16):
+        last[str(row.get("policy"))] = row
+    steps = json.loads((run_dir / "recipe.resolved.json").read_text())["run"]["steps"]
+    lines = [progress_line(row, steps) for row in last.values()]
+    verdict = "finished" if code == 0 else f"stopped (exit {code})"
+    up_log = run_dir / "logs" / "up.log"
+    if code not in (0, 130):  # a failure: what the launcher said went to its log while the dashboard ran
+        lines.append(tail_log(up_log, 20))
+    lines.append(f"run {verdict}; run directory {run_dir} (launcher log: {up_log})")
+    return "\n".join(lines)

@@ -173,6 +173,8 @@ def validate_plugins(recipe: Recipe) -> None:
         # a run that would die in its first RaaS or trainer process
         validate_options("engines", pol.engine, pol.engine_options, f"policy.{i}.engine_options")
         validate_options("trainers", pol.trainer, pol.trainer_options, f"policy.{i}.trainer_options")
+    for i, sink in enumerate(recipe.metrics.sinks):
+        validate_options("metric_sinks", sink.name, sink.options, f"metrics.sinks.{i}.options")
 
 
 def role_map(recipe: Recipe) -> dict[str, str]:

@@ -189,6 +189,22 @@ class ControllerConfig(_Model):
     """No progress for this long: the controller stops the run and `astraflow up` exits 1."""
 
 
+class SinkSpec(_Model):
+    """One metric sink (plugin group astraflow.metric_sinks)."""
+
+    name: str
+    """Plugin name in astraflow.metric_sinks (built in: jsonl, sqlite, tensorboard)."""
+    options: dict[str, Any] = {}
+    """Options validated by the sink's own Config model."""
+
+
+class MetricsConfig(_Model):
+    """Where each step's metrics row goes besides metrics.jsonl (which is always written)."""
+
+    sinks: list[SinkSpec] = []
+    """Extra metric sinks, each receiving every metrics row (docs/metrics.md)."""
+
+
 class Recipe(_Model):
     """A whole run."""
 
@@ -206,6 +222,8 @@ class Recipe(_Model):
     """Weight transfer."""
     controller: ControllerConfig = ControllerConfig()
     """Controller socket and liveness."""
+    metrics: MetricsConfig = MetricsConfig()
+    """Metric sinks."""
 
     @model_validator(mode="after")
     def _check(self) -> Recipe:

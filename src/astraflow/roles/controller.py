@@ -26,6 +26,7 @@ from astraflow.dataflow.pipeline import Pipeline
 from astraflow.dataflow.source import PromptSource, workflow_epochs
 from astraflow.dataflow.stall import Progress, stall_report
 from astraflow.dataflow.validate import ResultChecker
+from astraflow.metrics.sinks import Sinks
 from astraflow.protocol import messages as m
 from astraflow.protocol.codec import DecodeError
 from astraflow.roles import authz
@@ -78,6 +79,7 @@ class Controller:
         self.draining: set[str] = set()
         self._recipe_doc: dict[str, Any] | None = None
         """Members asked to leave (`astraflow leave`): they get no new tasks."""
+        self.sinks = Sinks.from_specs([(s.name, s.options) for s in recipe.metrics.sinks], run_dir)
 
     # ----- start and stop -----------------------------------------------------------------------
 
@@ -522,8 +524,7 @@ class Controller:
                 self.pipeline.on_version(msg.policy, msg.version)
                 self.made_progress(now)
         if row is not None:
-            with (self.run_dir / "metrics.jsonl").open("a") as f:
-                f.write(json.dumps(row, sort_keys=True) + "\n")
+            self.sinks.write(row)
         return m.Ack(rid=msg.rid, detail="recorded" if new else "known")
 
     def step_metrics(self, msg: m.VersionPublished, now: float) -> dict[str, Any]:
@@ -608,6 +609,7 @@ class Controller:
                     _log.info("run finished; exiting")
                     break
         self.pipeline.save()
+        self.sinks.close()
         if self.failed is not None:
             _log.error("run failed: %s", _summary(self.failed))
             return 1

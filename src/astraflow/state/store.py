@@ -13,12 +13,12 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
-
-from sqlite_utils import Database
+from typing import TYPE_CHECKING, Any
 
 from astraflow.errors import AstraflowError
-from astraflow.state import migrations
+
+if TYPE_CHECKING:
+    from sqlite_utils import Database
 
 
 class StateError(AstraflowError):
@@ -31,8 +31,17 @@ class Store:
     def __init__(self, conn: sqlite3.Connection, *, readonly: bool) -> None:
         conn.row_factory = sqlite3.Row
         self.conn = conn
-        self.db = Database(conn)
         self.readonly = readonly
+        self._db: Database | None = None
+
+    @property
+    def db(self) -> Database:
+        """A sqlite-utils view of the connection (imported on first use: readers never need it)."""
+        if self._db is None:
+            from sqlite_utils import Database
+
+            self._db = Database(self.conn)
+        return self._db
 
     @classmethod
     def open(cls, path: str | Path, *, synchronous: str = "normal") -> Store:
@@ -50,6 +59,8 @@ class Store:
             raise ValueError(f"synchronous must be 'normal' or 'full', not {synchronous!r}")
         conn.execute(f"PRAGMA synchronous={synchronous.upper()}")
         conn.execute("PRAGMA foreign_keys=ON")
+        from astraflow.state import migrations
+
         store = cls(conn, readonly=False)
         migrations.apply(store.db)
         return store

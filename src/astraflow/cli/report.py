@@ -1,0 +1,39 @@
+"""`astraflow export` and `astraflow plot`: a run's numbers out of the run directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+
+def export(
+    run_dir: Annotated[Path, typer.Argument(help="Run directory.")],
+    fmt: Annotated[str, typer.Option("--format", help="csv, or parquet (needs pyarrow).")] = "csv",
+    what: Annotated[
+        str, typer.Option("--what", help="metrics (metrics.jsonl) or trajectories (state.db).")
+    ] = "metrics",
+    out: Annotated[
+        Path | None, typer.Option("--out", help="Output file (default RUN_DIR/<what>.<format>).")
+    ] = None,
+) -> None:
+    """Write a run's metrics or trajectories as CSV or Parquet."""
+    from astraflow.metrics.export import export as do_export
+
+    path, n = do_export(run_dir, what, fmt, out)
+    typer.echo(f"wrote {n} rows to {path}")
+
+
+def plot(
+    run_dirs: Annotated[list[Path], typer.Argument(help="Run directories to compare.")],
+    metric: Annotated[str, typer.Option("--metric", help="Metric name (docs/metrics.md).")] = "reward_mean",
+    out: Annotated[Path, typer.Option("--out", help="PNG file to write.")] = Path("plot.png"),
+    policy: Annotated[str | None, typer.Option("--policy", help="Only this policy.")] = None,
+    smooth: Annotated[int, typer.Option("--smooth", help="Running mean over this many steps.", min=1)] = 1,
+) -> None:
+    """Plot one metric of one or more runs against step into a PNG (needs matplotlib)."""
+    from astraflow.metrics.plot import plot_runs
+
+    labels = plot_runs(run_dirs, metric, out, policy, smooth)
+    typer.echo(f"wrote {out} ({len(labels)} curves: {', '.join(labels)})")

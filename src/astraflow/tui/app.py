@@ -1,0 +1,346 @@
+"""The Textual dashboard: overview curves, members, events and a sample browser, polled read-only."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, ClassVar
+
+from rich.text import Text
+from textual.app import App, ComposeResult
+from textual.binding import Binding, BindingType
+from textual.containers import Grid, Horizontal, Vertical, VerticalScroll
+from textual.widgets import DataTable, Footer, Header, Static, TabbedContent, TabPane
+from textual_plotext import PlotextPlot
+
+from astraflow.state.views import Sample
+from astraflow.tui.samples import Decode, load_decoder, segments, version_span
+from astraflow.tui.series import Series, fmt_duration, progress_bar
+from astraflow.tui.source import Snapshot, Source
+
+CURVES: tuple[tuple[str, str], ...] = (
+    ("reward", "reward_mean"),
+    ("loss", "loss"),
+    ("kl", ""),
+    ("entropy", "entropy"),
+    ("samples/s", "samples_per_s"),
+)
+"""(plot id, metric) of the overview's curves; the KL metric depends on the objective."""
+
+
+class Dashboard(App[int]):
+    """A live or post-hoc view of one run."""
+
+    TITLE = "astraflow"
+    CSS = """
+    #progress { height: auto; padding: 0 1; }
+    #status-line { height: 1; padding: 0 1; color: $warning; }
+    #plots { grid-size: 3 2; height: 1fr; min-height: 20; }
+    PlotextPlot { border: round $primary-darken-2; }
+    #bottom { height: 12; }
+    #queues, #counters { width: 1fr; }
+    #sample-table { height: 12; }
+    #sample-detail { height: 1fr; padding: 0 1; }
+    #failed { height: 10; }
+    """
+    BINDINGS: ClassVar[list[BindingType]] = [
+        # priority: a focused table must not swallow them (the app has no text input)
+        Binding("1", "tab('overview')", "Overview", priority=True),
+        Binding("2", "tab('members')", "Members", priority=True),
+        Binding("3", "tab('events')", "Events", priority=True),
+        Binding("4", "tab('samples')", "Samples", priority=True),
+        Binding("p", "next_policy", "Next policy", priority=True),
+        Binding("r", "refresh_now", "Refresh", priority=True),
+        Binding("q", "quit", "Quit", priority=True),
+    ]
+
+    def __init__(self, source: Source, interval_s: float = 1.0) -> None:
+        super().__init__()
+        self.source = source
+        self.interval_s = interval_s
+        self.series: dict[str, Series] = {}
+        self.policy = ""
+        self.snap = Snapshot()
+        self.decoders: dict[str, Decode | None] = {}
+        self.shown_samples: list[Sample] = []
+        self.polls = 0
+        self.history_loaded = False
+        self.first_paint_s: float | None = None
+        self._t0 = time.perf_counter()
+
+    # ----- layout -------------------------------------------------------------------------------
+
+    def compose(self) -> ComposeResult:
+        """Header, four tabs, footer."""
+        yield Header()
+        yield Static("", id="status-line")
+        with TabbedContent(initial="overview"):
+            with TabPane("Overview [1]", id="overview"), Vertical():
+                yield Static("waiting for the first poll", id="progress")
+                with Grid(id="plots"):
+                    for pid, _ in CURVES:
+                        yield PlotextPlot(id=f"plot-{pid.replace('/', '')}")
+                    yield PlotextPlot(id="plot-staleness")
+                with Horizontal(id="bottom"):
+                    yield DataTable(id="queues", cursor_type="none")
+                    yield DataTable(id="counters", cursor_type="none")
+            with TabPane("Members [2]", id="members"):
+                yield DataTable(id="member-table", cursor_type="row")
+            with TabPane("Events [3]", id="events"), Vertical():
+                yield DataTable(id="event-table", cursor_type="row")
+                yield Static("failed tasks", classes="title")
+                yield DataTable(id="failed", cursor_type="row")
+            with TabPane("Samples [4]", id="samples"), Vertical():
+                yield DataTable(id="sample-table", cursor_type="row")
+                with VerticalScroll():
+                    yield Static("select a sample", id="sample-detail")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        """Set up tables, take the first poll at once, then poll on a timer."""
+        self.query_one("#queues", DataTable).add_columns("queue", "count")
+        self.query_one("#counters", DataTable).add_columns("data counter", "value")
+        self.query_one("#member-table", DataTable).add_columns(
+            "member", "role", "status", "host", "hardware", "policies", "loaded", "slots", "tasks done",
+            "heartbeat age",
+        )  # fmt: skip
+        self.query_one("#event-table", DataTable).add_columns("time", "event", "detail")
+        self.query_one("#failed", DataTable).add_columns("task", "prompt", "attempts", "error")
+        self.query_one("#sample-table", DataTable).add_columns(
+            "id", "task", "prompt key", "reward", "advantage", "versions", "status", "step"
+        )
+        self.apply(self.source.poll())
+        self.first_paint_s = time.perf_counter() - self._t0
+        # after the first frame is on screen: parsing a long history holds the GIL for a while
+        self.call_after_refresh(self.run_worker, self._load_history, thread=True, group="history")
+        self.set_interval(self.interval_s, self.action_refresh_now)
+
+    # ----- polling ------------------------------------------------------------------------------
+
+    def _load_history(self) -> None:
+        rows = self.source.history()
+        self.call_from_thread(self._add_history, rows)
+
+    def _add_history(self, rows: list[dict[str, Any]]) -> None:
+        self._add_rows(rows, prepend=True)
+        self.history_loaded = True
+        self.render_overview()
+
+    def _poll_worker(self) -> None:
+        snap = self.source.poll()
+        self.call_from_thread(self.apply, snap)
+
+    def action_refresh_now(self) -> None:
+        """Poll again (in a thread: a slow read never freezes the screen)."""
+        self.run_worker(self._poll_worker, thread=True, exclusive=True, group="poll")
+
+    def _add_rows(self, rows: list[dict[str, Any]], prepend: bool = False) -> None:
+        by_policy: dict[str, list[dict[str, Any]]] = {}
+        for r in rows:
+            by_policy.setdefault(str(r.get("policy", "?")), []).append(r)
+        for pol, rs in by_policy.items():
+            self.series.setdefault(pol, Series()).add(rs, prepend=prepend)
+
+    def apply(self, snap: Snapshot) -> None:
+        """Take a poll's result and redraw."""
+        if not self.is_running or not self.query("#status-line"):
+            return  # a poll that finished while the app was closing
+        self.polls += 1
+        self._add_rows(snap.new_rows)
+        curves_changed = bool(snap.new_rows) or self.polls == 1
+        status = self.query_one("#status-line", Static)
+        if snap.error:
+            status.update(f"{self.source.kind}: {snap.error}")
+            if not self.snap.policies:
+                self.render_overview()
+            return
+        status.update("")
+        new_events = snap.new_events
+        self.snap = snap
+        if not self.policy and snap.policies:
+            self.policy = snap.policies[0]["name"]
+        self.title = f"astraflow · {snap.run_name or '?'}"
+        self.sub_title = f"{self.source.kind} · policy {self.policy or '-'}"
+        self.render_overview(curves=curves_changed)
+        self.render_members()
+        self.render_events(new_events)
+
+    # ----- rendering ----------------------------------------------------------------------------
+
+    def progress_text(self) -> Text:
+        """One line per policy: step against the budget, version, ETA, newest numbers."""
+        out = Text()
+        budget = self.snap.steps
+        for p in self.snap.policies or [{"name": n, "step": 0, "version": 0} for n in self.series]:
+            s = self.series.get(p["name"], Series())
+            last = s.last()
+            step = int(p.get("step", 0))
+            done = budget > 0 and step >= budget
+            eta = "done" if done else fmt_duration(s.eta_s(budget))
+            mark = ">" if p["name"] == self.policy else " "
+            out.append(f"{mark} {p['name']:<10} ", style="bold" if mark == ">" else "")
+            out.append(f"step {step}/{budget} {progress_bar(step, budget)} ")
+            out.append(f"version {p.get('version', 0)}  ETA {eta}  ")
+            for key, label, fmt in (
+                ("reward_mean", "reward", ".3f"),
+                ("samples_per_s", "samples/s", ".1f"),
+                ("staleness_max", "staleness max", ".0f"),
+            ):
+                v = last.get(key)
+                out.append(f"{label} {'-' if v is None else format(v, fmt)}  ")
+            out.append("\n")
+        if budget and self.snap.policies and all(p["step"] >= budget for p in self.snap.policies):
+            out.append("run finished: every policy reached its step budget", style="bold green")
+        return out
+
+    def render_overview(self, curves: bool = True) -> None:
+        """Progress lines, the curves of the selected policy (when they changed), staleness, queues and
+        data counters."""
+        self.query_one("#progress", Static).update(self.progress_text())
+        s = self.series.get(self.policy, Series())
+        for pid, key in CURVES if curves else ():
+            metric = key or s.kl_key() or "kl"
+            plot = self.query_one(f"#plot-{pid.replace('/', '')}", PlotextPlot)
+            plot.plt.clear_data()
+            plot.plt.title(f"{self.policy} {metric}")
+            xs, ys = s.curve(metric)
+            if xs:
+                plot.plt.plot(xs, ys, marker="braille")
+            plot.refresh()
+        hist = self.snap.staleness.get(self.policy, {})
+        plot = self.query_one("#plot-staleness", PlotextPlot)
+        plot.plt.clear_data()
+        plot.plt.title(f"{self.policy} staleness (recent consumed samples)")
+        if hist:
+            plot.plt.bar([str(k) for k in hist], list(hist.values()))
+        plot.refresh()
+        queues = self.query_one("#queues", DataTable)
+        queues.clear()
+        for name, n in self.snap.tasks.items():
+            queues.add_row(f"tasks {name}", str(n))
+        for name, n in self.snap.buffers.get(self.policy, {}).items():
+            queues.add_row(f"samples {name}", str(n))
+        counters = self.query_one("#counters", DataTable)
+        counters.clear()
+        for name, value in sorted(s.data_counters().items()):
+            counters.add_row(name, f"{value:g}")
+        last = s.last()
+        if "replayed" in last:
+            counters.add_row("replayed (this step)", f"{float(last['replayed']):g}")
+
+    def render_members(self) -> None:
+        """The member table; members not alive are greyed."""
+        table = self.query_one("#member-table", DataTable)
+        table.clear()
+        for m in self.snap.members:
+            style = "" if m["status"] == "alive" else "dim"
+            loaded = ", ".join(f"{k}:v{v}" for k, v in m.get("loaded", {}).items()) or "-"
+            done = m.get("tasks_done")
+            cells = [
+                m["id"], m["role"], m["status"], m.get("host") or "-", m.get("hardware") or "-",
+                ",".join(m.get("policies", [])) or "all", loaded, str(m.get("slots", 0)),
+                "-" if done is None else str(done), f"{m['age_s']:.1f}s" if m["status"] == "alive" else "-",
+            ]  # fmt: skip
+            table.add_row(*[Text(c, style=style) for c in cells], key=m["id"])
+
+    def render_events(self, new_events: list[dict[str, Any]]) -> None:
+        """Append new events (newest at the bottom) and list failed tasks with their error."""
+        table = self.query_one("#event-table", DataTable)
+        for e in new_events:
+            bad = e["kind"] in ("member_dead", "error", "task_failed")
+            style = "bold red" if bad else ""
+            table.add_row(
+                time.strftime("%H:%M:%S", time.localtime(e["time"])),
+                Text(e["kind"], style=style),
+                e["detail"] or "",
+            )
+        if new_events:
+            table.move_cursor(row=table.row_count - 1)
+        failed = self.query_one("#failed", DataTable)
+        failed.clear()
+        for f in self.snap.failed:
+            failed.add_row(str(f["id"]), f["prompt_key"] or "", str(f["attempts"]), (f["error"] or "")[:200])
+
+    # ----- samples ------------------------------------------------------------------------------
+
+    def load_samples(self) -> None:
+        """Read the selected policy's newest trajectories into the sample table."""
+        self.shown_samples = self.source.samples(self.policy) if self.policy else []
+        table = self.query_one("#sample-table", DataTable)
+        table.clear()
+        for smp in self.shown_samples:
+            table.add_row(
+                str(smp.id), str(smp.task_id), smp.prompt_key, f"{smp.reward:.3f}", f"{smp.advantage:+.3f}",
+                version_span(smp.versions), smp.status, "-" if smp.consumed_step is None else str(smp.consumed_step),
+                key=str(smp.id),
+            )  # fmt: skip
+        table.focus()  # arrow keys walk the samples
+        detail = self.query_one("#sample-detail", Static)
+        if not self.shown_samples:
+            why = "no trajectories yet" if self.source.kind == "run-dir" else "needs --run-dir"
+            detail.update(f"samples: {why}")
+        elif self.policy not in self.decoders:
+            detail.update("loading the tokenizer ...")
+            self.run_worker(self._load_decoder, thread=True, group="tokenizer")
+        else:
+            self.show_sample(0)
+
+    def _load_decoder(self) -> None:
+        pol = self.policy
+        dec = load_decoder(self.source.model_dir(pol))
+        self.call_from_thread(self._decoder_ready, pol, dec)
+
+    def _decoder_ready(self, policy: str, dec: Decode | None) -> None:
+        self.decoders[policy] = dec
+        row = self.query_one("#sample-table", DataTable).cursor_row
+        self.show_sample(max(0, row))
+
+    def show_sample(self, index: int) -> None:
+        """Render one trajectory: mask runs decoded, completion highlighted, with versions."""
+        if not 0 <= index < len(self.shown_samples):
+            return
+        smp = self.shown_samples[index]
+        dec = self.decoders.get(self.policy)
+        text = Text()
+        text.append(f"trajectory {smp.id}  task {smp.task_id}  prompt {smp.prompt_key}\n", style="bold")
+        text.append(
+            f"reward {smp.reward:.3f}  advantage {smp.advantage:+.3f}  tokens {len(smp.tokens)}  "
+            f"trained tokens {sum(smp.loss_mask)}  versions {version_span(smp.versions)}  status {smp.status}\n"
+        )
+        if dec is None:
+            text.append("(no tokenizer for this policy: token ids shown)\n", style="dim")
+        for seg in segments(smp, dec):
+            label = (
+                f"[generated {version_span(seg.versions)}, mask 1] " if seg.trained else "[context, mask 0] "
+            )
+            text.append("\n" + label, style="bold green" if seg.trained else "bold cyan")
+            text.append(seg.text, style="" if seg.trained else "dim")
+        self.query_one("#sample-detail", Static).update(text)
+
+    def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
+        """Follow the cursor in the sample table."""
+        if event.data_table.id == "sample-table" and self.policy in self.decoders:
+            self.show_sample(event.cursor_row)
+
+    def on_tabbed_content_tab_activated(self, event: TabbedContent.TabActivated) -> None:
+        """Read samples when their tab opens (they are not polled)."""
+        if event.pane.id == "samples":
+            self.load_samples()
+
+    # ----- actions ------------------------------------------------------------------------------
+
+    def action_tab(self, tab: str) -> None:
+        """Show a tab."""
+        # a focused widget in the pane being left would pull the tabs back to its pane
+        self.set_focus(None)
+        self.query_one(TabbedContent).active = tab
+
+    def action_next_policy(self) -> None:
+        """Show the next policy's curves and samples."""
+        names = [p["name"] for p in self.snap.policies] or list(self.series)
+        if not names:
+            return
+        self.policy = names[(names.index(self.policy) + 1) % len(names)] if self.policy in names else names[0]
+        self.sub_title = f"{self.source.kind} · policy {self.policy}"
+        self.render_overview()
+        if self.query_one(TabbedContent).active == "samples":
+            self.load_samples()
