@@ -77,9 +77,7 @@ def test_tempered_logprobs_equal_the_trainers(harness: Harness) -> None:
     assert torch.allclose(lp, torch.tensor(out.logprobs), atol=TOLERANCE[harness.kind], rtol=0)
 
 
-def test_top_p_top_k_logprobs_are_of_the_processed_distribution(
-    harness: Harness, request: pytest.FixtureRequest
-) -> None:
+def test_top_p_top_k_logprobs_are_of_the_processed_distribution(harness: Harness) -> None:
     reqs = [
         GenerationRequest(prompt_ids=[1, 18], max_new_tokens=16, temperature=1.0, top_p=0.8, seed=4),
         GenerationRequest(prompt_ids=[1, 15, 3], max_new_tokens=16, temperature=0.9, top_k=4, seed=5),
@@ -95,10 +93,6 @@ def test_top_p_top_k_logprobs_are_of_the_processed_distribution(
         with pytest.raises(AstraflowError, match="top_p"):
             _run(harness.engine.generate(reqs[:1]))
         return
-    if harness.kind == "torch":
-        request.applymarker(
-            pytest.mark.xfail(reason="the embedded engine does not apply top_k yet", strict=False)
-        )
     outs = _run(harness.engine.generate(reqs))
     for req, out in zip(reqs, outs, strict=True):
         _assert_matches(harness, req, out)
