@@ -1,7 +1,7 @@
 """≥ 100,000 malformed frames at a live controller process and at a live weight server process.
 
 Each service must stay up, answer (or drop) every frame, keep its RSS bounded, and still answer a
-valid request afterwards. The frames come from astraflow.bench.wire.malformed_frames: random bytes,
+valid request afterwards. The frames come from astraflow.bench.frames.malformed_frames: random bytes,
 invalid UTF-8, truncated msgpack, wrong shapes, unknown tags, 10,000-deep nesting, huge declared
 lengths, many-frame messages, bit flips, fields past their caps.
 """
@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from astraflow.bench.frames import malformed_frames
 from astraflow.bench.wire import (
     blast,
     hoard_chunks,
-    malformed_frames,
     request,
     rss_mb,
     start_controller,
