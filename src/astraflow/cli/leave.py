@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from astraflow.errors import AstraflowError
+from astraflow.errors import AstraflowError, ConnectError
 
 
 def leave(
@@ -17,24 +18,32 @@ def leave(
         str, typer.Option("--controller", help="Controller endpoint, e.g. tcp://HOST:7600.")
     ],
     timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait for the controller.")] = 30.0,
+    key: Annotated[
+        Path | None,
+        typer.Option("--key", help="An observer key file (NAME.key_secret) for an authenticated controller."),
+    ] = None,
+    controller_key: Annotated[
+        str | None, typer.Option("--controller-key", help="The controller's public key (file or Z85 text).")
+    ] = None,
 ) -> None:
     """Ask a RaaS to leave: it gets no new tasks, finishes (or returns) its leases, says Bye and exits."""
-    from astraflow.protocol.messages import PROTOCOL_VERSION, Ack, Error, Hello, Leave
-    from astraflow.transport.client import MemberClient
+    from astraflow.cli.roles import member_credentials
+    from astraflow.protocol.messages import Ack, Error, Leave
+    from astraflow.transport.client import request_once
 
-    hello = Hello(
-        member_id=f"leave-{socket.gethostname()}-{os.getpid()}"[:255],
-        role="observer",
-        protocol=PROTOCOL_VERSION,
-        pid=os.getpid(),
-        host=socket.gethostname(),
+    reply = request_once(
+        controller,
+        Leave(rid=1, member_id=member),
+        ident=f"leave-{socket.gethostname()}-{os.getpid()}"[:128],
+        timeout_s=timeout,
+        credentials=member_credentials(key, controller_key),
     )
-    client = MemberClient(controller, hello, connect_timeout_s=timeout)
-    try:
-        client.connect()
-        reply = client.request(Leave(member_id=member), timeout_s=timeout)
-    finally:
-        client.close("leave sent")
+    if reply is None:
+        raise ConnectError(
+            f"controller at {controller} did not answer within {timeout:.0f}s",
+            hint="is `astraflow controller` running there? with authentication on, pass --key (an observer "
+            "key) and --controller-key (an unknown key gets no answer at all)",
+        )
     if isinstance(reply, Error):
         raise AstraflowError(
             f"the controller refused: {reply.code}: {reply.message}",

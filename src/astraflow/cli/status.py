@@ -35,43 +35,30 @@ def ask_status(controller: str, timeout_s: float = 5.0, credentials: Any = None)
     """
     import os
 
-    import zmq
-
-    from astraflow.protocol.codec import decode, encode
     from astraflow.protocol.messages import Error, StatusReply, StatusRequest
-    from astraflow.transport.security import curve_client
+    from astraflow.transport.client import request_once
 
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    ident = f"status-{os.getpid()}"
-    if credentials is not None:
-        curve_client(sock, credentials.keypair, credentials.controller_public)
-        ident = credentials.keypair.name or ident
-    sock.setsockopt(zmq.IDENTITY, ident.encode())
-    try:
-        sock.connect(controller)
-        try:
-            sock.send(encode(StatusRequest(rid=1)), zmq.NOBLOCK)
-        except zmq.Again:
-            pass  # no connection to queue to yet: the poll below times out with the hint
-        if not sock.poll(int(timeout_s * 1000)):
-            raise ConnectError(
-                f"controller at {controller} did not answer within {timeout_s:.0f}s",
-                hint="is `astraflow controller` running there? with authentication on, pass --key and "
-                "--controller-key (an unknown key gets no answer at all)",
-            )
-        reply = decode(sock.recv())
-        if isinstance(reply, Error):
-            raise ConnectError(
-                f"controller at {controller} refused the status request: {reply.code}: {reply.message}",
-                hint="pass --key (an observer key added with `astraflow keys add`) and --controller-key",
-            )
-        if not isinstance(reply, StatusReply):
-            raise ConnectError(f"controller at {controller} answered {type(reply).__name__}, not a status")
-        return reply.status
-    finally:
-        sock.close()
+    reply = request_once(
+        controller,
+        StatusRequest(rid=1),
+        ident=f"status-{os.getpid()}",
+        timeout_s=timeout_s,
+        credentials=credentials,
+    )
+    if reply is None:
+        raise ConnectError(
+            f"controller at {controller} did not answer within {timeout_s:.0f}s",
+            hint="is `astraflow controller` running there? with authentication on, pass --key and "
+            "--controller-key (an unknown key gets no answer at all)",
+        )
+    if isinstance(reply, Error):
+        raise ConnectError(
+            f"controller at {controller} refused the status request: {reply.code}: {reply.message}",
+            hint="pass --key (an observer key added with `astraflow keys add`) and --controller-key",
+        )
+    if not isinstance(reply, StatusReply):
+        raise ConnectError(f"controller at {controller} answered {type(reply).__name__}, not a status")
+    return reply.status
 
 
 def render(doc: dict[str, Any]) -> str:

@@ -234,3 +234,33 @@ class MemberClient:
         finally:
             loop.sock.close(0)
             ctx.term()
+
+
+def request_once(
+    controller: str, msg: Msg, *, ident: str, timeout_s: float, credentials: MemberCredentials | None = None
+) -> Msg | None:
+    """Send one request that needs no Hello (status, leave) and return the reply, or None on timeout.
+
+    With credentials the request goes over CURVE under the key's name (the controller knows the sender
+    only by its key); an unknown key gets no answer at all, which reads as a timeout here.
+    """
+    from astraflow.protocol.codec import decode, encode
+
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if credentials is not None:
+        curve_client(sock, credentials.keypair, credentials.controller_public)
+        ident = credentials.keypair.name or ident
+    sock.setsockopt(zmq.IDENTITY, ident.encode())
+    try:
+        sock.connect(controller)
+        try:
+            sock.send(encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # no connection to queue to yet: the poll below times out
+        if not sock.poll(int(timeout_s * 1000)):
+            return None
+        return decode(sock.recv())
+    finally:
+        sock.close()
