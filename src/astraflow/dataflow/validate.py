@@ -1,8 +1,9 @@
 """Check a task's result against the task before anything of it is recorded.
 
 A worker's result is data from the network: it may be buggy or forged. Everything a trainer
-relies on is checked here: the group has the size the task asked for, every sequence belongs to a
-policy the workflow's roles map to, token ids are inside the policy's vocabulary, the per-token
+relies on is checked here: each policy has the sequences the task asks of it (the workflow's shape
+of the task's per-policy group sizes; at most that many for a policy read-only in the task), every
+sequence belongs to a policy the workflow's roles map to, token ids are inside the policy's vocabulary, the per-token
 lists have one entry per token, versions exist, logprobs are finite and at most 0, rewards are
 finite. A result that fails is a failed attempt with the reason (docs/protocol.md).
 """
@@ -57,13 +58,17 @@ class ResultChecker:
         self,
         episodes: list[Episode],
         *,
-        group_size: int,
+        expected: dict[str, int],
+        read_only: set[str],
         roles: dict[str, str],
         latest: dict[str, int],
     ) -> str:
-        """Why the result is invalid ('' when it is fine); `latest` is each policy's newest version."""
-        if len(episodes) != group_size:
-            return f"{len(episodes)} episodes, the task's group has {group_size}"
+        """Why the result is invalid ('' when it is fine). `expected`: sequences the task asks of each
+        policy (workflows shape episodes per policy, so the episode count alone says nothing); a policy
+        in `read_only` may yield fewer (a workflow may generate less with it); `latest` is each policy's
+        newest version."""
+        if not episodes:
+            return "0 episodes"
         allowed = set(roles.values())
         for i, ep in enumerate(episodes):
             if not ep.sequences:
@@ -74,6 +79,16 @@ class ResultChecker:
                 why = self._sequence(s, allowed, latest)
                 if why:
                     return f"episode {i} sequence {j}: {why}"
+        got: dict[str, int] = {}
+        for ep in episodes:
+            for s in ep.sequences:
+                got[s.policy] = got.get(s.policy, 0) + 1
+        for pol in sorted(allowed):
+            n, want = got.get(pol, 0), expected.get(pol, 0)
+            if n > want or (n < want and pol not in read_only):
+                return (
+                    f"{n} sequences of policy {pol!r} in {len(episodes)} episodes, the task asks for {want}"
+                )
         return ""
 
     def _sequence(self, s: Sequence, allowed: set[str], latest: dict[str, int]) -> str:

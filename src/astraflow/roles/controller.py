@@ -408,8 +408,15 @@ class Controller:
         # a lapsed lease still accepts its owner's late result, so that one is checked too
         if task is not None and task.status in ("leased", "queued") and task.owner == member["id"]:
             latest = {p["name"]: int(p["version"]) for p in self.store.policies()}
+            sizes = {p: self.group_sizes.get(p, task.group_size) for p in task.policies}
+            # read-only grows only (finished stays finished): a superset of what the lease told the worker
+            ro = set(task.read_only) | set(self.admission.read_only(task.policies))
             bad = self.checker.check(
-                msg.episodes, group_size=task.group_size, roles=task.roles, latest=latest
+                msg.episodes,
+                expected=self.admission.task_sequences(task.roles, sizes),
+                read_only=ro,
+                roles=task.roles,
+                latest=latest,
             )
             if bad:
                 status = self.fail_attempt(member["id"], msg.task_id, msg.epoch, f"invalid result: {bad}")
@@ -537,13 +544,16 @@ class Controller:
         fresh_ids = [s.traj_id for s in rec.samples if not s.replay] if rec else []
         rewards: list[float] = []
         stale: list[int] = []
+        task_ids: list[int] = []
         if fresh_ids:
             marks = ",".join("?" for _ in fresh_ids)
             for r in self.store.query(
-                f"SELECT reward, min_version FROM trajectories WHERE id IN ({marks})", tuple(fresh_ids)
+                f"SELECT reward, min_version, task_id FROM trajectories WHERE id IN ({marks})",
+                tuple(fresh_ids),
             ):
                 rewards.append(float(r["reward"]))
                 stale.append(ref - int(r["min_version"]))
+                task_ids.append(int(r["task_id"]))
         counts = self.buffer.counts(msg.policy)
         tasks = self.ledger.counts()
         generated = int(
@@ -555,7 +565,7 @@ class Controller:
         rate = (generated - g0) / (now - t0) if now > t0 else 0.0
         row: dict[str, Any] = {k: float(v) for k, v in msg.metrics.items()}
         row.update(self.pipeline.metrics(msg.policy))
-        row.update(self.pipeline.take_info(msg.policy))
+        row.update(self.pipeline.take_info(msg.policy, task_ids))
         row.update(self.buffer.role_metrics(fresh_ids))
         row.update(
             {

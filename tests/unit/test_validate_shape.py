@@ -1,0 +1,52 @@
+"""Result validation counts each policy's sequences against the task's per-policy shape.
+
+Real recipe (recipes/collab/with-judge.toml: proposer group 8, solver 16, a frozen judge), the real
+collab workflow's shape, the real ResultChecker; the episodes are built here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from astraflow.config.load import load_recipe
+from astraflow.dataflow.validate import ResultChecker
+from astraflow.protocol.messages import Episode, Sequence
+from astraflow.workflows.collab import CollabWorkflow
+
+COLLAB = Path(__file__).resolve().parents[2] / "recipes/collab"
+ROLES = {"proposer": "proposer", "solver": "solver", "judge": "fixed"}
+
+
+def _seq(policy: str) -> Sequence:
+    return Sequence(
+        policy=policy, tokens=[1, 2, 3], loss_mask=[0, 1, 1], logprobs=[0.0, -0.5, -0.2], versions=[-1, 0, 0]
+    )
+
+
+def _result(proposals: int, tries: int) -> list[Episode]:
+    return [
+        Episode(sequences=[_seq("proposer"), *(_seq("solver") for _ in range(tries)), _seq("fixed")])
+        for _ in range(proposals)
+    ]
+
+
+def _expected() -> dict[str, int]:
+    per_role = CollabWorkflow.sequences_per_task({"proposer": 8, "solver": 16, "judge": 4})
+    return {ROLES[r]: n for r, n in per_role.items()}
+
+
+def test_unequal_group_sizes_are_checked_per_policy() -> None:
+    checker = ResultChecker(load_recipe(COLLAB / "with-judge.toml"))
+    latest = {"proposer": 0, "solver": 0, "fixed": 0}
+
+    def check(episodes: list[Episode], read_only: set[str]) -> str:
+        return checker.check(episodes, expected=_expected(), read_only=read_only, roles=ROLES, latest=latest)
+
+    # 8 episodes (one a proposal) while the largest group is 16: what the task asks, accepted
+    assert check(_result(8, 16), {"fixed"}) == ""
+    # a read-only solver may try less; a trained one may not
+    assert check(_result(8, 2), {"fixed", "solver"}) == ""
+    assert "'solver'" in check(_result(8, 2), {"fixed"})
+    # more than asked is refused, read-only or not
+    assert "9 sequences of policy" in check(_result(9, 16), {"fixed"})
+    assert "'fixed'" in check(_result(8, 16) + [Episode(sequences=[_seq("fixed")])], {"fixed"})
+    assert check([], {"fixed", "solver", "proposer"}) == "0 episodes"
