@@ -72,9 +72,10 @@ def test_group_keys_roles_read_only_and_info(tmp_path: Path) -> None:
     assert adv[("proposer", 1.0)] == 0.5 and adv[("proposer", 0.0)] == -0.5
     assert adv[("p0", 1.0)] == 0.5 and abs(adv[("p1", 0.6)] - 0.2) < 1e-9
     assert store.scalar("SELECT COUNT(*) FROM trajectories WHERE policy = 'b'") == 0
-    info = pipe.take_info("a")
+    info = pipe.take_info("a", [1, 1])
     assert abs(info["info/solved"] - 0.45) < 1e-9 and abs(info["info/solver/solved"] - 0.45) < 1e-9
-    assert "info/note" not in info and pipe.take_info("a") == {}  # taken once per step
+    assert "info/note" not in info and pipe.take_info("a", [2]) == {}  # only the batch's tasks count
+    assert pipe.take_info("a", [1]) == info and pipe.take_info("b", [1]) == {}  # b was read-only
     ids = [int(r["id"]) for r in store.query("SELECT id FROM trajectories")]
     roles = buf.role_metrics(ids)
     assert roles["role/solver/sequences"] == 4.0 and roles["role/proposer/reward_mean"] == 0.5

@@ -34,6 +34,8 @@ log = get("pipeline")
 
 COUNTERS_STAGE = -1
 """stage_state index of the pipeline's own counters."""
+INFO_TASKS = 4096
+"""Tasks whose episode info is kept for step metrics (a batch draws from far fewer)."""
 COUNTER_NAMES = ("prompts_submitted", "prompts_skipped", "groups_kept", "groups_dropped")
 
 
@@ -82,8 +84,9 @@ class Pipeline:
         self.policies: dict[str, PolicyStages] = {}
         self.split_roles: set[str] = set()
         """Policies whose roles get separate groups (self-play with per-role baselines); set by the controller."""
-        self.info: dict[str, dict[str, tuple[float, int]]] = {}
-        """Policy -> info key -> (sum, count) since its last step's metrics."""
+        self.info: dict[tuple[str, int], dict[str, tuple[float, int]]] = {}
+        """(policy, task id) -> info key -> (sum, count) of the task's episodes; the newest INFO_TASKS
+        tasks are kept, so a step's metrics carry the info of the tasks its batch drew from."""
         for pol in recipe.policy:
             ps = PolicyStages(pol.name)
             for i, spec in enumerate(pol.data):
@@ -207,7 +210,7 @@ class Pipeline:
         skip = set(read_only)
         groups: dict[tuple[str, str, str], list[tuple[Sequence, dict[str, Any]]]] = {}
         for ep in episodes:
-            self._observe_info(ep, skip)
+            self._observe_info(ep, skip, task_id)
             for seq in ep.sequences:
                 if seq.policy not in self.policies:
                     log.warning("task %d: sequence of unknown policy %r ignored", task_id, seq.policy)
@@ -246,7 +249,7 @@ class Pipeline:
             out.append(GroupOutcome(pol, ids, rewards, kept))
         return out
 
-    def _observe_info(self, ep: Episode, skip: set[str]) -> None:
+    def _observe_info(self, ep: Episode, skip: set[str], task_id: int) -> None:
         """Add an episode's numeric info to each (policy, role) it has sequences of."""
         nums = {
             k: float(v) for k, v in ep.info.items() if isinstance(v, int | float) and not isinstance(v, bool)
@@ -256,7 +259,9 @@ class Pipeline:
             if seq.policy in self.policies and seq.policy not in skip:
                 seen.add((seq.policy, seq.role))
         for pol in {p for p, _ in seen}:
-            acc = self.info.setdefault(pol, {})
+            acc = self.info.setdefault((pol, task_id), {})
+            while len(self.info) > INFO_TASKS:
+                del self.info[next(iter(self.info))]
             pairs = [(f"info/{k}", v) for k, v in nums.items()]
             for role in sorted({r for p, r in seen if p == pol and r}):
                 pairs += [(f"info/{role}/{k}", v) for k, v in nums.items()]
@@ -264,9 +269,15 @@ class Pipeline:
                 total, n = acc.get(key, (0.0, 0))
                 acc[key] = (total + v, n + 1)
 
-    def take_info(self, policy: str) -> dict[str, float]:
-        """Means of the episode info seen for the policy since the last call (then reset)."""
-        acc = self.info.pop(policy, {})
+    def take_info(self, policy: str, task_ids: Iterable[int]) -> dict[str, float]:
+        """Means of the policy's episode info over these tasks (those a batch drew from). Scoped to
+        the batch, not to the results since the last step: results come in bursts, so two steps may
+        see no new result between them yet both train on sequences that carry info."""
+        acc: dict[str, tuple[float, int]] = {}
+        for tid in dict.fromkeys(task_ids):
+            for k, (total, n) in self.info.get((policy, tid), {}).items():
+                t0, n0 = acc.get(k, (0.0, 0))
+                acc[k] = (t0 + total, n0 + n)
         return {k: total / n for k, (total, n) in acc.items() if n}
 
     # ----- buffer and batching ------------------------------------------------------------------

@@ -544,13 +544,16 @@ class Controller:
         fresh_ids = [s.traj_id for s in rec.samples if not s.replay] if rec else []
         rewards: list[float] = []
         stale: list[int] = []
+        task_ids: list[int] = []
         if fresh_ids:
             marks = ",".join("?" for _ in fresh_ids)
             for r in self.store.query(
-                f"SELECT reward, min_version FROM trajectories WHERE id IN ({marks})", tuple(fresh_ids)
+                f"SELECT reward, min_version, task_id FROM trajectories WHERE id IN ({marks})",
+                tuple(fresh_ids),
             ):
                 rewards.append(float(r["reward"]))
                 stale.append(ref - int(r["min_version"]))
+                task_ids.append(int(r["task_id"]))
         counts = self.buffer.counts(msg.policy)
         tasks = self.ledger.counts()
         generated = int(
@@ -562,7 +565,7 @@ class Controller:
         rate = (generated - g0) / (now - t0) if now > t0 else 0.0
         row: dict[str, Any] = {k: float(v) for k, v in msg.metrics.items()}
         row.update(self.pipeline.metrics(msg.policy))
-        row.update(self.pipeline.take_info(msg.policy))
+        row.update(self.pipeline.take_info(msg.policy, task_ids))
         row.update(self.buffer.role_metrics(fresh_ids))
         row.update(
             {
