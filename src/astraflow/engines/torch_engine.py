@@ -199,8 +199,8 @@ class TorchEngine(RolloutEngine):
     # ----- extras -------------------------------------------------------------------------------
 
     def healthy(self) -> bool:
-        """False once the decode loop has failed (see `failure`)."""
-        return self._failure is None and (self._closed or self._thread.is_alive())
+        """Whether the engine can still decode: False once its decode loop failed (see `failure`) or it was closed."""
+        return self._failure is None and not self._closed and self._thread.is_alive()
 
     @property
     def failure(self) -> str | None:

@@ -51,12 +51,12 @@ class Sequence(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Nucleus mass the engine sampled with (1.0: off)."""
     top_k: int = 0
     """Top-k the engine sampled with (0: off)."""
-    role: str = ""
+    role: Name = ""
     """Workflow role that produced this sequence ("" = not said); per-role metrics and baselines use it."""
-    group_key: str = ""
+    group_key: Annotated[str, msgspec.Meta(max_length=1024)] = ""
     """Comparison set inside the task (e.g. the sub-problem a solver answered); advantages are computed
     over (task, policy, group_key); "" = the task's whole group (in self-play: the role)."""
-    turns: list[tuple[int, int, bool]] | None = None
+    turns: Annotated[list[tuple[int, int, bool]], msgspec.Meta(max_length=65536)] | None = None
     """Policy turns as (start index, generated tokens, truncated); None: derived from loss_mask runs."""
 
 
@@ -146,9 +146,9 @@ class Heartbeat(Msg, kw_only=True):
     """Policy -> version the member's engine holds now."""
     busy: int = 0
     free: int = 0
-    active: list[int] = []
+    active: Annotated[list[int], msgspec.Meta(max_length=4096)] = []
     """Task ids the member is working on now: only these leases are renewed."""
-    error: str = ""
+    error: Text = ""
     """The member's newest failure it survived (e.g. weights it could not apply); logged by the controller."""
 
 
@@ -168,7 +168,7 @@ class Bye(Msg, kw_only=True):
 class Leave(Msg, kw_only=True):
     """Ask the controller to drain a RaaS: it gets no new tasks, finishes or returns its leases, leaves."""
 
-    member_id: str
+    member_id: Name
 
 
 # ----- rollout -----------------------------------------------------------------------------------
