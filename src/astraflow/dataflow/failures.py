@@ -30,6 +30,11 @@ def reason_of(error: str) -> str:
     return "workflow_error"
 
 
+def tail(error: str, n: int) -> str:
+    """The last n characters of an error: a traceback's summary line (the exception) is at its end."""
+    return error if len(error) <= n else "..." + error[-(n - 3) :]
+
+
 def counts(store: Store) -> dict[str, Any]:
     """Reason -> failed attempts so far, plus `last_error` (the newest error text, capped)."""
     try:
@@ -48,7 +53,7 @@ def record(store: Store, error: str, n: int = 1) -> str:
         state = counts(store)
         by = dict(state.get("by_reason", {}))
         by[reason] = int(by.get(reason, 0)) + n
-        state.update({"by_reason": by, "last_error": error[:2000], "updated": time.time()})
+        state.update({"by_reason": by, "last_error": tail(error, 2000), "updated": time.time()})
         store.save_stage_state(ROW_POLICY, ROW_STAGE, "failures", state)
     return reason
 

@@ -133,6 +133,12 @@ class Ledger:
                     break
         return out
 
+    def set_read_only(self, task: TaskRow, read_only: Iterable[str]) -> None:
+        """Record the policies a leased task no longer feeds (their budget was taken since it was queued)."""
+        task.read_only = sorted(set(read_only))
+        with self.store.write() as c:
+            c.execute("UPDATE tasks SET read_only = ? WHERE id = ?", (json.dumps(task.read_only), task.id))
+
     def complete(self, task_id: int, epoch: int, owner: str) -> str:
         """Validate a result's lease and mark the task done: accepted | duplicate | stale_epoch | unknown_task."""
         now = self.clock()

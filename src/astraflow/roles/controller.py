@@ -370,8 +370,13 @@ class Controller:
         def accept(task: TaskRow) -> bool:
             pols = task.policies
             feeds = [p for p in pols if p not in task.read_only]
-            return (not serves or serves.issuperset(pols)) and self.admission.may_lease(
-                loaded, feeds, self.admission.task_sequences(task.roles, self.group_sizes)
+            # a task that feeds no policy still training would be run only to be thrown away
+            return (
+                (not serves or serves.issuperset(pols))
+                and bool(self.admission.active(feeds))
+                and self.admission.may_lease(
+                    loaded, feeds, self.admission.task_sequences(task.roles, self.group_sizes)
+                )
             )
 
         self.refill()
@@ -379,6 +384,11 @@ class Controller:
             self.store.touch_member(member["id"], now, loaded or None)
             n = authz.task_quota(self.store, self.recipe, member, msg.n)
             leased = self.ledger.lease(member["id"], n, now, accept)
+            for t in leased:
+                # what the worker is told not to keep is what its result is stored by (see on_task_result)
+                read_only = set(t.read_only) | set(self.admission.read_only(t.policies))
+                if read_only != set(t.read_only):
+                    self.ledger.set_read_only(t, read_only)
         tasks = [
             m.Task(
                 task_id=t.id,
@@ -387,7 +397,7 @@ class Controller:
                 group_size=t.group_size,
                 roles=t.roles,
                 group_sizes={p: self.group_sizes.get(p, t.group_size) for p in t.policies},
-                read_only=sorted(set(t.read_only) | set(self.admission.read_only(t.policies))),
+                read_only=t.read_only,
             )
             for t in leased
         ]
@@ -432,7 +442,9 @@ class Controller:
                     task.id,
                     task.prompt_key,
                     msg.episodes,
-                    read_only=set(task.read_only) | set(self.admission.read_only(self.pipeline.policies)),
+                    # decided when the task was leased: a done task keeps a full group of every policy
+                    # it fed, even when that policy's budget was taken while the task ran
+                    read_only=task.read_only,
                 )
                 # stage state commits with the result that changed it: a kill -9 loses neither
                 for pol in task.policies:
@@ -459,13 +471,13 @@ class Controller:
         """End the run (exit 1) once max_failed_tasks tasks in a row failed every attempt."""
         n = self.recipe.rollout.max_failed_tasks
         if self.failed is None and failures.failed_streak(self.store, n):
-            self.failed = error[:2000]
+            self.failed = failures.tail(error, 2000)
             self.finished_at = time.time()
             self.store.add_event("run_failed", f"{n} tasks in a row failed; last error: {_summary(error)}")
             _log.error(
                 "%d tasks in a row failed every attempt (rollout.max_failed_tasks); ending the run. Last error:\n%s",
                 n,
-                error[:2000],
+                failures.tail(error, 2000),
             )
 
     def stopping(self) -> bool:

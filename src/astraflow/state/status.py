@@ -82,6 +82,9 @@ def build_status(store: Store) -> dict[str, Any]:
         "policies": policies,
         "members": members,
         "tasks": tasks,
-        "failures": {"by_reason": by_reason, "last_error": str(fails.get("last_error", ""))[:500]},
+        "failures": {
+            "by_reason": by_reason,
+            "last_error": failures.tail(str(fails.get("last_error", "")), 500),
+        },
         "buffers": buffers,
     }
