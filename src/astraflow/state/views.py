@@ -55,57 +55,46 @@ class Sample:
     logprobs: list[float] = field(default_factory=list)
 
 
+_SAMPLE_COLS = (
+    "id, task_id, policy, prompt_key, tokens, loss_mask, versions, reward, advantage, status, consumed_step"
+)
+
+
+def _sample(r: Any, with_logprobs: bool) -> Sample:
+    """One trajectories row as a Sample (logprobs only when the row carries them)."""
+    return Sample(
+        id=int(r["id"]),
+        task_id=int(r["task_id"]),
+        policy=r["policy"],
+        prompt_key=r["prompt_key"] or "",
+        tokens=_ints.decode(r["tokens"]),
+        loss_mask=_ints.decode(r["loss_mask"]),
+        versions=_ints.decode(r["versions"]),
+        reward=float(r["reward"]),
+        advantage=float(r["advantage"] or 0.0),
+        status=r["status"],
+        consumed_step=None if r["consumed_step"] is None else int(r["consumed_step"]),
+        logprobs=_floats.decode(r["logprobs"]) if with_logprobs else [],
+    )
+
+
 def recent_samples(store: Store, policy: str, limit: int = 50, with_logprobs: bool = False) -> list[Sample]:
     """The newest trajectories of a policy, newest first."""
-    cols = "id, task_id, policy, prompt_key, tokens, loss_mask, versions, reward, advantage, status, consumed_step"
     rows = store.query(
-        f"SELECT {cols}{', logprobs' if with_logprobs else ''} FROM trajectories "
+        f"SELECT {_SAMPLE_COLS}{', logprobs' if with_logprobs else ''} FROM trajectories "
         "WHERE policy = ? ORDER BY id DESC LIMIT ?",
         (policy, limit),
     )
-    return [
-        Sample(
-            id=int(r["id"]),
-            task_id=int(r["task_id"]),
-            policy=r["policy"],
-            prompt_key=r["prompt_key"] or "",
-            tokens=_ints.decode(r["tokens"]),
-            loss_mask=_ints.decode(r["loss_mask"]),
-            versions=_ints.decode(r["versions"]),
-            reward=float(r["reward"]),
-            advantage=float(r["advantage"] or 0.0),
-            status=r["status"],
-            consumed_step=None if r["consumed_step"] is None else int(r["consumed_step"]),
-            logprobs=_floats.decode(r["logprobs"]) if with_logprobs else [],
-        )
-        for r in rows
-    ]
+    return [_sample(r, with_logprobs) for r in rows]
 
 
 def all_samples(store: Store, after_id: int = 0, limit: int = 10_000) -> list[Sample]:
     """Trajectories of every policy with id > after_id, oldest first (for export, in pages)."""
     rows = store.query(
-        "SELECT id, task_id, policy, prompt_key, tokens, loss_mask, versions, logprobs, reward, advantage, "
-        "status, consumed_step FROM trajectories WHERE id > ? ORDER BY id LIMIT ?",
+        f"SELECT {_SAMPLE_COLS}, logprobs FROM trajectories WHERE id > ? ORDER BY id LIMIT ?",
         (after_id, limit),
     )
-    return [
-        Sample(
-            id=int(r["id"]),
-            task_id=int(r["task_id"]),
-            policy=r["policy"],
-            prompt_key=r["prompt_key"] or "",
-            tokens=_ints.decode(r["tokens"]),
-            loss_mask=_ints.decode(r["loss_mask"]),
-            versions=_ints.decode(r["versions"]),
-            reward=float(r["reward"]),
-            advantage=float(r["advantage"] or 0.0),
-            status=r["status"],
-            consumed_step=None if r["consumed_step"] is None else int(r["consumed_step"]),
-            logprobs=_floats.decode(r["logprobs"]),
-        )
-        for r in rows
-    ]
+    return [_sample(r, True) for r in rows]
 
 
 def staleness_histogram(store: Store, policy: str, window: int = 4096) -> dict[int, int]:
