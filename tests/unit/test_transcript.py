@@ -246,17 +246,36 @@ def test_sync_tool_runs_off_the_event_loop_with_a_timeout() -> None:
 
 
 def test_controller_rejects_turns_that_do_not_fit_the_sequence() -> None:
+    from astraflow.config.recipe import Recipe
     from astraflow.data.turns import turns_problem
-    from astraflow.roles.controller import _malformed
+    from astraflow.dataflow.validate import ResultChecker
+
+    # the controller's own result check (no model dir here: token ids are checked for >= 0 only)
+    checker = ResultChecker(
+        Recipe.model_validate({"policy": [{"name": "main", "model": "no-such-model-dir"}]})
+    )
+
+    def why(seq: Sequence) -> str:
+        return checker.check(
+            [Episode(sequences=[seq])],
+            expected={"main": 1},
+            read_only=set(),
+            roles={"r": "main"},
+            latest={"main": 0},
+        )
 
     base = _fields(
         Sequence(
-            policy="main", tokens=[1, 2, 3, 4], loss_mask=[0, 1, 1, 0], logprobs=[0.0] * 4, versions=[0] * 4
+            policy="main",
+            tokens=[1, 2, 3, 4],
+            loss_mask=[0, 1, 1, 0],
+            logprobs=[0.0] * 4,
+            versions=[-1, 0, 0, -1],
         )
     )
     good = Sequence(**{**base, "turns": [(1, 2, False)]})
-    assert turns_problem(good) == "" and _malformed([Episode(sequences=[good])]) == ""
+    assert turns_problem(good) == "" and why(good) == ""
     outside = Sequence(**{**base, "turns": [(3, 5, False)]})
     masked = Sequence(**{**base, "turns": [(0, 2, False)]})
-    assert "outside" in _malformed([Episode(sequences=[outside])])
-    assert "loss_mask 0" in _malformed([Episode(sequences=[masked])])
+    assert "outside" in why(outside)
+    assert "loss_mask 0" in why(masked)
