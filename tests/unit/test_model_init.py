@@ -88,3 +88,6 @@ def test_preset_sizes_without_materialising() -> None:
     assert 1_000_000 < count_parameters("qwen3", "small") < 10_000_000
     # Qwen3-0.6B's published size with tied embeddings.
     assert count_parameters("qwen3", "0.6b-shape") == 596_049_920
+    # Qwen3-1.7B's and Qwen3-4B's sizes with tied embeddings (as counted on the GPU runs).
+    assert count_parameters("qwen3", "1.7b-shape") == 1_720_574_976
+    assert count_parameters("qwen3", "4b-shape") == 4_022_468_096

@@ -39,9 +39,10 @@ def _settings(n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor,
     return temp, top_p, top_k
 
 
+@pytest.mark.parametrize("recompute", [True, False])
 @pytest.mark.parametrize("filters", [True, False])
 @pytest.mark.parametrize("chunk", [1, 7, 64])
-def test_chunked_logprobs_equal_full_values_and_grads(chunk: int, filters: bool) -> None:
+def test_chunked_logprobs_equal_full_values_and_grads(chunk: int, filters: bool, recompute: bool) -> None:
     gen = torch.Generator().manual_seed(chunk)
     n, h, v = 37, 16, 50
     hidden = torch.randn(n, h, generator=gen)
@@ -64,7 +65,8 @@ def test_chunked_logprobs_equal_full_values_and_grads(chunk: int, filters: bool)
         return logp, ent, hh.grad, ww.grad
 
     full = run(full_token_logprobs)
-    chunked = run(chunked_token_logprobs, chunk=chunk)
+    # recompute=False keeps the forward pass's gradient factor (the closed-form path only).
+    chunked = run(chunked_token_logprobs, chunk=chunk, recompute=recompute)
     # The reference is the engine's own distribution function.
     assert torch.allclose(full[0], lp_ref.gather(-1, targets[:, None]).squeeze(-1), atol=1e-5)
     for a, b in zip(full, chunked, strict=True):
@@ -132,6 +134,10 @@ def test_packed_and_padded_batches_give_the_same_loss_and_grads(model_dir: Path)
     packed = TorchTrainer(_policy(model_dir, pack=True, micro_batch_tokens=40, pack_row_tokens=24))
     plans = packing.plan(batch, micro_batch=3, micro_batch_tokens=40)
     assert len(plans) > 1  # several token-balanced micro-batches, several rows each
+    # Padded rows take plain causal attention (no mask built), packed rows the document mask: the
+    # equalities below check one against the other.
+    assert all(m.one_per_row for m in padded._micro_batches(batch))
+    assert not any(m.one_per_row for m in packed._micro_batches(batch))
     l1, g1 = padded.batch_gradients(batch)
     l2, g2 = packed.batch_gradients(batch)
     assert l1 == pytest.approx(l2, abs=1e-5)

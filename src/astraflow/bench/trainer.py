@@ -4,7 +4,12 @@ Both sides see the same synthetic batch (random tokens, `prompt_len` of each seq
 run forward, backward and AdamW. The trainer runs its full objective (GRPO by default) through its
 own path (chunked logprobs, packing, FSDP2 under torchrun); the baseline is `model(input_ids,
 labels=...)` + backward + AdamW.step with transformers' own loss, at the largest micro-batch (a
-power-of-two fraction of the batch) that fits. MFU = 6 x parameters x tokens / step time / peak.
+power-of-two fraction of the batch) that fits. MFU = model FLOPs / step time / peak, model FLOPs =
+(4 x parameters + 2 x trained parameters) x tokens: 2N forward, 2N for the activation gradients, 2N
+for the weight gradients of trained weights only, so 6N per token when every weight trains (LoRA: about
+4N). N counts every parameter, the output embedding included; attention's score FLOPs are not counted
+(the usual 6N convention; they add about 20% real work at 2,048 tokens on the 0.6B shape), nor is the
+logits recomputation of the chunked logprobs.
 Under torchrun every rank trains its own `batch` sequences (weak scaling) and the baseline is skipped.
 """
 
@@ -43,6 +48,7 @@ class TrainerBenchResult:
 
     device: str
     params: int
+    trained_params: int
     tokens_per_step: int
     ranks: int
     options: dict[str, Any]
@@ -164,12 +170,14 @@ def run_trainer_bench(
     samples = synthetic_batch(batch * ranks, seq_len, prompt_len, vocab, seed=0)
     # A sharded parameter (DTensor) reports its full, unsharded size.
     n_params = sum(p.numel() for p in trainer.model.parameters())
+    n_trained = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     peak = peak_flops(name, peak_tflops)
     tokens = batch * seq_len * ranks
     res = TrainerBenchResult(
         device=f"{ranks} x {name}" if ranks > 1 else name,
         params=n_params,
+        trained_params=n_trained,
         tokens_per_step=tokens,
         ranks=ranks,
         options={**options, "batch": batch, "seq_len": seq_len, "prompt_len": prompt_len, "loss": loss},
@@ -181,7 +189,8 @@ def run_trainer_bench(
         trainer.step(samples)
 
     step_s = _timed(trainer_step, dev, steps, warmup)
-    res.sides.append(_side("astraflow trainer", step_s, tokens, n_params, peak, _peak_gb(dev), ranks))
+    flops = (4 * n_params + 2 * n_trained) * tokens
+    res.sides.append(_side("astraflow trainer", step_s, tokens, flops, peak, _peak_gb(dev), ranks))
     trainer = None  # free its memory before the baseline loads
     if baseline and ranks == 1:
         res.sides.append(_baseline(model, samples, options, dev, steps, warmup, peak, n_params))
@@ -189,9 +198,9 @@ def run_trainer_bench(
 
 
 def _side(
-    name: str, step_s: float, tokens: int, params: int, peak: float | None, mem: float | None, ranks: int
+    name: str, step_s: float, tokens: int, flops: float, peak: float | None, mem: float | None, ranks: int
 ) -> BenchSide:
-    mfu = 6.0 * params * tokens / step_s / (peak * ranks) if peak else None
+    mfu = flops / step_s / (peak * ranks) if peak else None
     return BenchSide(name=name, step_s=step_s, tokens_per_s=tokens / step_s, mfu=mfu, peak_mem_gb=mem)
 
 
@@ -239,7 +248,7 @@ def _baseline(
             if micro == 1:
                 return BenchSide("transformers + AdamW", float("nan"), 0.0, None, None, 1, "out of memory")
             micro = max(1, micro // 2)
-    side = _side("transformers + AdamW", step_s, tokens, n_params, peak, _peak_gb(dev), 1)
+    side = _side("transformers + AdamW", step_s, tokens, 6.0 * n_params * tokens, peak, _peak_gb(dev), 1)
     side.micro_batch = micro
     return side
 
@@ -248,7 +257,7 @@ def format_table(res: TrainerBenchResult) -> str:
     """The comparison as a plain-text table, trainer / baseline ratio last."""
     o = res.options
     lines = [
-        f"device: {res.device}; {res.params / 1e9:.3f}B parameters; "
+        f"device: {res.device}; {res.params / 1e9:.3f}B parameters ({res.trained_params / 1e9:.3f}B trained); "
         f"{o['batch']} x {o['seq_len']} tokens per rank ({o['prompt_len']} prompt); {res.tokens_per_step} per step",
         f"trainer options: { {k: v for k, v in o.items() if k not in ('batch', 'seq_len', 'prompt_len')} }",
         f"{'side':<22} {'step s':>8} {'tokens/s':>10} {'MFU':>7} {'peak GB':>8}  note",

@@ -65,6 +65,29 @@ PRESETS: dict[str, dict[str, Preset]] = {
             max_positions=40960,
             dtype="bfloat16",
         ),
+        # Qwen3-1.7B's and Qwen3-4B's real dimensions (tied embeddings, as theirs), random weights.
+        "1.7b-shape": Preset(
+            hidden=2048,
+            layers=28,
+            heads=16,
+            kv_heads=8,
+            head_dim=128,
+            intermediate=6144,
+            vocab=151936,
+            max_positions=40960,
+            dtype="bfloat16",
+        ),
+        "4b-shape": Preset(
+            hidden=2560,
+            layers=36,
+            heads=32,
+            kv_heads=8,
+            head_dim=128,
+            intermediate=9728,
+            vocab=151936,
+            max_positions=40960,
+            dtype="bfloat16",
+        ),
     }
 }
 """arch -> preset name -> dimensions."""

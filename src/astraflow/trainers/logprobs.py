@@ -7,6 +7,12 @@ tokens x vocab x 4 bytes (16k tokens x 152k vocabulary = 10 GB per copy), so her
 are multiplied by the output embedding a chunk of tokens at a time, in the forward pass and again in
 the backward pass (recomputation), inside one autograd Function. Only [tokens] logprobs and entropies
 and the [tokens x hidden] hidden states are kept between the passes.
+
+Without recomputation (`recompute=False`, chunks without top-p/top-k only) the forward pass also writes
+d logp / d logits = (onehot(target) - softmax) / temperature for every token, in the logits' dtype
+([tokens x vocab] x 2 bytes in bf16), and the backward pass is two GEMMs with no pass over the
+vocabulary: grad_h = g * (q @ W) and grad_W = q^T @ (g * h), the upstream gradient g applied to the
+thin side.
 """
 
 from __future__ import annotations
@@ -73,15 +79,41 @@ def _plain_grad_fusable(
     return ((onehot.float() - torch.softmax(x, dim=-1)) * (g * inv_temp).unsqueeze(-1)).to(logits.dtype)
 
 
+def _plain_stats_and_factor(
+    logits: torch.Tensor, targets: torch.Tensor, inv_temp: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logp, entropy, q) with q = d logp / d logits = (onehot(target) - softmax(x)) / temperature in
+    logits' dtype: the whole gradient over the vocabulary, short of the upstream factor."""
+    x = logits.float() * inv_temp.unsqueeze(-1)
+    lp = x - torch.logsumexp(x, dim=-1, keepdim=True)
+    p = torch.exp(lp)
+    logp = lp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    # -sum(p * log p) term by term: lse - sum(p * x) would cancel two large numbers.
+    ent = -(p * lp).sum(-1)
+    onehot = torch.arange(x.shape[-1], device=x.device).unsqueeze(0) == targets.unsqueeze(-1)
+    q = ((onehot.float() - p) * inv_temp.unsqueeze(-1)).to(logits.dtype)
+    return logp, ent, q
+
+
+def _plain_stats_into(
+    logits: torch.Tensor, targets: torch.Tensor, inv_temp: torch.Tensor, out: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """_plain_stats_and_factor writing q into `out` (compiled: the kernel stores there, no extra copy)."""
+    logp, ent, q = _plain_stats_and_factor(logits, targets, inv_temp)
+    out.copy_(q)
+    return logp, ent
+
+
 _COMPILED: dict[str, Any] = {}
 
 
 def _kernel(name: str, fused: bool) -> Any:
-    """`_plain_stats` / `_plain_grad`, fused into a few kernels by torch.compile when `fused`."""
+    """`_plain_stats` / `_plain_grad` / `_plain_stats_and_factor`, fused into a few kernels by
+    torch.compile when `fused`."""
     if not fused:
-        return {"stats": _plain_stats, "grad": _plain_grad}[name]
+        return {"stats": _plain_stats, "grad": _plain_grad, "factor": _plain_stats_into}[name]
     if name not in _COMPILED:
-        fn: Any = {"stats": _plain_stats, "grad": _plain_grad_fusable}[name]
+        fn: Any = {"stats": _plain_stats, "grad": _plain_grad_fusable, "factor": _plain_stats_into}[name]
         _COMPILED[name] = torch.compile(fn, dynamic=True)
     return _COMPILED[name]
 
@@ -106,18 +138,30 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         top_k: torch.Tensor,
         chunk: int,
         fused: bool,
+        filtered: bool | None,
+        recompute: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         n, vocab = hidden.shape[0], weight.shape[0]
         logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
         ent = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        # Decided once per call (each check is a device sync), not per chunk.
-        plain = _unfiltered(top_p, top_k, vocab)
+        # Decided once per call (each check is a device sync, skipped when the caller knows), not per chunk.
+        plain = not filtered if filtered is not None else _unfiltered(top_p, top_k, vocab)
         inv_temp = 1.0 / temperature
         stats = _kernel("stats", fused)
+        keep = plain and not recompute and any(ctx.needs_input_grad[:2])
+        factor: torch.Tensor | None = None
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
             tgt = targets[s:e].unsqueeze(-1)
-            if plain:
+            if keep:
+                logits = hidden[s:e] @ weight.t()
+                if factor is None:
+                    factor = torch.empty(n, vocab, dtype=logits.dtype, device=logits.device)
+                logp[s:e], ent[s:e] = _kernel("factor", fused)(
+                    logits, targets[s:e], inv_temp[s:e], factor[s:e]
+                )
+                del logits
+            elif plain:
                 logp[s:e], ent[s:e] = stats(hidden[s:e] @ weight.t(), targets[s:e], inv_temp[s:e])
             else:
                 lp = _chunk_logprobs(
@@ -128,6 +172,7 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
                 del lp
         ctx.save_for_backward(hidden, weight, targets, temperature, top_p, top_k)
         ctx.chunk, ctx.plain, ctx.fused = chunk, plain, fused
+        ctx.factor = factor
         # The backward pass recomputes the logits: under the same autocast as this forward pass.
         dev = hidden.device.type
         ctx.autocast = (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
@@ -143,6 +188,14 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         n = hidden.shape[0]
         dev, enabled, dtype = ctx.autocast
+        if ctx.factor is not None:
+            q, ctx.factor = ctx.factor, None
+            g = grad_logp.unsqueeze(-1)
+            with torch.autocast(dev, dtype=dtype, enabled=enabled):
+                w = weight.detach().to(q.dtype)
+                gh = (q @ w).float().mul_(g).to(hidden.dtype) if need_h else None
+                gw = (q.t() @ (hidden.detach().float() * g).to(q.dtype)).to(weight.dtype) if need_w else None
+            return gh, gw, None, None, None, None, None, None, None, None
         for s in range(0, n, ctx.chunk):
             e = min(n, s + ctx.chunk)
             g = grad_logp[s:e]
@@ -173,7 +226,7 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
                 assert grad_w is not None
                 grad_w += next(grads).float()
         gw = grad_w.to(weight.dtype) if grad_w is not None else None
-        return grad_h, gw, None, None, None, None, None, None
+        return grad_h, gw, None, None, None, None, None, None, None, None
 
 
 def chunked_token_logprobs(
@@ -186,14 +239,20 @@ def chunked_token_logprobs(
     *,
     chunk: int = 2048,
     fused: bool = False,
+    filtered: bool | None = None,
+    recompute: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(logp, entropy), each [N] float32, of `targets` [N] given hidden states [N, H] and the output
     embedding [V, H], under each token's processed sampling distribution (settings [N]); `fused`
-    compiles the element-wise work over the vocabulary (torch.compile) for chunks without filters."""
+    compiles the element-wise work over the vocabulary (torch.compile) for chunks without filters;
+    `filtered` says whether any token uses top-p/top-k (None = check, one device sync); with
+    `recompute` False and no filters the backward pass reuses a [N, V] factor kept from the forward."""
     if hidden.shape[0] == 0:
         z = hidden.new_zeros(0, dtype=torch.float32) + 0 * weight.sum()
         return z, z.detach()
-    out = ChunkedTokenLogprobs.apply(hidden, weight, targets, temperature, top_p, top_k, max(1, chunk), fused)
+    out = ChunkedTokenLogprobs.apply(
+        hidden, weight, targets, temperature, top_p, top_k, max(1, chunk), fused, filtered, recompute
+    )
     return out[0], out[1]
 
 

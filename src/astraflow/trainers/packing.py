@@ -18,6 +18,8 @@ longest first, each to the currently lightest micro-batch.
 from __future__ import annotations
 
 import heapq
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -95,11 +97,26 @@ class MicroBatch:
     """[B] advantages."""
     sequences: int
     """B: sequences in this micro-batch (0 for an empty filler)."""
+    filtered: bool = True
+    """Whether any sequence samples with top-p or top-k (known on the host: no device check needed)."""
+    one_per_row: bool = False
+    """Every row holds one sequence from position 0 (padding only after it): plain causal attention is
+    exact for every real token, so no mask needs building."""
 
     @property
     def view_shape(self) -> tuple[int, int]:
         """(B, L) of the loss views."""
         return (self.mask.shape[0], self.mask.shape[1])
+
+
+def _longs(xs: Sequence[int]) -> torch.Tensor:
+    """A Python int list as an int64 tensor (through array: a C loop, ~20x faster than torch.tensor)."""
+    return torch.frombuffer(array("q", xs), dtype=torch.long) if xs else torch.zeros(0, dtype=torch.long)
+
+
+def _floats(xs: Sequence[float]) -> torch.Tensor:
+    """A Python float list as a float32 tensor (through array, like _longs)."""
+    return torch.frombuffer(array("f", xs), dtype=torch.float32) if xs else torch.zeros(0)
 
 
 def _rows(lengths: list[int], pack: bool, row_tokens: int) -> list[list[int]]:
@@ -146,6 +163,8 @@ def build(
             behaviour=torch.zeros((0, 0)).to(device),
             adv=empty_f.to(device),
             sequences=0,
+            filtered=False,
+            one_per_row=True,
         )
     for s in samples:
         if not (len(s.loss_mask) == len(s.logprobs) == len(s.versions) == len(s.tokens)):
@@ -167,14 +186,14 @@ def build(
         start = 0
         for i in row:
             s, n = samples[i], lengths[i]
-            toks = torch.tensor(s.tokens, dtype=torch.long)
+            toks = _longs(s.tokens)
             ids[r, start : start + n] = toks
             pos[r, start : start + n] = torch.arange(n)
             attn[r, start : start + n] = 1
             # Position j of the views is token j+1, predicted by the hidden state at token j.
-            trained = torch.tensor(s.loss_mask[1:], dtype=torch.float32)
+            trained = _floats(s.loss_mask[1:])
             mask[i, : n - 1] = trained
-            behaviour[i, : n - 1] = torch.tensor(s.logprobs[1:], dtype=torch.float32)
+            behaviour[i, : n - 1] = _floats(s.logprobs[1:])
             j = trained.nonzero().squeeze(-1)
             src.append(r * width + start + j)
             dst.append(i * view_len + j)
@@ -203,4 +222,7 @@ def build(
         behaviour=behaviour.to(device),
         adv=torch.tensor([s.advantage for s in samples], dtype=torch.float32).to(device),
         sequences=b,
+        # Conservative: a top_k at or above the vocabulary also counts (the exact path, only slower).
+        filtered=any(p < 1.0 or k > 0 for _, p, k, _ in settings),
+        one_per_row=all(len(row) == 1 for row in rows),
     )

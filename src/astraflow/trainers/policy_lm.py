@@ -41,7 +41,7 @@ def decoder_layers(model: Any) -> list[nn.Module]:
 class PolicyLM(nn.Module):
     """Logprobs (with grad) and entropies (without) of a micro-batch's trained tokens."""
 
-    def __init__(self, model: Any, *, chunk: int = 2048, fused: bool = False) -> None:
+    def __init__(self, model: Any, *, chunk: int = 2048, fused: bool = False, recompute: bool = True) -> None:
         super().__init__()
         self.model = model
         lm = causal_lm(model)
@@ -53,21 +53,32 @@ class PolicyLM(nn.Module):
                 )
         self.chunk = chunk
         self.fused = fused
+        self.recompute = recompute
 
     def hidden(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        *,
+        causal_only: bool = False,
     ) -> torch.Tensor:
-        """Final hidden states [R, W, H] of the rows (after the backbone's last norm)."""
+        """Final hidden states [R, W, H] of the rows (after the backbone's last norm). `causal_only`: the
+        caller knows plain causal attention is exact (one sequence per row, padding after it)."""
         lm = causal_lm(self.model)
         backbone = getattr(lm, lm.base_model_prefix)
-        out = backbone(
-            input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False
-        )
+        mask: Any = attention_mask
+        types = set(getattr(lm.config, "layer_types", None) or ["?"])
+        if causal_only and types == {"full_attention"}:
+            # A ready mask mapping with no mask: attention runs with is_causal, the fast fused kernels,
+            # also inside a compiled graph (where transformers would otherwise build a dense mask).
+            mask = {"full_attention": None}
+        out = backbone(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=False)
         return out.last_hidden_state
 
     def forward(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(logp, entropy) as [B, L] views (zero where not trained)."""
-        h = self.hidden(mb.input_ids, mb.position_ids, mb.attention_mask)
+        h = self.hidden(mb.input_ids, mb.position_ids, mb.attention_mask, causal_only=mb.one_per_row)
         flat = h.reshape(-1, h.shape[-1])
         weight = causal_lm(self.model).get_output_embeddings().weight
         logp, ent = chunked_token_logprobs(
@@ -79,6 +90,8 @@ class PolicyLM(nn.Module):
             mb.top_k,
             chunk=self.chunk,
             fused=self.fused,
+            filtered=mb.filtered,
+            recompute=self.recompute,
         )
         b, length = mb.view_shape
         if b == 0:

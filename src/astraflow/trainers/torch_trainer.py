@@ -64,10 +64,16 @@ class TorchTrainerConfig(BaseModel):
     """Longest packed row in tokens (first-fit decreasing); 0 = one row per micro-batch."""
     logprob_chunk: int = Field(2048, ge=1)
     """Tokens whose logits exist at once in the logprob computation (forward and recomputed backward)."""
+    logprob_recompute: bool = True
+    """Recompute the logits in the backward pass; False keeps a [trained tokens x vocab] gradient factor
+    (2 bytes each in bf16) from the forward pass instead: one vocabulary GEMM fewer (no top-p/top-k only)."""
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass to save memory."""
     compile: bool = False
-    """torch.compile each decoder layer and the logprob arithmetic over the vocabulary (first steps compile)."""
+    """torch.compile the decoder and the logprob arithmetic over the vocabulary (first steps compile)."""
+    compile_scope: Literal["layers", "model"] = "layers"
+    """What one compiled graph covers: each decoder layer (layers) or the whole backbone (model: fewer
+    host-side calls per step, a longer first compile); one process only."""
     lora: LoraOptions | None = None
     """Train LoRA adapters (peft) instead of every weight; engines get merged dense weights."""
 
@@ -135,7 +141,14 @@ class TorchTrainer(Trainer):
         model.to(self.device).train()  # type: ignore[arg-type]
         if cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if cfg.compile:
+        if cfg.compile and cfg.compile_scope == "model" and dist.active():
+            raise AstraflowError(
+                "compile_scope = 'model' does not run on several ranks yet",
+                hint="use compile_scope = 'layers' or one trainer process",
+            )
+        if cfg.compile and cfg.compile_scope == "model":
+            getattr(model, model.base_model_prefix).compile()
+        elif cfg.compile:
             for layer in decoder_layers(model):
                 layer.compile()
         loss_cls = plugins.load("losses", policy.loss)
@@ -161,7 +174,9 @@ class TorchTrainer(Trainer):
         if cfg.lora is not None:
             model = lora.wrap(model, cfg.lora, seed=seed)
         self.model: Any = model
-        self.policy_lm = PolicyLM(model, chunk=cfg.logprob_chunk, fused=cfg.compile)
+        self.policy_lm = PolicyLM(
+            model, chunk=cfg.logprob_chunk, fused=cfg.compile, recompute=cfg.logprob_recompute
+        )
         if self.sharded:
             dist.shard(self.policy_lm, decoder_layers(model), compute)
         self._params = [p for p in self.policy_lm.parameters() if p.requires_grad]
@@ -171,8 +186,9 @@ class TorchTrainer(Trainer):
                 "LoRA adapters: training %d of %d parameters", sum(p.numel() for p in self._params), total
             )
         opt = policy.optimizer
-        # The fused CUDA kernel: one launch per step instead of several per parameter group.
-        fused = {"fused": True} if self.device.type == "cuda" and not self.sharded else {}
+        # The fused CUDA kernel: one launch per step instead of several per parameter group (FSDP2's
+        # sharded parameters are DTensors, which the fused kernel also takes, shard by shard).
+        fused = {"fused": True} if self.device.type == "cuda" else {}
         self.optimizer = torch.optim.AdamW(
             self._params, lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay, **fused
         )
@@ -276,14 +292,15 @@ class TorchTrainer(Trainer):
         part: list[TrainSample],
         micros: list[MicroBatch],
         extras: dict[int, dict[str, torch.Tensor]],
-        acc: dict[str, list[float]],
-    ) -> float:
-        """Forward/backward of one update's micro-batches into .grad; returns this rank's loss sum."""
+        acc: dict[str, list[Any]],
+    ) -> torch.Tensor:
+        """Forward/backward of one update's micro-batches into .grad; returns this rank's loss sum (on
+        the device: metrics stay there until the step's one host transfer)."""
         # Every rank knows the whole update, so the normalisers are global without a collective.
         total = float(sum(sum(s.loss_mask[1:]) for s in part))
         n_seqs = float(len(part))
         world = dist.world()
-        update_loss = 0.0
+        update_loss = torch.zeros((), dtype=torch.float32, device=self.device)
         for j, m in enumerate(micros):
             if self.sharded:
                 dist.set_grad_sync(self.policy_lm, j == len(micros) - 1)
@@ -294,11 +311,11 @@ class TorchTrainer(Trainer):
             loss, metrics = self.loss(self._inputs(m, extras[id(m)], logp, ent, total, n_seqs))
             # FSDP averages gradients over ranks; each rank's loss is a part of one global sum.
             (loss * world if world > 1 else loss).backward()
-            update_loss += float(loss.detach())
-            acc.setdefault("_ent_sum", []).append(float((ent * m.mask).sum()))
-            acc.setdefault("_ent_tokens", []).append(float(m.mask.sum()))
+            update_loss += loss.detach().float()
+            acc.setdefault("_ent_sum", []).append((ent.detach() * m.mask).sum())
+            acc.setdefault("_ent_tokens", []).append(m.mask.sum())
             for name, value in metrics.items():
-                acc.setdefault(name, []).append(float(value))
+                acc.setdefault(name, []).append(value)
         return update_loss
 
     def step(self, batch: list[TrainSample]) -> dict[str, float]:
@@ -311,25 +328,32 @@ class TorchTrainer(Trainer):
         updates = [(part, self._micro_batches(part)) for part in parts]
         extras = self._extras([m for _, ms in updates for m in ms], len(batch))
         lr = self._set_lr()
-        update_losses: list[float] = []
-        grad_norms: list[float] = []
-        acc: dict[str, list[float]] = {}
+        losses_dev: list[torch.Tensor] = []
+        norms_dev: list[torch.Tensor] = []
+        acc: dict[str, list[Any]] = {}
         for part, micros in updates:
             self.optimizer.zero_grad(set_to_none=True)
-            update_losses.append(self._accumulate(part, micros, extras, acc))
-            grad_norms.append(dist.grad_norm(self._params, self.policy.optimizer.grad_clip))
+            losses_dev.append(self._accumulate(part, micros, extras, acc))
+            norms_dev.append(dist.grad_norm(self._params, self.policy.optimizer.grad_clip))
             self.optimizer.step()
         self._step += 1
-        ent = [sum(acc.pop("_ent_sum", [])), sum(acc.pop("_ent_tokens", []))]
-        sums = dist.all_sum([*update_losses, *ent], self.device)
+        # Host-side metrics first: they overlap the device's last kernels.
+        out = self._batch_metrics(batch)
+        zero = torch.zeros((), dtype=torch.float32, device=self.device)
+        ent_dev = [torch.stack(acc.pop(k, [zero])).sum() for k in ("_ent_sum", "_ent_tokens")]
+        # The step's one device-to-host transfer (the objective's own metrics may have synced already).
+        host = torch.stack([t.float() for t in (*losses_dev, *norms_dev, *ent_dev)]).tolist()
+        k_up = len(losses_dev)
+        grad_norms = host[k_up : 2 * k_up]
+        sums = dist.all_sum([*host[:k_up], *host[2 * k_up :]], self.device)
         update_losses, (ent_sum, ent_tokens) = sums[:-2], sums[-2:]
+        acc = {name: [float(v) for v in values] for name, values in acc.items()}
         if self.sharded:
             merged: dict[str, list[float]] = {}
             for d in dist.gather_objects(acc):
                 for name, values in d.items():
                     merged.setdefault(name, []).extend(values)
             acc = merged
-        out = self._batch_metrics(batch)
         for name, values in acc.items():
             out[name] = sum(values) / len(values)
         # After the objective's metrics: its entropy is a mean of micro-batch means; this one is the
@@ -348,7 +372,7 @@ class TorchTrainer(Trainer):
         micros = self._micro_batches(batch)
         extras = self._extras(micros, len(batch))
         self.optimizer.zero_grad(set_to_none=True)
-        loss = dist.all_sum([self._accumulate(batch, micros, extras, {})], self.device)[0]
+        loss = dist.all_sum([float(self._accumulate(batch, micros, extras, {}))], self.device)[0]
         grads: dict[str, torch.Tensor] = {}
         for name, p in causal_lm(self.model).named_parameters():
             if p.grad is None:
