@@ -4,8 +4,10 @@ weight-sync times.
 Everything is measured over the run's steady window, from the first step any policy finished to the
 last (process start-up, model loading and the first step's compilation are left out):
 
-- samples/s: trajectories the RaaS workers stored (metrics `samples_generated`), and sequences the
-  trainers consumed (`batch_size`), per second of the window.
+- samples/s: trajectories stored from tasks whose results came in during the window (state.db; with
+  their generated tokens), and sequences the trainers consumed (`batch_size`), per second of the window.
+  The run's final checkpoint is written before its last step is recorded, so its time is taken off the
+  window's end and off each trainer's span.
 - trainer busy: the policy's summed `trainer_compute_s` (its steps' own work, each ended by a device
   synchronisation; `trainer_sleep_s` excluded) over the time between its first and last step.
 - engine busy: per RaaS worker and policy, the growth of the engine's `busy_s` (wall time of its decode
@@ -24,6 +26,7 @@ last (process start-up, model loading and the first step's compilation are left 
 from __future__ import annotations
 
 import json
+import sqlite3
 import threading
 import time
 from pathlib import Path
@@ -114,20 +117,37 @@ def _mean(xs: list[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
-def read_policies(rows: dict[str, list[dict[str, Any]]], t0: float, t1: float) -> dict[str, Any]:
+def generated_in(run_dir: Path, t0: float, t1: float) -> dict[str, tuple[int, int]]:
+    """Per policy, (trajectories, their generated tokens) stored from tasks whose result came in [t0, t1]."""
+    db = sqlite3.connect(f"file:{run_dir / 'state.db'}?mode=ro", uri=True)
+    try:
+        rows = db.execute(
+            "SELECT t.policy, COUNT(*), COALESCE(SUM(t.length), 0) FROM trajectories t "
+            "JOIN tasks k ON t.task_id = k.id WHERE k.updated BETWEEN ? AND ? GROUP BY t.policy",
+            (t0, t1),
+        ).fetchall()
+    finally:
+        db.close()
+    return {str(p): (int(n), int(tok)) for p, n, tok in rows}
+
+
+def read_policies(
+    rows: dict[str, list[dict[str, Any]]], generated: dict[str, tuple[int, int]], t0: float, t1: float
+) -> dict[str, Any]:
     """Per policy: pace, samples/s, reward, trainer busy fraction and publish time, from metrics rows."""
     out: dict[str, Any] = {}
     window = t1 - t0
     for pol, recs in rows.items():
         ts = [float(r["time"]) for r in recs]
         steady = recs[1:]
-        span = ts[-1] - ts[0]
-        gen = [float(r.get("samples_generated", 0.0)) for r in recs]
+        # a checkpoint (the final one at least) is disk time, not the pipeline's pace
+        span = ts[-1] - ts[0] - sum(float(r.get("trainer_checkpoint_s", 0.0)) for r in steady)
         compute = sum(float(r.get("trainer_compute_s", 0.0)) for r in steady)
         out[pol] = {
             "steps": len(recs),
             "s_per_step": span / (len(recs) - 1) if len(recs) > 1 else None,
-            "generated_per_s": (gen[-1] - gen[0]) / window if window > 0 else None,
+            "generated_per_s": generated.get(pol, (0, 0))[0] / window if window > 0 else None,
+            "generated_tokens_per_s": generated.get(pol, (0, 0))[1] / window if window > 0 else None,
             "trained_per_s": sum(float(r.get("batch_size", 0.0)) for r in steady) / window
             if window > 0
             else None,
@@ -210,9 +230,11 @@ def read_e2e(run_dir: Path, gpus: GpuSampler | None = None) -> dict[str, Any]:
     for recs in rows.values():
         recs.sort(key=lambda r: r["step"])
     t0 = min(float(r[0]["time"]) for r in rows.values())
-    t1 = max(float(r[-1]["time"]) for r in rows.values())
+    last = max((r[-1] for r in rows.values()), key=lambda r: float(r["time"]))
+    # the run's last step ends with the final checkpoint's write: leave it out of the window
+    t1 = float(last["time"]) - float(last.get("trainer_checkpoint_s", 0.0))
     published = {(p, int(r["version"])): float(r["time"]) for p, recs in rows.items() for r in recs}
-    policies = read_policies(rows, t0, t1)
+    policies = read_policies(rows, generated_in(run_dir, t0, t1), t0, t1)
     workers = read_workers(run_dir, published, t0, t1)
     for name, p in policies.items():
         parts = [e for w in workers.values() for n, e in w["engines"].items() if n == name and e.get("pulls")]

@@ -333,6 +333,7 @@ def pipeline(
     """Run one recipe lock-step (run.mode=sync) and asynchronously; compare pace, idle time and staleness."""
     import json
     import signal
+    import sqlite3
 
     from astraflow import log
     from astraflow.bench.e2e import GpuSampler, format_report, read_e2e
@@ -367,7 +368,7 @@ def pipeline(
         if res.ok:
             try:
                 rep = read_e2e(Path(res.run_dir), gpus)
-            except (OSError, ValueError, KeyError) as exc:
+            except (OSError, ValueError, KeyError, sqlite3.Error) as exc:
                 reports[res.mode] = f"(no end-to-end report: {exc})"
                 continue
             summary["e2e"][res.mode] = rep
