@@ -52,3 +52,13 @@ def test_bench_pipeline_runs_sync_then_async_and_compares(tiny_model: Path, tmp_
     assert resolved["run"]["mode"] == "sync"
     assert summary["throughput_ratio"] > 0 and set(summary["per_policy_speedup"]) == {"proposer", "solver"}
     assert "async / sync throughput" in out.stderr
+    # each mode's end-to-end report (bench/e2e.py): throughput, busy fractions, weight sync
+    for mode in ("sync", "async"):
+        rep = summary["e2e"][mode]
+        assert rep["window_s"] > 0 and rep["generated_per_s"] > 0 and rep["trained_per_s"] > 0
+        for name in ("proposer", "solver"):
+            pol = rep["policies"][name]
+            assert 0 < pol["trainer_busy"] <= 1 and pol["publish_s"] > 0
+        engines = rep["workers"]["raas-0"]["engines"]
+        assert set(engines) == {"proposer", "solver"}
+        assert all(0 < e["busy"] <= 1 and e["decode_rows_per_s"] > 0 for e in engines.values())
