@@ -365,14 +365,16 @@ def pipeline(
     # the end-to-end view of each run: samples/s, busy fractions, weight sync (bench/e2e.py)
     summary["e2e"] = {}
     for res in results:
-        if res.ok:
-            try:
-                rep = read_e2e(Path(res.run_dir), gpus)
-            except (OSError, ValueError, KeyError, sqlite3.Error) as exc:
-                reports[res.mode] = f"(no end-to-end report: {exc})"
-                continue
-            summary["e2e"][res.mode] = rep
-            reports[res.mode] = format_report(rep)
+        # a failed (e.g. timed-out) run still has the steps it completed: reported, marked partial
+        label = res.mode if res.ok else f"{res.mode} (partial: the run failed; the steps it completed)"
+        try:
+            rep = read_e2e(Path(res.run_dir), gpus)
+        except (OSError, ValueError, KeyError, sqlite3.Error) as exc:
+            reports[label] = f"(no end-to-end report: {exc})"
+            continue
+        rep["partial"] = not res.ok
+        summary["e2e"][res.mode] = rep
+        reports[label] = format_report(rep)
     (base / "bench.json").write_text(json.dumps(summary, indent=2) + "\n")
     for mode, text in reports.items():
         typer.echo(f"\n{mode}:\n{text}", err=json_)
@@ -405,6 +407,7 @@ def e2e(
     """Run a recipe end to end; report samples/s, each role's busy fraction and weight-sync time per step."""
     import json
     import signal
+    import sqlite3
 
     from astraflow import log
     from astraflow.bench.data import run_recipe
@@ -425,9 +428,17 @@ def e2e(
     typer.echo(
         f"run: {'ok' if res.ok else 'FAILED: ' + res.error} ({res.wall_s:.0f}s) -> {run_dir}", err=json_
     )
+    try:
+        rep = read_e2e(run_dir, gpus)
+    except (OSError, ValueError, KeyError, sqlite3.Error) as exc:
+        if res.ok:
+            raise AstraflowError(f"cannot read the run back: {exc}", hint=f"see {run_dir}") from exc
+        rep = None
     if not res.ok:
+        if rep is not None:  # the steps a failed run completed, for what they are worth
+            typer.echo("partial report (the run failed):\n" + format_report(rep), err=True)
         raise AstraflowError(f"the run failed: {res.error}", hint=f"see {run_dir}/up.log and {run_dir}/logs/")
-    rep = read_e2e(run_dir, gpus)
+    assert rep is not None
     rep["wall_s"] = res.wall_s
     (run_dir / "e2e.json").write_text(json.dumps(rep, indent=2) + "\n")
     typer.echo(format_report(rep), err=json_)
