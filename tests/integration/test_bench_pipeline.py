@@ -55,10 +55,14 @@ def test_bench_pipeline_runs_sync_then_async_and_compares(tiny_model: Path, tmp_
     # each mode's end-to-end report (bench/e2e.py): throughput, busy fractions, weight sync
     for mode in ("sync", "async"):
         rep = summary["e2e"][mode]
-        assert rep["window_s"] > 0 and rep["generated_per_s"] > 0 and rep["trained_per_s"] > 0
+        # rollouts may all come from before the window (buffered within the staleness bound): >= 0 there
+        assert rep["window_s"] > 0 and rep["generated_per_s"] >= 0 and rep["trained_per_s"] > 0
         for name in ("proposer", "solver"):
             pol = rep["policies"][name]
             assert 0 < pol["trainer_busy"] <= 1 and pol["publish_s"] > 0
-        engines = rep["workers"]["raas-0"]["engines"]
-        assert set(engines) == {"proposer", "solver"}
-        assert all(0 < e["busy"] <= 1 and e["decode_rows_per_s"] > 0 for e in engines.values())
+        workers = rep["workers"]
+        assert set(workers) == {"raas-0", "raas-1"}
+        engines = [e for w in workers.values() for e in w["engines"].values()]
+        assert len(engines) == 4 and all(0 <= e["busy"] <= 1 for e in engines)
+        # each version reached the workers: pulled and applied inside the window by someone
+        assert sum(e["applied"] for e in engines) >= 2 and sum(e["busy"] for e in engines) > 0
