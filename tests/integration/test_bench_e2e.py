@@ -38,7 +38,8 @@ def test_bench_e2e_reports_throughput_busy_fractions_and_weight_sync(
     assert pol["steps"] == 3 and rep["window_s"] > 0
     # 16 sequences a step: two steps after the first were trained inside the window
     assert rep["trained_per_s"] == pytest.approx(32 / rep["window_s"])
-    assert rep["generated_per_s"] > 0 and pol["generated_tokens_per_s"] >= pol["generated_per_s"]
+    # rollouts buffered before the window (within the staleness bound) are not counted in it: >= 0
+    assert rep["generated_per_s"] >= 0 and pol["generated_tokens_per_s"] >= pol["generated_per_s"]
     assert 0 < pol["trainer_busy"] <= 1 and pol["trainer_compute_s"] > 0
     sync = pol["weight_sync"]
     assert sync["publish_s"] > 0 and sync["fetch_s"] > 0 and sync["total_s"] >= sync["fetch_s"]
