@@ -12,6 +12,7 @@ import json
 import sqlite3
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -35,11 +36,20 @@ def _generate(engine: TorchEngine, n: int, new: int) -> None:
     asyncio.run(engine.generate([req] * n))
 
 
+def _settled(engine: TorchEngine, decode_steps: int) -> dict[str, Any]:
+    """The engine's stats once its loop pass is counted: a completion is delivered before the pass ends."""
+    deadline = time.monotonic() + 10
+    while engine.stats()["decode_steps"] < decode_steps and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.05)  # a pass counted too many would show now
+    return engine.stats()
+
+
 def test_engine_counts_busy_time_and_weight_applications(model_dir: Path, tmp_path: Path) -> None:
     engine = TorchEngine(str(model_dir), TorchEngineConfig(max_batch=8), seed=0)
     try:
         _generate(engine, 4, 5)
-        first = engine.stats()
+        first = _settled(engine, 4)
         # 4 rows sampled 5 tokens: the first from the prefill, 4 decode steps of 4 rows
         assert first["decode_steps"] == 4 and first["row_steps"] == 16
         assert first["prefill_s"] > 0 and first["decode_s"] > 0 and first["n_applied"] == 0
@@ -47,7 +57,7 @@ def test_engine_counts_busy_time_and_weight_applications(model_dir: Path, tmp_pa
         sd = {k: v.clone() for k, v in engine.model.state_dict().items()}
         engine.load_weights(7, sd)
         _generate(engine, 2, 3)
-        after = engine.stats()
+        after = _settled(engine, 4 + 2)
         assert after["n_applied"] == 1 and after["applies"][0][0] == 7
         assert after["busy_s"] > first["busy_s"] and after["decode_steps"] == 4 + 2
 
