@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from astraflow import log
+from astraflow.metrics.role_stats import STATS_ENV
 
 _log = log.get("launcher")
 PR_SET_PDEATHSIG = 1
@@ -52,6 +53,8 @@ class Child:
     log_path: Path
     proc: subprocess.Popen[bytes] | None = None
     restarts: int = 0
+    env: dict[str, str] = field(default_factory=dict)
+    """Variables set for this child only (its GPUs, its stats file)."""
     log_file: IO[bytes] | None = field(default=None, repr=False)
 
     @property
@@ -68,10 +71,14 @@ class Supervisor:
         self.children: list[Child] = []
         self.env = {**os.environ, **(env or {})}
 
-    def start(self, name: str, role: str, args: list[str]) -> Child:
-        """Start `astraflow ARGS` as a child whose output goes to logs/<name>.log."""
+    def start(self, name: str, role: str, args: list[str], env: dict[str, str] | None = None) -> Child:
+        """Start `astraflow ARGS` as a child whose output goes to logs/<name>.log (env: its own extra variables)."""
         child = Child(
-            name=name, role=role, argv=astraflow_cmd() + args, log_path=self.run_dir / "logs" / f"{name}.log"
+            name=name,
+            role=role,
+            argv=astraflow_cmd() + args,
+            log_path=self.run_dir / "logs" / f"{name}.log",
+            env=env or {},
         )
         self._spawn(child)
         self.children.append(child)
@@ -84,7 +91,7 @@ class Supervisor:
             stdout=child.log_file,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=self.env,
+            env={**self.env, **child.env},
             start_new_session=True,
             preexec_fn=_die_with_parent,
         )
@@ -135,6 +142,11 @@ class Supervisor:
             if c.log_file is not None:
                 c.log_file.close()
                 c.log_file = None
+
+
+def gpu_env(gpus: str) -> dict[str, str]:
+    """CUDA_VISIBLE_DEVICES for a child when the recipe names its GPUs; nothing otherwise."""
+    return {"CUDA_VISIBLE_DEVICES": gpus} if gpus else {}
 
 
 def tail_log(path: Path, lines: int = 15) -> str:
@@ -318,6 +330,7 @@ def run_up(
                     str(run_dir / "keys"),
                     *(["--nproc", str(pol.trainer_nproc)] if pol.trainer_nproc > 1 else []),
                 ],
+                env=gpu_env(pol.trainer_gpus),
             )
         for i in range(recipe.rollout.local_workers):
             sup.start(
@@ -335,6 +348,11 @@ def run_up(
                     str(recipe.rollout.slots),
                     *member_keys[f"raas-{i}"],
                 ],
+                # each worker appends its engines' busy time and weight loads here (docs/benchmarks.md)
+                env={
+                    **gpu_env(recipe.rollout.gpus),
+                    STATS_ENV: str(run_dir / "logs" / f"raas-{i}.stats.jsonl"),
+                },
             )
         if viewer is not None:
             shown = subprocess.Popen(astraflow_cmd() + viewer, env=sup.env, preexec_fn=_die_with_parent)

@@ -52,3 +52,17 @@ def test_bench_pipeline_runs_sync_then_async_and_compares(tiny_model: Path, tmp_
     assert resolved["run"]["mode"] == "sync"
     assert summary["throughput_ratio"] > 0 and set(summary["per_policy_speedup"]) == {"proposer", "solver"}
     assert "async / sync throughput" in out.stderr
+    # each mode's end-to-end report (bench/e2e.py): throughput, busy fractions, weight sync
+    for mode in ("sync", "async"):
+        rep = summary["e2e"][mode]
+        # rollouts may all come from before the window (buffered within the staleness bound): >= 0 there
+        assert rep["window_s"] > 0 and rep["generated_per_s"] >= 0 and rep["trained_per_s"] > 0
+        for name in ("proposer", "solver"):
+            pol = rep["policies"][name]
+            assert 0 < pol["trainer_busy"] <= 1 and pol["publish_s"] > 0
+        workers = rep["workers"]
+        assert set(workers) == {"raas-0", "raas-1"}
+        engines = [e for w in workers.values() for e in w["engines"].values()]
+        assert len(engines) == 4 and all(0 <= e["busy"] <= 1 for e in engines)
+        # each version reached the workers: pulled and applied inside the window by someone
+        assert sum(e["applied"] for e in engines) >= 2 and sum(e["busy"] for e in engines) > 0

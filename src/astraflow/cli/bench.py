@@ -333,8 +333,10 @@ def pipeline(
     """Run one recipe lock-step (run.mode=sync) and asynchronously; compare pace, idle time and staleness."""
     import json
     import signal
+    import sqlite3
 
     from astraflow import log
+    from astraflow.bench.e2e import GpuSampler, format_report, read_e2e
     from astraflow.bench.pipeline import MODES, compare, format_table, run_mode
     from astraflow.config.load import load_recipe, validate_plugins
 
@@ -346,20 +348,102 @@ def pipeline(
     base = out or Path("runs") / f"bench-pipeline-{time.strftime('%Y%m%d-%H%M%S')}"
     base.mkdir(parents=True, exist_ok=True)
     results = []
-    for mode in MODES:
-        res = run_mode(
-            recipe, mode, base / mode, overrides, timeout_s, r.rollout.local_workers, r.rollout.slots
-        )
-        results.append(res)
-        status = "ok" if res.ok else f"FAILED: {res.error}"
-        typer.echo(f"{mode}: {status} ({res.wall_s:.0f}s) -> {res.run_dir}", err=json_)
+    reports: dict[str, str] = {}
+    gpus = GpuSampler().start()
+    try:
+        for mode in MODES:
+            res = run_mode(
+                recipe, mode, base / mode, overrides, timeout_s, r.rollout.local_workers, r.rollout.slots
+            )
+            results.append(res)
+            status = "ok" if res.ok else f"FAILED: {res.error}"
+            typer.echo(f"{mode}: {status} ({res.wall_s:.0f}s) -> {res.run_dir}", err=json_)
+    finally:
+        gpus.stop()
     summary = compare(results)
     summary["out"] = str(base)
+    # the end-to-end view of each run: samples/s, busy fractions, weight sync (bench/e2e.py)
+    summary["e2e"] = {}
+    for res in results:
+        # a failed (e.g. timed-out) run still has the steps it completed: reported, marked partial
+        label = res.mode if res.ok else f"{res.mode} (partial: the run failed; the steps it completed)"
+        try:
+            rep = read_e2e(Path(res.run_dir), gpus)
+        except (OSError, ValueError, KeyError, sqlite3.Error) as exc:
+            reports[label] = f"(no end-to-end report: {exc})"
+            continue
+        rep["partial"] = not res.ok
+        summary["e2e"][res.mode] = rep
+        reports[label] = format_report(rep)
     (base / "bench.json").write_text(json.dumps(summary, indent=2) + "\n")
+    for mode, text in reports.items():
+        typer.echo(f"\n{mode}:\n{text}", err=json_)
     typer.echo("", err=json_)
     typer.echo(format_table(summary), err=json_)
     if json_:
         typer.echo(json.dumps(summary, indent=2))
+
+
+@app.command("e2e")
+def e2e(
+    recipe: Annotated[Path, typer.Argument(help="Recipe to run through `astraflow up`.")],
+    set_: Annotated[
+        list[str] | None,
+        typer.Option("--set", help="Override a recipe field: a.b=value (repeatable)."),
+    ] = None,
+    out: Annotated[
+        Path | None,
+        typer.Option("--out", help="Run directory (default runs/bench-e2e-<time>/)."),
+    ] = None,
+    json_: Annotated[
+        bool,
+        typer.Option("--json", help="Print the report as JSON on stdout (the table goes to stderr)."),
+    ] = False,
+    timeout_s: Annotated[
+        float,
+        typer.Option("--timeout-s", help="Stop a run that takes longer than this and report it failed."),
+    ] = 3600.0,
+) -> None:
+    """Run a recipe end to end; report samples/s, each role's busy fraction and weight-sync time per step."""
+    import json
+    import signal
+    import sqlite3
+
+    from astraflow import log
+    from astraflow.bench.data import run_recipe
+    from astraflow.bench.e2e import GpuSampler, format_report, read_e2e
+    from astraflow.config.load import load_recipe, validate_plugins
+    from astraflow.errors import AstraflowError
+
+    log.setup("bench")
+    signal.signal(signal.SIGTERM, _interrupt)
+    overrides = set_ or []
+    validate_plugins(load_recipe(recipe, overrides))
+    run_dir = out or Path("runs") / f"bench-e2e-{time.strftime('%Y%m%d-%H%M%S')}"
+    gpus = GpuSampler().start()
+    try:
+        res = run_recipe(recipe, "e2e", run_dir, overrides, timeout_s)
+    finally:
+        gpus.stop()
+    typer.echo(
+        f"run: {'ok' if res.ok else 'FAILED: ' + res.error} ({res.wall_s:.0f}s) -> {run_dir}", err=json_
+    )
+    try:
+        rep = read_e2e(run_dir, gpus)
+    except (OSError, ValueError, KeyError, sqlite3.Error) as exc:
+        if res.ok:
+            raise AstraflowError(f"cannot read the run back: {exc}", hint=f"see {run_dir}") from exc
+        rep = None
+    if not res.ok:
+        if rep is not None:  # the steps a failed run completed, for what they are worth
+            typer.echo("partial report (the run failed):\n" + format_report(rep), err=True)
+        raise AstraflowError(f"the run failed: {res.error}", hint=f"see {run_dir}/up.log and {run_dir}/logs/")
+    assert rep is not None
+    rep["wall_s"] = res.wall_s
+    (run_dir / "e2e.json").write_text(json.dumps(rep, indent=2) + "\n")
+    typer.echo(format_report(rep), err=json_)
+    if json_:
+        typer.echo(json.dumps(rep, indent=2))
 
 
 @app.command("dash")

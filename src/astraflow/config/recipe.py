@@ -110,6 +110,8 @@ class PolicyConfig(_Model):
     """Benchmarking and testing knob: the trainer sleeps this long after every step, to model a policy whose steps cost more."""
     trainer_nproc: int = Field(1, ge=1)
     """Trainer ranks `astraflow up` starts for this policy (torchrun, FSDP2; one GPU each on CUDA)."""
+    trainer_gpus: str = Field("", pattern=r"^(\d+(,\d+)*)?$")
+    """GPUs of the trainer `astraflow up` starts for this policy, as CUDA_VISIBLE_DEVICES (e.g. "1"); empty = every GPU `up` sees."""
 
 
 class WorkflowConfig(_Model):
@@ -153,6 +155,8 @@ class RolloutConfig(_Model):
     """The run ends with exit 1 once this many tasks in a row failed every attempt (0: never)."""
     drain_timeout_s: float = Field(10.0, ge=0)
     """A leaving RaaS (SIGTERM, `astraflow leave`) waits this long for its running tasks, then returns the rest."""
+    gpus: str = Field("", pattern=r"^(\d+(,\d+)*)?$")
+    """GPUs of the RaaS processes `astraflow up` starts, as CUDA_VISIBLE_DEVICES (e.g. "0"); empty = every GPU `up` sees."""
 
 
 class WeightsConfig(_Model):

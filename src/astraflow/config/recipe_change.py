@@ -27,10 +27,12 @@ CHANGEABLE = (
     "rollout.max_attempts",
     "rollout.max_failed_tasks",
     "rollout.drain_timeout_s",
+    "rollout.gpus",
     "controller.*",
     "weights.keep_versions",
     "policy[*].threads",
     "policy[*].checkpoint_every",
+    "policy[*].trainer_gpus",
 )
 """Fields `--allow-recipe-change` lets differ (run.steps may only grow)."""
 

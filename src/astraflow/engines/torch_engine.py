@@ -144,6 +144,7 @@ class TorchEngine(RolloutEngine):
         self._closed = False
         self._failure: BaseException | None = None
         self._applied = threading.Condition(threading.Lock())
+        self._stats = EngineStats()
         self.timeline: list[tuple[str, float]] | None = None
         """When a list, the decode thread appends ("prefill", time) after each admission's prefill
         (with the device synchronised): the rollout bench splits prefill from decode with it."""
@@ -206,6 +207,10 @@ class TorchEngine(RolloutEngine):
     def failure(self) -> str | None:
         """Why the decode loop stopped, if it failed."""
         return None if self._failure is None else f"{type(self._failure).__name__}: {self._failure}"
+
+    def stats(self) -> dict[str, Any]:
+        """Cumulative busy time of the decode thread and its weight applications (EngineStats)."""
+        return self._stats.snapshot()
 
     def wait_version(self, version: int, timeout: float | None = None) -> bool:
         """Block until weights of `version` (or newer) are in use; False on timeout."""
@@ -278,12 +283,22 @@ class TorchEngine(RolloutEngine):
                 free = self.config.max_batch - len(self._rows)
                 admitted = [self._queue.popleft() for _ in range(min(free, len(self._queue)))]
             # A safe point: every running row has its next input token and nothing is in flight.
-            if self._apply_staged() and self._rows:
+            # Each phase below ends with the device synchronised (sampling copies tokens to the host),
+            # so its wall time is the time the GPU spent on it plus the host's share (EngineStats).
+            t0 = time.perf_counter()
+            applied = self._apply_staged()
+            if applied and self._rows:
                 self._recompute_cache()
+            t1 = time.perf_counter()
+            if applied:
+                self._stats.applied(self._version, t1 - t0)
             if admitted:
                 self._admit(admitted)
-            if self._rows:
+            t2 = time.perf_counter()
+            rows = len(self._rows)
+            if rows:
                 self._step()
+            self._stats.add(t1 - t0, t2 - t1, time.perf_counter() - t2, rows)
         for p in failed:
             _resolve(p, exc=RuntimeError("engine closed"))
 
@@ -309,6 +324,8 @@ class TorchEngine(RolloutEngine):
         seqs = [(r.prompt + r.tokens[:-1], i) for i, r in enumerate(self._rows)]
         for chunk in _chunks(seqs):
             self.runner.prefill([s for s, _ in chunk], [i for _, i in chunk])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the recompute belongs to the weight update's time
 
     def _admit(self, batch: list[_Pending]) -> None:
         """Give each request a slot; prefill each distinct prompt once and share its KV."""
@@ -383,6 +400,53 @@ class TorchEngine(RolloutEngine):
                 self.runner.move_slot(last, i, rows[last].cached)
                 rows[i] = rows[last]
             rows.pop()
+
+
+class EngineStats:
+    """Cumulative wall time of the decode thread's phases (each ends with the device synchronised).
+
+    busy_s = weight_s + prefill_s + decode_s: the time the engine kept its device working (kernels plus
+    the host work between them); over a worker's wall time it is the engine's busy fraction. Written by
+    the decode thread, read by others: plain float updates under the GIL, snapshots may be a step old."""
+
+    def __init__(self) -> None:
+        self.started = time.time()
+        self.weight_s = 0.0
+        self.prefill_s = 0.0
+        self.decode_s = 0.0
+        self.decode_steps = 0
+        self.row_steps = 0
+        self.applies: deque[tuple[int, float, float]] = deque(maxlen=256)
+        """(version, wall time it was applied, seconds the copy and the KV recompute took)."""
+        self.n_applied = 0
+
+    def add(self, weight_s: float, prefill_s: float, decode_s: float, rows: int) -> None:
+        """One pass of the decode loop."""
+        self.weight_s += weight_s
+        self.prefill_s += prefill_s
+        self.decode_s += decode_s
+        if rows:
+            self.decode_steps += 1
+            self.row_steps += rows
+
+    def applied(self, version: int, seconds: float) -> None:
+        """A weight version went live."""
+        self.applies.append((version, time.time(), seconds))
+        self.n_applied += 1
+
+    def snapshot(self) -> dict[str, Any]:
+        """The counters as plain numbers."""
+        return {
+            "started": self.started,
+            "busy_s": self.weight_s + self.prefill_s + self.decode_s,
+            "weight_s": self.weight_s,
+            "prefill_s": self.prefill_s,
+            "decode_s": self.decode_s,
+            "decode_steps": self.decode_steps,
+            "row_steps": self.row_steps,
+            "n_applied": self.n_applied,
+            "applies": [list(a) for a in self.applies],
+        }
 
 
 def _chunks(items: list[tuple[list[int], Any]]) -> list[list[tuple[list[int], Any]]]:

@@ -7,6 +7,7 @@ import asyncio
 import os
 import signal
 import threading
+import time
 import traceback
 import zlib
 from dataclasses import dataclass
@@ -155,6 +156,12 @@ class RaaS:
         self.fatal = ""
         """Why the worker must stop at once (its decode loop died): it exits 1 without heartbeating."""
         self.draining = False
+        from astraflow.metrics.role_stats import PullStats, StatsWriter
+
+        self.pull_stats = PullStats()
+        self.stats_writer = StatsWriter()
+        self.started = time.time()
+        self.member_id = member_id
 
     def loaded(self) -> dict[str, int]:
         """Policy -> version each engine decodes with now."""
@@ -241,6 +248,7 @@ class RaaS:
             for t in running:
                 t.cancel()
             ticker.cancel()
+            self._write_stats(force=True)
             for e in self.engines.values():
                 e.close()
         if self.fatal:
@@ -273,7 +281,16 @@ class RaaS:
             self.client.tick()
             self.client.set_load(self.loaded(), self.busy, self.slots - self.busy)
             self.client.set_progress(sorted(self.active), self.last_error)
+            self._write_stats()
             await asyncio.sleep(0.2)
+
+    def _write_stats(self, force: bool = False) -> None:
+        """Append this worker's counters to its stats file, when `up` gave it one (metrics/role_stats.py)."""
+        from astraflow.metrics.role_stats import raas_snapshot
+
+        if self.stats_writer.path is not None:
+            snap = raas_snapshot(self.member_id, self.started, self.engines, self.pull_stats)
+            self.stats_writer.maybe_write(snap, force=force)
 
     async def _run_task(self, task: Any) -> None:
         """Run one task's group of episodes and report the result (or the error)."""
@@ -353,13 +370,16 @@ class RaaS:
 
         mine = (info.version, info.weights_addr)
         try:
+            t0 = time.perf_counter()
             blob = await in_daemon_thread(
                 partial(fetch_weights, info.weights_addr, name, info.version, expect_sha256=info.sha256)
             )
+            t1 = time.perf_counter()
             sd = await in_daemon_thread(bytes_to_state_dict, blob)
             if info.version > max(self.engines[name].version, self.scheduled.get(name, -1)):
                 try:
                     self.engines[name].load_weights(info.version, sd)
+                    self.pull_stats.add(name, t1 - t0, time.perf_counter() - t1, len(blob))
                 except Exception as exc:
                     # weights that do not fit the model: keep decoding the old version, report, never retry it
                     self.rejected[name] = mine

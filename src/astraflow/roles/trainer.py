@@ -147,8 +147,12 @@ def run_trainer(
     )
 
     def publish(metrics: dict[str, float]) -> None:
+        t0 = time.monotonic()
         blob = state_dict_to_bytes(trainer.export_weights())
         manifest = server.publish(policy, trainer.step_count, blob)
+        if metrics:
+            # export (device to host) + serialisation + digest; the RaaS side is in its stats file
+            metrics["trainer_publish_s"] = time.monotonic() - t0
         reply = request_retrying(
             client,
             VersionPublished(
@@ -190,14 +194,25 @@ def run_trainer(
             client.tick()
             t_step = time.monotonic()
             metrics = dict(trainer.step(batch.samples))
+            dev = getattr(trainer, "device", None)
+            if isinstance(dev, torch.device) and dev.type == "cuda":
+                torch.cuda.synchronize(dev)  # the optimizer's kernels may still run: count them here
+            compute_s = time.monotonic() - t_step
             if pol.trainer_sleep_s > 0:
                 time.sleep(pol.trainer_sleep_s)  # the benchmarking knob: a costlier policy's step
             step_s = time.monotonic() - t_step
             client.tick()
+            t_ckpt = time.monotonic()
             if trainer.step_count % pol.checkpoint_every == 0 or trainer.step_count >= budget:
                 save_checkpoint(trainer, ckpt_root)
             metrics.update(
-                {"trainer_wait_s": wait_s, "trainer_step_s": step_s, "batch_size": float(len(batch.samples))}
+                {
+                    "trainer_wait_s": wait_s,
+                    "trainer_step_s": step_s,
+                    "trainer_compute_s": compute_s,
+                    "trainer_checkpoint_s": time.monotonic() - t_ckpt,
+                    "batch_size": float(len(batch.samples)),
+                }
             )
             publish({k: float(v) for k, v in metrics.items()})
         if stopping["sig"]:
