@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,10 @@ from astraflow.errors import AstraflowError
 
 GAME_SUFFIXES = (".z8", ".ulx", ".tw-pddl")
 """Story files the workflow plays."""
+
+_LOAD_LOCK = threading.Lock()
+"""TextWorld parses a game's logic with one shared (tatsu) parser that breaks when two threads load at
+once (IndexError inside tatsu), so loading and resetting games is serialized; steps run concurrently."""
 
 
 def _textworld() -> Any:
@@ -144,13 +149,15 @@ class GameSession:
             won=True,
             lost=True,
         )
-        self.env = textworld.start(path, request_infos=infos)
+        with _LOAD_LOCK:
+            self.env = textworld.start(path, request_infos=infos)
         self.max_score_default = max_score_default
         self.state: Any = None
 
     def reset(self) -> str:
         """Start the game; the first observation (goal and first room)."""
-        self.state = self.env.reset()
+        with _LOAD_LOCK:
+            self.state = self.env.reset()
         return clean(str(self.state.feedback or ""))
 
     def step(self, command: str) -> str:
