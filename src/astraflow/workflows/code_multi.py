@@ -169,13 +169,14 @@ class CodeMultiAgentWorkflow(Workflow):
         programs = [candidate(task, text, chat) for _, text in coded]
         results = await asyncio.gather(*(check(pool, task, code) for code in programs))
         wrong: list[str] = []
-        for code, r in zip(programs, results, strict=True):
+        seen: set[str] = set()
+        given = [task["prompt"] + w for w in task.get("wrong_solutions", [])]
+        failed = [code for code, r in zip(programs, results, strict=True) if not r.passed]
+        for code in failed + given:
             # a program that does not even compile is caught by any suite: it tells suites apart by nothing
-            if not r.passed and code not in wrong and _compiles(code):
+            if code.strip() not in seen and _compiles(code):
+                seen.add(code.strip())
                 wrong.append(code)
-        wrong += [
-            task["prompt"] + w for w in task.get("wrong_solutions", []) if task["prompt"] + w not in wrong
-        ]
         wrong = wrong[: self.config.max_wrong]
         scores = await asyncio.gather(
             *(self.score_suite(pool, task, self.tests_of(task, t), wrong) for _, t in suites)

@@ -127,6 +127,20 @@ def clean(text: str) -> str:
     return "\n".join(x.lstrip("> ").strip() for x in keep if x.lstrip("> ").strip())
 
 
+_UNSAFE = re.compile(r"[^a-z0-9 ,.'-]+")
+MAX_COMMAND_CHARS = 80
+"""Longer commands are cut (the Z-machine's input line is short)."""
+
+
+def safe_command(command: str) -> str:
+    """A command the interpreter can take: lower-case letters, digits, spaces and , . ' - only, at most
+    MAX_COMMAND_CHARS. The Z-machine interpreter runs in this process and treats some input as its own
+    meta-commands (a leading backslash) or breaks on control bytes (a NUL crashed it), so model text is
+    never passed through raw; an empty result becomes "look"."""
+    text = " ".join(_UNSAFE.sub(" ", command.lower()).split())[:MAX_COMMAND_CHARS].strip()
+    return text or "look"
+
+
 class GameSession:
     """One running game (synchronous: call it from a worker thread, never the event loop).
 
@@ -161,8 +175,8 @@ class GameSession:
         return clean(str(self.state.feedback or ""))
 
     def step(self, command: str) -> str:
-        """Play one command; the game's answer."""
-        self.state, _, _ = self.env.step(command)
+        """Play one command (made safe first: see `safe_command`); the game's answer."""
+        self.state, _, _ = self.env.step(safe_command(command))
         return clean(str(self.state.feedback or ""))
 
     @property

@@ -19,7 +19,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from astraflow.errors import AstraflowError
 from astraflow.protocol.messages import Scalar
 from astraflow.workflows.base import Episode, PolicyClient, Workflow
-from astraflow.workflows.textworld_games import GameSession, alfworld_rows, game_rows, make_games
+from astraflow.workflows.textworld_games import (
+    GameSession,
+    alfworld_rows,
+    game_rows,
+    make_games,
+    safe_command,
+)
 from astraflow.workflows.tools import Tools
 from astraflow.workflows.transcript import Transcript, TranscriptFull
 
@@ -131,7 +137,7 @@ class TextWorldWorkflow(Workflow):
                 except TranscriptFull:
                     break
                 turns += 1
-                command = command_of(turn.text)
+                command = safe_command(command_of(turn.text))
                 valid += command in game.admissible
                 answer = await tools.run(game.step, command)
                 if game.done:
