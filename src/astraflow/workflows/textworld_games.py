@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -163,6 +164,9 @@ class GameSession:
             won=True,
             lost=True,
         )
+        # jericho warns once per game that it cannot list valid actions of a TextWorld story file;
+        # TextWorld lists them itself (admissible_commands), so the warning says nothing here
+        warnings.filterwarnings("ignore", message="Unable to find valid actions")
         with _LOAD_LOCK:
             self.env = textworld.start(path, request_infos=infos)
         self.max_score_default = max_score_default
