@@ -76,3 +76,41 @@ def test_search_smoke_runs_through_up_with_bm25(bpe_model: Path, tmp_path: Path)
     assert [r["step"] for r in recs] == [1]
     logs = "".join(p.read_text() for p in (tmp_path / "run" / "logs").glob("*"))
     assert "task_timeout" not in logs and "failed" not in logs.lower()
+
+
+@pytest.mark.slow
+def test_textworld_smoke_generates_games_and_plays_them_through_up(bpe_model: Path, tmp_path: Path) -> None:
+    pytest.importorskip("textworld")
+    games = tmp_path / "games"
+    recs = _up(
+        ROOT / "recipes/textworld/smoke.toml",
+        tmp_path / "run",
+        tmp_path,
+        f'policy.model="{bpe_model}"',
+        f'workflow.options.games_dir="{games}"',
+        "run.steps=1",
+    )
+    assert [r["step"] for r in recs] == [1]
+    # the controller generated the smoke's two games with TextWorld, and episodes were played in them
+    assert len(list(games.glob("*.z8"))) == 2
+    assert recs[0]["info/turns"] >= 1.0 and 0.0 <= recs[0]["info/score"] <= 1.0
+    logs = "".join(p.read_text() for p in (tmp_path / "run" / "logs").glob("*"))
+    assert "task_timeout" not in logs and "failed" not in logs.lower()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["math-multi-agent", "code-multi-agent"])
+def test_multi_agent_smokes_run_through_up(name: str, bpe_model: Path, tmp_path: Path) -> None:
+    recs = _up(
+        ROOT / f"recipes/{name}/smoke.toml",
+        tmp_path / "run",
+        ROOT,
+        f'policy.model="{bpe_model}"',
+        "run.steps=1",
+    )
+    assert [r["step"] for r in recs] == [1]
+    # both roles' sequences reached the one policy's batch, each role reported on its own
+    roles = ("solver", "verifier") if name == "math-multi-agent" else ("coder", "tester")
+    assert all(f"role/{r}/sequences" in recs[0] for r in roles)
+    logs = "".join(p.read_text() for p in (tmp_path / "run" / "logs").glob("*"))
+    assert "task_timeout" not in logs and "failed" not in logs.lower()

@@ -13,6 +13,7 @@ from astraflow.engines.base import Completion
 from astraflow.errors import AstraflowError
 from astraflow.models.bpe import build_bpe_tokenizer
 from astraflow.sandbox import SandboxPool
+from astraflow.workflows.code_check import outputs_match
 from astraflow.workflows.code_data import generate_functions, humaneval, normalize
 from astraflow.workflows.code_rl import CodeConfig, CodeWorkflow, program
 
@@ -81,3 +82,40 @@ def test_episode_reward_is_whether_hidden_tests_pass(tmp_path: Path) -> None:
             wf._sandbox.close()
     assert right.sequences[0].reward == 1.0 and right.info["passed"] == 1.0
     assert wrong.sequences[0].reward == 0.0 and wrong.info["passed"] == 0.0
+
+
+def test_stdio_rows_normalize_from_tests_and_apps_input_output() -> None:
+    apps = normalize({"question": "echo", "input_output": '{"inputs": ["1\\n"], "outputs": [["1"]]}'}, 3)
+    assert apps["kind"] == "stdio" and apps["tests"] == [{"input": "1\n", "output": "1"}]
+    with pytest.raises(AstraflowError, match="no tests"):
+        normalize({"prompt": "echo", "tests": []})
+    with pytest.raises(AstraflowError, match="input_output"):
+        normalize({"prompt": "echo", "input_output": '{"inputs": ["1"]}'})
+
+
+def test_outputs_match_token_by_token() -> None:
+    assert outputs_match("3\n", "3") and outputs_match("1  2\n3", "1 2 3") and outputs_match("3.0", "3")
+    assert not outputs_match("4", "3") and not outputs_match("3 3", "3") and not outputs_match("x", "3")
+
+
+def test_stdio_program_reward_runs_each_test_on_stdin(tmp_path: Path) -> None:
+    (tmp_path / "c.txt").write_text("a, b = map(int, input().split())\nprint(a + b)\n")
+    tok = build_bpe_tokenizer(tmp_path / "c.txt", 270)
+    wf = CodeWorkflow(CodeConfig(source="generated_stdio"))
+    task = next(wf.dataset(seed=0, size=1))
+    assert task["kind"] == "stdio" and len(task["tests"]) == 3
+
+    async def go() -> list[Any]:
+        return [
+            await wf.run_episode(task, {"actor": ScriptedClient(tok, text)})
+            for text in ("print(a + b)", "print(a - b)", "import sys\nsys.exit(1)")
+        ]
+
+    try:
+        right, wrong, crash = asyncio.run(go())
+    finally:
+        if wf._sandbox is not None:
+            wf._sandbox.close()
+    assert right.sequences[0].reward == 1.0 and right.info["tests_passed"] == 1.0
+    assert wrong.sequences[0].reward == 0.0 and wrong.info["tests_passed"] < 1.0
+    assert crash.sequences[0].reward == 0.0 and crash.info["tests_passed"] == 0.0
