@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from typing import Any, ClassVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from rich.text import Text
 from textual.app import App, ComposeResult
@@ -13,9 +14,13 @@ from textual.widgets import DataTable, Footer, Header, Static, TabbedContent, Ta
 from textual_plotext import PlotextPlot
 
 from astraflow.state.views import Sample
+from astraflow.tui.confirm import Confirm
 from astraflow.tui.samples import Decode, load_decoder, segments, version_span
 from astraflow.tui.series import Series, fmt_duration, progress_bar
 from astraflow.tui.source import Snapshot, Source
+
+if TYPE_CHECKING:
+    from astraflow.cli.ctl import ControlClient
 
 CURVES: tuple[tuple[str, str], ...] = (
     ("reward", "reward_mean"),
@@ -50,12 +55,21 @@ class Dashboard(App[int]):
         Binding("4", "tab('samples')", "Samples", priority=True),
         Binding("p", "next_policy", "Next policy", priority=True),
         Binding("r", "refresh_now", "Refresh", priority=True),
+        Binding("a", "toggle_admission(False)", "Pause/resume policy", priority=True),
+        Binding("A", "toggle_admission(True)", "Pause/resume run", priority=True),
+        Binding("d", "drain", "Drain member", priority=True),
+        Binding("S", "stop_run", "Stop run", priority=True),
         Binding("q", "quit", "Quit", priority=True),
     ]
 
-    def __init__(self, source: Source, interval_s: float = 1.0) -> None:
+    def __init__(self, source: Source, interval_s: float = 1.0, control: ControlClient | None = None) -> None:
         super().__init__()
         self.source = source
+        self.control = control
+        """Sends the control keys' requests (None: a finished run or no controller; the keys say so)."""
+        self.control_log: list[str] = []
+        """What each control request got back (newest last), also shown on the status line."""
+        self.stop_sent = False
         self.interval_s = interval_s
         self.series: dict[str, Series] = {}
         self.policy = ""
@@ -169,17 +183,27 @@ class Dashboard(App[int]):
     def progress_text(self) -> Text:
         """One line per policy: step against the budget, version, ETA, newest numbers."""
         out = Text()
-        budget = self.snap.steps
+        paused = set(self.snap.paused)
+        if "*" in paused:
+            out.append("admission paused for the whole run (A resumes)\n", style="bold yellow")
         for p in self.snap.policies or [{"name": n, "step": 0, "version": 0} for n in self.series]:
             s = self.series.get(p["name"], Series())
             last = s.last()
             step = int(p.get("step", 0))
+            # each policy's own budget (policy.steps, else run.steps); 0 for a frozen policy
+            budget = int(p.get("budget", self.snap.steps))
+            trainable = p.get("trainable", True)
             done = budget > 0 and step >= budget
             eta = "done" if done else fmt_duration(s.eta_s(budget))
             mark = ">" if p["name"] == self.policy else " "
             out.append(f"{mark} {p['name']:<10} ", style="bold" if mark == ">" else "")
+            if not trainable:
+                out.append(f"frozen (served at version {p.get('version', 0)})\n", style="dim")
+                continue
             out.append(f"step {step}/{budget} {progress_bar(step, budget)} ")
             out.append(f"version {p.get('version', 0)}  ETA {eta}  ")
+            if p["name"] in paused:
+                out.append("PAUSED  ", style="bold yellow")
             for key, label, fmt in (
                 ("reward_mean", "reward", ".3f"),
                 ("samples_per_s", "samples/s", ".1f"),
@@ -188,8 +212,11 @@ class Dashboard(App[int]):
                 v = last.get(key)
                 out.append(f"{label} {'-' if v is None else format(v, fmt)}  ")
             out.append("\n")
-        if budget and self.snap.policies and all(p["step"] >= budget for p in self.snap.policies):
+        trained = [p for p in self.snap.policies if p.get("trainable", True)]
+        if trained and all(p["step"] >= int(p.get("budget", self.snap.steps)) for p in trained):
             out.append("run finished: every policy reached its step budget", style="bold green")
+        elif self.stop_sent:
+            out.append("stopping: trainers finish their step and checkpoint", style="bold yellow")
         return out
 
     def render_overview(self, curves: bool = True) -> None:
@@ -344,3 +371,87 @@ class Dashboard(App[int]):
         self.render_overview()
         if self.query_one(TabbedContent).active == "samples":
             self.load_samples()
+
+    # ----- control keys ---------------------------------------------------------------------------
+
+    def _no_control(self) -> bool:
+        if self.control is None:
+            self.say("control keys need a live run (a controller to talk to)")
+            return True
+        return False
+
+    def say(self, text: str) -> None:
+        """Show a control's outcome on the status line (and keep it for tests and the log)."""
+        self.control_log.append(text)
+        self.query_one("#status-line", Static).update(text)
+
+    def _send(self, what: str, call: Callable[[], str]) -> None:
+        """Run one control request in a thread (it waits on the network), then poll at once."""
+
+        def work() -> None:
+            from astraflow.errors import AstraflowError
+
+            try:
+                detail = call()
+                text = f"{what}: done ({detail})" if detail else f"{what}: done"
+            except AstraflowError as exc:
+                text = f"{what}: {exc.message}"
+            self.call_from_thread(self.say, text)
+            self.call_from_thread(self.action_refresh_now)
+
+        self.run_worker(work, thread=True, group="control")
+
+    def action_toggle_admission(self, whole_run: bool) -> None:
+        """Pause admission of the shown policy (or the whole run), or resume it if paused."""
+        if self._no_control():
+            return
+        assert self.control is not None
+        key = "*" if whole_run else self.policy
+        if not key:
+            return
+        ctl, policy = self.control, "" if whole_run else self.policy
+        target = "whole run" if whole_run else f"policy {policy}"
+        if key in self.snap.paused:
+            self._send(f"resume {target}", lambda: ctl.resume(policy))
+        else:
+            self._send(f"pause {target}", lambda: ctl.pause(policy))
+
+    def action_drain(self) -> None:
+        """Drain the member under the cursor of the Members table, after a yes."""
+        if self._no_control():
+            return
+        assert self.control is not None
+        table = self.query_one("#member-table", DataTable)
+        if self.query_one(TabbedContent).active != "members" or table.row_count == 0:
+            self.say("drain: open the Members tab [2] and put the cursor on a worker")
+            return
+        member = str(table.coordinate_to_cell_key(table.cursor_coordinate).row_key.value)
+        ctl = self.control
+
+        def answered(yes: bool | None) -> None:
+            if yes:
+                self._send(f"drain {member}", lambda: ctl.drain(member))
+            else:
+                self.say(f"drain {member}: cancelled")
+
+        self.push_screen(
+            Confirm(f"Drain {member}? It gets no new tasks, finishes its leases and leaves."), answered
+        )
+
+    def action_stop_run(self) -> None:
+        """Stop the run cleanly (trainers checkpoint, `up` exits 0), after a yes."""
+        if self._no_control():
+            return
+        assert self.control is not None
+        ctl = self.control
+
+        def answered(yes: bool | None) -> None:
+            if yes:
+                self.stop_sent = True
+                self._send("stop the run", ctl.stop)
+            else:
+                self.say("stop: cancelled")
+
+        self.push_screen(
+            Confirm("Stop the run? Trainers finish the step they hold, checkpoint and exit."), answered
+        )
