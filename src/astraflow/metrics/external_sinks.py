@@ -101,7 +101,8 @@ class MlflowSink(MetricSink):
             from mlflow.tracking import MlflowClient
         except ImportError as exc:
             raise PluginError(
-                "the mlflow metric sink needs mlflow (or mlflow-skinny)", hint="pip install 'astraflow[mlflow]'"
+                "the mlflow metric sink needs mlflow (or mlflow-skinny)",
+                hint="pip install 'astraflow[mlflow]'",
             ) from exc
         uri = self.config.tracking_uri
         if "://" not in uri and not uri.startswith("file:"):
@@ -111,7 +112,9 @@ class MlflowSink(MetricSink):
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         self.client = MlflowClient(tracking_uri=uri)
         exp = self.client.get_experiment_by_name(self.config.experiment)
-        exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(self.config.experiment)
+        exp_id = (
+            exp.experiment_id if exp is not None else self.client.create_experiment(self.config.experiment)
+        )
         self.run_id = self.client.create_run(exp_id, run_name=run_dir.name).info.run_id
 
     def write(self, row: dict[str, Any]) -> None:

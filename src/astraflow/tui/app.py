@@ -11,7 +11,6 @@ from textual.app import App, ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Grid, Horizontal, Vertical, VerticalScroll
 from textual.widgets import DataTable, Footer, Header, Static, TabbedContent, TabPane
-from textual_plotext import PlotextPlot
 
 from astraflow.state.views import Sample
 from astraflow.tui.confirm import Confirm
@@ -79,6 +78,12 @@ class Dashboard(App[int]):
         self.polls = 0
         self.history_loaded = False
         self.first_paint_s: float | None = None
+        self.plots_ready = False
+        self.tables_ready = False
+        self.pending_events: list[dict[str, Any]] = []
+        """Events polled before the events table was mounted."""
+        self.first_frame_at: tuple[float, float] | None = None
+        """(perf_counter, process_time) when the first frame with data was drawn."""
         self._t0 = time.perf_counter()
 
     # ----- layout -------------------------------------------------------------------------------
@@ -91,42 +96,68 @@ class Dashboard(App[int]):
             with TabPane("Overview [1]", id="overview"), Vertical():
                 yield Static("waiting for the first poll", id="progress")
                 with Grid(id="plots"):
-                    for pid, _ in CURVES:
-                        yield PlotextPlot(id=f"plot-{pid.replace('/', '')}")
-                    yield PlotextPlot(id="plot-staleness")
+                    # the plots are built after the first frame (textual-plotext is slow to import and draw)
+                    yield Static("drawing curves ...", id="plots-wait")
                 with Horizontal(id="bottom"):
                     yield DataTable(id="queues", cursor_type="none")
                     yield DataTable(id="counters", cursor_type="none")
+            # the hidden tabs' contents are mounted after the first frame (_build_rest)
             with TabPane("Members [2]", id="members"):
-                yield DataTable(id="member-table", cursor_type="row")
-            with TabPane("Events [3]", id="events"), Vertical():
-                yield DataTable(id="event-table", cursor_type="row")
-                yield Static("failed tasks", classes="title")
-                yield DataTable(id="failed", cursor_type="row")
-            with TabPane("Samples [4]", id="samples"), Vertical():
-                yield DataTable(id="sample-table", cursor_type="row")
-                with VerticalScroll():
-                    yield Static("select a sample", id="sample-detail")
+                yield Vertical(id="members-body")
+            with TabPane("Events [3]", id="events"):
+                yield Vertical(id="events-body")
+            with TabPane("Samples [4]", id="samples"):
+                yield Vertical(id="samples-body")
         yield Footer()
 
     def on_mount(self) -> None:
         """Set up tables, take the first poll at once, then poll on a timer."""
         self.query_one("#queues", DataTable).add_columns("queue", "count")
         self.query_one("#counters", DataTable).add_columns("data counter", "value")
-        self.query_one("#member-table", DataTable).add_columns(
+        self.apply(self.source.poll())
+        self.first_paint_s = time.perf_counter() - self._t0
+        self.call_after_refresh(self._first_frame)
+        self.set_interval(self.interval_s, self.action_refresh_now)
+
+    def _first_frame(self) -> None:
+        """Stamp the first frame drawn with the first poll's data (what `bench dash` calls start-up)."""
+        self.first_frame_at = (time.perf_counter(), time.process_time())
+        self.call_later(self._build_rest)
+
+    async def _build_rest(self) -> None:
+        """Mount the hidden tabs' tables and the plots, draw them, then load the older history
+        (parsing a long history holds the GIL for a while, so only once the screen is complete)."""
+        from textual_plotext import PlotextPlot
+
+        members: DataTable[Any] = DataTable(id="member-table", cursor_type="row")
+        events: DataTable[Any] = DataTable(id="event-table", cursor_type="row")
+        failed: DataTable[Any] = DataTable(id="failed", cursor_type="row")
+        samples: DataTable[Any] = DataTable(id="sample-table", cursor_type="row")
+        await self.query_one("#members-body", Vertical).mount(members)
+        await self.query_one("#events-body", Vertical).mount_all([events, Static("failed tasks"), failed])
+        detail = VerticalScroll(Static("select a sample", id="sample-detail"))
+        await self.query_one("#samples-body", Vertical).mount_all([samples, detail])
+        members.add_columns(
             "member", "role", "status", "host", "hardware", "policies", "loaded", "slots", "tasks done",
             "heartbeat age",
         )  # fmt: skip
-        self.query_one("#event-table", DataTable).add_columns("time", "event", "detail")
-        self.query_one("#failed", DataTable).add_columns("task", "prompt", "attempts", "error")
-        self.query_one("#sample-table", DataTable).add_columns(
-            "id", "task", "prompt key", "reward", "advantage", "versions", "status", "step"
+        events.add_columns("time", "event", "detail")
+        failed.add_columns("task", "prompt", "attempts", "error")
+        samples.add_columns("id", "task", "prompt key", "reward", "advantage", "versions", "status", "step")
+        self.tables_ready = True
+        self.render_members()
+        self.render_events(self.pending_events)
+        self.pending_events = []
+
+        grid = self.query_one("#plots", Grid)
+        await self.query_one("#plots-wait", Static).remove()
+        await grid.mount_all(
+            [PlotextPlot(id=f"plot-{pid.replace('/', '')}") for pid, _ in CURVES]
+            + [PlotextPlot(id="plot-staleness")]
         )
-        self.apply(self.source.poll())
-        self.first_paint_s = time.perf_counter() - self._t0
-        # after the first frame is on screen: parsing a long history holds the GIL for a while
-        self.call_after_refresh(self.run_worker, self._load_history, thread=True, group="history")
-        self.set_interval(self.interval_s, self.action_refresh_now)
+        self.plots_ready = True
+        self.render_overview()
+        self.run_worker(self._load_history, thread=True, group="history")
 
     # ----- polling ------------------------------------------------------------------------------
 
@@ -224,6 +255,14 @@ class Dashboard(App[int]):
         data counters."""
         self.query_one("#progress", Static).update(self.progress_text())
         s = self.series.get(self.policy, Series())
+        if self.plots_ready:
+            self.render_plots(s, curves)
+        self.render_tables(s)
+
+    def render_plots(self, s: Series, curves: bool) -> None:
+        """The selected policy's curves (when they changed) and its staleness histogram."""
+        from textual_plotext import PlotextPlot
+
         for pid, key in CURVES if curves else ():
             metric = key or s.kl_key() or "kl"
             plot = self.query_one(f"#plot-{pid.replace('/', '')}", PlotextPlot)
@@ -240,6 +279,9 @@ class Dashboard(App[int]):
         if hist:
             plot.plt.bar([str(k) for k in hist], list(hist.values()))
         plot.refresh()
+
+    def render_tables(self, s: Series) -> None:
+        """Queue depths and data counters of the selected policy."""
         queues = self.query_one("#queues", DataTable)
         queues.clear()
         for name, n in self.snap.tasks.items():
@@ -256,6 +298,8 @@ class Dashboard(App[int]):
 
     def render_members(self) -> None:
         """The member table; members not alive are greyed."""
+        if not self.tables_ready:
+            return
         table = self.query_one("#member-table", DataTable)
         table.clear()
         for m in self.snap.members:
@@ -271,6 +315,9 @@ class Dashboard(App[int]):
 
     def render_events(self, new_events: list[dict[str, Any]]) -> None:
         """Append new events (newest at the bottom) and list failed tasks with their error."""
+        if not self.tables_ready:
+            self.pending_events += new_events
+            return
         table = self.query_one("#event-table", DataTable)
         for e in new_events:
             bad = e["kind"] in ("member_dead", "error", "task_failed")
@@ -291,6 +338,8 @@ class Dashboard(App[int]):
 
     def load_samples(self) -> None:
         """Read the selected policy's newest trajectories into the sample table."""
+        if not self.tables_ready:
+            return
         self.shown_samples = self.source.samples(self.policy) if self.policy else []
         table = self.query_one("#sample-table", DataTable)
         table.clear()
@@ -421,6 +470,8 @@ class Dashboard(App[int]):
         if self._no_control():
             return
         assert self.control is not None
+        if not self.tables_ready:
+            return
         table = self.query_one("#member-table", DataTable)
         if self.query_one(TabbedContent).active != "members" or table.row_count == 0:
             self.say("drain: open the Members tab [2] and put the cursor on a worker")
