@@ -91,8 +91,6 @@ def client_for(
     run_dir: Path | None, controller: str | None, key: Path | None, controller_key: str | None
 ) -> ControlClient:
     """The client for --run-dir (address and `up`'s operator key found there) or --controller ADDR."""
-    from astraflow.cli.roles import member_credentials
-
     if (run_dir is None) == (controller is None):
         raise AstraflowError(
             "give exactly one of --run-dir or --controller", hint="astraflow ctl pause --run-dir runs/<name>"
@@ -114,7 +112,21 @@ def client_for(
                     hint="pass an operator key: --key NAME.key_secret --controller-key "
                     f"{keys / 'controller.key'}",
                 )
-    return ControlClient(controller or "", member_credentials(key, controller_key))
+    return ControlClient(controller or "", _credentials(key, controller_key))
+
+
+def _credentials(key: Path | None, controller_key: str | None) -> Any:
+    """The operator's credentials, for this client only (not installed process-wide as a member's are)."""
+    from astraflow.transport.keys import load_keypair, load_public
+    from astraflow.transport.security import MemberCredentials
+
+    if key is None and controller_key is None:
+        return None
+    if key is None or controller_key is None:
+        raise AstraflowError(
+            "--key and --controller-key go together", hint="pass the key file and the controller's key"
+        )
+    return MemberCredentials(keypair=load_keypair(key), controller_public=load_public(controller_key))
 
 
 RunDirOpt = Annotated[
