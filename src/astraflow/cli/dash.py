@@ -54,8 +54,14 @@ def dash(
     control = None
     if run_dir is None or (run_dir / "controller.addr").is_file():
         # a live run: the control keys talk to its controller (refusals show on the status line)
-        control = client_for(run_dir, controller, key, controller_key)
-        control.timeout_s = 5.0
+        try:
+            control = client_for(run_dir, controller, key, controller_key)
+            control.timeout_s = 5.0
+        except AstraflowError:
+            if run_dir is None or key is not None:
+                raise
+            # a run-dir from before operator keys: watch it; the control keys say they are off
+            control = None
     source: Source = (
         RunDirSource(run_dir)
         if run_dir is not None

@@ -425,7 +425,9 @@ class Dashboard(App[int]):
 
     def _no_control(self) -> bool:
         if self.control is None:
-            self.say("control keys need a live run (a controller to talk to)")
+            self.say(
+                "control keys are off: no live controller recorded, or no operator key (--key, --controller-key)"
+            )
             return True
         return False
 
