@@ -301,7 +301,9 @@ def run_up(
         [(f"trainer-{p.name}", "trainer", p.name) for p in recipe.policy]
         + [(f"raas-{i}", "raas", None) for i in range(recipe.rollout.local_workers)]
         # for `astraflow status --controller ADDR --key RUN/keys/members/observer.key_secret ...`
-        + [("observer", "observer", None)],
+        + [("observer", "observer", None)]
+        # for `astraflow ctl ... --run-dir RUN` and the dashboard's control keys
+        + [("operator", "operator", None)],
     )
     shown: subprocess.Popen[bytes] | None = None
     try:
@@ -406,7 +408,8 @@ def _watch(
             _log.warning("stopping on signal %d", stop["signal"])
             return 130
         if viewer is not None and viewer.poll() is not None:
-            if all(reached.get(p, 0) >= b for p, b in budgets.items()):
+            # 3: the dashboard stopped the run (cli/dash.py STOPPED_HERE): trainers checkpoint and exit 0
+            if viewer.returncode == 3 or all(reached.get(p, 0) >= b for p, b in budgets.items()):
                 viewer = None  # closed after the last step: let the roles finish on their own
             else:
                 _log.warning("the dashboard was closed; stopping the run")
@@ -456,7 +459,10 @@ def _watch(
                 if viewer is None and "step" in rec and "policy" in rec:
                     sys.stdout.write(progress_line(rec, budgets) + "\n")
             _log.info(
-                "every policy reached its step budget (%s) in %.1fs; run directory %s",
+                "%s (%s) in %.1fs; run directory %s",
+                "every policy reached its step budget"
+                if all(reached.get(p, 0) >= b for p, b in budgets.items())
+                else "the run was stopped before its budget",
                 ", ".join(f"{k} {v}" for k, v in budgets.items()),
                 time.monotonic() - t0,
                 run_dir,

@@ -118,3 +118,7 @@ def test_member_without_the_model_directory(tmp_path: Path) -> None:
     finally:
         ctl.send_signal(signal.SIGTERM)
         ctl.wait(timeout=30)
+
+
+def test_ctl_without_a_live_run(tmp_path: Path) -> None:
+    assert_clean_error(run_cli("ctl", "stop", "--run-dir", str(tmp_path)), "no live controller")

@@ -39,6 +39,7 @@ SAMPLES: list[m.Msg] = [
     m.HeartbeatAck(rid=2, versions=[_VI], stop=True),
     m.Bye(rid=3, reason="done"),
     m.Leave(rid=3, member_id="raas-1"),
+    m.Control(rid=4, action="pause", policy="main"),
     m.TaskRequest(rid=4, n=2, loaded={"p": 7}),
     m.TaskGrant(rid=4, tasks=[_TASK], versions=[_VI], retry_after_s=0.0),
     m.TaskResult(rid=5, task_id=3, epoch=2, episodes=[m.Episode(sequences=[_SEQ], info={"correct": 1.0})]),

@@ -31,10 +31,21 @@ def test_status_schema_and_values(tmp_path: Path) -> None:
     ro = Store.open_readonly(tmp_path / "state.db")
     doc = build_status(ro)
     json.dumps(doc)  # plain JSON
-    assert set(doc) == {"schema", "run", "policies", "members", "tasks", "failures", "buffers", "stall"}
+    assert set(doc) == {
+        "schema",
+        "run",
+        "policies",
+        "members",
+        "tasks",
+        "failures",
+        "buffers",
+        "stall",
+        "control",
+    }
     assert doc["failures"] == {"by_reason": {}, "last_error": ""}
     assert doc["run"] == {"name": "demo", "steps": 7, "mode": "async"}
     assert doc["stall"] is None
+    assert doc["control"] == {"paused": []}
     (p,) = doc["policies"]
     assert {k: p[k] for k in ("name", "version", "step", "reward_mean", "max_staleness")} == {
         "name": "main",

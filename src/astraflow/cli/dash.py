@@ -9,6 +9,9 @@ import typer
 
 from astraflow.errors import AstraflowError
 
+STOPPED_HERE = 3
+"""Exit code of a dashboard that stopped the run (`up` then waits for the roles to finish)."""
+
 
 def dash(
     run_dir: Annotated[
@@ -18,6 +21,17 @@ def dash(
         str | None, typer.Option("--controller", help="Live controller endpoint (status only).")
     ] = None,
     interval: Annotated[float, typer.Option("--interval", help="Seconds between polls.", min=0.2)] = 1.0,
+    key: Annotated[
+        Path | None,
+        typer.Option(
+            "--key",
+            help="Key file (NAME.key_secret) for an authenticated controller; an operator "
+            "key also enables the control keys. --run-dir of an `up` run finds its own.",
+        ),
+    ] = None,
+    controller_key: Annotated[
+        str | None, typer.Option("--controller-key", help="The controller's public key (file or Z85 text).")
+    ] = None,
 ) -> None:
     """Show a run's curves, progress, members, events and samples (read-only; never blocks the controller)."""
     if (run_dir is None) == (controller is None):
@@ -33,14 +47,34 @@ def dash(
             f"the dashboard needs textual and textual-plotext ({exc.name} is missing)",
             hint="pip install 'astraflow[dash]'",
         ) from None
+    from astraflow.cli.ctl import client_for
     from astraflow.tui.app import Dashboard
     from astraflow.tui.source import ControllerSource, RunDirSource, Source
 
-    source: Source = RunDirSource(run_dir) if run_dir is not None else ControllerSource(controller or "")
+    control = None
+    if run_dir is None or (run_dir / "controller.addr").is_file():
+        # a live run: the control keys talk to its controller (refusals show on the status line)
+        try:
+            control = client_for(run_dir, controller, key, controller_key)
+            control.timeout_s = 5.0
+        except AstraflowError:
+            if run_dir is None or key is not None:
+                raise
+            # a run-dir from before operator keys: watch it; the control keys say they are off
+            control = None
+    source: Source = (
+        RunDirSource(run_dir)
+        if run_dir is not None
+        else ControllerSource(controller or "", credentials=control.credentials if control else None)
+    )
+    app = Dashboard(source, interval_s=interval, control=control)
     try:
-        Dashboard(source, interval_s=interval).run()
+        app.run()
     finally:
         source.close()
+    if app.stop_sent:
+        # tells `up` the run was stopped from here: it lets the roles finish and exits 0
+        raise typer.Exit(STOPPED_HERE)
 
 
 def run_dash_bench(steps: int, seconds: float, interval_s: float) -> dict[str, float]:

@@ -42,7 +42,7 @@ def new(
     typer.echo(f"wrote {secret} (secret: keep it on this machine) and {public}")
     typer.echo(f"public key: {load_keypair(secret).public.decode()}")
     typer.echo(
-        f"on the controller host: astraflow keys add {name} {public} --keys DIR --role raas|trainer|observer"
+        f"on the controller host: astraflow keys add {name} {public} --keys DIR --role raas|trainer|observer|operator"
     )
 
 
@@ -53,7 +53,12 @@ def add(
         str, typer.Argument(help="The member's NAME.key file, or its 40-character Z85 key.")
     ],
     keys: KeysOpt,
-    role: Annotated[str, typer.Option("--role", help="raas, trainer or observer.")],
+    role: Annotated[
+        str,
+        typer.Option(
+            "--role", help="raas, trainer, observer (reads status) or operator (also pauses, drains, stops)."
+        ),
+    ],
     policy: Annotated[
         str | None, typer.Option("--policy", help="The one policy this key may act for (trainers: required).")
     ] = None,

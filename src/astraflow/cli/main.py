@@ -8,6 +8,7 @@ import typer
 
 from astraflow.cli import (
     bench,
+    ctl,
     dash,
     keys,
     leave,
@@ -45,6 +46,7 @@ app.add_typer(recipe.app, name="recipe")
 app.add_typer(model.app, name="model")
 app.add_typer(bench.app, name="bench")
 app.add_typer(keys.app, name="keys")
+app.add_typer(ctl.app, name="ctl")
 
 
 def main() -> None:

@@ -75,6 +75,9 @@ def render(doc: dict[str, Any]) -> str:
             )
         else:
             lines.append(f"policy {p['name']}: frozen, version {p['version']}")
+    paused = doc.get("control", {}).get("paused", [])
+    if paused:
+        lines.append("admission paused: " + ("the whole run" if "*" in paused else ", ".join(paused)))
     stall = doc.get("stall")
     if stall:
         stopped = f", run stopped ({stall['failed']})" if "failed" in stall else ""

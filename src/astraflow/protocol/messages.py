@@ -171,6 +171,15 @@ class Leave(Msg, kw_only=True):
     member_id: Name
 
 
+class Control(Msg, kw_only=True):
+    """An operator's command (`astraflow ctl`, the dashboard): pause or resume admission, or stop the run."""
+
+    action: Annotated[str, msgspec.Meta(max_length=16)]
+    """pause | resume | stop"""
+    policy: Name = ""
+    """pause/resume: only this policy's admission; "" for the whole run."""
+
+
 # ----- rollout -----------------------------------------------------------------------------------
 
 
@@ -304,6 +313,7 @@ Message = (
     | HeartbeatAck
     | Bye
     | Leave
+    | Control
     | TaskRequest
     | TaskGrant
     | TaskResult

@@ -121,10 +121,18 @@ def message_refusal(member: dict[str, Any], msg: m.Msg, principal: Principal | N
 
 
 def leave_refusal(msg: m.Leave, principal: Principal | None) -> Refusal | None:
-    """Who may drain a member: anyone without authentication; with it an observer key or the member itself."""
-    if principal is None or principal.role == "observer" or principal.name == msg.member_id:
+    """Who may drain a member: anyone without authentication; with it an operator key or the member itself."""
+    if principal is None or principal.role == "operator" or principal.name == msg.member_id:
         return None
-    return "not_authorized", "draining a member needs an observer key or the member's own"
+    return "not_authorized", "draining a member needs an operator key or the member's own"
+
+
+def control_refusal(principal: Principal | None) -> Refusal | None:
+    """Who may pause, resume or stop the run: anyone without authentication (the controller then binds
+    loopback only unless --insecure); with it an operator key only (observer keys read status)."""
+    if principal is None or principal.role == "operator":
+        return None
+    return "not_authorized", "pausing, resuming or stopping the run needs an operator key"
 
 
 def version_refusal(store: Store, msg: m.VersionPublished) -> Refusal | None:

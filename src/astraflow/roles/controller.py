@@ -21,6 +21,7 @@ from astraflow.config.recipe import Recipe
 from astraflow.dataflow import failures
 from astraflow.dataflow.admission import admission_for
 from astraflow.dataflow.buffer import Buffer
+from astraflow.dataflow.control import RunControl
 from astraflow.dataflow.ledger import Ledger, TaskRow
 from astraflow.dataflow.pipeline import Pipeline
 from astraflow.dataflow.source import PromptSource, workflow_epochs
@@ -30,6 +31,7 @@ from astraflow.metrics.sinks import Sinks
 from astraflow.protocol import messages as m
 from astraflow.protocol.codec import DecodeError
 from astraflow.roles import authz
+from astraflow.roles.run_control import on_control
 from astraflow.state.status import build_status
 from astraflow.state.store import Store
 from astraflow.transport.principal import Principal
@@ -77,6 +79,8 @@ class Controller:
         self.failed: str | None = None
         """Set (to the last error) once max_failed_tasks tasks in a row failed: the run ends with exit 1."""
         self.draining: set[str] = set()
+        self.control = RunControl(store)
+        """Paused admission and an operator's stop (`astraflow ctl`, the dashboard's keys)."""
         self._recipe_doc: dict[str, Any] | None = None
         """Members asked to leave (`astraflow leave`): they get no new tasks."""
         self.sinks = Sinks.from_specs([(s.name, s.options) for s in recipe.metrics.sinks], run_dir)
@@ -156,11 +160,11 @@ class Controller:
         if expired:
             self.check_failed_streak("lease expired (no progress reported within rollout.lease_timeout_s)")
         self.refill()
-        if self.finished_at is None and self.finished():
+        if self.finished_at is None and (self.finished() or self.control.stopped):
             self.finished_at = t
-            _log.info("every policy reached its step budget; telling members to stop")
-        if self.finished_at is None:
-            self.check_stall(t)
+            _log.info("%s; telling members to stop", self.control.end_reason(self.finished()))
+        if self.finished_at is None and not self.control.paused:
+            self.check_stall(t)  # a paused run waits on purpose
 
     def check_stall(self, now: float) -> None:
         """Warn (log, event, status) when nothing progressed for stall_warn_s; fail after stall_fail_s."""
@@ -197,7 +201,7 @@ class Controller:
         """Queue prompts through admission and the curators; returns how many tasks were queued."""
         if self.stopping():
             return 0
-        plan = self.admission.plan(self.roles, self.group_sizes)[:limit]
+        plan = self.control.admit(self.admission.plan(self.roles, self.group_sizes))[:limit]
         if not plan:
             return 0
         queued, offered = 0, 0
@@ -233,6 +237,8 @@ class Controller:
             return m.StatusReply(rid=rid, status=build_status(self.store))
         if isinstance(msg, m.Leave):
             return self.on_leave(msg, principal)
+        if isinstance(msg, m.Control):
+            return on_control(self, msg, principal)
         member = self.store.member(member_id)
         if member is None or member["status"] != "alive":
             return m.Error(
@@ -373,6 +379,7 @@ class Controller:
             # a task that feeds no policy still training would be run only to be thrown away
             return (
                 (not serves or serves.issuperset(pols))
+                and self.control.may_lease(feeds)
                 and bool(self.admission.active(feeds))
                 and self.admission.may_lease(
                     loaded, feeds, self.admission.task_sequences(task.roles, self.group_sizes)
@@ -482,7 +489,7 @@ class Controller:
 
     def stopping(self) -> bool:
         """True once members should stop: the run reached its budget or failed."""
-        return self.failed is not None or self.finished()
+        return self.failed is not None or self.control.stopped or self.finished()
 
     def on_batch_request(self, member: dict[str, Any], msg: m.BatchRequest) -> m.Msg:
         """The recorded batch of the step, a new one, not ready yet, or done."""
@@ -496,7 +503,8 @@ class Controller:
             return m.Error(rid=msg.rid, code="bad_request", message="steps are numbered from 1")
         if self.failed is not None:
             return m.Error(rid=msg.rid, code="run_failed", message=f"the run failed: {_summary(self.failed)}")
-        if msg.step > self.recipe.budget(msg.policy):
+        if msg.step > self.recipe.budget(msg.policy) or self.control.stopped:
+            # an operator's stop ends the trainer after the step it holds (it checkpoints, exits 0)
             return m.BatchReply(rid=msg.rid, policy=msg.policy, step=msg.step, done=True)
         refused = authz.batch_refusal(self.store, msg.policy, msg.step)
         if refused is not None:

@@ -215,6 +215,11 @@ def run_trainer(
                 }
             )
             publish({k: float(v) for k, v in metrics.items()})
+        if not stopping["sig"] and 0 < trainer.step_count < budget:
+            # the controller ended the run early (an operator's stop): keep the last step
+            if trainer.step_count % pol.checkpoint_every:
+                save_checkpoint(trainer, ckpt_root)
+            _log.info("run stopped by the controller at step %d of %d", trainer.step_count, budget)
         if stopping["sig"]:
             _log.info("stopping on signal; last step %d", trainer.step_count)
             return 0 if trainer.step_count >= budget else 143

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from astraflow.dataflow import failures
+from astraflow.dataflow import control, failures
 from astraflow.state.store import Store
 
 SCHEMA_VERSION = 1
@@ -79,6 +79,7 @@ def build_status(store: Store) -> dict[str, Any]:
             "mode": str(recipe.get("run", {}).get("mode", "async")) if recipe else "async",
         },
         "stall": stall,
+        "control": control.read(store),
         "policies": policies,
         "members": members,
         "tasks": tasks,

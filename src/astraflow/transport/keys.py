@@ -28,7 +28,7 @@ CONTROLLER = "controller"
 """Base name of the controller's key pair inside a key store."""
 MEMBERS_FILE = "members.json"
 """The registry of member keys inside a key store."""
-ROLES = ("raas", "trainer", "observer")
+ROLES = ("raas", "trainer", "observer", "operator")
 """Roles a member key can be added with."""
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -166,7 +166,7 @@ class KeyStore:
         """Register a member key; a name or key already in use (and not revoked) is refused."""
         check_name(name)
         if role not in ROLES:
-            raise KeyStoreError(f"unknown role {role!r}", hint="--role raas, trainer or observer")
+            raise KeyStoreError(f"unknown role {role!r}", hint="--role raas, trainer, observer or operator")
         _check_z85(public, "the public key")
         if public == self.controller_keypair().public:
             raise KeyStoreError("that is the controller's own key", hint="give the member's public key")

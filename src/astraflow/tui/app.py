@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import time
-from typing import Any, ClassVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from rich.text import Text
 from textual.app import App, ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Grid, Horizontal, Vertical, VerticalScroll
 from textual.widgets import DataTable, Footer, Header, Static, TabbedContent, TabPane
-from textual_plotext import PlotextPlot
 
 from astraflow.state.views import Sample
+from astraflow.tui.confirm import Confirm
 from astraflow.tui.samples import Decode, load_decoder, segments, version_span
 from astraflow.tui.series import Series, fmt_duration, progress_bar
 from astraflow.tui.source import Snapshot, Source
+
+if TYPE_CHECKING:
+    from astraflow.cli.ctl import ControlClient
 
 CURVES: tuple[tuple[str, str], ...] = (
     ("reward", "reward_mean"),
@@ -50,12 +54,21 @@ class Dashboard(App[int]):
         Binding("4", "tab('samples')", "Samples", priority=True),
         Binding("p", "next_policy", "Next policy", priority=True),
         Binding("r", "refresh_now", "Refresh", priority=True),
+        Binding("a", "toggle_admission(False)", "Pause/resume policy", priority=True),
+        Binding("A", "toggle_admission(True)", "Pause/resume run", priority=True),
+        Binding("d", "drain", "Drain member", priority=True),
+        Binding("S", "stop_run", "Stop run", priority=True),
         Binding("q", "quit", "Quit", priority=True),
     ]
 
-    def __init__(self, source: Source, interval_s: float = 1.0) -> None:
+    def __init__(self, source: Source, interval_s: float = 1.0, control: ControlClient | None = None) -> None:
         super().__init__()
         self.source = source
+        self.control = control
+        """Sends the control keys' requests (None: a finished run or no controller; the keys say so)."""
+        self.control_log: list[str] = []
+        """What each control request got back (newest last), also shown on the status line."""
+        self.stop_sent = False
         self.interval_s = interval_s
         self.series: dict[str, Series] = {}
         self.policy = ""
@@ -65,6 +78,12 @@ class Dashboard(App[int]):
         self.polls = 0
         self.history_loaded = False
         self.first_paint_s: float | None = None
+        self.plots_ready = False
+        self.tables_ready = False
+        self.pending_events: list[dict[str, Any]] = []
+        """Events polled before the events table was mounted."""
+        self.first_frame_at: tuple[float, float] | None = None
+        """(perf_counter, process_time) when the first frame with data was drawn."""
         self._t0 = time.perf_counter()
 
     # ----- layout -------------------------------------------------------------------------------
@@ -77,42 +96,68 @@ class Dashboard(App[int]):
             with TabPane("Overview [1]", id="overview"), Vertical():
                 yield Static("waiting for the first poll", id="progress")
                 with Grid(id="plots"):
-                    for pid, _ in CURVES:
-                        yield PlotextPlot(id=f"plot-{pid.replace('/', '')}")
-                    yield PlotextPlot(id="plot-staleness")
+                    # the plots are built after the first frame (textual-plotext is slow to import and draw)
+                    yield Static("drawing curves ...", id="plots-wait")
                 with Horizontal(id="bottom"):
                     yield DataTable(id="queues", cursor_type="none")
                     yield DataTable(id="counters", cursor_type="none")
+            # the hidden tabs' contents are mounted after the first frame (_build_rest)
             with TabPane("Members [2]", id="members"):
-                yield DataTable(id="member-table", cursor_type="row")
-            with TabPane("Events [3]", id="events"), Vertical():
-                yield DataTable(id="event-table", cursor_type="row")
-                yield Static("failed tasks", classes="title")
-                yield DataTable(id="failed", cursor_type="row")
-            with TabPane("Samples [4]", id="samples"), Vertical():
-                yield DataTable(id="sample-table", cursor_type="row")
-                with VerticalScroll():
-                    yield Static("select a sample", id="sample-detail")
+                yield Vertical(id="members-body")
+            with TabPane("Events [3]", id="events"):
+                yield Vertical(id="events-body")
+            with TabPane("Samples [4]", id="samples"):
+                yield Vertical(id="samples-body")
         yield Footer()
 
     def on_mount(self) -> None:
         """Set up tables, take the first poll at once, then poll on a timer."""
         self.query_one("#queues", DataTable).add_columns("queue", "count")
         self.query_one("#counters", DataTable).add_columns("data counter", "value")
-        self.query_one("#member-table", DataTable).add_columns(
+        self.apply(self.source.poll())
+        self.first_paint_s = time.perf_counter() - self._t0
+        self.call_after_refresh(self._first_frame)
+        self.set_interval(self.interval_s, self.action_refresh_now)
+
+    def _first_frame(self) -> None:
+        """Stamp the first frame drawn with the first poll's data (what `bench dash` calls start-up)."""
+        self.first_frame_at = (time.perf_counter(), time.process_time())
+        self.call_later(self._build_rest)
+
+    async def _build_rest(self) -> None:
+        """Mount the hidden tabs' tables and the plots, draw them, then load the older history
+        (parsing a long history holds the GIL for a while, so only once the screen is complete)."""
+        from textual_plotext import PlotextPlot
+
+        members: DataTable[Any] = DataTable(id="member-table", cursor_type="row")
+        events: DataTable[Any] = DataTable(id="event-table", cursor_type="row")
+        failed: DataTable[Any] = DataTable(id="failed", cursor_type="row")
+        samples: DataTable[Any] = DataTable(id="sample-table", cursor_type="row")
+        await self.query_one("#members-body", Vertical).mount(members)
+        await self.query_one("#events-body", Vertical).mount_all([events, Static("failed tasks"), failed])
+        detail = VerticalScroll(Static("select a sample", id="sample-detail"))
+        await self.query_one("#samples-body", Vertical).mount_all([samples, detail])
+        members.add_columns(
             "member", "role", "status", "host", "hardware", "policies", "loaded", "slots", "tasks done",
             "heartbeat age",
         )  # fmt: skip
-        self.query_one("#event-table", DataTable).add_columns("time", "event", "detail")
-        self.query_one("#failed", DataTable).add_columns("task", "prompt", "attempts", "error")
-        self.query_one("#sample-table", DataTable).add_columns(
-            "id", "task", "prompt key", "reward", "advantage", "versions", "status", "step"
+        events.add_columns("time", "event", "detail")
+        failed.add_columns("task", "prompt", "attempts", "error")
+        samples.add_columns("id", "task", "prompt key", "reward", "advantage", "versions", "status", "step")
+        self.tables_ready = True
+        self.render_members()
+        self.render_events(self.pending_events)
+        self.pending_events = []
+
+        grid = self.query_one("#plots", Grid)
+        await self.query_one("#plots-wait", Static).remove()
+        await grid.mount_all(
+            [PlotextPlot(id=f"plot-{pid.replace('/', '')}") for pid, _ in CURVES]
+            + [PlotextPlot(id="plot-staleness")]
         )
-        self.apply(self.source.poll())
-        self.first_paint_s = time.perf_counter() - self._t0
-        # after the first frame is on screen: parsing a long history holds the GIL for a while
-        self.call_after_refresh(self.run_worker, self._load_history, thread=True, group="history")
-        self.set_interval(self.interval_s, self.action_refresh_now)
+        self.plots_ready = True
+        self.render_overview()
+        self.run_worker(self._load_history, thread=True, group="history")
 
     # ----- polling ------------------------------------------------------------------------------
 
@@ -169,17 +214,27 @@ class Dashboard(App[int]):
     def progress_text(self) -> Text:
         """One line per policy: step against the budget, version, ETA, newest numbers."""
         out = Text()
-        budget = self.snap.steps
+        paused = set(self.snap.paused)
+        if "*" in paused:
+            out.append("admission paused for the whole run (A resumes)\n", style="bold yellow")
         for p in self.snap.policies or [{"name": n, "step": 0, "version": 0} for n in self.series]:
             s = self.series.get(p["name"], Series())
             last = s.last()
             step = int(p.get("step", 0))
+            # each policy's own budget (policy.steps, else run.steps); 0 for a frozen policy
+            budget = int(p.get("budget", self.snap.steps))
+            trainable = p.get("trainable", True)
             done = budget > 0 and step >= budget
             eta = "done" if done else fmt_duration(s.eta_s(budget))
             mark = ">" if p["name"] == self.policy else " "
             out.append(f"{mark} {p['name']:<10} ", style="bold" if mark == ">" else "")
+            if not trainable:
+                out.append(f"frozen (served at version {p.get('version', 0)})\n", style="dim")
+                continue
             out.append(f"step {step}/{budget} {progress_bar(step, budget)} ")
             out.append(f"version {p.get('version', 0)}  ETA {eta}  ")
+            if p["name"] in paused:
+                out.append("PAUSED  ", style="bold yellow")
             for key, label, fmt in (
                 ("reward_mean", "reward", ".3f"),
                 ("samples_per_s", "samples/s", ".1f"),
@@ -188,8 +243,11 @@ class Dashboard(App[int]):
                 v = last.get(key)
                 out.append(f"{label} {'-' if v is None else format(v, fmt)}  ")
             out.append("\n")
-        if budget and self.snap.policies and all(p["step"] >= budget for p in self.snap.policies):
+        trained = [p for p in self.snap.policies if p.get("trainable", True)]
+        if trained and all(p["step"] >= int(p.get("budget", self.snap.steps)) for p in trained):
             out.append("run finished: every policy reached its step budget", style="bold green")
+        elif self.stop_sent:
+            out.append("stopping: trainers finish their step and checkpoint", style="bold yellow")
         return out
 
     def render_overview(self, curves: bool = True) -> None:
@@ -197,6 +255,14 @@ class Dashboard(App[int]):
         data counters."""
         self.query_one("#progress", Static).update(self.progress_text())
         s = self.series.get(self.policy, Series())
+        if self.plots_ready:
+            self.render_plots(s, curves)
+        self.render_tables(s)
+
+    def render_plots(self, s: Series, curves: bool) -> None:
+        """The selected policy's curves (when they changed) and its staleness histogram."""
+        from textual_plotext import PlotextPlot
+
         for pid, key in CURVES if curves else ():
             metric = key or s.kl_key() or "kl"
             plot = self.query_one(f"#plot-{pid.replace('/', '')}", PlotextPlot)
@@ -213,6 +279,9 @@ class Dashboard(App[int]):
         if hist:
             plot.plt.bar([str(k) for k in hist], list(hist.values()))
         plot.refresh()
+
+    def render_tables(self, s: Series) -> None:
+        """Queue depths and data counters of the selected policy."""
         queues = self.query_one("#queues", DataTable)
         queues.clear()
         for name, n in self.snap.tasks.items():
@@ -229,6 +298,8 @@ class Dashboard(App[int]):
 
     def render_members(self) -> None:
         """The member table; members not alive are greyed."""
+        if not self.tables_ready:
+            return
         table = self.query_one("#member-table", DataTable)
         table.clear()
         for m in self.snap.members:
@@ -244,6 +315,9 @@ class Dashboard(App[int]):
 
     def render_events(self, new_events: list[dict[str, Any]]) -> None:
         """Append new events (newest at the bottom) and list failed tasks with their error."""
+        if not self.tables_ready:
+            self.pending_events += new_events
+            return
         table = self.query_one("#event-table", DataTable)
         for e in new_events:
             bad = e["kind"] in ("member_dead", "error", "task_failed")
@@ -264,6 +338,8 @@ class Dashboard(App[int]):
 
     def load_samples(self) -> None:
         """Read the selected policy's newest trajectories into the sample table."""
+        if not self.tables_ready:
+            return
         self.shown_samples = self.source.samples(self.policy) if self.policy else []
         table = self.query_one("#sample-table", DataTable)
         table.clear()
@@ -344,3 +420,91 @@ class Dashboard(App[int]):
         self.render_overview()
         if self.query_one(TabbedContent).active == "samples":
             self.load_samples()
+
+    # ----- control keys ---------------------------------------------------------------------------
+
+    def _no_control(self) -> bool:
+        if self.control is None:
+            self.say(
+                "control keys are off: no live controller recorded, or no operator key (--key, --controller-key)"
+            )
+            return True
+        return False
+
+    def say(self, text: str) -> None:
+        """Show a control's outcome on the status line (and keep it for tests and the log)."""
+        self.control_log.append(text)
+        self.query_one("#status-line", Static).update(text)
+
+    def _send(self, what: str, call: Callable[[], str]) -> None:
+        """Run one control request in a thread (it waits on the network), then poll at once."""
+
+        def work() -> None:
+            from astraflow.errors import AstraflowError
+
+            try:
+                detail = call()
+                text = f"{what}: done ({detail})" if detail else f"{what}: done"
+            except AstraflowError as exc:
+                text = f"{what}: {exc.message}"
+            self.call_from_thread(self.say, text)
+            self.call_from_thread(self.action_refresh_now)
+
+        self.run_worker(work, thread=True, group="control")
+
+    def action_toggle_admission(self, whole_run: bool) -> None:
+        """Pause admission of the shown policy (or the whole run), or resume it if paused."""
+        if self._no_control():
+            return
+        assert self.control is not None
+        key = "*" if whole_run else self.policy
+        if not key:
+            return
+        ctl, policy = self.control, "" if whole_run else self.policy
+        target = "whole run" if whole_run else f"policy {policy}"
+        if key in self.snap.paused:
+            self._send(f"resume {target}", lambda: ctl.resume(policy))
+        else:
+            self._send(f"pause {target}", lambda: ctl.pause(policy))
+
+    def action_drain(self) -> None:
+        """Drain the member under the cursor of the Members table, after a yes."""
+        if self._no_control():
+            return
+        assert self.control is not None
+        if not self.tables_ready:
+            return
+        table = self.query_one("#member-table", DataTable)
+        if self.query_one(TabbedContent).active != "members" or table.row_count == 0:
+            self.say("drain: open the Members tab [2] and put the cursor on a worker")
+            return
+        member = str(table.coordinate_to_cell_key(table.cursor_coordinate).row_key.value)
+        ctl = self.control
+
+        def answered(yes: bool | None) -> None:
+            if yes:
+                self._send(f"drain {member}", lambda: ctl.drain(member))
+            else:
+                self.say(f"drain {member}: cancelled")
+
+        self.push_screen(
+            Confirm(f"Drain {member}? It gets no new tasks, finishes its leases and leaves."), answered
+        )
+
+    def action_stop_run(self) -> None:
+        """Stop the run cleanly (trainers checkpoint, `up` exits 0), after a yes."""
+        if self._no_control():
+            return
+        assert self.control is not None
+        ctl = self.control
+
+        def answered(yes: bool | None) -> None:
+            if yes:
+                self.stop_sent = True
+                self._send("stop the run", ctl.stop)
+            else:
+                self.say("stop: cancelled")
+
+        self.push_screen(
+            Confirm("Stop the run? Trainers finish the step they hold, checkpoint and exit."), answered
+        )

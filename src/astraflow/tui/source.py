@@ -28,6 +28,8 @@ class Snapshot:
     new_rows: list[dict[str, Any]] = field(default_factory=list)
     new_events: list[dict[str, Any]] = field(default_factory=list)
     failed: list[dict[str, Any]] = field(default_factory=list)
+    paused: list[str] = field(default_factory=list)
+    """Policies whose admission is paused ("*": the whole run)."""
     error: str = ""
     taken: float = 0.0
 
@@ -95,6 +97,7 @@ class RunDirSource:
                 return snap
         snap.run_name, snap.steps = doc["run"]["name"], doc["run"]["steps"]
         snap.policies, snap.tasks, snap.buffers = doc["policies"], doc["tasks"], doc["buffers"]
+        snap.paused = list(doc.get("control", {}).get("paused", []))
         return snap
 
     def _read(self, snap: Snapshot) -> dict[str, Any]:
@@ -145,8 +148,10 @@ class ControllerSource:
 
     kind = "controller"
 
-    def __init__(self, address: str, timeout_s: float = 2.0) -> None:
+    def __init__(self, address: str, timeout_s: float = 2.0, credentials: Any = None) -> None:
         self.address = address
+        self.credentials = credentials
+        """security.MemberCredentials for an authenticated controller (an observer or operator key)."""
         self.timeout_s = timeout_s
         self.seen: dict[str, int] = {}
 
@@ -157,12 +162,13 @@ class ControllerSource:
 
         snap = Snapshot(taken=time.time())
         try:
-            doc = ask_status(self.address, self.timeout_s)
+            doc = ask_status(self.address, self.timeout_s, credentials=self.credentials)
         except AstraflowError as exc:
             snap.error = exc.message
             return snap
         snap.run_name, snap.steps = doc["run"]["name"], doc["run"]["steps"]
         snap.policies, snap.tasks, snap.buffers = doc["policies"], doc["tasks"], doc["buffers"]
+        snap.paused = list(doc.get("control", {}).get("paused", []))
         snap.members = _members(doc, {}, {}, snap.taken)
         for p in doc["policies"]:
             if p["step"] > self.seen.get(p["name"], 0) and p.get("reward_mean") is not None:
