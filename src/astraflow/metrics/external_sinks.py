@@ -58,7 +58,7 @@ class WandbSink(MetricSink):
             project=self.config.project,
             name=run_dir.name,
             dir=str(out),
-            mode=self.config.mode,  # type: ignore[arg-type]
+            mode=self.config.mode,  # type: ignore[arg-type,unused-ignore]  # typed only where wandb is installed
             reinit="create_new",
         )
         self.defined: set[str] = set()
