@@ -453,8 +453,7 @@ def _watch(
                 time.monotonic() - t0,
                 run_dir,
             )
-            # the controller ends after the final eval round; without one it ends at once
-            deadline = time.monotonic() + (recipe.eval.final_timeout_s if recipe.eval else 10.0)
+            deadline = time.monotonic() + 10.0
             while time.monotonic() < deadline and any(c.running for c in sup.children):
                 print_progress(metrics, budgets, viewer is None)
                 time.sleep(0.1)

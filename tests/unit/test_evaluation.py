@@ -140,6 +140,9 @@ def test_eval_rounds_through_the_controller(tiny_model: Path, tmp_path: Path) ->
     pub = m.VersionPublished(policy="main", version=1, step=1, weights_addr="tcp://127.0.0.1:1")
     assert isinstance(ask(ctl, "trainer-main", pub), m.Ack)
     assert ctl.finished() and not ctl.stopping()  # the final round is still to run
+    # the trainer is kept (serving version 1's weights) until the final round is done
+    held = ask(ctl, "trainer-main", m.BatchRequest(policy="main", step=2))
+    assert isinstance(held, m.BatchReply) and not held.done and not held.ready
     assert not [x for x in lease(ctl, "w2", loaded=0) if x.sampling]
     final = lease(ctl, "w2", loaded=1)
     assert len(final) == 3 and all(x.sampling for x in final)
@@ -149,6 +152,8 @@ def test_eval_rounds_through_the_controller(tiny_model: Path, tmp_path: Path) ->
     last = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["version"] == 1 and last["eval/pass@1"] == 1.0 and last["eval/version_min"] == 1
     assert ctl.stopping()
+    done = ask(ctl, "trainer-main", m.BatchRequest(policy="main", step=2))
+    assert isinstance(done, m.BatchReply) and done.done
 
     # a restarted controller neither repeats nor loses a round
     store.close()

@@ -18,6 +18,7 @@ from astraflow.cli import (
     report,
     roles,
     runs,
+    sft,
     status,
     up,
 )
@@ -41,6 +42,7 @@ app.command("logs")(logs.logs)
 app.command("runs")(runs.runs)
 app.command("export")(report.export)
 app.command("plot")(report.plot)
+app.command("sft")(sft.sft)
 app.add_typer(recipe.app, name="recipe")
 app.add_typer(model.app, name="model")
 app.add_typer(bench.app, name="bench")

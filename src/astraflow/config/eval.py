@@ -36,7 +36,7 @@ class EvalConfig(BaseModel):
     at_start: bool = True
     """Also evaluate version 0 (the initial weights), the baseline the later rows compare with."""
     at_end: bool = True
-    """Also evaluate the policy's last version; `up` waits for it before it exits."""
+    """Also evaluate the policy's last version; its trainer (serving the weights) and the run end after it."""
     path: str = ""
     """JSONL file of held-out samples ("" = the workflow's own dataset() with `options` and `seed`)."""
     options: dict[str, Any] = {}
@@ -56,8 +56,6 @@ class EvalConfig(BaseModel):
     """Policies evaluated ([] = every trainable policy the workflow calls)."""
     sampling: EvalSampling = EvalSampling()
     """Sampling overrides of evaluation episodes (a workflow's own per-call overrides still win)."""
-    final_timeout_s: float = Field(600.0, gt=0)
-    """How long `up` waits after the last step for the final evaluation before it stops the run."""
 
     @model_validator(mode="after")
     def _check(self) -> EvalConfig:

@@ -257,7 +257,7 @@ class Evaluator:
             "step": step,
             "time": time.time(),
             "eval/tasks": len(per_task),
-            "eval/failed": total - len(per_task),
+            "eval/tasks_errored": total - len(per_task),
         }
         if per_task:
             row[f"eval/avg@{n}"] = sum(sum(rs) / len(rs) for rs in per_task) / len(per_task)

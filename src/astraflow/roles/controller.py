@@ -537,6 +537,9 @@ class Controller:
         if self.failed is not None:
             return m.Error(rid=msg.rid, code="run_failed", message=f"the run failed: {_summary(self.failed)}")
         if msg.step > self.recipe.budget(msg.policy):
+            if self.evals_pending():
+                # the trainer's weight server must outlive the last eval round, which may still pull it
+                return m.BatchReply(rid=msg.rid, policy=msg.policy, step=msg.step, retry_after_s=RETRY_S)
             return m.BatchReply(rid=msg.rid, policy=msg.policy, step=msg.step, done=True)
         refused = authz.batch_refusal(self.store, msg.policy, msg.step)
         if refused is not None:
