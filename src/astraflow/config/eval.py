@@ -25,9 +25,7 @@ class EvalSampling(BaseModel):
 
 
 class EvalConfig(BaseModel):
-    """Held-out evaluation: every `every_versions` versions each evaluated policy answers every held-out
-    task `samples` times with the run's workflow and verifier; the controller writes avg@samples and
-    pass@k (unbiased estimator) to metrics.jsonl. Held-out tasks are never trained on."""
+    """Held-out avg@n / pass@k evaluation every N versions, on tasks never trained on (docs/recipes.md)."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
 
@@ -40,8 +38,7 @@ class EvalConfig(BaseModel):
     path: str = ""
     """JSONL file of held-out samples ("" = the workflow's own dataset() with `options` and `seed`)."""
     options: dict[str, Any] = {}
-    """Workflow options that differ for the held-out set, merged over workflow.options when the
-    controller builds it (e.g. {source = "humaneval"}); episodes still run with workflow.options."""
+    """Workflow options for building the held-out set, over workflow.options (episodes use workflow.options)."""
     seed: int | None = None
     """Seed of the workflow's generated held-out set (None = run.seed + 1)."""
     max_tasks: int = Field(32, ge=1)
