@@ -31,7 +31,7 @@ def _completion_nll(model_dir: Path, rows: list[dict[str, str]]) -> float:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     total, count = 0.0, 0
     with torch.no_grad():
         for r in rows:

@@ -146,7 +146,7 @@ def run_sft(
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     examples = [encode_row(tok, r, max_length) for r in rows]
     examples = [e for e in examples if sum(e.mask[1:]) > 0]
     if not examples:
