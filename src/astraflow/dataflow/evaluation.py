@@ -55,6 +55,11 @@ def held_out_set(recipe: Recipe) -> list[tuple[str, dict[str, Any]]]:
     cfg = recipe.eval
     assert cfg is not None
     if cfg.path:
+        if not Path(cfg.path).is_file():
+            raise RecipeError(
+                f"held-out evaluation file not found: {cfg.path}",
+                hint="eval.path must name a JSONL file on the controller's machine",
+            )
         rows = read_jsonl(Path(cfg.path))[: cfg.max_tasks]
     else:
         from astraflow import plugins
