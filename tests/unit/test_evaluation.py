@@ -162,3 +162,10 @@ def test_eval_rounds_through_the_controller(tiny_model: Path, tmp_path: Path) ->
     ctl2.start()
     assert ctl2.evals is not None and not ctl2.evals.pending()
     assert store2.scalar("SELECT COUNT(*) FROM eval_rounds WHERE status = 'done'") == 2
+
+
+def test_up_prints_eval_rows_as_their_own_line() -> None:
+    from astraflow.launcher import progress_line
+
+    row = {"kind": "eval", "policy": "main", "version": 3, "step": 3, "eval/avg@4": 0.5, "eval/pass@1": 0.25}
+    assert progress_line(row, {"main": 10}) == "[main] eval of version 3  avg@4 0.500  pass@1 0.250"
