@@ -92,7 +92,7 @@ def build_status(store: Store) -> dict[str, Any]:
     }
 
 
-def _latest_eval(store: Store, policy: str) -> dict[str, float] | None:
+def _latest_eval(store: Store, policy: str) -> dict[str, float | int] | None:
     """The newest finished held-out eval round of a policy: version, step and its `eval/` numbers."""
     try:
         v = store.scalar(
@@ -104,5 +104,6 @@ def _latest_eval(store: Store, policy: str) -> dict[str, float] | None:
     if v is None:
         return None
     row = json.loads(v)
-    out = {k[5:]: float(x) for k, x in row.items() if k.startswith("eval/")}
-    return {"version": float(row["version"]), "step": float(row["step"]), **out}
+    out: dict[str, float | int] = {"version": int(row["version"]), "step": int(row["step"])}
+    out.update({k[5:]: float(x) for k, x in row.items() if k.startswith("eval/")})
+    return out
