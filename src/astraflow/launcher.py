@@ -193,6 +193,9 @@ def progress_line(rec: dict[str, Any], steps: int | dict[str, int]) -> str:
         v = rec.get(key)
         return "-" if v is None else format(v, fmt)
 
+    if rec.get("kind") == "eval":
+        scores = "  ".join(f"{k[5:]} {v:.3f}" for k, v in sorted(rec.items()) if k.startswith("eval/"))
+        return f"[{rec.get('policy', '?')}] eval of version {rec.get('version', '?')}  {scores}"
     if isinstance(steps, dict):
         steps = steps.get(str(rec.get("policy")), 0)
     return (
@@ -200,6 +203,13 @@ def progress_line(rec: dict[str, Any], steps: int | dict[str, int]) -> str:
         f"reward {f('reward_mean')}  samples/s {f('samples_per_s', '.1f')}  "
         f"staleness {f('staleness_mean', '.2f')}/{f('staleness_max', '.0f')}"
     )
+
+
+def print_progress(metrics: MetricsTail, budgets: dict[str, int], show: bool) -> None:
+    """Print a progress line for each new metrics row (consumed either way)."""
+    for rec in metrics.read():
+        if show and "step" in rec and "policy" in rec:
+            sys.stdout.write(progress_line(rec, budgets) + "\n")
 
 
 def check_models(recipe: Any) -> None:
@@ -469,7 +479,9 @@ def _watch(
             )
             deadline = time.monotonic() + 10.0
             while time.monotonic() < deadline and any(c.running for c in sup.children):
+                print_progress(metrics, budgets, viewer is None)
                 time.sleep(0.1)
+            print_progress(metrics, budgets, viewer is None)
             while viewer is not None and viewer.poll() is None and not stop["signal"]:
                 time.sleep(0.1)  # the run is over; the dashboard stays until its user closes it
             return 0

@@ -37,7 +37,9 @@ def test_quickstart_learns_through_up(tiny_model: Path, tmp_path: Path) -> None:
     )
     elapsed = time.monotonic() - t0
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    recs = [r for r in rows if r.get("kind") != "eval"]
+    evals = [r for r in rows if r.get("kind") == "eval"]
     steps = json.loads((run_dir / "recipe.resolved.json").read_text())["run"]["steps"]
     assert [r["step"] for r in recs] == list(range(1, steps + 1))
     for key in ("policy", "step", "version", "reward_mean", "samples_per_s", "staleness_max"):
@@ -53,3 +55,8 @@ def test_quickstart_learns_through_up(tiny_model: Path, tmp_path: Path) -> None:
     # bounded staleness held for every consumed sample
     bound = json.loads((run_dir / "recipe.resolved.json").read_text())["policy"][0]["max_staleness"]
     assert max(r["staleness_max"] for r in recs) <= bound
+    # held-out prompts (never trained on) are evaluated at versions 0, 40, 80, 120; the policy generalizes
+    assert [r["version"] for r in evals] == [0, 40, 80, 120]
+    first_eval, last_eval = evals[0]["eval/pass@1"], evals[-1]["eval/pass@1"]
+    print(f"held-out pass@1 {first_eval:.3f} -> {last_eval:.3f}")
+    assert last_eval > first_eval + 0.3, evals

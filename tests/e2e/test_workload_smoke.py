@@ -34,6 +34,11 @@ def _up(recipe: Path, run_dir: Path, cwd: Path, *sets: str) -> list[dict[str, fl
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
 
 
+def _split(recs: list[dict[str, float]]) -> tuple[list[dict[str, float]], list[dict[str, float]]]:
+    """(step rows, held-out eval rows) of a metrics.jsonl."""
+    return [r for r in recs if r.get("kind") != "eval"], [r for r in recs if r.get("kind") == "eval"]
+
+
 @pytest.mark.slow
 def test_math_smoke_runs_through_up_with_math_verify(bpe_model: Path, tmp_path: Path) -> None:
     recs = _up(
@@ -42,10 +47,15 @@ def test_math_smoke_runs_through_up_with_math_verify(bpe_model: Path, tmp_path: 
         tmp_path,
         f'policy.model="{bpe_model}"',
         f'dataset.path="{ROOT / "recipes/math/data/arith-smoke.jsonl"}"',
+        f'eval.path="{ROOT / "recipes/math/data/arith-heldout.jsonl"}"',
         "run.steps=1",
     )
-    assert [r["step"] for r in recs] == [1]
-    assert all(0.0 <= r["reward_mean"] <= 1.0 for r in recs)
+    steps, evals = _split(recs)
+    assert [r["step"] for r in steps] == [1]
+    assert all(0.0 <= r["reward_mean"] <= 1.0 for r in steps)
+    # held-out rounds at version 0 and the last version, every task scored by math-verify
+    assert [(r["version"], r["eval/tasks"]) for r in evals] == [(0, 8), (1, 8)]
+    assert all(0.0 <= r["eval/pass@1"] <= r["eval/pass@2"] <= 1.0 for r in evals)
     logs = "".join(p.read_text() for p in (tmp_path / "run" / "logs").glob("*"))
     assert "task_timeout" not in logs and "failed" not in logs.lower()
 
@@ -59,7 +69,10 @@ def test_code_smoke_runs_through_up_with_the_sandbox(bpe_model: Path, tmp_path: 
         f'policy.model="{bpe_model}"',
         "run.steps=1",
     )
-    assert [r["step"] for r in recs] == [1]
+    steps, evals = _split(recs)
+    assert [r["step"] for r in steps] == [1]
+    # held-out generated functions, tested in the sandbox at version 0 and the last version
+    assert [(r["version"], r["eval/tasks"]) for r in evals] == [(0, 4), (1, 4)]
     logs = "".join(p.read_text() for p in (tmp_path / "run" / "logs").glob("*"))
     assert "task_timeout" not in logs and "failed" not in logs.lower()
 

@@ -19,6 +19,7 @@ from astraflow.cli import (
     report,
     roles,
     runs,
+    sft,
     status,
     up,
 )
@@ -42,6 +43,7 @@ app.command("logs")(logs.logs)
 app.command("runs")(runs.runs)
 app.command("export")(report.export)
 app.command("plot")(report.plot)
+app.command("sft")(sft.sft)
 app.add_typer(recipe.app, name="recipe")
 app.add_typer(model.app, name="model")
 app.add_typer(bench.app, name="bench")

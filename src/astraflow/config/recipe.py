@@ -6,6 +6,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from astraflow.config.eval import EvalConfig
+
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
@@ -228,6 +230,8 @@ class Recipe(_Model):
     """Controller socket and liveness."""
     metrics: MetricsConfig = MetricsConfig()
     """Metric sinks."""
+    eval: EvalConfig | None = None
+    """Held-out avg@k / pass@k evaluation during training (None: off; docs/recipes.md)."""
 
     @model_validator(mode="after")
     def _check(self) -> Recipe:
@@ -241,6 +245,8 @@ class Recipe(_Model):
                 raise ValueError(f"workflow role {role!r} maps to unknown policy {pol!r}; policies: {names}")
         if not any(p.trainable for p in self.policy):
             raise ValueError("every policy has trainable = false: nothing to train")
+        if self.eval is not None and any(p not in names for p in self.eval.policies):
+            raise ValueError(f"eval.policies {self.eval.policies} names a policy not in {names}")
         if self.controller.stall_fail_s < self.controller.stall_warn_s:
             raise ValueError("controller.stall_fail_s must be at least controller.stall_warn_s")
         return self

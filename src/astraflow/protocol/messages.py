@@ -93,6 +93,9 @@ class Task(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Policy -> its group size (samples compared per group); {} = group_size for every policy."""
     read_only: list[str] = []
     """Policies of this task whose sequences are not trained on (frozen, or their budget is met)."""
+    sampling: dict[str, float | int] = {}
+    """Sampling overrides for every generate call of this task (held-out evaluation: eval.sampling);
+    a workflow's own per-call overrides win over them."""
 
 
 class TrainSample(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

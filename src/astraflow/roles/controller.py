@@ -22,6 +22,7 @@ from astraflow.dataflow import failures
 from astraflow.dataflow.admission import admission_for
 from astraflow.dataflow.buffer import Buffer
 from astraflow.dataflow.control import RunControl
+from astraflow.dataflow.evaluation import Evaluator, without_held_out
 from astraflow.dataflow.ledger import Ledger, TaskRow
 from astraflow.dataflow.pipeline import Pipeline
 from astraflow.dataflow.source import PromptSource, workflow_epochs
@@ -66,7 +67,12 @@ class Controller:
         self.group_size = max(self.group_sizes.values())
         self.admission = admission_for(recipe, store, self.pipeline, self.roles)
         self.progress = Progress(time.time())
-        self.source = PromptSource(workflow_epochs(recipe), store)
+        self.evals = Evaluator(recipe, store, self.ledger, self.roles) if recipe.eval else None
+        """Held-out evaluation rounds (dataflow/evaluation.py); None without an [eval] table."""
+        epochs = workflow_epochs(recipe)
+        if self.evals is not None:
+            epochs = without_held_out(epochs, self.evals.identities())
+        self.source = PromptSource(epochs, store)
         self.stop_requested = False
         self.exit_code = 0
         self.finished_at: float | None = None
@@ -107,6 +113,8 @@ class Controller:
             # After a restart, members get one timeout to show up again before their leases go back.
             c.execute("UPDATE members SET last_seen = ? WHERE status = 'alive'", (time.time(),))
             self.store.add_event("start" if fresh else "restart", self.recipe.run.name)
+            if self.evals is not None:
+                self.evals.on_start()
         if not fresh:
             _log.info(
                 "resumed run %s: %s",
@@ -160,7 +168,14 @@ class Controller:
         if expired:
             self.check_failed_streak("lease expired (no progress reported within rollout.lease_timeout_s)")
         self.refill()
-        if self.finished_at is None and (self.finished() or self.control.stopped):
+        if self.evals is not None and self.evals.pending():
+            with self.store.write():
+                rows = self.evals.finish_rounds()
+            for row in rows:
+                self.sinks.write(row)
+                self.made_progress(t)
+        budgets_met = self.finished() and not self.evals_pending()
+        if self.finished_at is None and (budgets_met or self.control.stopped):
             self.finished_at = t
             _log.info("%s; telling members to stop", self.control.end_reason(self.finished()))
         if self.finished_at is None and not self.control.paused:
@@ -375,6 +390,8 @@ class Controller:
 
         def accept(task: TaskRow) -> bool:
             pols = task.policies
+            if self.evals is not None and self.evals.is_eval(task.id):
+                return (not serves or serves.issuperset(pols)) and self.evals.may_lease(task, loaded)
             feeds = [p for p in pols if p not in task.read_only]
             # a task that feeds no policy still training would be run only to be thrown away
             return (
@@ -403,8 +420,9 @@ class Controller:
                 sample=t.sample,
                 group_size=t.group_size,
                 roles=t.roles,
-                group_sizes={p: self.group_sizes.get(p, t.group_size) for p in t.policies},
+                group_sizes=self._task_sizes(t),
                 read_only=t.read_only,
+                sampling=self._task_sampling(t),
             )
             for t in leased
         ]
@@ -425,7 +443,7 @@ class Controller:
         # a lapsed lease still accepts its owner's late result, so that one is checked too
         if task is not None and task.status in ("leased", "queued") and task.owner == member["id"]:
             latest = {p["name"]: int(p["version"]) for p in self.store.policies()}
-            sizes = {p: self.group_sizes.get(p, task.group_size) for p in task.policies}
+            sizes = self._task_sizes(task)
             # read-only grows only (finished stays finished): a superset of what the lease told the worker
             ro = set(task.read_only) | set(self.admission.read_only(task.policies))
             bad = self.checker.check(
@@ -442,7 +460,11 @@ class Controller:
                 )
         with self.store.write():
             status = self.ledger.complete(msg.task_id, msg.epoch, member["id"])
-            if status == "accepted":
+            if status == "accepted" and self._is_eval(msg.task_id):
+                assert self.evals is not None
+                self.evals.record(msg.task_id, msg.episodes)
+                self.made_progress()
+            elif status == "accepted":
                 assert task is not None
                 self.pipeline.ingest(
                     self.buffer,
@@ -458,6 +480,21 @@ class Controller:
                     self.pipeline.save(pol)
                 self.made_progress()
         return m.ResultAck(rid=msg.rid, task_id=msg.task_id, status=status)
+
+    def _is_eval(self, task_id: int) -> bool:
+        return self.evals is not None and self.evals.is_eval(task_id)
+
+    def _task_sizes(self, task: TaskRow) -> dict[str, int]:
+        """Policy -> group size of a task: the recipe's, or eval.samples for an eval task."""
+        if self.evals is not None and self.evals.is_eval(task.id):
+            return self.evals.group_sizes(task)
+        return {p: self.group_sizes.get(p, task.group_size) for p in task.policies}
+
+    def _task_sampling(self, task: TaskRow) -> dict[str, float | int]:
+        """Sampling overrides of a task: eval.sampling for an eval task, none otherwise."""
+        if self.evals is not None and self.evals.is_eval(task.id):
+            return self.evals.cfg.sampling.overrides()
+        return {}
 
     def fail_attempt(self, member_id: str, task_id: int, epoch: int, error: str) -> str:
         """End a leased attempt with an error: count it by reason and end the run after too many failed tasks."""
@@ -488,8 +525,14 @@ class Controller:
             )
 
     def stopping(self) -> bool:
-        """True once members should stop: the run reached its budget or failed."""
-        return self.failed is not None or self.control.stopped or self.finished()
+        """True once members should stop: every budget (and the last eval round) met, a stop, or a failure."""
+        return (
+            self.failed is not None or self.control.stopped or (self.finished() and not self.evals_pending())
+        )
+
+    def evals_pending(self) -> bool:
+        """True while a held-out eval round is not yet aggregated."""
+        return self.evals is not None and self.evals.pending()
 
     def on_batch_request(self, member: dict[str, Any], msg: m.BatchRequest) -> m.Msg:
         """The recorded batch of the step, a new one, not ready yet, or done."""
@@ -505,6 +548,9 @@ class Controller:
             return m.Error(rid=msg.rid, code="run_failed", message=f"the run failed: {_summary(self.failed)}")
         if msg.step > self.recipe.budget(msg.policy) or self.control.stopped:
             # an operator's stop ends the trainer after the step it holds (it checkpoints, exits 0)
+            if not self.control.stopped and self.evals_pending():
+                # the trainer's weight server must outlive the last eval round, which may still pull it
+                return m.BatchReply(rid=msg.rid, policy=msg.policy, step=msg.step, retry_after_s=RETRY_S)
             return m.BatchReply(rid=msg.rid, policy=msg.policy, step=msg.step, done=True)
         refused = authz.batch_refusal(self.store, msg.policy, msg.step)
         if refused is not None:
@@ -549,6 +595,8 @@ class Controller:
                     msg.policy, msg.step, {k: v for k, v in row.items() if isinstance(v, int | float)}, now
                 )
                 self.pipeline.on_version(msg.policy, msg.version)
+                if self.evals is not None:
+                    self.evals.on_version(msg.policy, msg.version, msg.step)
                 self.made_progress(now)
         if row is not None:
             self.sinks.write(row)

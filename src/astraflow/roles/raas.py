@@ -64,6 +64,8 @@ class TaskPolicyClient:
     group_size: int
     used: set[tuple[float, float, int]]
     read_only: bool = False
+    defaults: dict[str, Any] | None = None
+    """Sampling overrides the task carries (an eval task's), under the workflow's own."""
 
     @property
     def policy(self) -> str:
@@ -77,7 +79,7 @@ class TaskPolicyClient:
 
     async def generate(self, prompt_ids: list[int], n: int = 1, **overrides: Any) -> list[Completion]:
         """The engine client's generate, remembering each completion's settings."""
-        outs = await self.base.generate(prompt_ids, n, **overrides)
+        outs = await self.base.generate(prompt_ids, n, **{**(self.defaults or {}), **overrides})
         self.used.update((c.temperature, c.top_p, c.top_k) for c in outs)
         return outs
 
@@ -305,7 +307,11 @@ class RaaS:
             }
             clients = {
                 role: TaskPolicyClient(
-                    self.clients[pol], sizes[role], used.setdefault(pol, set()), pol in task.read_only
+                    self.clients[pol],
+                    sizes[role],
+                    used.setdefault(pol, set()),
+                    pol in task.read_only,
+                    dict(task.sampling),
                 )
                 for role, pol in task.roles.items()
             }

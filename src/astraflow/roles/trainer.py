@@ -224,9 +224,25 @@ def run_trainer(
             _log.info("stopping on signal; last step %d", trainer.step_count)
             return 0 if trainer.step_count >= budget else 143
         _log.info("policy %s reached %d steps", policy, trainer.step_count)
+        if recipe.eval is not None:
+            serve_until_done(client, policy, budget, stopping)
         if isinstance(trainer, Leader):
             trainer.stop()
         return 0
     finally:
         server.close()
         client.close("done")
+
+
+def serve_until_done(client: Any, policy: str, budget: int, stopping: dict[str, int]) -> None:
+    """Keep the weight server up after the last step until the controller says the run is done: a
+    held-out eval round of the last version may still pull these weights."""
+    from astraflow.protocol.messages import BatchReply, BatchRequest
+    from astraflow.roles.member import request_retrying
+
+    while not stopping["sig"]:
+        client.tick()
+        reply = request_retrying(client, BatchRequest(policy=policy, step=budget + 1), timeout_s=60.0)
+        if not isinstance(reply, BatchReply) or reply.done:
+            return
+        time.sleep(max(0.05, reply.retry_after_s or 0.2))

@@ -133,9 +133,43 @@ def m0002_sequence_roles(db: Database) -> None:
     t.add_column("top_k", int, not_null_default=0)
 
 
+def m0003_eval_ledger(db: Database) -> None:
+    """Held-out evaluation: one round per (policy, version) and one row per evaluation task with its
+    rewards once done; evaluation results never become trajectories."""
+    db.table("eval_rounds").create(
+        {
+            "policy": str,
+            "version": int,
+            "step": int,
+            "status": str,
+            "tasks": int,
+            "metrics": str,
+            "created": float,
+            "finished": float,
+        },
+        pk=("policy", "version"),
+        defaults={"status": "open", "metrics": "{}", "finished": 0.0},
+    )
+    db.table("eval_tasks").create(
+        {
+            "task_id": int,
+            "policy": str,
+            "version": int,
+            "item": str,
+            "rewards": str,
+            "min_version": int,
+            "done": int,
+        },
+        pk="task_id",
+        defaults={"rewards": "[]", "min_version": -1, "done": 0},
+    )
+    db.table("eval_tasks").create_index(["policy", "version"])
+
+
 MIGRATIONS: list[tuple[str, Migration]] = [
     ("0001_initial", m0001_initial),
     ("0002_sequence_roles", m0002_sequence_roles),
+    ("0003_eval_ledger", m0003_eval_ledger),
 ]
 """Every migration in the order applied; append only."""
 

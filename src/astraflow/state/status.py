@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sqlite3
 from typing import Any
 
 from astraflow.dataflow import control, failures
@@ -38,6 +39,7 @@ def build_status(store: Store) -> dict[str, Any]:
                 "reward_mean": None if reward is None else float(reward),
                 "max_staleness": int(p["max_staleness"]),
                 "staleness_max": None if stale is None else float(stale),
+                "eval": _latest_eval(store, p["name"]),
             }
         )
         counts = {"buffered": 0, "consumed": 0, "expired": 0, "dropped": 0}
@@ -89,3 +91,20 @@ def build_status(store: Store) -> dict[str, Any]:
         },
         "buffers": buffers,
     }
+
+
+def _latest_eval(store: Store, policy: str) -> dict[str, float | int] | None:
+    """The newest finished held-out eval round of a policy: version, step and its `eval/` numbers."""
+    try:
+        v = store.scalar(
+            "SELECT metrics FROM eval_rounds WHERE policy = ? AND status = 'done' ORDER BY version DESC LIMIT 1",
+            (policy,),
+        )
+    except sqlite3.OperationalError:
+        return None  # a run directory written before eval rounds existed
+    if v is None:
+        return None
+    row = json.loads(v)
+    out: dict[str, float | int] = {"version": int(row["version"]), "step": int(row["step"])}
+    out.update({k[5:]: float(x) for k, x in row.items() if k.startswith("eval/")})
+    return out

@@ -71,6 +71,8 @@ class Dashboard(App[int]):
         self.stop_sent = False
         self.interval_s = interval_s
         self.series: dict[str, Series] = {}
+        self.evals: dict[str, dict[str, Any]] = {}
+        """Policy -> its newest held-out eval row."""
         self.policy = ""
         self.snap = Snapshot()
         self.decoders: dict[str, Decode | None] = {}
@@ -181,6 +183,12 @@ class Dashboard(App[int]):
     def _add_rows(self, rows: list[dict[str, Any]], prepend: bool = False) -> None:
         by_policy: dict[str, list[dict[str, Any]]] = {}
         for r in rows:
+            if r.get("kind") == "eval":
+                # held-out eval rows reuse a step number: kept apart from the step curves
+                pol = str(r.get("policy", "?"))
+                if int(r.get("version", 0)) >= int(self.evals.get(pol, {}).get("version", -1)):
+                    self.evals[pol] = r
+                continue
             by_policy.setdefault(str(r.get("policy", "?")), []).append(r)
         for pol, rs in by_policy.items():
             self.series.setdefault(pol, Series()).add(rs, prepend=prepend)
@@ -242,6 +250,10 @@ class Dashboard(App[int]):
             ):
                 v = last.get(key)
                 out.append(f"{label} {'-' if v is None else format(v, fmt)}  ")
+            ev = self.evals.get(p["name"])
+            if ev is not None:
+                scores = " ".join(f"{k[5:]} {v:.2f}" for k, v in sorted(ev.items()) if k.startswith("eval/"))
+                out.append(f"eval v{ev.get('version', '?')} {scores}")
             out.append("\n")
         trained = [p for p in self.snap.policies if p.get("trainable", True)]
         if trained and all(p["step"] >= int(p.get("budget", self.snap.steps)) for p in trained):
