@@ -113,7 +113,9 @@ class VerifyEnvWorkflow(Workflow):
         digits = [str(d) for d in sample.get("digits", ["0"])]
         seed = int(sample.get("env_seed", 0))
         prompt = list(solver.tokenizer.encode("copy " + " ".join(digits) + " ="))
-        answers = await solver.generate(prompt, n=group_sizes.get("solver", 1), max_new_tokens=len(digits) + 1)
+        answers = await solver.generate(
+            prompt, n=group_sizes.get("solver", 1), max_new_tokens=len(digits) + 1
+        )
         verdicts_each = group_sizes.get("verifier", 1)
         if verifier.read_only:
             verdicts_each = min(verdicts_each, READ_ONLY_VERDICTS)
@@ -133,7 +135,9 @@ class VerifyEnvWorkflow(Workflow):
                 vwords, vstopped = _words(verifier, list(v.token_ids))
                 r = score(vwords, vstopped, [truth])
                 agree += r
-                seqs.append(completion_sequence(verifier, vprompt, v, reward=r, role="verifier", group_key=f"a{i}"))
+                seqs.append(
+                    completion_sequence(verifier, vprompt, v, reward=r, role="verifier", group_key=f"a{i}")
+                )
             info: dict[str, str | int | float | bool | None] = {
                 "solved": 1.0 if reward >= 1.0 else 0.0,
                 "length": float(len(digits)),
