@@ -36,6 +36,8 @@ def test_bench_pipeline_runs_sync_then_async_and_compares(tiny_model: Path, tmp_
             "policy.1.batch_prompts=16",
             "--set",
             "workflow.options.env_latency_s=0.05",
+            "--set",
+            "rollout.local_workers=1",  # one RaaS process less to start on a 2-core machine
         ],
         capture_output=True,
         text=True,
