@@ -102,3 +102,20 @@ def test_a_workflow_that_skips_a_role_on_some_tasks_gives_valid_results() -> Non
         assert got == want and all(ep.sequences for ep in eps)
         expected = {"pa": 4, "pb": 8}
         assert checker.check(eps, expected=expected, roles=roles, latest={"pa": 0, "pb": 0}) == ""
+
+
+def test_the_stall_report_says_why_results_are_refused(tmp_path: Path) -> None:
+    """A workflow whose every result is refused stalls the run; the stall line carries the refusal."""
+    from astraflow.dataflow.ledger import Ledger
+    from astraflow.dataflow.stall import last_task_failure
+    from astraflow.state.store import Store
+
+    store = Store.open(tmp_path / "s.db")
+    led = Ledger(store)
+    led.enqueue("k", {}, {"a": "pa"}, 4)
+    ctl = SimpleNamespace(store=store)
+    assert last_task_failure(ctl) == ""
+    (t,) = led.lease("w", 1)
+    why = "invalid result: 5 sequences of policy 'pa' in 5 episodes, the task asks for at most 4"
+    assert led.fail(t.id, t.epoch, "w", why) == "requeued"
+    assert last_task_failure(ctl) == why

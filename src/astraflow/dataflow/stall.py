@@ -64,7 +64,23 @@ def policy_wait(ctl: Any, policy: str) -> str:
             parts.append(f"admission holds new tasks: {why}")
         elif policy not in ctl.task_policies:
             parts.append("no workflow role maps to it")
+    failure = last_task_failure(ctl)
+    if failure:
+        parts.append(f"last task failure: {failure}")
     return "; ".join(parts)
+
+
+def last_task_failure(ctl: Any) -> str:
+    """The first line of the newest task error still on a queued or leased task ('' if none): a
+    workflow whose every result is refused (e.g. more sequences than it declares) stalls the run, and
+    this says why where the stall is reported."""
+    rows = ctl.store.query(
+        "SELECT error FROM tasks WHERE error != '' AND status IN ('queued', 'leased') ORDER BY updated DESC LIMIT 1"
+    )
+    if not rows:
+        return ""
+    lines = [ln for ln in str(rows[0]["error"]).splitlines() if ln.strip()]
+    return lines[-1][:300] if lines else ""
 
 
 def stall_report(ctl: Any, idle_s: float) -> dict[str, Any]:
