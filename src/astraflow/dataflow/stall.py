@@ -44,12 +44,16 @@ def policy_wait(ctl: Any, policy: str) -> str:
     if queued and not serving:
         parts.append(f"{queued} tasks queued but no alive RaaS serves {policy!r}")
     elif queued and not leased:
-        need = adm.target_version(policy)
+        need = adm.target_version(policy) - (0 if ctl.recipe.run.mode == "sync" else pol.max_staleness)
         loaded = sorted({int(mem["loaded"].get(policy, 0)) for mem in serving})
-        parts.append(
-            f"{queued} tasks queued, none leasable: workers hold versions {loaded} of {policy!r}, "
-            f"admission needs about {need - (0 if ctl.recipe.run.mode == 'sync' else pol.max_staleness)}"
-        )
+        if loaded and max(loaded) >= need:
+            # the versions are fine: the workers have not asked (still loading models at start-up?)
+            parts.append(f"{queued} tasks queued, none leased: no serving RaaS asked for tasks")
+        else:
+            parts.append(
+                f"{queued} tasks queued, none leasable: workers hold versions {loaded} of {policy!r}, "
+                f"admission needs about {max(0, need)}"
+            )
     elif leased:
         parts.append(f"{leased} tasks in flight")
     else:
