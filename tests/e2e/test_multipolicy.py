@@ -110,10 +110,19 @@ def test_asymmetric_policies_both_learn_and_a_frozen_one_is_only_served(
     print(f"asymmetric run with a frozen judge: {elapsed:.1f}s")
 
 
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2
+
+
 @pytest.mark.slow
 def test_a_slowed_trainer_does_not_hold_the_other_policy(
     tiny_model: Path, second_model: Path, tmp_path: Path
 ) -> None:
+    """The issue's bound: the solver's steps per minute while the proposer's trainer is slowed stay within
+    10% of its pace alone. "Alone" is measured in the same run (same machine load, same processes):
+    the solver's steps after the proposer met its budget, when the proposer is only served. Medians
+    of step intervals, so a load spike from elsewhere on the machine does not decide it."""
     run_dir = tmp_path / "run"
     out = _up(
         COLLAB / "recipe.toml",
@@ -122,25 +131,30 @@ def test_a_slowed_trainer_does_not_hold_the_other_policy(
             f'policy.0.model="{tiny_model}"',
             f'policy.1.model="{second_model}"',
             "policy.0.batch_prompts=2",
-            "policy.0.steps=4",
-            "policy.0.trainer_sleep_s=4.0",  # the proposer's steps cost 4 s more each
-            "policy.1.steps=12",
+            # the proposer's steps cost 3 s more each: slowed for ~7 s, ~10-25 solver steps here
+            "policy.0.steps=2",
+            "policy.0.trainer_sleep_s=3.0",
+            "policy.1.steps=40",  # the rest of the solver's budget is its pace alone
         ],
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     recs = _metrics(run_dir)
     t_prop = [r["time"] for r in recs["proposer"]]
     t_solv = [r["time"] for r in recs["solver"]]
-    assert len(t_prop) == 4 and len(t_solv) == 12
-    # the fast policy met its 12 steps before the slow one met its 4, and was not lock-stepped to it
-    assert t_solv[-1] < t_prop[-1]
-    prop_steps_when_solver_done = sum(1 for t in t_prop if t <= t_solv[-1])
-    assert prop_steps_when_solver_done < 12 // 2
-    start = min(t_prop[0], t_solv[0])
+    assert len(t_prop) == 2 and len(t_solv) == 40
+    # the proposer's trainer sleeps before it publishes: it is slowed until its last step's row
+    slowed_until = t_prop[-1]
+    gaps = [(b, b - a) for a, b in zip(t_solv[1:], t_solv[2:], strict=False)]  # step 1 is warm-up
+    slowed = [g for t, g in gaps if t <= slowed_until]
+    alone = [g for t, g in gaps if t > slowed_until + 1.0]  # a second to let the proposer's trainer exit
     print(
-        f"solver {12 / max(t_solv[-1] - start, 1e-9) * 60:.1f} steps/min while the proposer took "
-        f"{prop_steps_when_solver_done} slowed steps; proposer {4 / max(t_prop[-1] - start, 1e-9) * 60:.1f} steps/min"
+        f"solver: {len(slowed)} step intervals beside the slowed proposer, median {_median(slowed):.2f}s "
+        f"({60 / _median(slowed):.0f} steps/min); {len(alone)} alone, median {_median(alone):.2f}s "
+        f"({60 / _median(alone):.0f} steps/min); proposer {len(t_prop)} steps in {t_prop[-1] - t_prop[0]:.1f}s"
     )
+    # enough of both to compare; were the solver lock-stepped, it would take ~1 step per proposer step
+    assert len(slowed) >= 4 and len(alone) >= 4, (t_prop, t_solv)
+    assert 60 / _median(slowed) >= 0.9 * 60 / _median(alone)
 
 
 def test_a_run_that_cannot_move_says_why_and_exits_1(tiny_model: Path, tmp_path: Path) -> None:

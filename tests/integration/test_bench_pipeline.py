@@ -21,7 +21,7 @@ def test_bench_pipeline_runs_sync_then_async_and_compares(tiny_model: Path, tmp_
             "astraflow",
             "bench",
             "pipeline",
-            str(ROOT / "recipes/collab/bench.toml"),
+            str(ROOT / "recipes/verify/bench.toml"),
             "--out",
             str(tmp_path / "bench"),
             "--json",
@@ -30,9 +30,14 @@ def test_bench_pipeline_runs_sync_then_async_and_compares(tiny_model: Path, tmp_
             "--set",
             "policy.0.steps=2",
             "--set",
-            "policy.1.steps=4",
+            "policy.1.steps=2",
+            # the verifier's batch is 2 tasks, the solver's 4: a sync round feeds the verifier only 2
             "--set",
-            "policy.0.trainer_sleep_s=0.5",
+            "policy.1.batch_prompts=16",
+            "--set",
+            "workflow.options.env_latency_s=0.05",
+            "--set",
+            "rollout.local_workers=1",  # one RaaS process less to start on a 2-core machine
         ],
         capture_output=True,
         text=True,
@@ -44,13 +49,15 @@ def test_bench_pipeline_runs_sync_then_async_and_compares(tiny_model: Path, tmp_
     runs = {r["mode"]: r for r in summary["runs"]}
     assert list(runs) == ["sync", "async"] and all(r["ok"] for r in runs.values())
     for r in runs.values():
-        assert r["policies"]["proposer"]["steps"] == 2 and r["policies"]["solver"]["steps"] == 4
+        assert r["policies"]["solver"]["steps"] == 2 and r["policies"]["verifier"]["steps"] == 2
         assert 0.0 <= r["raas_idle"] <= 1.0 and r["steps_per_s"] > 0
-    # lock-step: a round is exactly the proposer's batch, trained on the weights it was sampled with
-    assert runs["sync"]["policies"]["proposer"]["staleness_max"] == 0
+    # lock-step: each round is exactly one batch of each policy, trained on the weights it was sampled
+    # with (a round sized for the solver's 4 tasks used to hand the verifier two batches, the second stale)
+    assert runs["sync"]["policies"]["solver"]["staleness_max"] == 0
+    assert runs["sync"]["policies"]["verifier"]["staleness_max"] == 0
     resolved = json.loads((tmp_path / "bench/sync/recipe.resolved.json").read_text())
     assert resolved["run"]["mode"] == "sync"
-    assert summary["throughput_ratio"] > 0 and set(summary["per_policy_speedup"]) == {"proposer", "solver"}
+    assert summary["throughput_ratio"] > 0 and set(summary["per_policy_speedup"]) == {"solver", "verifier"}
     assert "async / sync throughput" in out.stderr
     # each mode's end-to-end report (bench/e2e.py): throughput, busy fractions, weight sync
     for mode in ("sync", "async"):

@@ -174,17 +174,21 @@ def test_frozen_and_finished_policies_never_hold_admission(tmp_path: Path) -> No
 def test_sync_mode_admits_whole_rounds_in_lock_step(tmp_path: Path) -> None:
     store, led, buf, adm = _two(tmp_path, mode="sync")
     round1 = adm.plan(ROLES3, 2)
-    assert round1 == [["a", "b"]] * 4  # b needs 4 tasks of 2 for its batch of 8
-    for _ in round1:
-        led.enqueue("k", {}, ROLES3, 2)
+    # b needs 4 tasks of 2 for its batch of 8, a only 2 for its 4: a is read-only in the rest (one batch a round)
+    assert round1 == [["a", "b"]] * 2 + [["b"]] * 2
+    for feeds in round1:
+        led.enqueue("k", {}, ROLES3, 2, [p for p in ("a", "frozen") if p not in feeds])
     assert adm.plan(ROLES3, 2) == []  # the round is in flight
     for t in led.lease("w", 10):
         led.complete(t.id, t.epoch, "w")
         for pol in ("a", "b"):
+            if pol in t.read_only:
+                continue
             seq = Sequence(
                 policy=pol, tokens=[1, 2], loss_mask=[0, 1], logprobs=[0.0, -1.0], versions=[-1, 0]
             )
             buf.insert(t.id, t.prompt_key, [seq] * 2, [0.0] * 2)
+    assert adm.outstanding() == {"a": 4, "b": 8, "frozen": 0}  # exactly one batch each
     assert adm.plan(ROLES3, 2) == []  # both hold a full batch they have not taken
     assert buf.next_batch("a", 1, 4, 0, 0) is not None and buf.next_batch("b", 1, 8, 0, 0) is not None
     assert adm.plan(ROLES3, 2) == []  # taken, but not yet published
@@ -193,6 +197,6 @@ def test_sync_mode_admits_whole_rounds_in_lock_step(tmp_path: Path) -> None:
     assert adm.plan(ROLES3, 2) == []  # b has not published: lock-step
     store.record_version("b", 1, 1, "")
     assert adm.may_lease({"a": 1, "b": 1}, ["a", "b"]) and not adm.may_lease({"a": 1, "b": 0}, ["a", "b"])
-    assert adm.plan(ROLES3, 2) == []  # a's 4 left-over sequences are a whole batch: a trains again first
-    assert buf.next_batch("a", 2, 4, 1, 1) is not None  # a's last budgeted step: a is finished
+    assert adm.plan(ROLES3, 2) == [["a", "b"]] * 2 + [["b"]] * 2  # nothing left over: the next round
+    _take(store, "a", 2)  # a's last budgeted step: a is finished
     assert adm.plan(ROLES3, 2) == [["b"]] * 4  # the next round feeds b alone

@@ -259,7 +259,6 @@ def test_controller_rejects_turns_that_do_not_fit_the_sequence() -> None:
         return checker.check(
             [Episode(sequences=[seq])],
             expected={"main": 1},
-            read_only=set(),
             roles={"r": "main"},
             latest={"main": 0},
         )

@@ -30,7 +30,8 @@ slow policy takes what it can train on within its bound and a fast one is never 
 With `workflow.after_budget = "stop"`, a task whose trainable policy finished is not admitted at all.
 
 `run.mode = "sync"` replaces the cap by rounds, lock-step across policies: a round (enough tasks for
-one batch of the neediest active policy) is admitted only when no task is queued or in flight, no
+one batch of the neediest active policy; each policy is fed only the tasks its own batch needs and is
+read-only in the others, so it trains exactly once a round) is admitted only when no task is queued or in flight, no
 active policy holds a full batch it has not taken, and every active policy published the version of
 every batch it took; a task is leased only to a worker holding every active policy's newest version.
 
@@ -219,7 +220,7 @@ class Admission:
         """The tasks to queue now, each as the active policies it feeds (the task's other policies are
         read-only for it). Each active policy has room for some whole tasks; a task is queued while one
         of them still has room, and feeds exactly those that do, so a slow policy (full buffer) never
-        holds back a fast one. In sync mode every task of the round feeds every active policy."""
+        holds back a fast one. In sync mode a round feeds each active policy just its batch's tasks."""
         pols = list(dict.fromkeys(roles.values()))
         active = self.active(pols)
         if not active:
@@ -231,7 +232,8 @@ class Admission:
         per = self.task_sequences(roles, group_size)
         out = self.outstanding()
         if self.mode == "sync":
-            return [list(active)] * self._sync_room(active, per, out)
+            need = self._sync_need(active, per, out)
+            return [[p for p in active if need[p] > i] for i in range(max(need.values(), default=0))]
         rooms = {p: self._async_room(p, per, out) for p in active}
         if self.group_room is not None:
             groups = self.outstanding_groups()
@@ -250,18 +252,22 @@ class Admission:
         n = max(0, self.cap(pol) - out[pol]) // k
         return 1 if n == 0 and out[pol] == 0 else n
 
-    def _sync_room(self, active: list[str], per: dict[str, int], out: dict[str, int]) -> int:
-        """A whole round when the previous one is trained on and published by every active policy."""
+    def _sync_need(self, active: list[str], per: dict[str, int], out: dict[str, int]) -> dict[str, int]:
+        """Tasks each active policy needs for one batch, when the previous round is trained on and
+        published by every active policy (else none). Each policy is fed only the tasks its batch needs
+        (read-only in the rest of the round): feeding every task of the round to every policy gave a
+        policy with a smaller batch two batches a round, the second trained one version late."""
+        none = dict.fromkeys(active, 0)
         if int(self.store.scalar("SELECT COUNT(*) FROM tasks WHERE status IN ('queued', 'leased')")):
-            return 0
-        need = 0
+            return none
+        need = dict(none)
         for pol in active:
             lim = self.limits[pol]
             if out[pol] >= lim.batch_size or self.published(pol) < self.taken(pol):
-                return 0  # that policy still trains on the last round
+                return none  # that policy still trains on the last round
             k = per.get(pol, 0)
             if k > 0:
-                need = max(need, -(-(lim.batch_size - out[pol]) // k))
+                need[pol] = -(-(lim.batch_size - out[pol]) // k)
         return need
 
     def offer_limit(self, n: int) -> int:

@@ -44,12 +44,16 @@ def policy_wait(ctl: Any, policy: str) -> str:
     if queued and not serving:
         parts.append(f"{queued} tasks queued but no alive RaaS serves {policy!r}")
     elif queued and not leased:
-        need = adm.target_version(policy)
+        need = adm.target_version(policy) - (0 if ctl.recipe.run.mode == "sync" else pol.max_staleness)
         loaded = sorted({int(mem["loaded"].get(policy, 0)) for mem in serving})
-        parts.append(
-            f"{queued} tasks queued, none leasable: workers hold versions {loaded} of {policy!r}, "
-            f"admission needs about {need - (0 if ctl.recipe.run.mode == 'sync' else pol.max_staleness)}"
-        )
+        if loaded and max(loaded) >= need:
+            # the versions are fine: the workers have not asked (still loading models at start-up?)
+            parts.append(f"{queued} tasks queued, none leased: no serving RaaS asked for tasks")
+        else:
+            parts.append(
+                f"{queued} tasks queued, none leasable: workers hold versions {loaded} of {policy!r}, "
+                f"admission needs about {max(0, need)}"
+            )
     elif leased:
         parts.append(f"{leased} tasks in flight")
     else:
@@ -64,7 +68,23 @@ def policy_wait(ctl: Any, policy: str) -> str:
             parts.append(f"admission holds new tasks: {why}")
         elif policy not in ctl.task_policies:
             parts.append("no workflow role maps to it")
+    failure = last_task_failure(ctl)
+    if failure:
+        parts.append(f"last task failure: {failure}")
     return "; ".join(parts)
+
+
+def last_task_failure(ctl: Any) -> str:
+    """The first line of the newest task error still on a queued or leased task ('' if none): a
+    workflow whose every result is refused (e.g. more sequences than it declares) stalls the run, and
+    this says why where the stall is reported."""
+    rows = ctl.store.query(
+        "SELECT error FROM tasks WHERE error != '' AND status IN ('queued', 'leased') ORDER BY updated DESC LIMIT 1"
+    )
+    if not rows:
+        return ""
+    lines = [ln for ln in str(rows[0]["error"]).splitlines() if ln.strip()]
+    return lines[-1][:300] if lines else ""
 
 
 def stall_report(ctl: Any, idle_s: float) -> dict[str, Any]:

@@ -59,13 +59,14 @@ class ResultChecker:
         episodes: list[Episode],
         *,
         expected: dict[str, int],
-        read_only: set[str],
         roles: dict[str, str],
         latest: dict[str, int],
     ) -> str:
         """Why the result is invalid ('' when it is fine). `expected`: sequences the task asks of each
-        policy (workflows shape episodes per policy, so the episode count alone says nothing); a policy
-        in `read_only` may yield fewer (a workflow may generate less with it); `latest` is each policy's
+        policy at most (workflows shape episodes per policy, so the episode count alone says nothing;
+        admission counts with it, so more would overrun the staleness cap); fewer is fine, none
+        included (a workflow may skip a role on some tasks, or generate less with a read-only
+        policy: its groups are then smaller and admission queues more); `latest` is each policy's
         newest version."""
         if not episodes:
             return "0 episodes"
@@ -85,9 +86,10 @@ class ResultChecker:
                 got[s.policy] = got.get(s.policy, 0) + 1
         for pol in sorted(allowed):
             n, want = got.get(pol, 0), expected.get(pol, 0)
-            if n > want or (n < want and pol not in read_only):
+            if n > want:
                 return (
-                    f"{n} sequences of policy {pol!r} in {len(episodes)} episodes, the task asks for {want}"
+                    f"{n} sequences of policy {pol!r} in {len(episodes)} episodes, the task asks for at "
+                    f"most {want} (the workflow's sequences_per_task must count every sequence it returns)"
                 )
         return ""
 

@@ -71,7 +71,9 @@ class Workflow(ABC):
         by_policy = {c.policy: group_sizes.get(r, n) for r, c in policies.items()}
         for i, ep in enumerate(episodes):
             ep.sequences = [s for s in ep.sequences if i < by_policy.get(s.policy, n)]
-        return episodes
+        # an episode whose only sequences were trimmed (e.g. the larger group's role was skipped in it)
+        # has nothing to keep; an empty episode would make the whole result invalid
+        return [ep for ep in episodes if ep.sequences]
 
     @classmethod
     def sequences_per_task(cls, group_sizes: dict[str, int]) -> dict[str, int]:
