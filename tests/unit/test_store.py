@@ -14,7 +14,7 @@ from astraflow.state.store import StateError, Store
 
 def test_migration_0001_creates_every_table(tmp_path: Path) -> None:
     db = Database(sqlite3.connect(str(tmp_path / "s.db"), isolation_level=None))
-    assert migrations.apply(db) == ["0001_initial", "0002_sequence_roles"]
+    assert migrations.apply(db) == ["0001_initial", "0002_sequence_roles", "0003_status_index"]
     names = set(db.table_names())
     for t in (
         "runs",
@@ -34,7 +34,7 @@ def test_migration_0001_creates_every_table(tmp_path: Path) -> None:
     assert {"min_version", "arrival", "consumed_step", "tokens"} <= set(db["trajectories"].columns_dict)
     assert {"role", "group_key", "temperature", "top_p", "top_k"} <= set(db["trajectories"].columns_dict)
     assert migrations.apply(db) == []
-    assert migrations.applied(db) == ["0001_initial", "0002_sequence_roles"]
+    assert migrations.applied(db) == ["0001_initial", "0002_sequence_roles", "0003_status_index"]
 
 
 def test_migrations_are_append_only_and_atomic(tmp_path: Path) -> None:
@@ -48,13 +48,13 @@ def test_migrations_are_append_only_and_atomic(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError):
         migrations.apply(db, [*migrations.MIGRATIONS, ("0099_broken", broken)])
     assert "extra" not in db.table_names()
-    assert migrations.applied(db) == ["0001_initial", "0002_sequence_roles"]
+    assert migrations.applied(db) == ["0001_initial", "0002_sequence_roles", "0003_status_index"]
 
     def good(d: Database) -> None:
         d["extra"].create({"id": int}, pk="id")
 
     assert migrations.apply(db, [*migrations.MIGRATIONS, ("0099_good", good)]) == ["0099_good"]
-    assert migrations.applied(db) == ["0001_initial", "0002_sequence_roles", "0099_good"]
+    assert migrations.applied(db) == ["0001_initial", "0002_sequence_roles", "0003_status_index", "0099_good"]
 
 
 def test_store_wal_and_write_rollback(tmp_path: Path) -> None:

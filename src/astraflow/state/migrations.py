@@ -133,9 +133,16 @@ def m0002_sequence_roles(db: Database) -> None:
     t.add_column("top_k", int, not_null_default=0)
 
 
+def m0003_status_index(db: Database) -> None:
+    """Trajectories indexed by status first: the controller counts the buffered ones on every task
+    request, and with (policy, status) alone that count scanned every trajectory of the run."""
+    db.table("trajectories").create_index(["status", "policy", "task_id"])
+
+
 MIGRATIONS: list[tuple[str, Migration]] = [
     ("0001_initial", m0001_initial),
     ("0002_sequence_roles", m0002_sequence_roles),
+    ("0003_status_index", m0003_status_index),
 ]
 """Every migration in the order applied; append only."""
 
