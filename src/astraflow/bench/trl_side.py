@@ -95,6 +95,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         report_to="none",
         disable_tqdm=True,
         dataloader_num_workers=0,
+        gradient_checkpointing=False,
     )
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
     trainer = trl.GRPOTrainer(
