@@ -91,6 +91,9 @@ class Side:
     """From the end of the first step to the end of the last."""
     rewards: list[float] = field(default_factory=list)
     note: str = ""
+    cpu_s: float | None = None
+    """CPU seconds (user + system) of the side's whole process tree: less sensitive than wall time to
+    other work sharing the machine."""
 
     def summary(self) -> dict[str, Any]:
         """Wall and step times, first and last WINDOW-step reward means, the step the mean reaches 0.8."""
@@ -156,6 +159,14 @@ def spec_of(recipe: Any, model: str, steps: int, threads: int, output_dir: Path)
     }
 
 
+def children_cpu_s() -> float:
+    """User + system seconds of this process's finished (waited-for) descendants so far."""
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
 def run_trl(spec: dict[str, Any], trl_path: Path, out_dir: Path, timeout_s: float) -> Side:
     """Run bench/trl_side.py in a child process with TRL on its path; its measurements as a Side."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -165,7 +176,7 @@ def run_trl(spec: dict[str, Any], trl_path: Path, out_dir: Path, timeout_s: floa
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(trl_path), env.get("PYTHONPATH", "")) if p)
     env["HF_HUB_OFFLINE"] = "1"
     cmd = [sys.executable, "-m", "astraflow.bench.trl_side", str(spec_file), str(result_file)]
-    t0 = time.monotonic()
+    t0, c0 = time.monotonic(), children_cpu_s()
     with log_file.open("wb") as log:
         try:
             rc = subprocess.run(
@@ -182,14 +193,18 @@ def run_trl(spec: dict[str, Any], trl_path: Path, out_dir: Path, timeout_s: floa
     note = f"trl {res['trl_version']}, {res['threads']} torch thread(s), one process"
     if res.get("bos_prefixed"):
         note += ", BOS written into the prompt text"
-    return Side("trl", wall, times[-1] - times[0] if len(times) > 1 else 0.0, res["rewards"], note)
+    side = Side("trl", wall, times[-1] - times[0] if len(times) > 1 else 0.0, res["rewards"], note)
+    side.cpu_s = children_cpu_s() - c0
+    return side
 
 
 def astraflow_side(recipe_path: Path, overrides: list[str], run_dir: Path, timeout_s: float) -> Side:
     """Run the recipe through `astraflow up`; wall time, first-to-last-step time and rewards per step."""
     from astraflow.bench.data import read_metrics, run_recipe
 
+    c0 = children_cpu_s()
     res = run_recipe(recipe_path, "astraflow", run_dir, overrides, timeout_s)
+    cpu = children_cpu_s() - c0
     if not res.ok:
         raise AstraflowError(f"the astraflow run failed: {res.error}", hint=f"see {run_dir / 'up.log'}")
     rows = read_metrics(run_dir / "metrics.jsonl", res.policy)
@@ -200,6 +215,7 @@ def astraflow_side(recipe_path: Path, overrides: list[str], run_dir: Path, timeo
         times[-1] - times[0] if len(times) > 1 else 0.0,
         [float(r.get("reward_mean", 0.0)) for r in rows],
         "controller + 2 RaaS + trainer processes, 1 torch thread each",
+        cpu,
     )
 
 
@@ -216,6 +232,7 @@ def format_table(sides: list[Side], load: tuple[str, str]) -> str:
 
     row("wall s", "wall_s", ".1f", True)
     row("first->last step s", "train_s", ".1f", True)
+    row("cpu s (process tree)", "cpu_s", ".1f", True)
     row("steps", "steps", "d", False)
     row(f"reward first {WINDOW}", "reward_first", ".3f", False)
     row(f"reward last {WINDOW}", "reward_last", ".3f", False)
@@ -292,6 +309,7 @@ def run_bench(
         "sides": [x.summary() for x in sides],
         "ratio_wall": ours.wall_s / theirs.wall_s if theirs.wall_s else None,
         "ratio_train": ours.train_s / theirs.train_s if theirs.train_s else None,
+        "ratio_cpu": ours.cpu_s / theirs.cpu_s if ours.cpu_s and theirs.cpu_s else None,
         "load_before": before,
         "load_after": after,
         "cpus": os.cpu_count(),
