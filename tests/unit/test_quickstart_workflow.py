@@ -97,6 +97,21 @@ def test_episode_sequence_is_aligned_and_scored(reply: str, stop: bool, reward: 
     assert ep.info["correct"] == (1.0 if reward == 1.0 else 0.0)
 
 
+def test_group_is_one_n_sample_call_scored_like_episodes() -> None:
+    tok = build_tokenizer()
+    client = ScriptedClient(tok, "3 1 5", True)
+    wf = QuickstartWorkflow(QuickstartConfig(task="copy", length=3))
+    sample = {"id": "copy-0", "prompt": "copy 3 1 4 =", "answer": "3 1 4"}
+    group = asyncio.run(wf.run_group(sample, {"actor": client}, {"actor": 5}))
+    single = asyncio.run(wf.run_episode(sample, {"actor": client}))
+    prompt_ids = tok.encode(sample["prompt"])
+    assert client.calls == [(prompt_ids, 5), (prompt_ids, 1)]
+    assert len(group) == 5
+    for ep in group:
+        assert ep.sequences == single.sequences and ep.info == single.info
+        assert ep.sequences[0].reward == pytest.approx(0.75)
+
+
 def test_workflow_module_imports_no_torch() -> None:
     import subprocess
     import sys

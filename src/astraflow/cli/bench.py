@@ -9,6 +9,8 @@ from typing import Annotated, Any
 
 import typer
 
+from astraflow.bench.trl import TRL_VERSION
+
 app = typer.Typer(
     help="Benchmarks with ratios against a baseline measured in the same run.", no_args_is_help=True
 )
@@ -444,6 +446,70 @@ def e2e(
     typer.echo(format_report(rep), err=json_)
     if json_:
         typer.echo(json.dumps(rep, indent=2))
+
+
+@app.command("trl")
+def trl(
+    recipe: Annotated[
+        Path, typer.Argument(help="A quickstart recipe (one grpo policy, the quickstart workflow).")
+    ] = Path("recipes/quickstart/recipe.toml"),
+    set_: Annotated[
+        list[str] | None,
+        typer.Option("--set", help="Override a recipe field (both sides see it): a.b=value (repeatable)."),
+    ] = None,
+    steps: Annotated[
+        int | None, typer.Option("--steps", min=1, help="Optimizer steps of each side (default: run.steps).")
+    ] = None,
+    trl_version: Annotated[
+        str, typer.Option("--trl-version", help="TRL release installed on first use into ~/.cache/astraflow.")
+    ] = TRL_VERSION,
+    trl_path: Annotated[
+        Path | None,
+        typer.Option(
+            "--trl-path", help="A directory TRL is already installed in (pip --target); no install."
+        ),
+    ] = None,
+    trl_threads: Annotated[
+        int,
+        typer.Option("--trl-threads", min=1, help="torch threads of the TRL process (astraflow's roles: 1)."),
+    ] = 1,
+    out: Annotated[
+        Path | None, typer.Option("--out", help="Directory for both runs (default runs/bench-trl-<time>/).")
+    ] = None,
+    json_: Annotated[
+        bool, typer.Option("--json", help="Print the summary as JSON on stdout (the table goes to stderr).")
+    ] = False,
+    timeout_s: Annotated[
+        float, typer.Option("--timeout-s", help="Give up on a side that takes longer than this.")
+    ] = 3600.0,
+) -> None:
+    """The quickstart through `astraflow up` and through TRL's GRPOTrainer (same model, task and
+    settings), one after the other; prints wall and step times, reward curves and astraflow/TRL."""
+    import json
+    import signal
+
+    from astraflow import log
+    from astraflow.bench.trl import run_bench
+
+    log.setup("bench")
+    signal.signal(signal.SIGTERM, _interrupt)
+    base = out or Path("runs") / f"bench-trl-{time.strftime('%Y%m%d-%H%M%S')}"
+    summary = run_bench(
+        recipe,
+        set_ or [],
+        base,
+        steps=steps,
+        trl_version=trl_version,
+        trl_path=trl_path,
+        trl_threads=trl_threads,
+        timeout_s=timeout_s,
+        say=lambda line: typer.echo(line, err=True),
+    )
+    typer.echo("", err=json_)
+    typer.echo(summary["table"], err=json_)
+    typer.echo(f"\nfull results: {base / 'bench.json'}", err=json_)
+    if json_:
+        typer.echo(json.dumps({k: v for k, v in summary.items() if k != "table"}, indent=2))
 
 
 @app.command("dash")

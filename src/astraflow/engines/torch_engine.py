@@ -392,14 +392,16 @@ class TorchEngine(RolloutEngine):
         """Deliver finished rows and compact the rest into slots 0..n-1 (highest index first, so a
         row moved down is never one that has finished)."""
         rows = self._rows
+        done: list[tuple[_Pending, Completion]] = []
         for i in [i for i, r in enumerate(rows) if r.finish_reason][::-1]:
             r = rows[i]
-            _resolve(r.pending, Completion(r.tokens, r.logprobs, r.versions, r.finish_reason))
+            done.append((r.pending, Completion(r.tokens, r.logprobs, r.versions, r.finish_reason)))
             last = len(rows) - 1
             if i != last:
                 self.runner.move_slot(last, i, rows[last].cached)
                 rows[i] = rows[last]
             rows.pop()
+        _resolve_all(done[::-1])
 
 
 class EngineStats:
@@ -464,6 +466,25 @@ def _chunks(items: list[tuple[list[int], Any]]) -> list[list[tuple[list[int], An
     if cur:
         out.append(cur)
     return out
+
+
+def _resolve_all(done: list[tuple[_Pending, Completion]]) -> None:
+    """Hand several completions to their callers' event loops: one wake-up per loop, not per row
+    (a GRPO group finishes together, and every wake-up is a write to the loop's self-pipe)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Pending, Completion]]] = {}
+    for p, c in done:
+        by_loop.setdefault(p.loop, []).append((p, c))
+
+    def deliver(items: list[tuple[_Pending, Completion]]) -> None:
+        for p, c in items:
+            if not p.future.done():
+                p.future.set_result(c)
+
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(deliver, items)
+        except RuntimeError:
+            _log.debug("caller's event loop closed before its completion arrived")
 
 
 def _resolve(p: _Pending, completion: Completion | None = None, exc: BaseException | None = None) -> None:

@@ -388,20 +388,29 @@ class Controller:
         serves = set(member["policies"])
         loaded = dict(msg.loaded)
 
+        refused: set[tuple[Any, ...]] = set()
+
         def accept(task: TaskRow) -> bool:
             pols = task.policies
             if self.evals is not None and self.evals.is_eval(task.id):
                 return (not serves or serves.issuperset(pols)) and self.evals.may_lease(task, loaded)
             feeds = [p for p in pols if p not in task.read_only]
+            per = self.admission.task_sequences(task.roles, self.group_sizes)
+            # Within one lease call every lease only adds work ahead, so a task shape refused once
+            # stays refused: later queued tasks of that shape are skipped without asking the store.
+            key = (tuple(pols), tuple(feeds), tuple(sorted(per.items())))
+            if key in refused:
+                return False
             # a task that feeds no policy still training would be run only to be thrown away
-            return (
+            ok = (
                 (not serves or serves.issuperset(pols))
                 and self.control.may_lease(feeds)
                 and bool(self.admission.active(feeds))
-                and self.admission.may_lease(
-                    loaded, feeds, self.admission.task_sequences(task.roles, self.group_sizes)
-                )
+                and self.admission.may_lease(loaded, feeds, per)
             )
+            if not ok:
+                refused.add(key)
+            return ok
 
         self.refill()
         with self.store.write():

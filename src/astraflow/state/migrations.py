@@ -166,10 +166,17 @@ def m0003_eval_ledger(db: Database) -> None:
     db.table("eval_tasks").create_index(["policy", "version"])
 
 
+def m0004_status_index(db: Database) -> None:
+    """Trajectories indexed by status first: the controller counts the buffered ones on every task
+    request, and with (policy, status) alone that count scanned every trajectory of the run."""
+    db.table("trajectories").create_index(["status", "policy", "task_id"])
+
+
 MIGRATIONS: list[tuple[str, Migration]] = [
     ("0001_initial", m0001_initial),
     ("0002_sequence_roles", m0002_sequence_roles),
     ("0003_eval_ledger", m0003_eval_ledger),
+    ("0004_status_index", m0004_status_index),
 ]
 """Every migration in the order applied; append only."""
 

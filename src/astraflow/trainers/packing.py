@@ -173,48 +173,53 @@ def build(
     rows = _rows(lengths, pack, row_tokens)
     width = max(sum(lengths[i] for i in row) for row in rows)
     b, view_len = len(samples), max(lengths) - 1
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    pos = torch.zeros((len(rows), width), dtype=torch.long)
-    attn = torch.zeros((len(rows), width), dtype=torch.long)
-    mask = torch.zeros((b, max(view_len, 0)), dtype=torch.float32)
-    behaviour = torch.zeros_like(mask)
-    src: list[torch.Tensor] = []
-    dst: list[torch.Tensor] = []
-    tgt: list[torch.Tensor] = []
-    settings: list[tuple[float, float, int, int]] = []
+    span = max(view_len, 0)
+    # Flat Python lists filled by slices, then one tensor each: a tensor per sequence costs more than
+    # the whole micro-batch when sequences are short (the quickstart's are 9 tokens).
+    ids_l = [pad_id] * (len(rows) * width)
+    pos_l = [0] * (len(rows) * width)
+    attn_l = [0] * (len(rows) * width)
+    mask_l = [0] * (b * span)
+    beh_l = [0.0] * (b * span)
+    first = [0] * b  # flat index of each sequence's first token in the rows
     for r, row in enumerate(rows):
-        start = 0
+        start, end = r * width, (r + 1) * width
         for i in row:
             s, n = samples[i], lengths[i]
-            toks = _longs(s.tokens)
-            ids[r, start : start + n] = toks
-            pos[r, start : start + n] = torch.arange(n)
-            attn[r, start : start + n] = 1
+            ids_l[start : start + n] = s.tokens
+            pos_l[start : start + n] = range(n)
+            attn_l[start : start + n] = [1] * n
             # Position j of the views is token j+1, predicted by the hidden state at token j.
-            trained = _floats(s.loss_mask[1:])
-            mask[i, : n - 1] = trained
-            behaviour[i, : n - 1] = _floats(s.logprobs[1:])
-            j = trained.nonzero().squeeze(-1)
-            src.append(r * width + start + j)
-            dst.append(i * view_len + j)
-            tgt.append(toks[1:][j])
-            settings.append((s.temperature, s.top_p, s.top_k, int(j.numel())))
+            at = i * span
+            mask_l[at : at + max(n - 1, 0)] = s.loss_mask[1:]
+            beh_l[at : at + max(n - 1, 0)] = s.logprobs[1:]
+            first[i] = start
             start += n
-        if pack and start < width:
+        if pack and start < end:
             # Trailing padding is its own "sequence" (positions from 0) so nothing attends into it.
-            pos[r, start:] = torch.arange(width - start)
-    counts = torch.tensor([c for *_, c in settings], dtype=torch.long)
-    temp = torch.tensor([t for t, *_ in settings], dtype=torch.float32).repeat_interleave(counts)
-    top_p = torch.tensor([p for _, p, _, _ in settings], dtype=torch.float32).repeat_interleave(counts)
-    top_k = torch.tensor([k for _, _, k, _ in settings], dtype=torch.long).repeat_interleave(counts)
-    padded = bool((attn == 0).any())
+            pos_l[start:end] = range(end - start)
+    ids = _longs(ids_l).reshape(len(rows), width)
+    pos = _longs(pos_l).reshape(len(rows), width)
+    attn = _longs(attn_l).reshape(len(rows), width)
+    mask = _floats(mask_l).reshape(b, span)
+    behaviour = _floats(beh_l).reshape(b, span)
+    seq, j = mask.nonzero(as_tuple=True)
+    src_t = torch.tensor(first, dtype=torch.long)[seq] + j
+    # Trained positions in the rows' order (row by row, left to right), as the hidden states lie.
+    order = torch.argsort(src_t, stable=True)
+    seq, j, src_t = seq[order], j[order], src_t[order]
+    targets = ids.reshape(-1)[src_t + 1]
+    temp = torch.tensor([s.temperature for s in samples], dtype=torch.float32)[seq]
+    top_p = torch.tensor([s.top_p for s in samples], dtype=torch.float32)[seq]
+    top_k = torch.tensor([s.top_k for s in samples], dtype=torch.long)[seq]
+    padded = sum(lengths) < len(rows) * width
     return MicroBatch(
         input_ids=ids.to(device),
         position_ids=pos.to(device),
         attention_mask=attn.to(device) if (padded and not pack) else None,
-        src=torch.cat(src).to(device),
-        dst=torch.cat(dst).to(device),
-        targets=torch.cat(tgt).to(device),
+        src=src_t.to(device),
+        dst=(seq * view_len + j).to(device),
+        targets=targets.to(device),
         temperature=temp.to(device),
         top_p=top_p.to(device),
         top_k=top_k.to(device),
@@ -223,6 +228,6 @@ def build(
         adv=torch.tensor([s.advantage for s in samples], dtype=torch.float32).to(device),
         sequences=b,
         # Conservative: a top_k at or above the vocabulary also counts (the exact path, only slower).
-        filtered=any(p < 1.0 or k > 0 for _, p, k, _ in settings),
+        filtered=any(s.top_p < 1.0 or s.top_k > 0 for s in samples),
         one_per_row=all(len(row) == 1 for row in rows),
     )

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from astraflow.engines.base import Completion
 from astraflow.workflows.base import Episode, PolicyClient, Workflow, completion_sequence
 
 
@@ -78,14 +79,39 @@ class QuickstartWorkflow(Workflow):
     async def run_episode(self, sample: dict[str, Any], policies: dict[str, PolicyClient]) -> Episode:
         """Ask the actor once, score its answer, return one sequence."""
         actor = policies["actor"]
-        tok = actor.tokenizer
-        prompt_ids = list(tok.encode(sample["prompt"]))
+        prompt_ids = list(actor.tokenizer.encode(sample["prompt"]))
         completion = (await actor.generate(prompt_ids, n=1))[0]
+        return self._episode(sample, actor, prompt_ids, completion, {})
+
+    async def run_group(
+        self, sample: dict[str, Any], policies: dict[str, PolicyClient], group_sizes: dict[str, int]
+    ) -> list[Episode]:
+        """The task's group: the prompt encoded once and sampled in one n-sample call (the engine
+        prefills it once), each completion scored like run_episode's."""
+        actor = policies["actor"]
+        n = max(group_sizes.values(), default=1)
+        prompt_ids = list(actor.tokenizer.encode(sample["prompt"]))
+        completions = await actor.generate(prompt_ids, n=n)
+        words: dict[tuple[int, ...], list[str]] = {}
+        return [self._episode(sample, actor, prompt_ids, c, words) for c in completions]
+
+    def _episode(
+        self,
+        sample: dict[str, Any],
+        actor: PolicyClient,
+        prompt_ids: list[int],
+        completion: Completion,
+        words_of: dict[tuple[int, ...], list[str]],
+    ) -> Episode:
+        """Score one completion; `words_of` caches decoded answers (a group repeats many)."""
+        tok = actor.tokenizer
         generated = list(completion.token_ids)
         eos = tok.eos_token_id
         stopped = eos is not None and eos in generated
-        answer_ids = generated[: generated.index(eos)] if stopped else generated
-        words = tok.decode(answer_ids, skip_special_tokens=True).split()
+        answer_ids = tuple(generated[: generated.index(eos)] if stopped else generated)
+        if answer_ids not in words_of:
+            words_of[answer_ids] = tok.decode(list(answer_ids), skip_special_tokens=True).split()
+        words = words_of[answer_ids]
         answer = str(sample["answer"]).split()
         reward = score(words, stopped, answer, exact=self.config.reward == "exact")
         seq = completion_sequence(actor, prompt_ids, completion, reward=reward, role="actor")

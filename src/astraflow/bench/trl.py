@@ -1,0 +1,320 @@
+"""`astraflow bench trl`: the quickstart through `astraflow up` against TRL's GRPOTrainer, in one invocation.
+
+Both sides train the recipe's model from the same random init on the same task: the same prompts
+(the workflow's dataset), the same partial-credit reward, group size, prompts per step, new tokens,
+temperature, AdamW settings, clip range and steps (TRL: `loss_type="dapo"`, the token mean over
+the batch that astraflow's grpo loss takes, `beta=0`, a constant learning rate). What differs is
+the system: astraflow's controller, RaaS workers and trainer (one torch thread each, asynchronous
+with the recipe's staleness bound) against TRL's single process (generate, score, step, in turn).
+
+TRL is not a dependency: it is installed on first use into a cache directory (`pip install
+--target ... --no-deps` of exactly the packages pip says this environment lacks), and the TRL side
+runs in a child process with that directory on its path (bench/trl_side.py). Once cached, no network.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from astraflow.errors import AstraflowError
+
+TRL_VERSION = "1.16.0"
+"""The TRL release the bench installs by default (the one its numbers were recorded with)."""
+WINDOW = 5
+"""Steps in the rolling reward means the summary reports."""
+
+
+def default_cache() -> Path:
+    """Where TRL is installed: $ASTRAFLOW_CACHE or ~/.cache/astraflow, then trl-<version>/."""
+    return Path(os.environ.get("ASTRAFLOW_CACHE", Path.home() / ".cache" / "astraflow"))
+
+
+def _pip(args: list[str], what: str) -> subprocess.CompletedProcess[str]:
+    """Run this interpreter's pip; a failure becomes one clear error."""
+    cmd = [sys.executable, "-m", "pip", *args]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise AstraflowError(
+            f"could not {what}: {exc}", hint="install TRL by hand and pass its directory with --trl-path"
+        ) from exc
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        raise AstraflowError(
+            f"could not {what}: pip exited {proc.returncode}: {' | '.join(tail)}",
+            hint="TRL is installed on first use and needs the package index once; or install it by hand "
+            "(pip install --target DIR trl) and pass --trl-path DIR",
+        )
+    return proc
+
+
+def ensure_trl(version: str, cache: Path) -> Path:
+    """A directory holding TRL `version` and what it needs beyond this environment; installed on
+    first use (pip resolves against this environment, so torch and transformers are not fetched)."""
+    target = cache / f"trl-{version}"
+    if (target / ".complete").is_file():
+        return target
+    print(f"installing trl=={version} into {target} (once; later runs reuse it)", file=sys.stderr)
+    target.mkdir(parents=True, exist_ok=True)
+    report = target / "pip-report.json"
+    _pip(
+        ["install", "--dry-run", "--quiet", "--report", str(report), f"trl=={version}"],
+        f"resolve trl=={version}",
+    )
+    pins = [
+        f"{item['metadata']['name']}=={item['metadata']['version']}"
+        for item in json.loads(report.read_text()).get("install", [])
+    ]
+    if pins:
+        _pip(
+            ["install", "--quiet", "--no-deps", "--target", str(target), *pins],
+            f"install {', '.join(pins)}",
+        )
+    (target / ".complete").write_text("\n".join(pins) + "\n")
+    return target
+
+
+@dataclass
+class Side:
+    """One system's run: wall time, first-to-last-step time and its reward curve (one value per step)."""
+
+    name: str
+    wall_s: float
+    train_s: float
+    """From the end of the first step to the end of the last."""
+    rewards: list[float] = field(default_factory=list)
+    note: str = ""
+    cpu_s: float | None = None
+    """CPU seconds (user + system) of the side's whole process tree: less sensitive than wall time to
+    other work sharing the machine."""
+
+    def summary(self) -> dict[str, Any]:
+        """Wall and step times, first and last WINDOW-step reward means, the step the mean reaches 0.8."""
+        r = self.rewards
+        head = sum(r[:WINDOW]) / len(r[:WINDOW]) if r else None
+        tail = sum(r[-WINDOW:]) / len(r[-WINDOW:]) if r else None
+        return {
+            **asdict(self),
+            "steps": len(r),
+            "reward_first": head,
+            "reward_last": tail,
+            "step_reaching_0.8": reaching(r, 0.8),
+        }
+
+
+def reaching(rewards: list[float], target: float, window: int = WINDOW) -> int | None:
+    """The first step (1-based) whose trailing `window`-step reward mean is >= target."""
+    for i in range(window, len(rewards) + 1):
+        if sum(rewards[i - window : i]) / window >= target:
+            return i
+    return None
+
+
+def spec_of(recipe: Any, model: str, steps: int, threads: int, output_dir: Path) -> dict[str, Any]:
+    """What the TRL side needs, read from the recipe (its only policy and the quickstart workflow)."""
+    if recipe.workflow.name != "quickstart" or len(recipe.policy) != 1:
+        raise AstraflowError(
+            f"bench trl compares the quickstart task with one policy; this recipe runs "
+            f"{recipe.workflow.name!r} with {len(recipe.policy)} policies",
+            hint="pass a quickstart recipe, e.g. recipes/quickstart/recipe.toml",
+        )
+    pol = recipe.policy[0]
+    if pol.loss != "grpo" or pol.advantage != "grpo":
+        raise AstraflowError(
+            f"bench trl maps the grpo loss and advantage onto TRL; this policy uses {pol.loss}/{pol.advantage}",
+            hint="set policy.loss and policy.advantage to grpo",
+        )
+    loss_opts = dict(pol.loss_options)
+    clip = float(loss_opts.get("clip_low", 0.2))
+    if float(loss_opts.get("clip_high", clip)) != clip or float(loss_opts.get("kl_coef", 0.0)) != 0.0:
+        raise AstraflowError(
+            "bench trl needs a symmetric clip and no KL term (TRL's epsilon, beta=0)",
+            hint="drop clip_high and kl_coef from policy.loss_options",
+        )
+    opt = pol.optimizer
+    return {
+        "model": model,
+        "workflow_options": dict(recipe.workflow.options),
+        "seed": recipe.run.seed,
+        "dataset_size": recipe.dataset.size if getattr(recipe, "dataset", None) else 0,
+        "group_size": pol.group_size,
+        "batch_prompts": pol.batch_prompts,
+        "max_new_tokens": pol.sampling.max_new_tokens,
+        "temperature": pol.sampling.temperature,
+        "lr": opt.lr,
+        "betas": list(opt.betas),
+        "weight_decay": opt.weight_decay,
+        "grad_clip": opt.grad_clip,
+        "clip": clip,
+        "steps": steps,
+        "threads": threads,
+        "output_dir": str(output_dir),
+    }
+
+
+def children_cpu_s() -> float:
+    """User + system seconds of this process's finished (waited-for) descendants so far."""
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
+def run_trl(spec: dict[str, Any], trl_path: Path, out_dir: Path, timeout_s: float) -> Side:
+    """Run bench/trl_side.py in a child process with TRL on its path; its measurements as a Side."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    spec_file, result_file, log_file = out_dir / "spec.json", out_dir / "result.json", out_dir / "trl.log"
+    spec_file.write_text(json.dumps(spec, indent=2))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(trl_path), env.get("PYTHONPATH", "")) if p)
+    env["HF_HUB_OFFLINE"] = "1"
+    cmd = [sys.executable, "-m", "astraflow.bench.trl_side", str(spec_file), str(result_file)]
+    t0, c0 = time.monotonic(), children_cpu_s()
+    with log_file.open("wb") as log:
+        try:
+            rc = subprocess.run(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout_s
+            ).returncode
+        except subprocess.TimeoutExpired:
+            raise AstraflowError(f"the TRL run took over {timeout_s:.0f}s", hint=f"see {log_file}") from None
+    wall = time.monotonic() - t0
+    if rc != 0 or not result_file.is_file():
+        tail = log_file.read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
+        raise AstraflowError(f"the TRL run failed (exit {rc}): {tail[0]}", hint=f"see {log_file}")
+    res = json.loads(result_file.read_text())
+    times = res["step_times"]
+    note = f"trl {res['trl_version']}, {res['threads']} torch thread(s), one process"
+    if res.get("bos_prefixed"):
+        note += ", BOS written into the prompt text"
+    side = Side("trl", wall, times[-1] - times[0] if len(times) > 1 else 0.0, res["rewards"], note)
+    side.cpu_s = children_cpu_s() - c0
+    return side
+
+
+def astraflow_side(recipe_path: Path, overrides: list[str], run_dir: Path, timeout_s: float) -> Side:
+    """Run the recipe through `astraflow up`; wall time, first-to-last-step time and rewards per step."""
+    from astraflow.bench.data import read_metrics, run_recipe
+
+    c0 = children_cpu_s()
+    res = run_recipe(recipe_path, "astraflow", run_dir, overrides, timeout_s)
+    cpu = children_cpu_s() - c0
+    if not res.ok:
+        raise AstraflowError(f"the astraflow run failed: {res.error}", hint=f"see {run_dir / 'up.log'}")
+    rows = read_metrics(run_dir / "metrics.jsonl", res.policy)
+    times = [float(r["time"]) for r in rows]
+    return Side(
+        "astraflow",
+        res.wall_s,
+        times[-1] - times[0] if len(times) > 1 else 0.0,
+        [float(r.get("reward_mean", 0.0)) for r in rows],
+        "controller + 2 RaaS + trainer processes, 1 torch thread each",
+        cpu,
+    )
+
+
+def format_table(sides: list[Side], load: tuple[str, str]) -> str:
+    """The comparison as text, with astraflow/TRL ratios of wall and step times."""
+    s = {x.name: x.summary() for x in sides}
+    lines = [f"{'':22}{'astraflow':>12}{'trl':>12}{'astraflow/trl':>16}"]
+
+    def row(label: str, key: str, fmt: str, ratio: bool) -> None:
+        a, t = s["astraflow"][key], s["trl"][key]
+        cell = lambda v: "-" if v is None else format(v, fmt)  # noqa: E731
+        r = f"{a / t:.2f}x" if ratio and a is not None and t else ""
+        lines.append(f"{label:22}{cell(a):>12}{cell(t):>12}{r:>16}")
+
+    row("wall s", "wall_s", ".1f", True)
+    row("first->last step s", "train_s", ".1f", True)
+    row("cpu s (process tree)", "cpu_s", ".1f", True)
+    row("steps", "steps", "d", False)
+    row(f"reward first {WINDOW}", "reward_first", ".3f", False)
+    row(f"reward last {WINDOW}", "reward_last", ".3f", False)
+    row("step mean >= 0.8", "step_reaching_0.8", "d", False)
+    lines.append("")
+    for x in sides:
+        lines.append(f"{x.name}: {x.note}")
+    lines.append(f"load average before: {load[0]}; after: {load[1]}")
+    return "\n".join(lines)
+
+
+def load_average() -> str:
+    """The 1/5/15-minute load averages (the machine may be shared)."""
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "unknown"
+
+
+def run_bench(
+    recipe_path: Path,
+    overrides: list[str],
+    out: Path,
+    *,
+    steps: int | None,
+    trl_version: str,
+    trl_path: Path | None,
+    trl_threads: int,
+    timeout_s: float,
+    say: Any = print,
+) -> dict[str, Any]:
+    """The whole bench: check the recipe, get TRL, run astraflow then TRL; returns the summary."""
+    from astraflow.config.load import load_recipe, validate_plugins
+
+    if steps is not None:
+        overrides = [*overrides, f"run.steps={steps}"]
+    recipe = load_recipe(recipe_path, overrides)
+    validate_plugins(recipe)
+    if recipe.dataset.path:
+        raise AstraflowError(
+            "bench trl builds the TRL dataset from the quickstart workflow's generated prompts",
+            hint="leave dataset.path empty",
+        )
+    pol = recipe.policy[0] if recipe.policy else None
+    model = Path(pol.model) if pol is not None else Path()
+    if pol is not None and not (model / "config.json").is_file():
+        raise AstraflowError(
+            f"no model at {pol.model!r}",
+            hint=f"create it: astraflow model init --arch qwen3 --preset tiny --out {pol.model}",
+        )
+    n_steps = recipe.budget(pol.name) if pol is not None else 0
+    spec = spec_of(recipe, str(model.resolve()), int(n_steps or recipe.run.steps), trl_threads, out / "trl")
+    if trl_path is not None:
+        if not (trl_path / "trl").is_dir():
+            raise AstraflowError(
+                f"no trl package in {trl_path}", hint="point --trl-path at a pip --target dir"
+            )
+        path = trl_path
+    else:
+        path = ensure_trl(trl_version, default_cache())
+    out.mkdir(parents=True, exist_ok=True)
+    before = load_average()
+    say(f"astraflow: astraflow up {recipe_path} ({spec['steps']} steps) ...")
+    ours = astraflow_side(recipe_path, overrides, out / "astraflow", timeout_s)
+    say(f"astraflow: {ours.wall_s:.1f}s wall; trl: GRPOTrainer, same model, task and settings ...")
+    theirs = run_trl(spec, path, out / "trl", timeout_s)
+    say(f"trl: {theirs.wall_s:.1f}s wall")
+    after = load_average()
+    sides = [ours, theirs]
+    summary: dict[str, Any] = {
+        "recipe": str(recipe_path),
+        "overrides": overrides,
+        "spec": spec,
+        "sides": [x.summary() for x in sides],
+        "ratio_wall": ours.wall_s / theirs.wall_s if theirs.wall_s else None,
+        "ratio_train": ours.train_s / theirs.train_s if theirs.train_s else None,
+        "ratio_cpu": ours.cpu_s / theirs.cpu_s if ours.cpu_s and theirs.cpu_s else None,
+        "load_before": before,
+        "load_after": after,
+        "cpus": os.cpu_count(),
+        "table": format_table(sides, (before, after)),
+        "out": str(out),
+    }
+    (out / "bench.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
