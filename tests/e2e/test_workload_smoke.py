@@ -76,3 +76,35 @@ def test_search_smoke_runs_through_up_with_bm25(bpe_model: Path, tmp_path: Path)
     assert [r["step"] for r in recs] == [1]
     logs = "".join(p.read_text() for p in (tmp_path / "run" / "logs").glob("*"))
     assert "task_timeout" not in logs and "failed" not in logs.lower()
+
+
+@pytest.mark.slow
+def test_openai_client_agent_trains_through_up(bpe_model: Path, tmp_path: Path) -> None:
+    pytest.importorskip("openai")
+    recs = _up(
+        ROOT / "recipes/openai_agent/smoke.toml",
+        tmp_path / "run",
+        ROOT,
+        f'policy.model="{bpe_model}"',
+        "run.steps=1",
+    )
+    assert [r["step"] for r in recs] == [1]
+    assert all(0.0 <= r["reward_mean"] <= 1.0 for r in recs)
+    logs = "".join(p.read_text() for p in (tmp_path / "run" / "logs").glob("*"))
+    assert "task_timeout" not in logs and "failed" not in logs.lower()
+
+
+@pytest.mark.slow
+def test_verifiers_environment_trains_through_up(bpe_model: Path, tmp_path: Path) -> None:
+    pytest.importorskip("verifiers")
+    recs = _up(
+        ROOT / "recipes/verifiers/smoke.toml",
+        tmp_path / "run",
+        ROOT,
+        f'policy.model="{bpe_model}"',
+        "run.steps=1",
+    )
+    assert [r["step"] for r in recs] == [1]
+    assert all(0.0 <= r["reward_mean"] <= 1.0 for r in recs)
+    logs = "".join(p.read_text() for p in (tmp_path / "run" / "logs").glob("*"))
+    assert "task_timeout" not in logs and "failed" not in logs.lower()

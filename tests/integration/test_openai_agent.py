@@ -79,7 +79,7 @@ def _client(model_dir: Path) -> tuple[Any, RecordingEngine]:
 
 
 def _workflow() -> OpenAIAgentWorkflow:
-    return OpenAIAgentWorkflow(OpenAIAgentConfig(agent="unused:agent", max_tokens=200, threads=4))
+    return OpenAIAgentWorkflow(OpenAIAgentConfig(agent="unused:agent", max_tokens=200))
 
 
 def test_openai_client_agent_records_the_engines_exact_tokens(model_dir: Path) -> None:

@@ -14,13 +14,11 @@ with the server's message. astraflow.workflows.env_reference is a small referenc
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -28,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from astraflow.errors import AstraflowError
 from astraflow.protocol.messages import Scalar
 from astraflow.workflows.base import Episode, PolicyClient, Workflow
+from astraflow.workflows.loopback_http import in_daemon_thread
 from astraflow.workflows.transcript import Transcript, TranscriptFull
 
 
@@ -63,7 +62,6 @@ class EnvServerWorkflow(Workflow):
     def __init__(self, config: EnvServerConfig) -> None:
         super().__init__(config)
         self.config: EnvServerConfig = config
-        self._pool: ThreadPoolExecutor | None = None
 
     def dataset(self, seed: int, size: int = 0) -> Iterator[dict[str, Any]]:
         """Task indices; a server that needs richer tasks reads them from the recipe's dataset file."""
@@ -93,9 +91,8 @@ class EnvServerWorkflow(Workflow):
 
     async def call(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
         """One protocol call, in a thread (never blocks the event loop)."""
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(32, thread_name_prefix="envserver")
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self._post, name, body)
+        out: dict[str, Any] = await in_daemon_thread(self._post, name, body)
+        return out
 
     @staticmethod
     def _text(out: dict[str, Any], key: str, name: str) -> str:

@@ -24,6 +24,37 @@ Handler = Callable[[str, str, Any], Awaitable[Any]]
 """(method, path after the token, parsed JSON body or None) -> JSON-able response."""
 
 
+async def in_daemon_thread(fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)` in a new daemon thread, awaited: blocking agent code never holds the event loop, and a
+    call still blocked when the process stops (its endpoint gone) does not keep the process alive, as
+    a pool's worker threads would."""
+    import threading
+
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[Any] = loop.create_future()
+
+    def settle(ok: bool, value: Any) -> None:
+        if fut.done():  # the awaiting task was cancelled
+            return
+        if ok:
+            fut.set_result(value)
+        else:
+            fut.set_exception(value)
+
+    def work() -> None:
+        try:
+            out, ok = fn(*args), True
+        except BaseException as exc:  # handed to the awaiting task
+            out, ok = exc, False
+        try:
+            loop.call_soon_threadsafe(settle, ok, out)
+        except RuntimeError:  # the loop is closed: nobody is waiting any more
+            pass
+
+    threading.Thread(target=work, name="agent-call", daemon=True).start()
+    return await fut
+
+
 class HttpError(Exception):
     """An error answered to the client as an OpenAI-style JSON error body."""
 

@@ -4,7 +4,7 @@ against the policy, and train on exactly what the engine generated for it.
 Each episode gets its own endpoint on loopback (`AgentEndpoint`: base_url + a per-episode api key);
 the recipe names the agent callable, `agent(endpoint, task) -> reward | answer`, and optionally a
 `reward(task, answer) -> float` to score what it returns. A plain (sync) agent runs in a thread pool
-so it may block on HTTP; an `async def` agent is awaited on the event loop.
+(a daemon thread of its own) so it may block on HTTP; an `async def` agent is awaited on the event loop.
 """
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ import importlib
 import importlib.util
 import inspect
 import re
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from astraflow.errors import AstraflowError
 from astraflow.protocol.messages import Scalar
 from astraflow.workflows.base import Episode, PolicyClient, Workflow
-from astraflow.workflows.loopback_http import LoopbackServer
+from astraflow.workflows.loopback_http import LoopbackServer, in_daemon_thread
 from astraflow.workflows.openai_endpoint import EpisodeEndpoint
 
 CALLABLE = re.compile(r"^[^:]+:[A-Za-z_][A-Za-z0-9_]*$")
@@ -52,7 +51,7 @@ def load_callable(spec: str, what: str) -> Callable[..., Any]:
         ) from exc
     if not callable(fn):
         raise AstraflowError(f"the {what} {spec!r} is not callable")
-    return fn  # type: ignore[no-any-return]
+    return fn
 
 
 @dataclass(frozen=True)
@@ -79,6 +78,27 @@ class AgentEndpoint:
         return openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, max_retries=0, **kwargs)
 
 
+async def serve_episode(
+    server: LoopbackServer,
+    policies: dict[str, PolicyClient],
+    max_tokens: int,
+    timeout_s: float,
+    run: Callable[[AgentEndpoint], Awaitable[Any]],
+) -> tuple[EpisodeEndpoint, Any]:
+    """Open an endpoint for one episode, await `run(endpoint)`, close it; the records and the result."""
+    await server.start()
+    ep = EpisodeEndpoint(policies, max_tokens=max_tokens)
+    token = server.register(ep.handle)
+    endpoint = AgentEndpoint(f"{server.url(token)}/v1", token, next(iter(policies)))
+    try:
+        result = await asyncio.wait_for(run(endpoint), timeout_s)
+    except TimeoutError:
+        raise AstraflowError(f"the agent ran past its episode timeout ({timeout_s} s)") from None
+    finally:
+        server.revoke(token)  # a straggling thread of this agent gets 401 from now on
+    return ep, result
+
+
 class OpenAIAgentConfig(BaseModel):
     """Options of the openai_agent workflow (recipe: workflow.options)."""
 
@@ -96,8 +116,6 @@ class OpenAIAgentConfig(BaseModel):
     """Context budget of one trajectory (prompt + all turns); a request past it gets a 400."""
     episode_timeout_s: float = Field(600.0, gt=0)
     """An agent still running after this long fails the episode (its endpoint is closed)."""
-    threads: int = Field(64, ge=1)
-    """Threads for sync agents and reward functions (each blocks one while it waits on HTTP)."""
 
     @field_validator("agent", "reward", "tasks")
     @classmethod
@@ -118,7 +136,6 @@ class OpenAIAgentWorkflow(Workflow):
         self.config: OpenAIAgentConfig = config
         self.server = LoopbackServer()
         self._fns: dict[str, Callable[..., Any]] = {}
-        self._pool: ThreadPoolExecutor | None = None
 
     def _fn(self, key: str) -> Callable[..., Any]:
         if key not in self._fns:
@@ -139,29 +156,20 @@ class OpenAIAgentWorkflow(Workflow):
     async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         if inspect.iscoroutinefunction(fn):
             return await fn(*args)
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.config.threads, thread_name_prefix="agent")
-        return await asyncio.get_running_loop().run_in_executor(self._pool, lambda: fn(*args))
+        return await in_daemon_thread(fn, *args)
 
     async def run_agent(
         self, sample: dict[str, Any], policies: dict[str, PolicyClient], agent: Callable[..., Any]
     ) -> tuple[EpisodeEndpoint, Any]:
         """Serve one episode's endpoint while `agent(endpoint, sample)` runs; its result and records."""
-        await self.server.start()
-        ep = EpisodeEndpoint(policies, max_tokens=self.config.max_tokens)
-        token = self.server.register(ep.handle)
-        endpoint = AgentEndpoint(f"{self.server.url(token)}/v1", token, next(iter(policies)))
-        try:
-            result = await asyncio.wait_for(
-                self._call(agent, endpoint, sample), self.config.episode_timeout_s
-            )
-        except TimeoutError:
-            raise AstraflowError(
-                f"the agent ran past workflow.options.episode_timeout_s={self.config.episode_timeout_s}"
-            ) from None
-        finally:
-            self.server.revoke(token)  # a straggling thread of this agent gets 401 from now on
-        return ep, result
+        cfg = self.config
+        return await serve_episode(
+            self.server,
+            policies,
+            cfg.max_tokens,
+            cfg.episode_timeout_s,
+            lambda e: self._call(agent, e, sample),
+        )
 
     async def run_episode(self, sample: dict[str, Any], policies: dict[str, PolicyClient]) -> Episode:
         """Run the agent on one task; every trajectory it generated gets the episode's reward."""
