@@ -87,6 +87,8 @@ def test_openai_client_agent_trains_through_up(bpe_model: Path, tmp_path: Path) 
         ROOT,
         f'policy.model="{bpe_model}"',
         "run.steps=1",
+        "policy.batch_prompts=2",  # 4 two-turn episodes: the wiring, at the least CI time
+        "policy.group_size=2",
     )
     assert [r["step"] for r in recs] == [1]
     assert all(0.0 <= r["reward_mean"] <= 1.0 for r in recs)
@@ -103,6 +105,8 @@ def test_verifiers_environment_trains_through_up(bpe_model: Path, tmp_path: Path
         ROOT,
         f'policy.model="{bpe_model}"',
         "run.steps=1",
+        "policy.batch_prompts=2",  # 4 two-turn episodes: the wiring, at the least CI time
+        "policy.group_size=2",
     )
     assert [r["step"] for r in recs] == [1]
     assert all(0.0 <= r["reward_mean"] <= 1.0 for r in recs)
