@@ -92,6 +92,8 @@ def test_openai_client_agent_trains_through_up(bpe_model: Path, tmp_path: Path) 
     )
     assert [r["step"] for r in recs] == [1]
     assert all(0.0 <= r["reward_mean"] <= 1.0 for r in recs)
+    # both chat turns of each episode extended one trajectory: one Sequence of two policy turns
+    assert recs[0]["info/trajectories"] == 1.0 and recs[0]["info/turns"] == 2.0
     logs = "".join(p.read_text() for p in (tmp_path / "run" / "logs").glob("*"))
     assert "task_timeout" not in logs and "failed" not in logs.lower()
 
@@ -110,5 +112,8 @@ def test_verifiers_environment_trains_through_up(bpe_model: Path, tmp_path: Path
     )
     assert [r["step"] for r in recs] == [1]
     assert all(0.0 <= r["reward_mean"] <= 1.0 for r in recs)
+    # the environment's two turns went through the endpoint as one trajectory, scored by its rubric
+    assert recs[0]["info/trajectories"] == 1.0 and recs[0]["info/turns"] == 2.0
+    assert "info/vf_correct" in recs[0]
     logs = "".join(p.read_text() for p in (tmp_path / "run" / "logs").glob("*"))
     assert "task_timeout" not in logs and "failed" not in logs.lower()

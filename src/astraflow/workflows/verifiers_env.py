@@ -130,7 +130,11 @@ class VerifiersWorkflow(Workflow):
         sequences = ep.sequences(float(reward))
         if not sequences:
             raise AstraflowError("the verifiers rollout made no model call")
-        info: dict[str, Scalar] = {"requests": float(ep.requests), "turns": float(ep.turns())}
+        info: dict[str, Scalar] = {
+            "requests": float(ep.requests),
+            "trajectories": float(len(sequences)),
+            "turns": float(ep.turns()),
+        }
         for name, value in (out.get("metrics") or {}).items():
             if isinstance(value, int | float) and not isinstance(value, bool):
                 info[f"vf_{name}"[:255]] = float(value)
