@@ -127,3 +127,44 @@ def test_multi_agent_smokes_run_through_up(name: str, bpe_model: Path, tmp_path:
     assert all(f"role/{r}/sequences" in recs[0] for r in roles)
     logs = "".join(p.read_text() for p in (tmp_path / "run" / "logs").glob("*"))
     assert "task_timeout" not in logs and "failed" not in logs.lower()
+
+
+@pytest.mark.slow
+def test_openai_client_agent_trains_through_up(bpe_model: Path, tmp_path: Path) -> None:
+    pytest.importorskip("openai")
+    recs = _up(
+        ROOT / "recipes/openai_agent/smoke.toml",
+        tmp_path / "run",
+        ROOT,
+        f'policy.model="{bpe_model}"',
+        "run.steps=1",
+        "policy.batch_prompts=2",  # 4 two-turn episodes: the wiring, at the least CI time
+        "policy.group_size=2",
+    )
+    assert [r["step"] for r in recs] == [1]
+    assert all(0.0 <= r["reward_mean"] <= 1.0 for r in recs)
+    # both chat turns of each episode extended one trajectory: one Sequence of two policy turns
+    assert recs[0]["info/trajectories"] == 1.0 and recs[0]["info/turns"] == 2.0
+    logs = "".join(p.read_text() for p in (tmp_path / "run" / "logs").glob("*"))
+    assert "task_timeout" not in logs and "failed" not in logs.lower()
+
+
+@pytest.mark.slow
+def test_verifiers_environment_trains_through_up(bpe_model: Path, tmp_path: Path) -> None:
+    pytest.importorskip("verifiers")
+    recs = _up(
+        ROOT / "recipes/verifiers/smoke.toml",
+        tmp_path / "run",
+        ROOT,
+        f'policy.model="{bpe_model}"',
+        "run.steps=1",
+        "policy.batch_prompts=2",  # 4 two-turn episodes: the wiring, at the least CI time
+        "policy.group_size=2",
+    )
+    assert [r["step"] for r in recs] == [1]
+    assert all(0.0 <= r["reward_mean"] <= 1.0 for r in recs)
+    # the environment's two turns went through the endpoint as one trajectory, scored by its rubric
+    assert recs[0]["info/trajectories"] == 1.0 and recs[0]["info/turns"] == 2.0
+    assert "info/vf_correct" in recs[0]
+    logs = "".join(p.read_text() for p in (tmp_path / "run" / "logs").glob("*"))
+    assert "task_timeout" not in logs and "failed" not in logs.lower()

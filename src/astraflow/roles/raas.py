@@ -77,6 +77,11 @@ class TaskPolicyClient:
         """The policy's tokenizer."""
         return self.base.tokenizer
 
+    @property
+    def sampling(self) -> Any:
+        """The recipe's sampling settings of the policy (what generate uses without overrides)."""
+        return self.base.sampling
+
     async def generate(self, prompt_ids: list[int], n: int = 1, **overrides: Any) -> list[Completion]:
         """The engine client's generate, remembering each completion's settings."""
         outs = await self.base.generate(prompt_ids, n, **{**(self.defaults or {}), **overrides})

@@ -14,6 +14,7 @@ templates do; one that rewrites earlier turns is reported as an error: use raw m
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,6 +110,26 @@ class Transcript:
         delta = rendered[len(self._text) :]
         self.add_ids(list(self.tokenizer.encode(delta, add_special_tokens=False)))
         self._text = rendered
+
+    def start_conversation(self, messages: list[dict[str, str]]) -> None:
+        """Chat mode, empty transcript: render a whole conversation at once (masked) and open the
+        assistant turn; any template works here, even one that rewrites earlier turns."""
+        if not self.chat or self.tokens or self.messages:
+            raise TranscriptError("start_conversation needs an empty chat transcript")
+        self.messages = [dict(m) for m in messages]
+        text = self._render(add_generation_prompt=True)
+        self.add_ids(list(self.tokenizer.encode(text, add_special_tokens=False)))
+        self._text = text
+        self._header_open = True
+
+    def fork(self) -> Transcript:
+        """An independent copy sharing the client (to branch a conversation, e.g. n samples)."""
+        other = copy.copy(self)
+        other.tokens, other.loss_mask = list(self.tokens), list(self.loss_mask)
+        other.logprobs, other.versions = list(self.logprobs), list(self.versions)
+        other.turns, other.messages = list(self.turns), [dict(m) for m in self.messages]
+        other._sampling = None if self._sampling is None else dict(self._sampling)
+        return other
 
     def prompt_ids(self) -> list[int]:
         """The tokens to generate the next policy turn from (chat: after the assistant's turn header)."""

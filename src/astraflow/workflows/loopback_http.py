@@ -1,0 +1,179 @@
+"""A minimal JSON-over-HTTP/1.1 server on loopback for per-episode endpoints, on the RaaS event loop.
+
+Each episode registers a random token; its URLs are `http://127.0.0.1:PORT/<token>/...` and every
+request must also carry `Authorization: Bearer <token>`. Without both, the answer is 401, so another
+local process cannot use (or even probe) an episode's endpoint. A token is revoked when its episode
+ends. One response per connection (`Connection: close`): clients (httpx, requests, urllib) reconnect.
+Bodies are JSON only; streaming and chunked uploads are refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import secrets
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+MAX_HEADER_BYTES = 64 * 1024
+MAX_BODY_BYTES = 16 * 1024 * 1024
+READ_TIMEOUT_S = 30.0
+
+Handler = Callable[[str, str, Any], Awaitable[Any]]
+"""(method, path after the token, parsed JSON body or None) -> JSON-able response."""
+
+
+async def in_daemon_thread(fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)` in a new daemon thread, awaited: blocking agent code never holds the event loop, and a
+    call still blocked when the process stops (its endpoint gone) does not keep the process alive, as
+    a pool's worker threads would."""
+    import threading
+
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[Any] = loop.create_future()
+
+    def settle(ok: bool, value: Any) -> None:
+        if fut.done():  # the awaiting task was cancelled
+            return
+        if ok:
+            fut.set_result(value)
+        else:
+            fut.set_exception(value)
+
+    def work() -> None:
+        try:
+            out, ok = fn(*args), True
+        except BaseException as exc:  # handed to the awaiting task
+            out, ok = exc, False
+        try:
+            loop.call_soon_threadsafe(settle, ok, out)
+        except RuntimeError:  # the loop is closed: nobody is waiting any more
+            pass
+
+    threading.Thread(target=work, name="agent-call", daemon=True).start()
+    return await fut
+
+
+class HttpError(Exception):
+    """An error answered to the client as an OpenAI-style JSON error body."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.kind = kind
+
+    def body(self) -> dict[str, Any]:
+        """The JSON error object."""
+        return {"error": {"message": self.message, "type": self.kind, "code": self.status}}
+
+
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    401: "Unauthorized",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    500: "Internal Server Error",
+}
+
+
+class LoopbackServer:
+    """One HTTP server per process, shared by all episodes; started on first use."""
+
+    def __init__(self) -> None:
+        self._handlers: dict[str, Handler] = {}
+        self._server: asyncio.AbstractServer | None = None
+        self._lock = asyncio.Lock()
+        self.port = 0
+
+    async def start(self) -> None:
+        """Listen on 127.0.0.1 on a free port (idempotent)."""
+        async with self._lock:
+            if self._server is None:
+                self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+                self.port = int(self._server.sockets[0].getsockname()[1])
+
+    async def close(self) -> None:
+        """Stop listening and drop every registration."""
+        self._handlers.clear()
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None
+
+    def register(self, handler: Handler) -> str:
+        """A new random token routed to `handler`; its base URL is `url(token)`."""
+        token = secrets.token_urlsafe(24)
+        self._handlers[token] = handler
+        return token
+
+    def revoke(self, token: str) -> None:
+        """Refuse the token from now on."""
+        self._handlers.pop(token, None)
+
+    def url(self, token: str) -> str:
+        """The token's base URL (no trailing slash)."""
+        return f"http://127.0.0.1:{self.port}/{token}"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            status, body = await asyncio.wait_for(self._answer(reader), READ_TIMEOUT_S)
+        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+            return
+        data = json.dumps(body).encode()
+        head = (
+            f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n"
+        )
+        try:
+            writer.write(head.encode() + data)
+            await writer.drain()
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+    async def _answer(self, reader: asyncio.StreamReader) -> tuple[int, Any]:
+        try:
+            raw = await reader.readuntil(b"\r\n\r\n")
+        except asyncio.LimitOverrunError:
+            return 400, HttpError(400, "request headers too large").body()
+        if len(raw) > MAX_HEADER_BYTES:
+            return 400, HttpError(400, "request headers too large").body()
+        lines = raw.decode("latin-1").split("\r\n")
+        parts = lines[0].split(" ")
+        if len(parts) != 3:
+            return 400, HttpError(400, "malformed request line").body()
+        method, target, _ = parts
+        headers = {}
+        for line in lines[1:]:
+            if ":" in line:
+                k, v = line.split(":", 1)
+                headers[k.strip().lower()] = v.strip()
+        segs = target.split("?", 1)[0].lstrip("/").split("/", 1)
+        token, path = segs[0], "/" + (segs[1] if len(segs) > 1 else "")
+        handler = self._handlers.get(token)
+        given = headers.get("authorization", "")
+        # compare_digest on equal-length bytes: no timing hint about the token
+        if handler is None or not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+            return 401, HttpError(401, "unknown endpoint or wrong api key", "authentication_error").body()
+        if "chunked" in headers.get("transfer-encoding", "").lower():
+            return 400, HttpError(400, "chunked request bodies are not supported").body()
+        size = int(headers.get("content-length", "0") or 0)
+        if size > MAX_BODY_BYTES:
+            return 400, HttpError(400, f"request body over {MAX_BODY_BYTES} bytes").body()
+        payload: Any = None
+        if size:
+            try:
+                payload = json.loads(await reader.readexactly(size))
+            except ValueError:
+                return 400, HttpError(400, "request body is not valid JSON").body()
+        try:
+            return 200, await handler(method, path, payload)
+        except HttpError as exc:
+            return exc.status, exc.body()
+        except Exception as exc:  # a bug or an engine error: the agent sees it, the server lives on
+            return 500, HttpError(500, f"{type(exc).__name__}: {exc}", "server_error").body()

@@ -1,0 +1,391 @@
+"""One episode's OpenAI-compatible endpoint: `/v1/chat/completions`, `/v1/completions`, `/v1/models`.
+
+Agent code calls it like any OpenAI server; every completion is sampled by the policy's engine and
+recorded exactly as generated (token ids, behaviour logprobs, weight versions). Requests are grouped
+into trajectories, one Sequence each:
+
+- chat: a request whose messages start with a recorded trajectory's messages (the assistant turns
+  exactly as this endpoint returned them) extends it: the prompt is the trajectory's recorded ids
+  (the engine's ids for earlier assistant turns, never re-tokenized) followed by the chat template's
+  rendering of the new messages. Otherwise (first request, edited history, a template that rewrites
+  earlier turns, different sampling settings) a new trajectory starts from the rendered conversation.
+- completions: a prompt that starts with a trajectory's prompt + returned text (or, given as token
+  ids, with its recorded ids) extends it; else a new trajectory.
+
+Either way the engine is prompted with exactly the ids that are recorded, so what the trainer scores
+is what the engine saw and produced. A trajectory extended later is superseded by its extension; the
+episode's Sequences are the trajectories nobody extended (n > 1 branches each become one).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from astraflow.engines.base import Completion
+from astraflow.protocol.messages import Sequence
+from astraflow.workflows.base import PolicyClient
+from astraflow.workflows.loopback_http import HttpError
+from astraflow.workflows.transcript import Transcript, TranscriptError
+
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stop", "stream", "logprobs", "user", "seed"}
+_COMMON |= {"frequency_penalty", "presence_penalty", "stream_options"}
+CHAT_PARAMS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice"}
+CHAT_PARAMS |= {"response_format", "parallel_tool_calls"}
+COMPLETION_PARAMS = _COMMON | {"prompt", "echo", "suffix", "best_of"}
+MAX_N = 64
+MAX_STOPS = 4
+
+
+@dataclass
+class Trajectory:
+    """One recorded conversation of one role."""
+
+    role: str
+    transcript: Transcript
+    text: str = ""
+    """Completions mode: the prompt text plus the returned completions, for prefix matching."""
+    parent: Trajectory | None = None
+    """The recorded trajectory this one extends (None: it started fresh)."""
+    superseded: bool = False
+    """A later request extended it: its extension carries all of it."""
+
+
+def _refuse(body: dict[str, Any], allowed: set[str]) -> None:
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise HttpError(400, f"unsupported parameter(s) {unknown}; supported: {sorted(allowed)}")
+    if body.get("stream"):
+        raise HttpError(400, "stream=true is not supported yet; call without streaming")
+    if body.get("seed") is not None:
+        raise HttpError(400, "seed is not supported: samples are not seeded per request")
+    for key in ("frequency_penalty", "presence_penalty"):
+        if body.get(key) not in (None, 0, 0.0):
+            raise HttpError(400, f"{key} is not supported (it would change the sampling distribution)")
+
+
+def _stops(body: dict[str, Any]) -> list[str]:
+    stop = body.get("stop")
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > MAX_STOPS or not all(isinstance(s, str) and s for s in stops):
+        raise HttpError(400, f"stop must be a non-empty string or a list of at most {MAX_STOPS} of them")
+    return stops
+
+
+def _content(message: Any) -> dict[str, str]:
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise HttpError(400, "each message needs a role and a content")
+    if message.get("tool_calls"):
+        raise HttpError(400, "tool_calls in messages are not supported yet (tools are not yet)")
+    content = message.get("content")
+    if isinstance(content, list):
+        if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+            raise HttpError(400, "only text content parts are supported")
+        content = "".join(str(p.get("text", "")) for p in content)
+    if content is None:
+        content = ""
+    if not isinstance(content, str):
+        raise HttpError(400, "message content must be a string or a list of text parts")
+    return {"role": message["role"], "content": content}
+
+
+def cut_at_stop(tokenizer: Any, c: Completion, stops: list[str]) -> tuple[Completion, str | None]:
+    """The completion cut after the first token whose text completes a stop string, and the text
+    before that string (None: no stop string). The kept tokens are a prefix of what the engine sampled,
+    so their logprobs and versions stay exact."""
+    ids = list(c.token_ids)
+
+    def hit(k: int) -> int:
+        text = str(tokenizer.decode(ids[:k], skip_special_tokens=True))
+        found = [text.find(s) for s in stops if s in text]
+        return min(found) if found else -1
+
+    if not stops or hit(len(ids)) < 0:
+        return c, None
+    lo, hi = 1, len(ids)  # smallest k whose prefix text holds a stop string
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if hit(mid) >= 0 else (mid + 1, hi)
+    text = str(tokenizer.decode(ids[:lo], skip_special_tokens=True))
+    cut = Completion(ids[:lo], list(c.logprobs[:lo]), list(c.versions[:lo]), "stop", c.temperature)
+    cut.top_p, cut.top_k = c.top_p, c.top_k
+    return cut, text[: hit(lo)]
+
+
+class EpisodeEndpoint:
+    """Serves one episode's requests against its policies and records the trajectories."""
+
+    def __init__(self, policies: dict[str, PolicyClient], *, max_tokens: int) -> None:
+        """`policies`: role -> client (the model name is the role or its policy); `max_tokens`: context
+        budget of one trajectory."""
+        self.policies = policies
+        self.max_tokens = max_tokens
+        self.trajectories: list[Trajectory] = []
+        self.requests = 0
+
+    async def handle(self, method: str, path: str, body: Any) -> Any:
+        """Route one HTTP request."""
+        path = path.rstrip("/")
+        if path == "/v1/models" and method == "GET":
+            return {"object": "list", "data": [self._model(r) for r in self.policies]}
+        if path not in ("/v1/chat/completions", "/v1/completions"):
+            raise HttpError(404, f"no route {method} {path}")
+        if method != "POST":
+            raise HttpError(405, f"{path} takes POST")
+        if not isinstance(body, dict):
+            raise HttpError(400, "the request body must be a JSON object")
+        self.requests += 1
+        if path == "/v1/chat/completions":
+            return await self.chat(body)
+        return await self.complete(body)
+
+    @staticmethod
+    def _model(role: str) -> dict[str, Any]:
+        return {"id": role, "object": "model", "created": 0, "owned_by": "astraflow"}
+
+    def _policy(self, model: Any) -> tuple[str, PolicyClient]:
+        if model in self.policies:
+            return str(model), self.policies[model]
+        by_policy = [(r, c) for r, c in self.policies.items() if c.policy == model]
+        if by_policy:
+            return by_policy[0]
+        if len(self.policies) == 1:  # one role: any model name means it (agent code hard-codes names)
+            return next(iter(self.policies.items()))
+        raise HttpError(404, f"unknown model {model!r}; this endpoint serves {sorted(self.policies)}")
+
+    @staticmethod
+    def _sampling(body: dict[str, Any]) -> dict[str, float]:
+        ov: dict[str, float] = {}
+        t, p = body.get("temperature"), body.get("top_p")
+        if t is not None:
+            if not isinstance(t, int | float) or t <= 0:
+                raise HttpError(400, "temperature must be > 0 (greedy decoding has no behaviour logprobs)")
+            ov["temperature"] = float(t)
+        if p is not None:
+            if not isinstance(p, int | float) or not 0 < p <= 1:
+                raise HttpError(400, "top_p must be in (0, 1]")
+            ov["top_p"] = float(p)
+        return ov
+
+    @staticmethod
+    def _n(body: dict[str, Any]) -> int:
+        n = body.get("n") or 1
+        if not isinstance(n, int) or not 1 <= n <= MAX_N:
+            raise HttpError(400, f"n must be an integer in [1, {MAX_N}]")
+        return n
+
+    def _max_new(self, body: dict[str, Any], tr: Transcript, client: PolicyClient) -> int:
+        asked = body.get("max_completion_tokens") or body.get("max_tokens")
+        if asked is not None and (not isinstance(asked, int) or asked < 1):
+            raise HttpError(400, "max_tokens must be a positive integer")
+        default = int(getattr(getattr(client, "sampling", None), "max_new_tokens", 256))
+        room = tr.room() or 0
+        if room <= 0:
+            raise HttpError(
+                400,
+                f"the conversation ({len(tr.tokens)} tokens) fills the context budget "
+                f"max_tokens={self.max_tokens}",
+                "context_length_exceeded",
+            )
+        return min(int(asked or default), room)
+
+    def _extend(self, base: Trajectory | None, fresh: Trajectory, grow: Any) -> Trajectory:
+        """`base` forked and grown by `grow(transcript)`, or `fresh` when that is impossible."""
+        if base is not None:
+            fork = Trajectory(base.role, base.transcript.fork(), base.text, parent=base)
+            try:
+                grow(fork)
+                return fork
+            except TranscriptError:
+                pass
+        return fresh
+
+    # ----- chat --------------------------------------------------------------------------------
+
+    async def chat(self, body: dict[str, Any]) -> dict[str, Any]:
+        """POST /v1/chat/completions."""
+        _refuse(body, CHAT_PARAMS)
+        if body.get("top_logprobs"):
+            raise HttpError(400, "top_logprobs is not supported (only the sampled token's logprob)")
+        if body.get("tools") or body.get("tool_choice") not in (None, "none"):
+            raise HttpError(400, "tools are not supported yet; describe tools in the prompt instead")
+        fmt = body.get("response_format")
+        if fmt not in (None, {"type": "text"}):
+            raise HttpError(400, "response_format other than text is not supported")
+        role, client = self._policy(body.get("model"))
+        raw = body.get("messages")
+        if not isinstance(raw, list) or not raw:
+            raise HttpError(400, "messages must be a non-empty list")
+        messages = [_content(m) for m in raw]
+        ov, n, stops = self._sampling(body), self._n(body), _stops(body)
+        base = self._chat_base(role, client, messages, ov)
+        prompt = base.transcript.prompt_ids()
+        max_new = self._max_new(body, base.transcript, client)
+        outs = await client.generate(prompt, n=n, max_new_tokens=max_new, **ov)
+        choices, used = [], 0
+        for i, out in enumerate(outs):
+            c, cut_text = cut_at_stop(client.tokenizer, out, stops)
+            tr = Trajectory(role, base.transcript.fork(), parent=base.parent)
+            tr.transcript.add_completion(c, max_new_tokens=max_new, **ov)
+            if cut_text is not None:  # the agent sends back what it got; match on that
+                tr.transcript.messages[-1]["content"] = cut_text
+            self._record(base, tr)
+            used += len(c.token_ids)
+            choice: dict[str, Any] = {
+                "index": i,
+                "message": {"role": "assistant", "content": tr.transcript.messages[-1]["content"]},
+                "finish_reason": c.finish_reason,
+                "logprobs": None,
+            }
+            if body.get("logprobs"):
+                choice["logprobs"] = {"content": self._token_logprobs(client, c)}
+            choices.append(choice)
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": role,
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": len(prompt),
+                "completion_tokens": used,
+                "total_tokens": len(prompt) + used,
+            },
+        }
+
+    def _chat_base(
+        self, role: str, client: PolicyClient, messages: list[dict[str, str]], ov: dict[str, float]
+    ) -> Trajectory:
+        best: Trajectory | None = None
+        for t in self.trajectories:
+            known = t.transcript.messages
+            if t.role == role and t.transcript.chat and messages[: len(known)] == known:
+                if best is None or len(known) > len(best.transcript.messages):
+                    best = t
+
+        def grow(fork: Trajectory) -> None:
+            for m in messages[len(fork.transcript.messages) :]:
+                fork.transcript.add_message(m["role"], m["content"])
+            fork.transcript.prompt_ids()
+            fork.transcript._check_sampling(ov)  # one Sequence has one temperature / top_p
+
+        fresh = Trajectory(role, Transcript(client, chat=True, max_tokens=self.max_tokens))
+        if best is None:
+            fresh.transcript.start_conversation(messages)
+            return fresh
+        chosen = self._extend(best, fresh, grow)
+        if chosen is fresh:
+            fresh.transcript.start_conversation(messages)
+        return chosen
+
+    def _record(self, base: Trajectory, tr: Trajectory) -> None:
+        if base.parent is not None:  # its extension carries all of it
+            base.parent.superseded = True
+        self.trajectories.append(tr)
+
+    @staticmethod
+    def _token_logprobs(client: PolicyClient, c: Completion) -> list[dict[str, Any]]:
+        out = []
+        for tid, lp in zip(c.token_ids, c.logprobs, strict=True):
+            tok = str(client.tokenizer.decode([tid]))
+            out.append({"token": tok, "logprob": float(lp), "bytes": list(tok.encode()), "top_logprobs": []})
+        return out
+
+    # ----- completions -------------------------------------------------------------------------
+
+    async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
+        """POST /v1/completions."""
+        _refuse(body, COMPLETION_PARAMS)
+        if body.get("echo"):
+            raise HttpError(400, "echo is not supported")
+        if body.get("suffix"):
+            raise HttpError(400, "suffix is not supported")
+        if body.get("best_of") not in (None, 1, body.get("n")):
+            raise HttpError(400, "best_of is not supported")
+        if body.get("logprobs") not in (None, 0, False):
+            if body.get("logprobs") not in (1, True):
+                raise HttpError(400, "logprobs > 1 is not supported (only the sampled token's logprob)")
+        role, client = self._policy(body.get("model"))
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+            prompt = prompt[0]  # a batch of one
+        is_ids = isinstance(prompt, list) and all(isinstance(x, int) for x in prompt)
+        if not (isinstance(prompt, str) or is_ids) or not prompt:
+            raise HttpError(400, "prompt must be one non-empty string or one list of token ids")
+        ov, n, stops = self._sampling(body), self._n(body), _stops(body)
+        base = self._raw_base(role, client, prompt, ov)
+        ids = base.transcript.prompt_ids()
+        max_new = self._max_new(body, base.transcript, client)
+        outs = await client.generate(ids, n=n, max_new_tokens=max_new, **ov)
+        choices, used = [], 0
+        for i, out in enumerate(outs):
+            c, cut_text = cut_at_stop(client.tokenizer, out, stops)
+            tr = Trajectory(role, base.transcript.fork(), base.text, parent=base.parent)
+            turn = tr.transcript.add_completion(c, max_new_tokens=max_new, **ov)
+            text = turn.text if cut_text is None else cut_text
+            tr.text = base.text + text
+            self._record(base, tr)
+            used += len(c.token_ids)
+            lp = None
+            if body.get("logprobs") not in (None, 0, False):
+                lp = {
+                    "tokens": [str(client.tokenizer.decode([t])) for t in c.token_ids],
+                    "token_logprobs": [float(x) for x in c.logprobs],
+                    "top_logprobs": None,
+                    "text_offset": None,
+                }
+            choices.append({"index": i, "text": text, "finish_reason": c.finish_reason, "logprobs": lp})
+        return {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": role,
+            "choices": choices,
+            "usage": {"prompt_tokens": len(ids), "completion_tokens": used, "total_tokens": len(ids) + used},
+        }
+
+    def _raw_base(
+        self, role: str, client: PolicyClient, prompt: str | list[int], ov: dict[str, float]
+    ) -> Trajectory:
+        best: Trajectory | None = None
+        for t in self.trajectories:
+            if t.role != role or t.transcript.chat or not t.transcript.turns:
+                continue
+            known: Any = t.text if isinstance(prompt, str) else t.transcript.tokens
+            if prompt[: len(known)] == known and (best is None or len(known) > len(best.transcript.tokens)):
+                best = t
+
+        def grow(fork: Trajectory) -> None:
+            if isinstance(prompt, str):
+                fork.transcript.add_text(prompt[len(fork.text) :])
+                fork.text = prompt
+            else:
+                fork.transcript.add_ids(list(prompt[len(fork.transcript.tokens) :]))
+            fork.transcript._check_sampling(ov)
+
+        fresh = Trajectory(role, Transcript(client, chat=False, max_tokens=self.max_tokens))
+        chosen = self._extend(best, fresh, grow)
+        if chosen is fresh:
+            if isinstance(prompt, str):
+                fresh.transcript.add_text(prompt, special_tokens=True)
+                fresh.text = prompt
+            else:
+                fresh.transcript.add_ids(list(prompt))
+                fresh.text = str(client.tokenizer.decode(list(prompt)))
+        return chosen
+
+    # ----- the result --------------------------------------------------------------------------
+
+    def sequences(self, reward: float) -> list[Sequence]:
+        """One Sequence per trajectory nobody extended, all with the episode's reward."""
+        return [
+            t.transcript.sequence(reward)
+            for t in self.trajectories
+            if t.transcript.turns and not t.superseded
+        ]
+
+    def turns(self) -> int:
+        """Policy turns across the kept trajectories."""
+        return sum(len(t.transcript.turns) for t in self.trajectories if not t.superseded)
