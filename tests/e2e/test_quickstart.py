@@ -23,7 +23,7 @@ def test_quickstart_learns_through_up(tiny_model: Path, tmp_path: Path) -> None:
             "-m",
             "astraflow",
             "up",
-            str(ROOT / "recipes/quickstart/recipe.toml"),
+            str(ROOT / "recipes/quickstart/eval.toml"),
             "--run-dir",
             str(run_dir),
             "--no-dash",

@@ -43,6 +43,11 @@ def rows_of(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def step_rows_of(path: Path) -> list[dict[str, Any]]:
+    """The trainer-step rows (the quickstart also writes held-out eval rows, kind = "eval")."""
+    return [r for r in rows_of(path) if r.get("kind") != "eval"]
+
+
 def install_sink_plugin(tmp: Path) -> None:
     """pip-install a copy of the example sink package (no network, no build isolation)."""
     src = tmp / "astraflow-example-sink"
@@ -82,7 +87,7 @@ def up_on_a_terminal(recipe: Path, run_dir: Path, steps: int, cwd: Path) -> tupl
                     break
                 out += chunk
             metrics = run_dir / "metrics.jsonl"
-            if not pressed and metrics.is_file() and len(rows_of(metrics)) >= steps:
+            if not pressed and metrics.is_file() and len(step_rows_of(metrics)) >= steps:
                 os.write(master, b"q")
                 pressed = True
             if proc.poll() is not None and not ready:
@@ -128,7 +133,7 @@ def test_sink_plugin_from_outside_receives_every_row(finished_run: dict[str, Any
     run_dir = finished_run["run_dir"]
     written = rows_of(run_dir / "metrics.jsonl")
     copied = rows_of(run_dir / "copied.jsonl")
-    assert [r["step"] for r in written] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in written if r.get("kind") != "eval"] == list(range(1, STEPS + 1))
     assert copied == written
 
 
@@ -152,7 +157,7 @@ def cell_texts(app: Dashboard, table_id: str) -> list[list[str]]:
 
 def test_dashboard_on_a_finished_run(finished_run: dict[str, Any]) -> None:
     run_dir = finished_run["run_dir"]
-    last = rows_of(run_dir / "metrics.jsonl")[-1]
+    last = step_rows_of(run_dir / "metrics.jsonl")[-1]
     app = Dashboard(RunDirSource(run_dir))
 
     async def script(pilot: Any) -> dict[str, Any]:
@@ -221,7 +226,7 @@ def test_dashboard_starts_from_the_tail_and_loads_history_after(finished_run: di
     """A long metrics file: the first poll reads only its last bytes; the rest comes as history."""
     run_dir = finished_run["tmp"] / "long"
     shutil.copytree(finished_run["run_dir"], run_dir, ignore=shutil.ignore_patterns("checkpoints"))
-    row = rows_of(run_dir / "metrics.jsonl")[-1]
+    row = step_rows_of(run_dir / "metrics.jsonl")[-1]
     with (run_dir / "metrics.jsonl").open("w") as f:
         for step in range(1, 3001):
             f.write(json.dumps({**row, "step": step, "time": 1000.0 + step}) + "\n")
@@ -321,7 +326,7 @@ def test_logs_runs_export_plot(finished_run: dict[str, Any]) -> None:
     out = cli("runs", str(run_dir.parent), "--json")
     assert out.returncode == 0, out.stderr
     (run,) = [r for r in json.loads(out.stdout) if r["run_dir"] == str(run_dir)]
-    last = rows_of(run_dir / "metrics.jsonl")[-1]
+    last = step_rows_of(run_dir / "metrics.jsonl")[-1]
     assert run["status"] == "finished" and run["policies"]["main"] == {
         "step": STEPS,
         "reward_mean": last["reward_mean"],

@@ -68,7 +68,7 @@ def test_attacks_fail_and_the_run_finishes(tiny_model: Path, tmp_path: Path) -> 
         assert rogue.ask(m.TaskRequest(n=1024, loaded={"main": 0})).tasks == []  # type: ignore[attr-defined]
         hoard = g.tasks
 
-        # forged results for its own leases: out-of-vocabulary tokens, wrong group size, mismatched lengths
+        # forged results for its own leases: out-of-vocabulary tokens, more sequences than asked, bad lengths
         def seq(tokens: list[int], n_lp: int | None = None) -> m.Sequence:
             n = len(tokens)
             return m.Sequence(
@@ -82,7 +82,7 @@ def test_attacks_fail_and_the_run_finishes(tiny_model: Path, tmp_path: Path) -> 
 
         forged = [
             [m.Episode(sequences=[seq([1, vocab + 5, vocab * 9])])] * 8,
-            [m.Episode(sequences=[seq([1, 2, 3])])] * 3,
+            [m.Episode(sequences=[seq([1, 2, 3])])] * 9,  # more than the group: it would overrun admission
             [m.Episode(sequences=[seq([1, 2, 3], n_lp=2)])] * 8,
         ]
         for task, episodes in zip(hoard, forged, strict=False):

@@ -226,7 +226,7 @@ def read_metrics(path: Path, policy: str) -> list[dict[str, Any]]:
             rec = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if rec.get("policy") == policy and "step" in rec:
+        if rec.get("policy") == policy and "step" in rec and rec.get("kind") != "eval":
             rows.append(rec)
     return sorted(rows, key=lambda r: int(r["step"]))
 

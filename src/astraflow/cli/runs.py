@@ -29,7 +29,10 @@ def describe(run_dir: Path) -> dict[str, Any]:
         store.close()
     budget = int(doc["run"]["steps"])
     pols = doc["policies"]
-    finished = bool(pols) and all(p["step"] >= budget for p in pols)
+    # each trainable policy against its own budget (policy.steps, else run.steps); frozen ones have none
+    finished = bool(pols) and all(
+        p.get("finished", p["step"] >= budget) for p in pols if p.get("trainable", True)
+    )
     failed = int(doc["tasks"].get("failed", 0))
     if finished:
         status = "finished"
@@ -40,7 +43,8 @@ def describe(run_dir: Path) -> dict[str, Any]:
     # the last 1 MB of metrics.jsonl holds each policy's final rows
     last: dict[str, dict[str, Any]] = {}
     for row in MetricsLog(run_dir / "metrics.jsonl").load_tail():
-        last[str(row.get("policy"))] = row
+        if row.get("kind") != "eval":  # held-out eval rows carry no training reward
+            last[str(row.get("policy"))] = row
     return {
         "run_dir": str(run_dir),
         "name": doc["run"]["name"],

@@ -76,10 +76,13 @@ def summary(run_dir: Path, code: int) -> str:
     from astraflow.metrics.log import MetricsLog
 
     last: dict[str, dict[str, object]] = {}
+    evals: dict[str, dict[str, object]] = {}  # held-out eval rows come after the last step: kept apart
     for row in MetricsLog(run_dir / "metrics.jsonl").load_tail(1 << 16):
-        last[str(row.get("policy"))] = row
-    steps = json.loads((run_dir / "recipe.resolved.json").read_text())["run"]["steps"]
-    lines = [progress_line(row, steps) for row in last.values()]
+        (evals if row.get("kind") == "eval" else last)[str(row.get("policy"))] = row
+    resolved = json.loads((run_dir / "recipe.resolved.json").read_text())
+    run_steps = int(resolved["run"]["steps"])
+    budgets = {str(p["name"]): int(p.get("steps") or run_steps) for p in resolved.get("policy", [])}
+    lines = [progress_line(row, budgets) for row in [*last.values(), *evals.values()]]
     verdict = "finished" if code == 0 else f"stopped (exit {code})"
     up_log = run_dir / "logs" / "up.log"
     if code not in (0, 130):  # a failure: what the launcher said went to its log while the dashboard ran
