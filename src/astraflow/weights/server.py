@@ -103,7 +103,9 @@ class WeightServer:
         self._thread = threading.Thread(target=self._serve, name="astraflow-weights", daemon=True)
         self._thread.start()
 
-    def publish(self, policy: str, version: int, blob: bytes, *, kind: str = "full") -> WeightManifest:
+    def publish(
+        self, policy: str, version: int, blob: bytes | memoryview, *, kind: str = "full"
+    ) -> WeightManifest:
         """Checksum and hold a blob, evicting versions older than the newest keep_versions."""
         manifest = build_manifest(policy, version, blob, self.chunk_bytes, kind=kind)
         with self._lock:
