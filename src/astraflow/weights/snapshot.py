@@ -81,6 +81,46 @@ def _save_via_safetensors(sd: dict[str, torch.Tensor], meta: dict[str, str]) -> 
     return _st_save(flat, metadata=meta)
 
 
+_TORCH_DTYPES = {v: k for k, v in _DTYPES.items()}
+
+
 def bytes_to_state_dict(blob: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
-    """Parse safetensors bytes into CPU tensors."""
-    return _st_load(bytes(blob) if not isinstance(blob, bytes) else blob)
+    """Parse safetensors bytes into CPU tensors; a writable buffer (what a pull returns) is parsed in
+    place, the tensors being views of it (no copy)."""
+    if isinstance(blob, bytes) or memoryview(blob).readonly:
+        return _st_load(bytes(blob))
+    view = memoryview(blob).cast("B")
+    if len(view) < 8:
+        raise ValueError("not a safetensors blob: shorter than its header size")
+    (hlen,) = struct.unpack_from("<Q", view, 0)
+    if 8 + hlen > len(view):
+        raise ValueError("not a safetensors blob: header runs past the end")
+    header = json.loads(bytes(view[8 : 8 + hlen]))
+    if not isinstance(header, dict):
+        raise ValueError("not a safetensors blob: header is not an object")
+    base = 8 + hlen
+    out: dict[str, torch.Tensor] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _TORCH_DTYPES.get(info.get("dtype"))
+        if dtype is None:
+            return _st_load(bytes(view))  # a dtype we do not map: safetensors knows them all
+        start, end = (int(x) for x in info["data_offsets"])
+        shape = [int(x) for x in info["shape"]]
+        numel = 1
+        for d in shape:
+            numel *= d
+        size = torch.empty((), dtype=dtype).element_size()
+        if (
+            not 0 <= start <= end <= len(view) - base
+            or end - start != numel * size
+            or min(shape, default=1) < 0
+        ):
+            raise ValueError(f"safetensors entry {name!r} has bad offsets or shape")
+        if numel == 0:
+            out[name] = torch.empty(shape, dtype=dtype)
+            continue
+        raw = torch.frombuffer(view, dtype=torch.uint8, count=end - start, offset=base + start)
+        out[name] = raw.view(dtype).reshape(shape)
+    return out
