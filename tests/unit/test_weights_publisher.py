@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+
 import pytest
 import torch
 from safetensors.torch import load as st_load
