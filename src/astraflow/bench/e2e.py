@@ -17,7 +17,7 @@ last (process start-up, model loading and the first step's compilation are left 
 - GPU utilisation (GPU runs only): the share of NVML's sample periods in which a kernel ran on each GPU,
   sampled by this process every SAMPLE_S seconds, averaged over the window. A coarse cross-check: a GPU
   counts as busy for a whole period even when one small kernel ran.
-- weight sync per step: the trainer's `trainer_publish_s` (export to host, serialisation, digest), the
+- weight sync per step: the trainer's `trainer_publish_s` (its critical-path share: snapshot + wait), the
   worker's fetch (transfer and digest check) and load (bytes to tensors, shape check, staging) per pulled
   version, and the engine's apply (copy into the parameters and the running rows' KV recomputed); lag is
   the time from the controller recording a version to an engine decoding with it.
