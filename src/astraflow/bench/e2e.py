@@ -138,7 +138,8 @@ def read_policies(
     out: dict[str, Any] = {}
     window = t1 - t0
     for pol, recs in rows.items():
-        ts = [float(r["time"]) for r in recs]
+        # the step's own end (a background publish may announce its version a step later)
+        ts = [float(r.get("trainer_done_at", r["time"])) for r in recs]
         steady = recs[1:]
         # a checkpoint (the final one at least) is disk time, not the pipeline's pace
         span = ts[-1] - ts[0] - sum(float(r.get("trainer_checkpoint_s", 0.0)) for r in steady)

@@ -222,6 +222,7 @@ def run_trainer(
                 time.sleep(pol.trainer_sleep_s)  # the benchmarking knob: a costlier policy's step
             step_s = time.monotonic() - t_step
             client.tick()
+            announce(block=False)  # the previous version, if it was not yet served when this step began
             t_ckpt = time.monotonic()
             if trainer.step_count % pol.checkpoint_every == 0 or trainer.step_count >= budget:
                 save_checkpoint(trainer, ckpt_root)
@@ -230,6 +231,8 @@ def run_trainer(
                     "trainer_wait_s": wait_s,
                     "trainer_step_s": step_s,
                     "trainer_compute_s": compute_s,
+                    # wall clock at the step's end: its version may be announced a step later
+                    "trainer_done_at": time.time(),
                     "trainer_checkpoint_s": time.monotonic() - t_ckpt,
                     "batch_size": float(len(batch.samples)),
                 }
