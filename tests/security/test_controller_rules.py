@@ -114,8 +114,11 @@ def test_trainer_rules_versions_steps_and_batches(ctl: Controller) -> None:
     assert isinstance(b, m.BatchReply) and b.ready
     again = ask(ctl, "trainer-main", m.BatchRequest(policy="main", step=1))  # resume: the recorded one
     assert [s.traj_id for s in again.samples] == [s.traj_id for s in b.samples]  # type: ignore[attr-defined]
+    # step 1's version may still be publishing: step 2 may be asked for, never step 3
+    r = ask(ctl, "trainer-main", m.BatchRequest(policy="main", step=3))
+    assert isinstance(r, m.Error) and r.code == "bad_step"  # two versions ahead
     r = ask(ctl, "trainer-main", m.BatchRequest(policy="main", step=2))
-    assert isinstance(r, m.Error) and r.code == "bad_step"  # version 1 not published yet
+    assert not isinstance(r, m.Error), r
     pub = m.VersionPublished(policy="main", version=1, step=1, weights_addr="tcp://a:1")
     assert isinstance(ask(ctl, "trainer-main", pub), m.Ack)
     # a restarted trainer re-announces a known version at a new address: accepted; another step: not

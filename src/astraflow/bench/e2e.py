@@ -17,7 +17,7 @@ last (process start-up, model loading and the first step's compilation are left 
 - GPU utilisation (GPU runs only): the share of NVML's sample periods in which a kernel ran on each GPU,
   sampled by this process every SAMPLE_S seconds, averaged over the window. A coarse cross-check: a GPU
   counts as busy for a whole period even when one small kernel ran.
-- weight sync per step: the trainer's `trainer_publish_s` (export to host, serialisation, digest), the
+- weight sync per step: the trainer's `trainer_publish_s` (its critical-path share: snapshot + wait), the
   worker's fetch (transfer and digest check) and load (bytes to tensors, shape check, staging) per pulled
   version, and the engine's apply (copy into the parameters and the running rows' KV recomputed); lag is
   the time from the controller recording a version to an engine decoding with it.
@@ -138,7 +138,8 @@ def read_policies(
     out: dict[str, Any] = {}
     window = t1 - t0
     for pol, recs in rows.items():
-        ts = [float(r["time"]) for r in recs]
+        # the step's own end (a background publish may announce its version a step later)
+        ts = [float(r.get("trainer_done_at", r["time"])) for r in recs]
         steady = recs[1:]
         # a checkpoint (the final one at least) is disk time, not the pipeline's pace
         span = ts[-1] - ts[0] - sum(float(r.get("trainer_checkpoint_s", 0.0)) for r in steady)
@@ -223,7 +224,7 @@ def read_e2e(run_dir: Path, gpus: GpuSampler | None = None) -> dict[str, Any]:
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         if line.strip():
             rec = json.loads(line)
-            if "policy" in rec and "step" in rec and rec.get("kind") != "eval":
+            if "policy" in rec and "step" in rec and rec.get("kind") != "eval":  # eval rows are not steps
                 rows.setdefault(str(rec["policy"]), []).append(rec)
     if not rows:
         raise ValueError(f"{run_dir / 'metrics.jsonl'} has no step rows")

@@ -158,11 +158,16 @@ def version_refusal(store: Store, msg: m.VersionPublished) -> Refusal | None:
 
 
 def batch_refusal(store: Store, policy: str, step: int) -> Refusal | None:
-    """A batch request must be for a recorded step (resume) or the next one after the policy's last version."""
+    """A batch request must be for a recorded step (resume), the next one after the policy's last
+    version, or the one after that once the next step's batch is taken: a trainer may train on while
+    it publishes that step's version in the background (one version in flight at most)."""
     if store.scalar("SELECT 1 FROM batches WHERE policy = ? AND step = ?", (policy, step)):
         return None
     want = int(store.policy(policy)["step"]) + 1
-    if step != want:
+    ahead = step == want + 1 and store.scalar(
+        "SELECT 1 FROM batches WHERE policy = ? AND step = ?", (policy, want)
+    )
+    if step != want and not ahead:
         return "bad_step", f"the next batch of {policy!r} is step {want}, not {step}"
     return None
 

@@ -561,7 +561,8 @@ class Controller:
         refused = authz.batch_refusal(self.store, msg.policy, msg.step)
         if refused is not None:
             return m.Error(rid=msg.rid, code=refused[0], message=refused[1])
-        version = int(self.store.policy(msg.policy)["version"])
+        # a trainer one step ahead holds version step-1 (still being announced): staleness counts from it
+        version = max(int(self.store.policy(msg.policy)["version"]), msg.step - 1)
         with self.store.write():
             # the batch, its trajectories' status and the composers' counters commit together
             batch = self.buffer.next_batch(

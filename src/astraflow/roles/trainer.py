@@ -116,8 +116,8 @@ def run_trainer(
         dist.broadcast(welcome.recipe)
     import torch
 
+    from astraflow.weights.publisher import BackgroundPublisher
     from astraflow.weights.server import WeightServer
-    from astraflow.weights.snapshot import state_dict_to_bytes
 
     torch.set_num_threads(pol.threads)
     stopping = {"sig": 0}
@@ -146,29 +146,48 @@ def run_trainer(
         host, chunk_bytes=recipe.weights.chunk_bytes, keep_versions=recipe.weights.keep_versions
     )
 
-    def publish(metrics: dict[str, float]) -> None:
+    publisher = BackgroundPublisher(server, policy)
+
+    def announce(block: bool, give_up_after_s: float = 600.0) -> float:
+        """Announce the in-flight version once it is served (at once if not `block` and not ready);
+        returns the seconds spent waiting for it. Only this thread talks to the controller."""
+        if not publisher.busy or (not block and not publisher.ready()):
+            return 0.0
         t0 = time.monotonic()
-        blob = state_dict_to_bytes(trainer.export_weights())
-        manifest = server.publish(policy, trainer.step_count, blob)
-        if metrics:
-            # export (device to host) + serialisation + digest; the RaaS side is in its stats file
-            metrics["trainer_publish_s"] = time.monotonic() - t0
+        done = publisher.result()
+        waited = time.monotonic() - t0
         reply = request_retrying(
             client,
             VersionPublished(
                 policy=policy,
-                version=trainer.step_count,
-                step=trainer.step_count,
+                version=done.version,
+                step=done.version,
                 weights_addr=server.address,
-                sha256=manifest.sha256,
-                nbytes=manifest.nbytes,
-                metrics=metrics,
+                sha256=done.manifest.sha256,
+                nbytes=done.manifest.nbytes,
+                metrics=done.metrics,
             ),
+            give_up_after_s=give_up_after_s,
         )
         if isinstance(reply, Error):
-            raise AstraflowError(
-                f"controller refused version {trainer.step_count}: {reply.code} {reply.message}"
-            )
+            raise AstraflowError(f"controller refused version {done.version}: {reply.code} {reply.message}")
+        return waited
+
+    def publish(metrics: dict[str, float]) -> None:
+        # versions are announced in order: the previous one first (the wait is publish time too)
+        waited = announce(block=True)
+        t0 = time.monotonic()
+        weights = snapshot()
+        if metrics:
+            # the trainer's own share: the wait above + the weights' copy; serialisation and digest
+            # run beside the next step (trainer_publish_bg_s)
+            metrics["trainer_publish_wait_s"] = waited
+            metrics["trainer_publish_s"] = waited + time.monotonic() - t0
+        publisher.start(trainer.step_count, weights, metrics)
+
+    def snapshot() -> dict[str, Any]:
+        take = getattr(trainer, "weights_snapshot", None)
+        return dict(take() if take is not None else trainer.export_weights())
 
     try:
         if trainer.step_count > 0:
@@ -179,6 +198,7 @@ def run_trainer(
             batch: BatchReply | None = None
             while not stopping["sig"]:
                 client.tick()
+                announce(block=False)  # the previous version, as soon as it is served
                 reply = request_retrying(client, BatchRequest(policy=policy, step=step), timeout_s=60.0)
                 if isinstance(reply, BatchReply) and reply.ready:
                     batch = reply
@@ -202,6 +222,7 @@ def run_trainer(
                 time.sleep(pol.trainer_sleep_s)  # the benchmarking knob: a costlier policy's step
             step_s = time.monotonic() - t_step
             client.tick()
+            announce(block=False)  # the previous version, if it was not yet served when this step began
             t_ckpt = time.monotonic()
             if trainer.step_count % pol.checkpoint_every == 0 or trainer.step_count >= budget:
                 save_checkpoint(trainer, ckpt_root)
@@ -210,11 +231,14 @@ def run_trainer(
                     "trainer_wait_s": wait_s,
                     "trainer_step_s": step_s,
                     "trainer_compute_s": compute_s,
+                    # wall clock at the step's end: its version may be announced a step later
+                    "trainer_done_at": time.time(),
                     "trainer_checkpoint_s": time.monotonic() - t_ckpt,
                     "batch_size": float(len(batch.samples)),
                 }
             )
             publish({k: float(v) for k, v in metrics.items()})
+        announce(block=True)
         if not stopping["sig"] and 0 < trainer.step_count < budget:
             # the controller ended the run early (an operator's stop): keep the last step
             if trainer.step_count % pol.checkpoint_every:
@@ -230,6 +254,13 @@ def run_trainer(
             trainer.stop()
         return 0
     finally:
+        if publisher.busy:
+            # a stop (signal, error) mid-publish: finish and announce the version if the controller
+            # still answers; a restarted trainer re-announces its last checkpoint anyway
+            try:
+                announce(block=True, give_up_after_s=10.0)
+            except (AstraflowError, OSError) as exc:
+                _log.warning("version in flight at stop not announced: %s", exc)
         server.close()
         client.close("done")
 

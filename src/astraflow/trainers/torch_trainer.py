@@ -421,6 +421,13 @@ class TorchTrainer(Trainer):
             return lora.merged_state_dict(self.model)
         return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
 
+    def weights_snapshot(self) -> dict[str, Any]:
+        """The current dense weights as a copy on the training device (fast: no host transfer), for a
+        background publisher to copy to the host while the next step runs; export_weights otherwise."""
+        if self.sharded or self.config.lora is not None or self.device.type != "cuda":
+            return self.export_weights()
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
     def _rng_state(self) -> dict[str, Any]:
         rng: dict[str, Any] = {"torch": torch.get_rng_state()}
         if torch.cuda.is_available():

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import mmap
 import os
+import threading
 import time
 
 import zmq
@@ -17,7 +19,7 @@ from astraflow.transport.keys import KeyPair
 from astraflow.transport.security import curve_client, member_credentials
 from astraflow.weights.manifest import check_manifest, chunk_span
 
-DEFAULT_WINDOW = 4
+DEFAULT_WINDOW = 8
 """Chunk requests kept in flight: enough to hide a round trip, few enough not to flood the server."""
 
 
@@ -43,8 +45,9 @@ def fetch_weights(
     expect_sha256: str = "",
     window: int = DEFAULT_WINDOW,
     max_chunk_bytes: int = 64 << 20,
-) -> bytes:
-    """Download and verify a version's blob; WeightIntegrityError on any checksum mismatch.
+) -> memoryview:
+    """Download and verify a version's blob (a writable buffer); WeightIntegrityError on any
+    checksum mismatch.
 
     Raises ConnectError when the server does not answer within timeout_s (for the whole pull) and
     VersionUnavailableError when it does not hold the version.
@@ -59,13 +62,20 @@ def fetch_weights(
         problem = check_manifest(manifest, max_chunk_bytes)
         if problem:
             raise ProtocolError(f"bad manifest for {policy}@{version} from {addr}: {problem}", hint="")
-        chunks = puller.chunks(manifest, kind, max(1, window))
-    blob = b"".join(chunks)
-    if hashlib.sha256(blob).hexdigest() != manifest.sha256:
+        # chunks land in place in one buffer (anonymous mmap: no zeroing pass), while a second thread
+        # hashes the whole blob as its prefix fills, so the digest is ready when the last chunk is
+        blob = mmap.mmap(-1, max(1, manifest.nbytes))
+        view = memoryview(blob)[: manifest.nbytes]
+        digest = _PrefixHasher(view)
+        try:
+            puller.chunks(manifest, kind, max(1, window), view, digest)
+        finally:
+            whole = digest.finish()
+    if whole != manifest.sha256:
         raise WeightIntegrityError(
             f"{policy}@{version} from {addr}: whole-blob sha256 mismatch", hint="retry the pull"
         )
-    return blob
+    return view
 
 
 def split_address(addr: str) -> tuple[str, bytes | None]:
@@ -174,9 +184,11 @@ class _Puller:
                 )
             return msg
 
-    def chunks(self, manifest: WeightManifest, kind: str, window: int) -> list[bytes]:
+    def chunks(
+        self, manifest: WeightManifest, kind: str, window: int, dest: memoryview, digest: _PrefixHasher
+    ) -> None:
         n = len(manifest.chunk_sha256)
-        got: list[bytes | None] = [None] * n
+        got = [False] * n
         inflight: dict[int, tuple[int, float]] = {}  # rid -> (chunk index, resend time)
         todo = iter(range(n))
         remaining = n
@@ -220,10 +232,56 @@ class _Puller:
                     f"chunk {index} of {manifest.policy}@{manifest.version} from {self.addr} fails its sha256",
                     hint="the server or the network corrupted it; retry, or pull from another peer",
                 )
-            if got[index] is None:
-                got[index] = msg.data
+            if not got[index]:
+                dest[start:end] = msg.data
+                got[index] = True
                 remaining -= 1
+                digest.arrived(index, end)
             nxt = next(todo, None)
             if nxt is not None:
                 ask(nxt)
-        return [c for c in got if c is not None]
+
+
+class _PrefixHasher:
+    """sha256 of a buffer filled out of order, hashed on a thread up to the longest filled prefix."""
+
+    def __init__(self, view: memoryview) -> None:
+        self.view = view
+        self.hash = hashlib.sha256()
+        self.done: dict[int, int] = {}  # chunk index -> its end, for chunks past the prefix
+        self.next_index = 0
+        self.filled = 0  # bytes [0, filled) are all in place
+        self.cond = threading.Condition()
+        self.closed = False
+        self.thread = threading.Thread(target=self._run, name="astraflow-weights-hash", daemon=True)
+        self.thread.start()
+
+    def arrived(self, index: int, end: int) -> None:
+        """Chunk `index`, ending at byte `end`, is in place."""
+        with self.cond:
+            self.done[index] = end
+            while self.next_index in self.done:
+                self.filled = self.done.pop(self.next_index)
+                self.next_index += 1
+            self.cond.notify()
+
+    def _run(self) -> None:
+        hashed = 0
+        while True:
+            with self.cond:
+                while self.filled == hashed and not self.closed:
+                    self.cond.wait()
+                upto, closed = self.filled, self.closed
+            if upto > hashed:
+                self.hash.update(self.view[hashed:upto])  # hashlib releases the GIL on big buffers
+                hashed = upto
+            elif closed:
+                return
+
+    def finish(self) -> str:
+        """The digest of the prefix filled so far (the whole blob after a complete pull)."""
+        with self.cond:
+            self.closed = True
+            self.cond.notify()
+        self.thread.join()
+        return self.hash.hexdigest()

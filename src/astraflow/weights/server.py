@@ -21,7 +21,7 @@ _log = log.get("weights.server")
 
 _MAX_REQUEST_BYTES = 64 << 10
 """Requests are tiny; a bigger frame is an attack or a bug and drops the peer."""
-SNDHWM = 8
+SNDHWM = 16
 """Replies queued per peer: twice a puller's window. A peer that asks for more and does not read
 gets the rest dropped (it re-asks after its retry time), so a peer holds at most SNDHWM chunks."""
 _MAX_DRAIN = 256
@@ -103,7 +103,9 @@ class WeightServer:
         self._thread = threading.Thread(target=self._serve, name="astraflow-weights", daemon=True)
         self._thread.start()
 
-    def publish(self, policy: str, version: int, blob: bytes, *, kind: str = "full") -> WeightManifest:
+    def publish(
+        self, policy: str, version: int, blob: bytes | memoryview, *, kind: str = "full"
+    ) -> WeightManifest:
         """Checksum and hold a blob, evicting versions older than the newest keep_versions."""
         manifest = build_manifest(policy, version, blob, self.chunk_bytes, kind=kind)
         with self._lock:

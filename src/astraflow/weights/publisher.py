@@ -1,0 +1,118 @@
+"""Publish weight versions off the trainer's critical path: serialise, hash and hold on a worker thread.
+
+The trainer copies a version's weights to the host (its only critical-path cost), hands them to
+`BackgroundPublisher.start` and goes on with its next step. At most one version is in flight; the
+trainer announces each finished version itself (its controller socket is not thread-safe), in order,
+before it starts the next one.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from astraflow.protocol.messages import WeightManifest
+from astraflow.weights.server import WeightServer
+
+
+@dataclass
+class Published:
+    """A version that is serialised, hashed and held by the weight server, ready to be announced."""
+
+    version: int
+    manifest: WeightManifest
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class BackgroundPublisher:
+    """One worker thread per version; `busy` while a version waits to be announced."""
+
+    def __init__(self, server: WeightServer, policy: str) -> None:
+        """Publish `policy`'s versions into `server`."""
+        self.server = server
+        self.policy = policy
+        self._thread: threading.Thread | None = None
+        self._result: Published | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def busy(self) -> bool:
+        """A version was started and not yet taken with `result`."""
+        return self._thread is not None
+
+    def ready(self) -> bool:
+        """The in-flight version (if any) has finished serialising and hashing."""
+        return self._thread is not None and not self._thread.is_alive()
+
+    def start(self, version: int, weights: dict[str, Any], metrics: dict[str, float]) -> None:
+        """Serialise, hash and hold `weights` as `version` on a worker thread.
+
+        `weights` must not change afterwards: host copies, or a device snapshot (the copy to the host
+        then runs on its own CUDA stream, after the snapshot's kernels, beside the next step's).
+        """
+        if self._thread is not None:
+            raise RuntimeError("a version is still in flight: take its result first")
+        self._result, self._error = None, None
+        ready = _device_event(weights)
+
+        def work() -> None:
+            from astraflow.weights.snapshot import state_dict_to_bytes
+
+            try:
+                t0 = time.monotonic()
+                if ready is None:
+                    blob = state_dict_to_bytes(weights)
+                else:
+                    blob = _to_bytes_on_side_stream(weights, ready)
+                manifest = self.server.publish(self.policy, version, blob)
+                out = dict(metrics)
+                if out:
+                    # serialisation + digest, overlapped with the trainer's next step
+                    out["trainer_publish_bg_s"] = time.monotonic() - t0
+                self._result = Published(version, manifest, out)
+            except BaseException as exc:  # handed to the trainer's thread by result()
+                self._error = exc
+
+        self._thread = threading.Thread(target=work, name=f"astraflow-publish-{version}", daemon=True)
+        self._thread.start()
+
+    def result(self, timeout_s: float | None = None) -> Published:
+        """Wait for the in-flight version and take it; re-raises the worker's error."""
+        if self._thread is None:
+            raise RuntimeError("no version in flight")
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise TimeoutError(f"publishing took longer than {timeout_s}s")
+        self._thread = None
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+
+def _device_event(weights: dict[str, Any]) -> Any:
+    """A CUDA event after the kernels that wrote a device snapshot (None for host tensors)."""
+    dev = next((t.device for t in weights.values() if getattr(t, "is_cuda", False)), None)
+    if dev is None:
+        return None
+    import torch
+
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(dev))
+    return event
+
+
+def _to_bytes_on_side_stream(weights: dict[str, Any], ready: Any) -> Any:
+    import torch
+
+    from astraflow.weights.snapshot import state_dict_to_bytes
+
+    dev = next(t.device for t in weights.values() if t.is_cuda)
+    stream = torch.cuda.Stream(dev)
+    stream.wait_event(ready)
+    with torch.cuda.stream(stream):
+        blob = state_dict_to_bytes(weights)
+    stream.synchronize()
+    return blob
