@@ -279,6 +279,7 @@ def run_up(
     viewer: list[str] | None = None,
 ) -> int:
     """Run a whole recipe on this machine; returns the exit code (0 when every policy reached its budget).
+    The caller has checked the recipe's plugins (config.load.validate_plugins), as `astraflow up` does.
 
     viewer: `astraflow` arguments of a process that shows the run on this terminal instead of progress
     lines (the dashboard); closing it stops the run, and at the run's end `up` waits until it is closed."""
@@ -317,8 +318,13 @@ def run_up(
     )
     shown: subprocess.Popen[bytes] | None = None
     try:
-        # the controller authenticates with <run-dir>/keys, which it finds by itself
-        ctl = sup.start("controller", "controller", ["controller", resolved, "--run-dir", str(run_dir)])
+        # the controller authenticates with <run-dir>/keys, which it finds by itself; `astraflow up`
+        # has checked the engine and trainer options, so the controller need not import torch
+        ctl = sup.start(
+            "controller",
+            "controller",
+            ["controller", resolved, "--run-dir", str(run_dir), "--plugins-checked"],
+        )
         addr = wait_for_address(addr_file, ctl)
         _log.info("controller at %s; run directory %s", addr, run_dir)
         for pol in recipe.trainable():  # a frozen policy has no trainer

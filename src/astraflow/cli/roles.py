@@ -35,6 +35,15 @@ def controller(
             "(timeouts, slots, controller settings, a larger run.steps); see docs/operations.md.",
         ),
     ] = False,
+    plugins_checked: Annotated[
+        bool,
+        typer.Option(
+            "--plugins-checked",
+            hidden=True,
+            help="Set by `astraflow up`, which has checked the engine and trainer options: skip that "
+            "check here (it imports torch, seconds of the run's start-up on a small CPU).",
+        ),
+    ] = False,
 ) -> None:
     """Run the controller: the run's state, task ledger, buffers and membership."""
     from astraflow import log
@@ -46,7 +55,7 @@ def controller(
 
     log.setup("controller")
     r = load_recipe(recipe, set_ or [])
-    validate_plugins(r)
+    validate_plugins(r, torch_plugins=not plugins_checked)
     set_server_keys(_controller_keys(keys, run_dir, bind or r.controller.bind, insecure))
     # before prepare() rewrites recipe.resolved.json: a refused recipe must leave the run as it was
     check_run_recipe(run_dir, r, allow=allow_recipe_change)

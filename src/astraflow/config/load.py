@@ -133,8 +133,11 @@ def validate_options(group: str, name: str, options: dict[str, Any], where: str)
         raise RecipeError(f"invalid options for plugin {name!r}:\n" + "\n".join(lines)) from None
 
 
-def validate_plugins(recipe: Recipe) -> None:
-    """Check that every plugin named by the recipe is installed and accepts its options."""
+def validate_plugins(recipe: Recipe, *, torch_plugins: bool = True) -> None:
+    """Check that every plugin named by the recipe is installed and accepts its options.
+
+    torch_plugins=False leaves out the engines and trainers (their modules import torch): for a
+    controller whose launcher has checked them already, as `astraflow up` does."""
     validate_options("workflows", recipe.workflow.name, recipe.workflow.options, "workflow.options")
     from astraflow import plugins
 
@@ -171,6 +174,8 @@ def validate_plugins(recipe: Recipe) -> None:
             validate_options("data", stage.name, stage.options, f"policy.{i}.data.{j}.options")
         # engines and trainers import torch: checking their options here costs a second, and saves
         # a run that would die in its first RaaS or trainer process
+        if not torch_plugins:
+            continue
         validate_options("engines", pol.engine, pol.engine_options, f"policy.{i}.engine_options")
         validate_options("trainers", pol.trainer, pol.trainer_options, f"policy.{i}.trainer_options")
     for i, sink in enumerate(recipe.metrics.sinks):
