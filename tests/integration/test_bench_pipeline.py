@@ -64,12 +64,16 @@ def test_bench_pipeline_runs_sync_then_async_and_compares(tiny_model: Path, tmp_
         rep = summary["e2e"][mode]
         # rollouts may all come from before the window (buffered within the staleness bound): >= 0 there
         assert rep["window_s"] > 0 and rep["generated_per_s"] >= 0 and rep["trained_per_s"] > 0
-        for name in ("proposer", "solver"):
+        for name in ("solver", "verifier"):
             pol = rep["policies"][name]
             assert 0 < pol["trainer_busy"] <= 1 and pol["publish_s"] > 0
         workers = rep["workers"]
-        assert set(workers) == {"raas-0", "raas-1"}
+        assert set(workers) == {"raas-0"}  # rollout.local_workers=1
         engines = [e for w in workers.values() for e in w["engines"].values()]
-        assert len(engines) == 4 and all(0 <= e["busy"] <= 1 for e in engines)
-        # each version reached the workers: pulled and applied inside the window by someone
-        assert sum(e["applied"] for e in engines) >= 2 and sum(e["busy"] for e in engines) > 0
+        # busy is None for an engine with no stats line inside a short window (2 steps a policy here);
+        # tests/integration/test_bench_e2e.py checks the busy fraction over a longer run
+        assert len(engines) == 2 and all(e["busy"] is None or 0 <= e["busy"] <= 1 for e in engines)
+        # new versions reached the worker (with 2 steps a policy the pulls may fall outside the window,
+        # so this reads the worker's own last stats line)
+        last = json.loads((tmp_path / f"bench/{mode}/logs/raas-0.stats.jsonl").read_text().splitlines()[-1])
+        assert all(last["engines"][name]["version"] >= 1 for name in ("solver", "verifier")), last
