@@ -73,7 +73,3 @@ def test_bench_pipeline_runs_sync_then_async_and_compares(tiny_model: Path, tmp_
         # busy is None for an engine with no stats line inside a short window (2 steps a policy here);
         # tests/integration/test_bench_e2e.py checks the busy fraction over a longer run
         assert len(engines) == 2 and all(e["busy"] is None or 0 <= e["busy"] <= 1 for e in engines)
-        # new versions reached the worker (with 2 steps a policy the pulls may fall outside the window,
-        # so this reads the worker's own last stats line)
-        last = json.loads((tmp_path / f"bench/{mode}/logs/raas-0.stats.jsonl").read_text().splitlines()[-1])
-        assert all(last["engines"][name]["version"] >= 1 for name in ("solver", "verifier")), last
