@@ -88,6 +88,9 @@ class QuickstartWorkflow(Workflow):
     ) -> list[Episode]:
         """The task's group: the prompt encoded once and sampled in one n-sample call (the engine
         prefills it once), each completion scored like run_episode's."""
+        if type(self).run_episode is not QuickstartWorkflow.run_episode:
+            # a subclass that changes the episode keeps its own run_episode per sample
+            return await super().run_group(sample, policies, group_sizes)
         actor = policies["actor"]
         n = max(group_sizes.values(), default=1)
         prompt_ids = list(actor.tokenizer.encode(sample["prompt"]))
