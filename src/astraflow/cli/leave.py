@@ -20,7 +20,10 @@ def leave(
     timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait for the controller.")] = 30.0,
     key: Annotated[
         Path | None,
-        typer.Option("--key", help="An observer key file (NAME.key_secret) for an authenticated controller."),
+        typer.Option(
+            "--key",
+            help="An operator key file (NAME.key_secret; `up` makes RUN/keys/members/operator.key_secret) for an authenticated controller.",
+        ),
     ] = None,
     controller_key: Annotated[
         str | None, typer.Option("--controller-key", help="The controller's public key (file or Z85 text).")
@@ -41,7 +44,7 @@ def leave(
     if reply is None:
         raise ConnectError(
             f"controller at {controller} did not answer within {timeout:.0f}s",
-            hint="is `astraflow controller` running there? with authentication on, pass --key (an observer "
+            hint="is `astraflow controller` running there? with authentication on, pass --key (an operator "
             "key) and --controller-key (an unknown key gets no answer at all)",
         )
     if isinstance(reply, Error):
