@@ -37,8 +37,11 @@ def status(run_dir: Path) -> dict[str, Any]:
         st.close()
 
 
-def key_client(run_dir: Path, name: str) -> ControlClient:
-    """A client holding member `name`'s key of the run (made by `up`)."""
+def key_client(run_dir: Path, name: str, timeout_s: float = 30.0) -> ControlClient:
+    """A client holding member `name`'s key of the run (made by `up`).
+
+    The timeout is generous: a refusal is an answer, and a controller sharing 2 loaded cores with
+    its trainer and worker can take seconds to give it."""
     from astraflow.transport.keys import load_keypair, load_public
     from astraflow.transport.security import MemberCredentials
 
@@ -47,7 +50,7 @@ def key_client(run_dir: Path, name: str) -> ControlClient:
         keypair=load_keypair(keys / "members" / f"{name}.key_secret"),
         controller_public=load_public(str(keys / "controller.key")),
     )
-    return ControlClient((run_dir / "controller.addr").read_text().strip(), creds, timeout_s=3.0)
+    return ControlClient((run_dir / "controller.addr").read_text().strip(), creds, timeout_s=timeout_s)
 
 
 def wait(what: str, cond: Callable[[], bool], timeout: float = 120.0) -> None:
@@ -96,7 +99,7 @@ def test_control_keys_on_a_live_run(tiny_model: Path, tmp_path: Path) -> None:
                     call(key_client(run_dir, name))
         # the operator's name, but a key the run never registered: the CURVE handshake fails, no answer
         new_key_files(tmp_path / "rogue", "operator")
-        rogue = key_client(run_dir, "operator")
+        rogue = key_client(run_dir, "operator", timeout_s=3.0)
         rogue.credentials = MemberCredentials(
             keypair=load_keypair(tmp_path / "rogue" / "operator.key_secret"),
             controller_public=rogue.credentials.controller_public,

@@ -233,6 +233,8 @@ class KeyStore:
     def admits(self, public_z85: bytes) -> bool:
         """Whether a key may connect now (the ZAP check: re-reads the registry if it changed)."""
         self.refresh()
+        if self.principal(public_z85) is None:
+            self.refresh(every_s=0.0)  # a key added a moment ago, inside the throttle window: look again
         return self.principal(public_z85) is not None
 
     def principal(self, public_z85: bytes) -> Principal | None:
