@@ -9,6 +9,7 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 import asyncio
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +27,7 @@ from astraflow.workflows.openai_agent import AgentEndpoint, OpenAIAgentConfig, O
 
 openai = pytest.importorskip("openai")
 torch.set_num_threads(1)
+TOOL_CALL_TEXT = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 2}}</tool_call>'
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +35,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("agent")
     (d / "corpus.txt").write_text(
         "What is 2 plus 2? The answer is 4.\nSay the word apple river stone.\n" * 10
+        + f"Tools (call as {TOOL_CALL_TEXT}):\n" * 5
     )
-    return init_model("qwen3", "tiny", d / "m", tokenizer="bpe", corpus=d / "corpus.txt", vocab_size=300)
+    return init_model("qwen3", "tiny", d / "m", tokenizer="bpe", corpus=d / "corpus.txt", vocab_size=400)
 
 
 class RecordingEngine:
@@ -101,11 +104,14 @@ def test_openai_client_agent_records_the_engines_exact_tokens(model_dir: Path) -
             bad = openai.OpenAI(base_url=ep.base_url, api_key=key or "x", max_retries=0)
             with pytest.raises(openai.AuthenticationError):
                 bad.chat.completions.create(model=ep.model, messages=msgs)
-        with pytest.raises(openai.BadRequestError, match="stream"):
-            oai.chat.completions.create(model=ep.model, messages=msgs, stream=True)
-        with pytest.raises(openai.BadRequestError, match="tools"):
+        with pytest.raises(openai.BadRequestError, match="seed"):
+            oai.chat.completions.create(model=ep.model, messages=msgs, seed=1)
+        with pytest.raises(openai.BadRequestError, match="tool_choice"):
             oai.chat.completions.create(
-                model=ep.model, messages=msgs, tools=[{"type": "function", "function": {"name": "f"}}]
+                model=ep.model,
+                messages=msgs,
+                tools=[{"type": "function", "function": {"name": "f"}}],
+                tool_choice="required",
             )
         return 0.5
 
@@ -225,3 +231,173 @@ def test_env_server_protocol_against_the_reference_server(model_dir: Path) -> No
         engine.inner.close()
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def _policy_turns(seq: Any) -> list[list[int]]:
+    return [seq.tokens[s : s + n] for s, n, _ in seq.turns]
+
+
+def test_streamed_answers_are_recorded_exactly_as_streamed(model_dir: Path) -> None:
+    client, engine = _client(model_dir)
+    tok = client.tokenizer
+    got: dict[str, Any] = {}
+
+    def agent(ep: AgentEndpoint, task: dict[str, Any]) -> float:
+        oai = ep.openai()
+        msgs: list[dict[str, Any]] = [{"role": "user", "content": "What is 2 plus 2?"}]
+        chunks = list(
+            oai.chat.completions.create(
+                model=ep.model,
+                messages=msgs,
+                stream=True,
+                logprobs=True,
+                stream_options={"include_usage": True},
+            )
+        )
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        got["chat"] = chunks, text
+        # the agent sends the streamed text back: the conversation extends the recorded trajectory
+        msgs += [{"role": "assistant", "content": text}, {"role": "user", "content": "Say the word apple."}]
+        list(oai.chat.completions.create(model=ep.model, messages=msgs, stream=True, max_tokens=3))
+        got["raw"] = list(
+            oai.completions.create(
+                model=ep.model, prompt="Say the word", stream=True, logprobs=1, max_tokens=5
+            )
+        )
+        return 1.0
+
+    async def main() -> Any:
+        wf = _workflow()
+        ep, _ = await wf.run_agent({}, {"actor": client}, agent)
+        await wf.server.close()
+        return ep
+
+    try:
+        ep = asyncio.run(main())
+    finally:
+        engine.inner.close()
+    (p1, out1), (p2, out2), (p3, out3) = engine.calls
+    chunks, text = got["chat"]
+    eos = tok.eos_token_id
+    body1 = out1.token_ids[:-1] if out1.token_ids[-1] == eos else out1.token_ids
+    # what was streamed is the text of the engine's tokens, with the engine's logprobs ...
+    assert text == tok.decode(body1)
+    streamed_lp = [
+        x.logprob
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for x in c.choices[0].logprobs.content
+    ]
+    assert streamed_lp == pytest.approx(out1.logprobs)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
+        out1.finish_reason
+    ]
+    assert chunks[-1].usage.completion_tokens == len(out1.token_ids) and chunks[
+        -1
+    ].usage.prompt_tokens == len(p1)
+    # ... and what is recorded is the engine's own output: one chat Sequence of two turns, one raw
+    chat, raw = ep.sequences(1.0)
+    assert _policy_turns(chat) == [out1.token_ids, out2.token_ids] and p2[: len(p1)] == p1
+    assert chat.tokens[: len(p2)] == p2 and chat.versions[len(p2) :] == out2.versions
+    assert [chat.logprobs[i] for i, m in enumerate(chat.loss_mask) if m] == out1.logprobs + out2.logprobs
+    assert _policy_turns(raw) == [out3.token_ids] and raw.tokens[: len(p3)] == p3
+    raw_text = "".join(c.choices[0].text for c in got["raw"])
+    body3 = out3.token_ids[:-1] if out3.token_ids[-1] == eos else out3.token_ids
+    assert raw_text == tok.decode(body3, skip_special_tokens=True)
+    raw_lp = [x for c in got["raw"] if c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs]
+    assert raw_lp == pytest.approx(out3.logprobs)
+
+
+@pytest.fixture(scope="module")
+def tool_model_dir(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model fine-tuned (a few dozen Adam steps) to answer "What is 2 plus 2?" with a tool call,
+    so that the real engine generates one."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 2 plus 2?"}],
+        tools=TOOLS,
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    p_ids = tok.encode(prompt, add_special_tokens=False)
+    ids = torch.tensor([p_ids + tok.encode(TOOL_CALL_TEXT + "<eos>", add_special_tokens=False)])
+    labels = ids.clone()
+    labels[0, : len(p_ids)] = -100
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    torch.manual_seed(0)
+    for _ in range(150):
+        loss = model(input_ids=ids, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if loss.item() < 0.02:
+            break
+    out = tmp_path_factory.mktemp("tool") / "m"
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+TOOLS = [{"type": "function", "function": {"name": "add"}}]
+
+
+def test_tool_calls_round_trip_through_the_real_engine(tool_model_dir: Path) -> None:
+    client, engine = _client(tool_model_dir)
+    tok = client.tokenizer
+    got: dict[str, Any] = {}
+
+    def agent(ep: AgentEndpoint, task: dict[str, Any]) -> float:
+        oai = ep.openai()
+        msgs: list[Any] = [{"role": "user", "content": "What is 2 plus 2?"}]
+        first = oai.chat.completions.create(
+            model=ep.model, messages=msgs, tools=TOOLS, temperature=0.2, max_tokens=40
+        )
+        call = first.choices[0].message.tool_calls[0]
+        # as agent frameworks do: the returned message object, then the tool's result
+        msgs += [first.choices[0].message, {"role": "tool", "tool_call_id": call.id, "content": "4"}]
+        oai.chat.completions.create(model=ep.model, messages=msgs, tools=TOOLS, temperature=0.2, max_tokens=4)
+        stream = oai.chat.completions.create(
+            model=ep.model, messages=msgs[:1], tools=TOOLS, temperature=0.2, max_tokens=40, stream=True
+        )
+        got.update(first=first, chunks=list(stream))
+        return 1.0
+
+    async def main() -> Any:
+        wf = _workflow()
+        ep, _ = await wf.run_agent({}, {"actor": client}, agent)
+        await wf.server.close()
+        return ep
+
+    try:
+        ep = asyncio.run(main())
+    finally:
+        engine.inner.close()
+    (p1, out1), (p2, out2), (p3, out3) = engine.calls
+    # the engine really generated the tool call (the fine-tune took), and the endpoint parsed it
+    assert tok.decode(out1.token_ids) == TOOL_CALL_TEXT + "<eos>"
+    choice = got["first"].choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "add" and json.loads(call.function.arguments) == {"a": 2, "b": 2}
+    # the template rendered the tools; the tool result extended the recorded ids (not re-tokenized)
+    first_prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 2 plus 2?"}],
+        tools=TOOLS,
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    assert p1 == tok.encode(first_prompt, add_special_tokens=False)
+    tool_turn = tok.encode("\n<|im_start|>tool\n4<eos>\n<|im_start|>assistant\n", add_special_tokens=False)
+    assert p2 == p1 + out1.token_ids + tool_turn
+    seqs = ep.sequences(1.0)
+    two = [s for s in seqs if len(s.turns or []) == 2]
+    assert len(seqs) == 2 and len(two) == 1
+    assert _policy_turns(two[0]) == [out1.token_ids, out2.token_ids] and two[0].temperature == 0.2
+    # streamed, the same call arrives as a tool_calls delta
+    deltas = [tc for c in got["chunks"] for tc in (c.choices[0].delta.tool_calls or [])]
+    assert out3.token_ids == out1.token_ids and [d.function.name for d in deltas] == ["add"]
+    assert json.loads(deltas[0].function.arguments) == {"a": 2, "b": 2}
+    assert [c.choices[0].finish_reason for c in got["chunks"]][-1] == "tool_calls"

@@ -18,12 +18,24 @@ BPE_SPECIAL_TOKENS: tuple[str, ...] = ("<pad>", "<bos>", "<eos>", "<|im_start|>"
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}<|im_start|>system\nTools (call as "
+    '<tool_call>{"name": ..., "arguments": {...}}</tool_call>):\n'
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}{{ eos_token }}\n{% endif %}"
     "{% for message in messages %}"
-    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}{{ eos_token }}\n"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] if message['content'] else '' }}"
+    "{% if message.tool_calls %}{% for call in message.tool_calls %}"
+    "{% set fn = call.function if call.function is defined else call %}"
+    '<tool_call>{"name": {{ fn.name | tojson }}, "arguments": '
+    "{{ fn.arguments if fn.arguments is string else fn.arguments | tojson }}}</tool_call>"
+    "{% endfor %}{% endif %}"
+    "{{ eos_token }}\n"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-"""ChatML-like: one `<|im_start|>role\\ncontent<eos>\\n` block per message."""
+"""ChatML-like: one `<|im_start|>role\\ncontent<eos>\\n` block per message (tool results: role `tool`).
+With `tools`, a system block first lists them as JSON and names the tool-call format, Hermes style:
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, the format the OpenAI-compatible endpoint
+parses; an assistant message's `tool_calls` render in that format after its content."""
 
 MIN_VOCAB = 256 + len(BPE_SPECIAL_TOKENS)
 """The byte alphabet plus the special tokens: the smallest vocabulary that covers every string."""

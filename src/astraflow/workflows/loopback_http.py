@@ -4,7 +4,9 @@ Each episode registers a random token; its URLs are `http://127.0.0.1:PORT/<toke
 request must also carry `Authorization: Bearer <token>`. Without both, the answer is 401, so another
 local process cannot use (or even probe) an episode's endpoint. A token is revoked when its episode
 ends. One response per connection (`Connection: close`): clients (httpx, requests, urllib) reconnect.
-Bodies are JSON only; streaming and chunked uploads are refused.
+Request bodies are JSON only (chunked uploads are refused). A handler answers a JSON object, or an
+`EventStream`, sent as server-sent events (`data: <json>` lines, then `data: [DONE]`), the body ending
+when the connection closes.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import asyncio
 import hmac
 import json
 import secrets
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 MAX_HEADER_BYTES = 64 * 1024
@@ -21,7 +24,15 @@ MAX_BODY_BYTES = 16 * 1024 * 1024
 READ_TIMEOUT_S = 30.0
 
 Handler = Callable[[str, str, Any], Awaitable[Any]]
-"""(method, path after the token, parsed JSON body or None) -> JSON-able response."""
+"""(method, path after the token, parsed JSON body or None) -> JSON-able response or EventStream."""
+
+
+@dataclass
+class EventStream:
+    """A 200 answer sent as server-sent events: each item of `events` as one `data:` line of JSON."""
+
+    events: AsyncIterator[dict[str, Any]]
+    """The events, in order; `data: [DONE]` follows the last one."""
 
 
 async def in_daemon_thread(fn: Callable[..., Any], *args: Any) -> Any:
@@ -123,6 +134,9 @@ class LoopbackServer:
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
             writer.close()
             return
+        if isinstance(body, EventStream):
+            await self._stream(writer, body)
+            return
         data = json.dumps(body).encode()
         head = (
             f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\nContent-Type: application/json\r\n"
@@ -132,6 +146,25 @@ class LoopbackServer:
             writer.write(head.encode() + data)
             await writer.drain()
         except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+    async def _stream(self, writer: asyncio.StreamWriter, stream: EventStream) -> None:
+        # No Content-Length: the body is delimited by closing the connection (HTTP/1.1 allows it and
+        # every client reads it), so no chunked encoding is needed.
+        head = (
+            "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
+            "Connection: close\r\n\r\n"
+        )
+        try:
+            writer.write(head.encode())
+            async for event in stream.events:
+                writer.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+                await writer.drain()
+            writer.write(b"data: [DONE]\n\n")
+            await writer.drain()
+        except ConnectionError:  # the client went away mid-stream; what it was sent is recorded anyway
             pass
         finally:
             writer.close()

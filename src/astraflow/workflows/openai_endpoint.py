@@ -15,6 +15,7 @@ into trajectories, one Sequence each:
 Either way the engine is prompted with exactly the ids that are recorded, so what the trainer scores
 is what the engine saw and produced. A trajectory extended later is superseded by its extension; the
 episode's Sequences are the trajectories nobody extended (n > 1 branches each become one).
+Streaming (openai_stream.py) and tool calls (openai_tools.py) go through the same path.
 """
 
 from __future__ import annotations
@@ -27,11 +28,19 @@ from typing import Any
 from astraflow.engines.base import Completion
 from astraflow.protocol.messages import Sequence
 from astraflow.workflows.base import PolicyClient
-from astraflow.workflows.loopback_http import HttpError
+from astraflow.workflows.loopback_http import EventStream, HttpError
+from astraflow.workflows.openai_stream import Answer, chat_chunks, completion_chunks
+from astraflow.workflows.openai_tools import (
+    api_message,
+    check_template,
+    check_tools,
+    parse_tool_calls,
+    template_message,
+)
 from astraflow.workflows.transcript import Transcript, TranscriptError
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stop", "stream", "logprobs", "user", "seed"}
-_COMMON |= {"frequency_penalty", "presence_penalty", "stream_options"}
+_COMMON |= {"frequency_penalty", "presence_penalty", "stream_options", "metadata", "store", "logit_bias"}
 CHAT_PARAMS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice"}
 CHAT_PARAMS |= {"response_format", "parallel_tool_calls"}
 COMPLETION_PARAMS = _COMMON | {"prompt", "echo", "suffix", "best_of"}
@@ -51,16 +60,27 @@ class Trajectory:
     """The recorded trajectory this one extends (None: it started fresh)."""
     superseded: bool = False
     """A later request extended it: its extension carries all of it."""
+    api: list[dict[str, Any]] | None = None
+    """Chat mode: the conversation as the agent sees it (requests' messages, returned messages), in
+    api_message form, for prefix matching; the transcript keeps the template's form."""
 
 
 def _refuse(body: dict[str, Any], allowed: set[str]) -> None:
     unknown = sorted(set(body) - allowed)
     if unknown:
         raise HttpError(400, f"unsupported parameter(s) {unknown}; supported: {sorted(allowed)}")
-    if body.get("stream"):
-        raise HttpError(400, "stream=true is not supported yet; call without streaming")
+    if body.get("stream_options") is not None:
+        opts = body["stream_options"]
+        if not body.get("stream") or not isinstance(opts, dict) or set(opts) - {"include_usage"}:
+            raise HttpError(400, "stream_options takes only include_usage, and only with stream=true")
     if body.get("seed") is not None:
-        raise HttpError(400, "seed is not supported: samples are not seeded per request")
+        raise HttpError(400, "seed is not supported: the engine does not seed samples per request")
+    if body.get("store"):
+        raise HttpError(400, "store=true is not supported: this endpoint stores nothing for later retrieval")
+    if body.get("logit_bias"):
+        raise HttpError(400, "logit_bias is not supported (it would change the sampling distribution)")
+    if body.get("metadata") is not None and not isinstance(body["metadata"], dict):
+        raise HttpError(400, "metadata must be an object")
     for key in ("frequency_penalty", "presence_penalty"):
         if body.get(key) not in (None, 0, 0.0):
             raise HttpError(400, f"{key} is not supported (it would change the sampling distribution)")
@@ -72,23 +92,6 @@ def _stops(body: dict[str, Any]) -> list[str]:
     if len(stops) > MAX_STOPS or not all(isinstance(s, str) and s for s in stops):
         raise HttpError(400, f"stop must be a non-empty string or a list of at most {MAX_STOPS} of them")
     return stops
-
-
-def _content(message: Any) -> dict[str, str]:
-    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-        raise HttpError(400, "each message needs a role and a content")
-    if message.get("tool_calls"):
-        raise HttpError(400, "tool_calls in messages are not supported yet (tools are not yet)")
-    content = message.get("content")
-    if isinstance(content, list):
-        if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-            raise HttpError(400, "only text content parts are supported")
-        content = "".join(str(p.get("text", "")) for p in content)
-    if content is None:
-        content = ""
-    if not isinstance(content, str):
-        raise HttpError(400, "message content must be a string or a list of text parts")
-    return {"role": message["role"], "content": content}
 
 
 def cut_at_stop(tokenizer: Any, c: Completion, stops: list[str]) -> tuple[Completion, str | None]:
@@ -194,7 +197,8 @@ class EpisodeEndpoint:
     def _extend(self, base: Trajectory | None, fresh: Trajectory, grow: Any) -> Trajectory:
         """`base` forked and grown by `grow(transcript)`, or `fresh` when that is impossible."""
         if base is not None:
-            fork = Trajectory(base.role, base.transcript.fork(), base.text, parent=base)
+            api = None if base.api is None else list(base.api)
+            fork = Trajectory(base.role, base.transcript.fork(), base.text, parent=base, api=api)
             try:
                 grow(fork)
                 return fork
@@ -204,80 +208,98 @@ class EpisodeEndpoint:
 
     # ----- chat --------------------------------------------------------------------------------
 
-    async def chat(self, body: dict[str, Any]) -> dict[str, Any]:
+    async def chat(self, body: dict[str, Any]) -> dict[str, Any] | EventStream:
         """POST /v1/chat/completions."""
         _refuse(body, CHAT_PARAMS)
         if body.get("top_logprobs"):
             raise HttpError(400, "top_logprobs is not supported (only the sampled token's logprob)")
-        if body.get("tools") or body.get("tool_choice") not in (None, "none"):
-            raise HttpError(400, "tools are not supported yet; describe tools in the prompt instead")
         fmt = body.get("response_format")
         if fmt not in (None, {"type": "text"}):
             raise HttpError(400, "response_format other than text is not supported")
+        tools, parse = check_tools(body)
         role, client = self._policy(body.get("model"))
         raw = body.get("messages")
         if not isinstance(raw, list) or not raw:
             raise HttpError(400, "messages must be a non-empty list")
-        messages = [_content(m) for m in raw]
+        messages = [api_message(m) for m in raw]
+        if tools or any("tool_calls" in m for m in messages):
+            check_template(client.tokenizer, [template_message(m) for m in messages], tools)
         ov, n, stops = self._sampling(body), self._n(body), _stops(body)
-        base = self._chat_base(role, client, messages, ov)
+        base = self._chat_base(role, client, messages, tools, ov)
         prompt = base.transcript.prompt_ids()
         max_new = self._max_new(body, base.transcript, client)
         outs = await client.generate(prompt, n=n, max_new_tokens=max_new, **ov)
-        choices, used = [], 0
-        for i, out in enumerate(outs):
+        answers: list[Answer] = []
+        for out in outs:
             c, cut_text = cut_at_stop(client.tokenizer, out, stops)
-            tr = Trajectory(role, base.transcript.fork(), parent=base.parent)
+            tr = Trajectory(role, base.transcript.fork(), parent=base.parent, api=list(base.api or []))
             tr.transcript.add_completion(c, max_new_tokens=max_new, **ov)
             if cut_text is not None:  # the agent sends back what it got; match on that
                 tr.transcript.messages[-1]["content"] = cut_text
+            text = str(tr.transcript.messages[-1]["content"])
+            content, calls = parse_tool_calls(text) if parse and c.finish_reason == "stop" else (text, [])
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = calls
+            assert tr.api is not None
+            tr.api.append(api_message(message))
             self._record(base, tr)
-            used += len(c.token_ids)
-            choice: dict[str, Any] = {
+            answers.append(Answer(c, text, message, "tool_calls" if calls else c.finish_reason))
+        used = sum(len(a.completion.token_ids) for a in answers)
+        usage = {"prompt_tokens": len(prompt), "completion_tokens": used, "total_tokens": len(prompt) + used}
+        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": role}
+        lp_fn = (lambda c: self._token_logprobs(client, c)) if body.get("logprobs") else None
+        if body.get("stream"):
+            include = bool((body.get("stream_options") or {}).get("include_usage"))
+            return EventStream(
+                chat_chunks(head, answers, client.tokenizer, lp_fn, usage if include else None)
+            )
+        choices = [
+            {
                 "index": i,
-                "message": {"role": "assistant", "content": tr.transcript.messages[-1]["content"]},
-                "finish_reason": c.finish_reason,
-                "logprobs": None,
+                "message": a.message,
+                "finish_reason": a.finish_reason,
+                "logprobs": None if lp_fn is None else {"content": lp_fn(a.completion)},
             }
-            if body.get("logprobs"):
-                choice["logprobs"] = {"content": self._token_logprobs(client, c)}
-            choices.append(choice)
-        return {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": role,
-            "choices": choices,
-            "usage": {
-                "prompt_tokens": len(prompt),
-                "completion_tokens": used,
-                "total_tokens": len(prompt) + used,
-            },
-        }
+            for i, a in enumerate(answers)
+        ]
+        return {**head, "object": "chat.completion", "choices": choices, "usage": usage}
 
     def _chat_base(
-        self, role: str, client: PolicyClient, messages: list[dict[str, str]], ov: dict[str, float]
+        self,
+        role: str,
+        client: PolicyClient,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        ov: dict[str, float],
     ) -> Trajectory:
         best: Trajectory | None = None
         for t in self.trajectories:
-            known = t.transcript.messages
-            if t.role == role and t.transcript.chat and messages[: len(known)] == known:
-                if best is None or len(known) > len(best.transcript.messages):
-                    best = t
+            known = t.api or []
+            if (
+                t.role == role
+                and t.transcript.chat
+                and t.transcript.tools == tools
+                and messages[: len(known)] == known
+                and (best is None or len(known) > len(best.api or []))
+            ):
+                best = t
 
         def grow(fork: Trajectory) -> None:
-            for m in messages[len(fork.transcript.messages) :]:
-                fork.transcript.add_message(m["role"], m["content"])
+            new = messages[len(fork.api or []) :]
+            if new:  # all at once: templates may group consecutive tool results
+                fork.transcript.add_messages([template_message(m) for m in new])
+            fork.api = list(messages)
             fork.transcript.prompt_ids()
             fork.transcript._check_sampling(ov)  # one Sequence has one temperature / top_p
 
-        fresh = Trajectory(role, Transcript(client, chat=True, max_tokens=self.max_tokens))
-        if best is None:
-            fresh.transcript.start_conversation(messages)
-            return fresh
+        fresh = Trajectory(
+            role, Transcript(client, chat=True, max_tokens=self.max_tokens), api=list(messages)
+        )
+        fresh.transcript.tools = tools
         chosen = self._extend(best, fresh, grow)
         if chosen is fresh:
-            fresh.transcript.start_conversation(messages)
+            fresh.transcript.start_conversation([template_message(m) for m in messages])
         return chosen
 
     def _record(self, base: Trajectory, tr: Trajectory) -> None:
@@ -295,7 +317,7 @@ class EpisodeEndpoint:
 
     # ----- completions -------------------------------------------------------------------------
 
-    async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
+    async def complete(self, body: dict[str, Any]) -> dict[str, Any] | EventStream:
         """POST /v1/completions."""
         _refuse(body, COMPLETION_PARAMS)
         if body.get("echo"):
@@ -319,32 +341,37 @@ class EpisodeEndpoint:
         ids = base.transcript.prompt_ids()
         max_new = self._max_new(body, base.transcript, client)
         outs = await client.generate(ids, n=n, max_new_tokens=max_new, **ov)
-        choices, used = [], 0
-        for i, out in enumerate(outs):
+        answers: list[Answer] = []
+        for out in outs:
             c, cut_text = cut_at_stop(client.tokenizer, out, stops)
             tr = Trajectory(role, base.transcript.fork(), base.text, parent=base.parent)
             turn = tr.transcript.add_completion(c, max_new_tokens=max_new, **ov)
             text = turn.text if cut_text is None else cut_text
             tr.text = base.text + text
             self._record(base, tr)
-            used += len(c.token_ids)
+            answers.append(Answer(c, text, None, c.finish_reason))
+        used = sum(len(a.completion.token_ids) for a in answers)
+        usage = {"prompt_tokens": len(ids), "completion_tokens": used, "total_tokens": len(ids) + used}
+        head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": role}
+        want_lp = body.get("logprobs") not in (None, 0, False)
+        if body.get("stream"):
+            include = bool((body.get("stream_options") or {}).get("include_usage"))
+            return EventStream(
+                completion_chunks(head, answers, client.tokenizer, want_lp, usage if include else None)
+            )
+        choices = []
+        for i, a in enumerate(answers):
+            c = a.completion
             lp = None
-            if body.get("logprobs") not in (None, 0, False):
+            if want_lp:
                 lp = {
                     "tokens": [str(client.tokenizer.decode([t])) for t in c.token_ids],
                     "token_logprobs": [float(x) for x in c.logprobs],
                     "top_logprobs": None,
                     "text_offset": None,
                 }
-            choices.append({"index": i, "text": text, "finish_reason": c.finish_reason, "logprobs": lp})
-        return {
-            "id": f"cmpl-{uuid.uuid4().hex}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": role,
-            "choices": choices,
-            "usage": {"prompt_tokens": len(ids), "completion_tokens": used, "total_tokens": len(ids) + used},
-        }
+            choices.append({"index": i, "text": a.text, "finish_reason": a.finish_reason, "logprobs": lp})
+        return {**head, "object": "text_completion", "choices": choices, "usage": usage}
 
     def _raw_base(
         self, role: str, client: PolicyClient, prompt: str | list[int], ov: dict[str, float]

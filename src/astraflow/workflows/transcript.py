@@ -70,7 +70,9 @@ class Transcript:
         self.logprobs: list[float] = []
         self.versions: list[int] = []
         self.turns: list[PolicyTurn] = []
-        self.messages: list[dict[str, str]] = []
+        self.messages: list[dict[str, Any]] = []
+        self.tools: list[dict[str, Any]] | None = None
+        """Tool schemas the chat template renders (its `tools=`); set before the first message."""
         self._text = ""
         self._sampling: dict[str, float] | None = None
         self._header_open = False
@@ -94,11 +96,16 @@ class Transcript:
 
     def add_message(self, role: str, content: str) -> None:
         """Chat mode: append a message (system, user, tool, ...) rendered by the chat template (masked)."""
+        self.add_messages([{"role": role, "content": content}])
+
+    def add_messages(self, messages: list[dict[str, Any]]) -> None:
+        """Chat mode: append messages (any keys the template reads, e.g. tool_calls, tool_call_id),
+        rendered together (masked): templates that group consecutive tool results need all of them."""
         if not self.chat:
             raise TranscriptError("add_message is for chat transcripts; use add_text in raw mode")
         if self._header_open:
             raise TranscriptError("a message after prompt_ids() and before the policy's turn")
-        self.messages.append({"role": role, "content": content})
+        self.messages += [dict(m) for m in messages]
         self._extend_to(self._render(add_generation_prompt=False))
 
     def _extend_to(self, rendered: str) -> None:
@@ -111,7 +118,7 @@ class Transcript:
         self.add_ids(list(self.tokenizer.encode(delta, add_special_tokens=False)))
         self._text = rendered
 
-    def start_conversation(self, messages: list[dict[str, str]]) -> None:
+    def start_conversation(self, messages: list[dict[str, Any]]) -> None:
         """Chat mode, empty transcript: render a whole conversation at once (masked) and open the
         assistant turn; any template works here, even one that rewrites earlier turns."""
         if not self.chat or self.tokens or self.messages:
@@ -139,8 +146,9 @@ class Transcript:
         return list(self.tokens)
 
     def _render(self, add_generation_prompt: bool) -> str:
+        kw: dict[str, Any] = {"tools": self.tools} if self.tools else {}
         text = self.tokenizer.apply_chat_template(
-            self.messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            self.messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kw
         )
         return str(text)
 
