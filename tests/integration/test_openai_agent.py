@@ -104,8 +104,8 @@ def test_openai_client_agent_records_the_engines_exact_tokens(model_dir: Path) -
             bad = openai.OpenAI(base_url=ep.base_url, api_key=key or "x", max_retries=0)
             with pytest.raises(openai.AuthenticationError):
                 bad.chat.completions.create(model=ep.model, messages=msgs)
-        with pytest.raises(openai.BadRequestError, match="seed"):
-            oai.chat.completions.create(model=ep.model, messages=msgs, seed=1)
+        with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+            oai.chat.completions.create(model=ep.model, messages=msgs, logprobs=True, top_logprobs=2)
         with pytest.raises(openai.BadRequestError, match="tool_choice"):
             oai.chat.completions.create(
                 model=ep.model,
@@ -401,3 +401,31 @@ def test_tool_calls_round_trip_through_the_real_engine(tool_model_dir: Path) -> 
     assert out3.token_ids == out1.token_ids and [d.function.name for d in deltas] == ["add"]
     assert json.loads(deltas[0].function.arguments) == {"a": 2, "b": 2}
     assert [c.choices[0].finish_reason for c in got["chunks"]][-1] == "tool_calls"
+
+
+def test_a_seed_makes_the_engine_repeat_its_samples(model_dir: Path) -> None:
+    client, engine = _client(model_dir)
+    answers: list[list[str]] = []
+
+    def agent(ep: AgentEndpoint, task: dict[str, Any]) -> float:
+        oai = ep.openai()
+        msgs = [{"role": "user", "content": "Say the word apple."}]
+        for _ in range(2):
+            out = oai.chat.completions.create(model=ep.model, messages=msgs, seed=7, n=2, max_tokens=8)
+            answers.append([c.message.content or "" for c in out.choices])
+        return 1.0
+
+    async def main() -> Any:
+        wf = _workflow()
+        ep, _ = await wf.run_agent({}, {"actor": client}, agent)
+        await wf.server.close()
+        return ep
+
+    try:
+        ep = asyncio.run(main())
+    finally:
+        engine.inner.close()
+    outs = [c.token_ids for _, c in engine.calls]
+    # the same seed gives the same samples; choice i of n uses seed + i, so the two choices differ
+    assert answers[0] == answers[1] and outs[:2] == outs[2:] and outs[0] != outs[1]
+    assert sorted(_policy_turns(s)[0] for s in ep.sequences(1.0)) == sorted(outs)

@@ -48,6 +48,7 @@ class EnginePolicyClient:
             top_p=float(overrides.get("top_p", self.sampling.top_p)),
             top_k=int(overrides.get("top_k", getattr(self.sampling, "top_k", 0))),
             stop_ids=list(overrides.get("stop_ids", self.stop_ids)),
+            seed=overrides.get("seed"),  # the engine's own stream when None
         )
         # One n-sample call, so an engine can prefill the prompt once for the whole group.
         outs = await self.engine.generate_n(req, n) if n > 1 else await self.engine.generate([req])

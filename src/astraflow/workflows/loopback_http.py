@@ -90,6 +90,13 @@ _REASONS = {
 }
 
 
+@dataclass(frozen=True)
+class _Request:
+    """A request read in full and authorised: its handler, method, path and JSON body."""
+
+    args: tuple[Handler, str, str, Any]
+
+
 class LoopbackServer:
     """One HTTP server per process, shared by all episodes; started on first use."""
 
@@ -130,10 +137,13 @@ class LoopbackServer:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            status, body = await asyncio.wait_for(self._answer(reader), READ_TIMEOUT_S)
+            # the timeout bounds reading the request only: a long generation is bounded by the
+            # episode's timeout, not cut off here
+            read = await asyncio.wait_for(self._read(reader), READ_TIMEOUT_S)
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
             writer.close()
             return
+        status, body = read if isinstance(read, tuple) else await self._call(*read.args)
         if isinstance(body, EventStream):
             await self._stream(writer, body)
             return
@@ -169,7 +179,8 @@ class LoopbackServer:
         finally:
             writer.close()
 
-    async def _answer(self, reader: asyncio.StreamReader) -> tuple[int, Any]:
+    async def _read(self, reader: asyncio.StreamReader) -> tuple[int, Any] | _Request:
+        """The request to answer, or an error answer (status, body) when it cannot be served."""
         try:
             raw = await reader.readuntil(b"\r\n\r\n")
         except asyncio.LimitOverrunError:
@@ -204,6 +215,10 @@ class LoopbackServer:
                 payload = json.loads(await reader.readexactly(size))
             except ValueError:
                 return 400, HttpError(400, "request body is not valid JSON").body()
+        return _Request((handler, method, path, payload))
+
+    @staticmethod
+    async def _call(handler: Handler, method: str, path: str, payload: Any) -> tuple[int, Any]:
         try:
             return 200, await handler(method, path, payload)
         except HttpError as exc:

@@ -73,8 +73,9 @@ def _refuse(body: dict[str, Any], allowed: set[str]) -> None:
         opts = body["stream_options"]
         if not body.get("stream") or not isinstance(opts, dict) or set(opts) - {"include_usage"}:
             raise HttpError(400, "stream_options takes only include_usage, and only with stream=true")
-    if body.get("seed") is not None:
-        raise HttpError(400, "seed is not supported: the engine does not seed samples per request")
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**62):
+        raise HttpError(400, "seed must be an integer in [0, 2**62)")
     if body.get("store"):
         raise HttpError(400, "store=true is not supported: this endpoint stores nothing for later retrieval")
     if body.get("logit_bias"):
@@ -173,6 +174,12 @@ class EpisodeEndpoint:
         return ov
 
     @staticmethod
+    def _seed(body: dict[str, Any]) -> dict[str, int]:
+        # the engine's per-request seed (GenerationRequest.seed; choice i of n uses seed + i); not a
+        # sampling setting of the Sequence, so it is passed to generate() only, never recorded
+        return {} if body.get("seed") is None else {"seed": int(body["seed"])}
+
+    @staticmethod
     def _n(body: dict[str, Any]) -> int:
         n = body.get("n") or 1
         if not isinstance(n, int) or not 1 <= n <= MAX_N:
@@ -228,7 +235,7 @@ class EpisodeEndpoint:
         base = self._chat_base(role, client, messages, tools, ov)
         prompt = base.transcript.prompt_ids()
         max_new = self._max_new(body, base.transcript, client)
-        outs = await client.generate(prompt, n=n, max_new_tokens=max_new, **ov)
+        outs = await client.generate(prompt, n=n, max_new_tokens=max_new, **ov, **self._seed(body))
         answers: list[Answer] = []
         for out in outs:
             c, cut_text = cut_at_stop(client.tokenizer, out, stops)
@@ -340,7 +347,7 @@ class EpisodeEndpoint:
         base = self._raw_base(role, client, prompt, ov)
         ids = base.transcript.prompt_ids()
         max_new = self._max_new(body, base.transcript, client)
-        outs = await client.generate(ids, n=n, max_new_tokens=max_new, **ov)
+        outs = await client.generate(ids, n=n, max_new_tokens=max_new, **ov, **self._seed(body))
         answers: list[Answer] = []
         for out in outs:
             c, cut_text = cut_at_stop(client.tokenizer, out, stops)

@@ -21,7 +21,7 @@ from typing import Any
 from astraflow.engines.base import Completion
 from astraflow.protocol.messages import Sequence
 
-SAMPLING_OVERRIDES: frozenset[str] = frozenset({"max_new_tokens", "temperature", "top_p", "stop_ids"})
+SAMPLING_OVERRIDES: frozenset[str] = frozenset({"max_new_tokens", "temperature", "top_p", "stop_ids", "seed"})
 """Keys a workflow may pass to PolicyClient.generate to change the recipe's sampling for one call."""
 
 
