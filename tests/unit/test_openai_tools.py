@@ -117,6 +117,9 @@ def test_tool_options_and_a_template_that_ignores_tools_are_refused(tok: Any) ->
             check_template(tok, msgs, TOOLS)
         with pytest.raises(HttpError, match="does not render assistant tool_calls"):
             check_template(tok, called, None)
+        tok.chat_template = "{{ raise_exception('tools must come first') }}"
+        with pytest.raises(HttpError, match="cannot render these messages: tools must come first"):
+            check_template(tok, msgs, TOOLS)
     finally:
         tok.chat_template = saved
 

@@ -130,9 +130,15 @@ def check_template(
 
     def render(msgs: list[dict[str, Any]], with_tools: bool) -> str:
         kw: dict[str, Any] = {"tools": tools} if with_tools else {}
-        return str(tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=False, **kw))
+        try:
+            return str(tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=False, **kw))
+        except Exception as exc:  # the template's own error (e.g. jinja's raise_exception): the agent's input
+            raise HttpError(400, f"the model's chat template cannot render these messages: {exc}") from exc
 
-    hint = "rebuild the model with `astraflow model init` (its template renders tools) or describe tools in the prompt"
+    hint = (
+        "use a chat template that renders them (the one `astraflow model init --tokenizer bpe` writes "
+        "does), or describe the tools in the prompt"
+    )
     if tools and render(messages, True) == render(messages, False):
         raise HttpError(400, f"the model's chat template does not render tools; {hint}")
     for i, m in enumerate(messages):
