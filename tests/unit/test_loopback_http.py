@@ -24,14 +24,14 @@ def _post(url: str, token: str) -> tuple[int, str, bytes]:
 
 
 def test_slow_answers_and_event_streams(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(loopback_http, "READ_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(loopback_http, "READ_TIMEOUT_S", 0.05)
 
     async def events() -> AsyncIterator[dict[str, Any]]:
         for i in range(3):
             yield {"i": i}
 
     async def handler(method: str, path: str, body: Any) -> Any:
-        await asyncio.sleep(0.5)  # longer than the read timeout: a generation may take long
+        await asyncio.sleep(0.2)  # longer than the read timeout: a generation may take long
         return EventStream(events()) if path == "/stream" else {"path": path, "body": body}
 
     async def main() -> list[tuple[int, str, bytes]]:
