@@ -80,6 +80,26 @@ def test_code_smoke_runs_through_up_with_the_sandbox(bpe_model: Path, tmp_path: 
 
 
 @pytest.mark.slow
+def test_code_stdio_smoke_runs_programs_on_stdin_in_the_sandbox(bpe_model: Path, tmp_path: Path) -> None:
+    recs = _up(
+        ROOT / "recipes/code/smoke-stdio.toml",
+        tmp_path / "run",
+        ROOT,
+        f'policy.model="{bpe_model}"',
+        "run.steps=1",
+        "policy.batch_prompts=2",  # 4 programs: the wiring, at the least CI time
+        "policy.group_size=2",
+    )
+    steps, evals = _split(recs)
+    assert [r["step"] for r in steps] == [1]
+    assert all(0.0 <= r["info/tests_passed"] <= 1.0 for r in steps)
+    # held-out stdin/stdout programs, run in the sandbox at version 0 and the last version
+    assert [(r["version"], r["eval/tasks"]) for r in evals] == [(0, 4), (1, 4)]
+    logs = "".join(p.read_text() for p in (tmp_path / "run" / "logs").glob("*"))
+    assert "task_timeout" not in logs and "failed" not in logs.lower()
+
+
+@pytest.mark.slow
 def test_search_smoke_runs_through_up_with_bm25(bpe_model: Path, tmp_path: Path) -> None:
     recs = _up(
         ROOT / "recipes/search/smoke.toml",
