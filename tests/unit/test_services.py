@@ -109,3 +109,22 @@ def test_recipe_service_tables_are_checked() -> None:
         Recipe(**base, service=[{**svc, "ready": "http://127.0.0.1:8700"}])  # host:port, not a URL
     with pytest.raises(ValidationError):
         Recipe(**base, service=[{**svc, "command": []}])
+
+
+def test_a_service_that_stops_during_the_run_ends_the_run(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from astraflow.launcher import _watch
+
+    sup = _sup(tmp_path)
+    # a stand-in trainer (a real process that would run for a minute) and a service that quits cleanly
+    sup.start_command("trainer-main", "trainer", [sys.executable, "-c", "import time; time.sleep(60)"], {})
+    quits = [sys.executable, "-c", "import time; time.sleep(0.5)"]
+    start_services(sup, [ServiceConfig(name="env", command=quits)])
+    recipe = SimpleNamespace(trainable=lambda: [SimpleNamespace(name="main")], budget=lambda name: 1)
+    t0 = time.monotonic()
+    try:
+        assert _watch(sup, recipe, tmp_path, {"signal": 0}, t0, max_restarts=0) == 1
+    finally:
+        sup.stop_all(grace_s=2)
+    assert time.monotonic() - t0 < 30
