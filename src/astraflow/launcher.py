@@ -84,6 +84,22 @@ class Supervisor:
         self.children.append(child)
         return child
 
+    def start_command(self, name: str, role: str, argv: list[str], env: dict[str, str]) -> Child:
+        """Start any command (a recipe's [[service]]) as a supervised child, output to logs/<name>.log."""
+        child = Child(
+            name=name, role=role, argv=argv, log_path=self.run_dir / "logs" / f"{name}.log", env=env
+        )
+        try:
+            self._spawn(child)
+        except OSError as exc:
+            from astraflow.errors import AstraflowError
+
+            if child.log_file is not None:
+                child.log_file.close()
+            raise AstraflowError(f"cannot start {name}: {exc}", hint="check its command") from None
+        self.children.append(child)
+        return child
+
     def _spawn(self, child: Child) -> None:
         child.log_file = open(child.log_path, "ab")  # noqa: SIM115 - closed in stop_all
         child.proc = subprocess.Popen(
@@ -124,10 +140,10 @@ class Supervisor:
                 c.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass  # killed below with the others if it does not stop within grace_s
-        order = {"raas": 0, "trainer": 1, "controller": 2}
+        order = {"raas": 0, "trainer": 1, "controller": 2, "service": 3}
         for c in sorted(self.children, key=lambda c: order.get(c.role, 0)):
             if c.running and c.proc is not None:
-                c.proc.send_signal(signal.SIGTERM)
+                _signal(c, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         for c in self.children:
             if c.proc is None:
@@ -136,12 +152,24 @@ class Supervisor:
                 c.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 _log.warning("%s did not stop within %.0fs; killing it", c.name, grace_s)
-                c.proc.kill()
+                _signal(c, signal.SIGKILL)
                 c.proc.wait()
         for c in self.children:
             if c.log_file is not None:
                 c.log_file.close()
                 c.log_file = None
+
+
+def _signal(child: Child, sig: int) -> None:
+    """Signal a role, or the whole process group of a service (a command may start children of its own)."""
+    assert child.proc is not None
+    if child.role == "service":
+        try:
+            os.killpg(child.proc.pid, sig)  # its own session: the group id is its pid
+        except ProcessLookupError:
+            pass
+    else:
+        child.proc.send_signal(sig)
 
 
 def gpu_env(gpus: str) -> dict[str, str]:
@@ -285,6 +313,7 @@ def run_up(
     lines (the dashboard); closing it stops the run, and at the run's end `up` waits until it is closed."""
     from astraflow.errors import AstraflowError
     from astraflow.rundir import prepare
+    from astraflow.services import start_services
 
     check_models(recipe)
     prepare(run_dir, recipe)
@@ -318,6 +347,8 @@ def run_up(
     )
     shown: subprocess.Popen[bytes] | None = None
     try:
+        # environment servers and the like are up before any RaaS can ask them for an episode
+        start_services(sup, recipe.service)
         # the controller authenticates with <run-dir>/keys, which it finds by itself; `astraflow up`
         # has checked the engine and trainer options, so the controller need not import torch
         ctl = sup.start(
@@ -435,8 +466,8 @@ def _watch(
             if child.proc is None or (child.name, child.restarts) in seen_dead:
                 continue
             seen_dead.add((child.name, child.restarts))
-            if rc == 0 or trainers_done:
-                continue  # a graceful stop (the controller said so, or the run is over)
+            if (rc == 0 and child.role != "service") or trainers_done:
+                continue  # a graceful stop (the controller said so, or the run is over); a service must not stop
             if child.role == "trainer" and child.restarts < MAX_TRAINER_RESTARTS:
                 # it resumes from its newest checkpoint and gets the recorded batches again
                 _log.warning(
@@ -484,7 +515,8 @@ def _watch(
                 run_dir,
             )
             deadline = time.monotonic() + 10.0
-            while time.monotonic() < deadline and any(c.running for c in sup.children):
+            # the roles exit by themselves now; services run until stop_all
+            while time.monotonic() < deadline and any(c.running for c in sup.children if c.role != "service"):
                 print_progress(metrics, budgets, viewer is None)
                 time.sleep(0.1)
             print_progress(metrics, budgets, viewer is None)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -16,6 +18,7 @@ from astraflow.errors import AstraflowError
 from astraflow.models.bpe import build_bpe_tokenizer
 from astraflow.workflows.textworld_games import alfworld_rows, clean, make_games
 from astraflow.workflows.textworld_rl import TextWorldConfig, TextWorldWorkflow, command_of
+from astraflow.workflows.textworld_worker import GameCrashed
 
 pytest.importorskip("textworld")
 
@@ -69,7 +72,7 @@ def test_generated_game_is_won_by_its_walkthrough_and_lost_by_noise(games: Path,
         won = asyncio.run(wf.run_episode(row, {"actor": good}))
         lost = asyncio.run(wf.run_episode(row, {"actor": noise}))
     finally:
-        wf.tools().close()
+        wf.close()
     assert won.sequences[0].reward == 1.0 and won.info["won"] == 1.0 and won.info["turns"] == len(walk)
     assert won.info["valid_commands"] == 1.0
     # the first observation carried the game's goal text and its admissible commands, banner stripped
@@ -110,3 +113,59 @@ def test_alfworld_loader_reads_a_synthetic_folder_in_alfworlds_layout(tmp_path: 
         alfworld_rows(tmp_path / "bad")
     with pytest.raises(AstraflowError, match="not found"):
         alfworld_rows(tmp_path / "missing")
+
+
+def _engine_pids() -> list[int]:
+    """This process's game-engine children (textworld_worker processes)."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmd = (d / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == os.getpid() and b"textworld_worker" in cmd:
+            pids.append(int(d.name))
+    return pids
+
+
+class FaultingClient(ScriptedClient):
+    """A fake PolicyClient (named so) that hits the game engine with a real signal before its 2nd turn."""
+
+    def __init__(self, tokenizer: Any, turns: list[str], sig: int) -> None:
+        super().__init__(tokenizer, turns)
+        self.sig = sig
+        self.hit: list[int] = []
+
+    async def generate(self, prompt_ids: list[int], n: int = 1, **overrides: Any) -> list[Completion]:
+        if len(self.prompts) == 1:
+            self.hit = _engine_pids()
+            for pid in self.hit:
+                os.kill(pid, self.sig)
+        return await super().generate(prompt_ids, n, **overrides)
+
+
+def test_a_crashed_or_hung_game_engine_fails_the_episode_not_the_process(games: Path, tmp_path: Path) -> None:
+    wf = TextWorldWorkflow(TextWorldConfig(games_dir=str(games), max_turns=4, env_timeout_s=3.0))
+    (row,) = list(wf.dataset(seed=3))
+    (tmp_path / "c.txt").write_text("look xyzzy inventory")
+    tok = build_bpe_tokenizer(tmp_path / "c.txt", 300)
+    try:
+        # the engine segfaults mid-game: this episode fails with an error naming the game; we live on
+        crash = FaultingClient(tok, ["look"] * 4, signal.SIGSEGV)
+        with pytest.raises(GameCrashed, match=r"signal SIGSEGV.*\.z8"):
+            asyncio.run(wf.run_episode(row, {"actor": crash}))
+        assert len(crash.hit) == 1
+        # the engine hangs (stopped): the step times out, the episode scores 0 and the process is killed
+        hang = FaultingClient(tok, ["look"] * 4, signal.SIGSTOP)
+        hung = asyncio.run(wf.run_episode(row, {"actor": hang}))
+        assert hung.info["env_timeout"] == 1.0 and hung.sequences[0].reward == 0.0
+        assert len(hang.hit) == 1 and hang.hit[0] not in _engine_pids()
+        # the next episode gets a fresh engine and plays normally
+        ok = asyncio.run(wf.run_episode(row, {"actor": ScriptedClient(tok, ["look"] * 4)}))
+        assert ok.info["turns"] == 4.0 and ok.info["env_timeout"] == 0.0
+    finally:
+        wf.close()
+    assert _engine_pids() == []  # close() stopped the idle engine

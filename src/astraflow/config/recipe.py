@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from astraflow.config.eval import EvalConfig
+from astraflow.config.service import ServiceConfig
 
 
 class _Model(BaseModel):
@@ -232,6 +233,8 @@ class Recipe(_Model):
     """Metric sinks."""
     eval: EvalConfig | None = None
     """Held-out avg@k / pass@k evaluation during training (None: off; docs/recipes.md)."""
+    service: list[ServiceConfig] = []
+    """Helper processes `astraflow up` runs for the length of the run ([[service]] tables; docs/agents.md)."""
 
     @model_validator(mode="after")
     def _check(self) -> Recipe:
@@ -247,6 +250,9 @@ class Recipe(_Model):
             raise ValueError("every policy has trainable = false: nothing to train")
         if self.eval is not None and any(p not in names for p in self.eval.policies):
             raise ValueError(f"eval.policies {self.eval.policies} names a policy not in {names}")
+        services = [s.name for s in self.service]
+        if len(set(services)) != len(services):
+            raise ValueError(f"service names must be unique, got {services}")
         if self.controller.stall_fail_s < self.controller.stall_warn_s:
             raise ValueError("controller.stall_fail_s must be at least controller.stall_warn_s")
         return self

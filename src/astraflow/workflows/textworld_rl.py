@@ -4,12 +4,15 @@ game's own: its score normalized by the max score (or 1 for a won game, `reward 
 
 Games: generated offline with TextWorld into `games_dir` (the controller generates the missing ones on
 first start), any TextWorld story files already there, or ALFWorld's games from a local copy of its
-data (`alfworld_dir`). See textworld_games.py. The games run in the tool thread pool, never on the
-event loop; a game step past `env_timeout_s` ends the episode with reward 0.
+data (`alfworld_dir`). See textworld_games.py. Each game runs in a game-engine process of its own
+(textworld_worker.py), driven from the tool thread pool, never on the event loop: a game step past
+`env_timeout_s` kills that process and ends the episode with reward 0; a crashed engine fails the
+episode (its task is retried) and leaves the RaaS running.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -19,13 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from astraflow.errors import AstraflowError
 from astraflow.protocol.messages import Scalar
 from astraflow.workflows.base import Episode, PolicyClient, Workflow
-from astraflow.workflows.textworld_games import (
-    GameSession,
-    alfworld_rows,
-    game_rows,
-    make_games,
-    safe_command,
-)
+from astraflow.workflows.textworld_games import alfworld_rows, game_rows, make_games, safe_command
+from astraflow.workflows.textworld_worker import GameWorker, GameWorkers
 from astraflow.workflows.tools import Tools
 from astraflow.workflows.transcript import Transcript, TranscriptFull
 
@@ -33,6 +31,10 @@ SYSTEM = (
     "You are playing a text adventure game. Reach the goal the game describes. "
     "Each turn, answer with exactly one command, such as one of the commands listed."
 )
+
+
+ENGINE_START_S = 120.0
+"""How long a new game-engine process may take to import TextWorld."""
 
 
 class TextWorldConfig(BaseModel):
@@ -83,6 +85,7 @@ class TextWorldWorkflow(Workflow):
         super().__init__(config if config is not None else TextWorldConfig())
         self.config: TextWorldConfig
         self._tools: Tools | None = None
+        self.workers = GameWorkers()
 
     def dataset(self, seed: int, size: int = 0) -> Iterator[dict[str, Any]]:
         """One row per game: ALFWorld's, or games_dir's (generating the missing ones first)."""
@@ -109,28 +112,43 @@ class TextWorldWorkflow(Workflow):
         yield from rows[:size] if size else rows
 
     def tools(self) -> Tools:
-        """The thread pool the games run in."""
+        """The thread pool that drives the game-engine processes."""
         if self._tools is None:
             self._tools = Tools(timeout_s=self.config.env_timeout_s)
         return self._tools
 
-    def _observation(self, text: str, game: GameSession) -> str:
-        if self.config.show_commands and game.admissible:
-            return f"{text}\nCommands: {', '.join(game.admissible)}"
+    def close(self) -> None:
+        """Stop the idle game-engine processes and the thread pool."""
+        self.workers.close()
+        self.tools().close()
+
+    def _observation(self, text: str, state: dict[str, Any]) -> str:
+        if self.config.show_commands and state["admissible"]:
+            return f"{text}\nCommands: {', '.join(state['admissible'])}"
         return text
 
     async def run_episode(self, sample: dict[str, Any], policies: dict[str, PolicyClient]) -> Episode:
         """Play the game until it is won or lost, or the turns or context run out."""
         cfg = self.config
         tools = self.tools()
-        game: GameSession = await tools.run(GameSession, str(sample["game"]))
+        # on the event loop's thread, which lives as long as the RaaS: the engine's parent-death
+        # signal follows the thread that started it (spawning is quick; the TextWorld import is not)
+        worker: GameWorker = self.workers.acquire()
+        healthy = False
         valid = turns = 0
         timed_out = False
+        state: dict[str, Any] = {"admissible": [], "done": False, "won": False, "score": 0.0}
         tr = Transcript(policies["actor"], chat=True, max_tokens=cfg.max_tokens)
         try:
-            first = await tools.run(game.reset)
+            if not worker.ready:  # a fresh process imports TextWorld first: seconds on a busy machine
+                await tools.run(
+                    worker.call, {"op": "hello"}, timeout_s=max(cfg.env_timeout_s, ENGINE_START_S)
+                )
+                worker.ready = True
+            await tools.run(worker.call, {"op": "start", "path": str(sample["game"])})
+            state = await tools.run(worker.call, {"op": "reset"})
             tr.add_message("system", SYSTEM)
-            tr.add_message("user", self._observation(first, game))
+            tr.add_message("user", self._observation(state["text"], state))
             for _ in range(cfg.max_turns):
                 try:
                     turn = await tr.generate()
@@ -138,28 +156,29 @@ class TextWorldWorkflow(Workflow):
                     break
                 turns += 1
                 command = safe_command(command_of(turn.text))
-                valid += command in game.admissible
-                answer = await tools.run(game.step, command)
-                if game.done:
+                valid += command in state["admissible"]
+                state = await tools.run(worker.call, {"op": "step", "command": command})
+                if state["done"]:
                     break
-                tr.add_message("user", self._observation(answer, game))
+                tr.add_message("user", self._observation(state["text"], state))
+            await tools.run(worker.call, {"op": "close"})
+            healthy = True
         except TimeoutError:
-            timed_out = True
+            timed_out = True  # a hung engine: its process is killed below, the thread it held ends then
         finally:
-            try:
-                await tools.run(game.close)
-            except TimeoutError:
-                pass  # a hung interpreter: its thread is abandoned, the episode already failed
-        won = game.won and not timed_out
+            # a worker that hung, crashed or saw an error mid-game is not reused
+            await asyncio.to_thread(self.workers.release, worker, healthy)
+        won = bool(state["won"]) and not timed_out
+        score = float(state["score"])
         if timed_out:
             reward = 0.0
         elif cfg.reward == "won":
             reward = float(won)
         else:
-            reward = game.score
+            reward = score
         info: dict[str, Scalar] = {
             "won": float(won),
-            "score": game.score,
+            "score": score,
             "turns": float(turns),
             "valid_commands": valid / turns if turns else 0.0,
             "env_timeout": float(timed_out),

@@ -1,0 +1,130 @@
+"""Recipe [[service]] processes under the launcher: ready wait, clear start errors, group stop."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from astraflow.config.service import ServiceConfig
+from astraflow.errors import AstraflowError
+from astraflow.launcher import Supervisor
+from astraflow.services import start_services
+
+# a tiny listener, then a grandchild of its own (as a shell script that starts a server would have)
+SERVER = """
+import socket, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+open(sys.argv[1], "w").write(str(child.pid))
+time.sleep(0.3)
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", int(sys.argv[2]))); s.listen()
+time.sleep(600)
+"""
+
+
+def _sup(tmp_path: Path) -> Supervisor:
+    (tmp_path / "logs").mkdir()
+    return Supervisor(tmp_path)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is dead for our purpose
+    return "Z" not in Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+
+
+def test_a_service_that_exits_before_it_is_ready_fails_the_start_with_its_output(tmp_path: Path) -> None:
+    sup = _sup(tmp_path)
+    cfg = ServiceConfig(
+        name="env",
+        command=["python", "-c", "import sys; print('no such game file'); sys.exit(3)"],
+        ready="127.0.0.1:1",
+    )
+    with pytest.raises(AstraflowError, match=r"(?s)exited \(code 3\).*no such game file"):
+        start_services(sup, [cfg])
+    sup.stop_all(grace_s=2)
+
+
+def test_a_service_that_never_listens_times_out(tmp_path: Path) -> None:
+    sup = _sup(tmp_path)
+    cfg = ServiceConfig(
+        name="env", command=[sys.executable, "-c", "import time; time.sleep(60)"], ready="127.0.0.1:1"
+    )
+    cfg.ready_timeout_s = 0.5
+    t0 = time.monotonic()
+    with pytest.raises(AstraflowError, match="did not accept connections on 127.0.0.1:1 within 0.5s"):
+        start_services(sup, [cfg])
+    assert time.monotonic() - t0 < 20
+    sup.stop_all(grace_s=2)
+    assert not sup.children[0].running
+
+
+def test_a_missing_command_is_a_clear_error(tmp_path: Path) -> None:
+    sup = _sup(tmp_path)
+    with pytest.raises(AstraflowError, match="cannot start service-env"):
+        start_services(sup, [ServiceConfig(name="env", command=["/nonexistent/env-server"])])
+
+
+def test_services_wait_for_ready_and_stop_with_their_whole_process_group(tmp_path: Path) -> None:
+    sup = _sup(tmp_path)
+    script = tmp_path / "server.py"
+    script.write_text(SERVER)
+    child_pid = tmp_path / "child.pid"
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = int(probe.getsockname()[1])
+    cfg = ServiceConfig(
+        name="env", command=["python", str(script), str(child_pid), str(port)], ready=f"127.0.0.1:{port}"
+    )
+    start_services(sup, [cfg])  # returns once the listener (started after a delay) accepts connections
+    socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    grandchild = int(child_pid.read_text())
+    assert _alive(grandchild)
+    sup.stop_all(grace_s=5)
+    deadline = time.monotonic() + 10
+    while _alive(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(grandchild), "the service's own child outlived the run"
+
+
+def test_recipe_service_tables_are_checked() -> None:
+    from pydantic import ValidationError
+
+    from astraflow.config.recipe import Recipe
+
+    base = {"policy": [{"name": "main", "model": "m"}]}
+    svc = {"name": "env", "command": ["python", "-m", "x"]}
+    assert Recipe(**base, service=[svc]).service[0].ready == ""
+    with pytest.raises(ValidationError, match="service names must be unique"):
+        Recipe(**base, service=[svc, svc])
+    with pytest.raises(ValidationError):
+        Recipe(**base, service=[{**svc, "ready": "http://127.0.0.1:8700"}])  # host:port, not a URL
+    with pytest.raises(ValidationError):
+        Recipe(**base, service=[{**svc, "command": []}])
+
+
+def test_a_service_that_stops_during_the_run_ends_the_run(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from astraflow.launcher import _watch
+
+    sup = _sup(tmp_path)
+    # a stand-in trainer (a real process that would run for a minute) and a service that quits cleanly
+    sup.start_command("trainer-main", "trainer", [sys.executable, "-c", "import time; time.sleep(60)"], {})
+    quits = [sys.executable, "-c", "import time; time.sleep(0.5)"]
+    start_services(sup, [ServiceConfig(name="env", command=quits)])
+    recipe = SimpleNamespace(trainable=lambda: [SimpleNamespace(name="main")], budget=lambda name: 1)
+    t0 = time.monotonic()
+    try:
+        assert _watch(sup, recipe, tmp_path, {"signal": 0}, t0, max_restarts=0) == 1
+    finally:
+        sup.stop_all(grace_s=2)
+    assert time.monotonic() - t0 < 30
