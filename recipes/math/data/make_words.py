@@ -27,9 +27,8 @@ def problems() -> list[tuple[str, int]]:
     return rows
 
 
-def main() -> None:
-    """Write words-train.jsonl (28), words-heldout.jsonl (6), words-sft.jsonl and words-corpus.txt."""
-    here = Path(__file__).resolve().parent
+def write(here: Path) -> None:
+    """Write words-train.jsonl (28), words-heldout.jsonl (6), words-sft.jsonl and words-corpus.txt into `here`."""
     rows = problems()
     held, train = rows[:6], rows[6:]
 
@@ -49,4 +48,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    write(Path(__file__).resolve().parent)
