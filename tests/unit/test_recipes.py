@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -108,3 +109,19 @@ def test_bad_trainer_and_engine_options_rejected_before_any_process_starts() -> 
     r = validate_recipe({"policy": [{"model": "m", "engine_options": {"max_btach": 4}}]})
     with pytest.raises(RecipeError, match="engine_options.max_btach"):
         validate_plugins(r)
+
+
+def test_words_smoke_data_is_what_its_generator_writes(tmp_path: Path) -> None:
+    import importlib.util
+
+    data = ROOT / "recipes/math/data"
+    spec = importlib.util.spec_from_file_location("make_words", data / "make_words.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.write(tmp_path)
+    names = ["words-train.jsonl", "words-heldout.jsonl", "words-sft.jsonl", "words-corpus.txt"]
+    assert all((tmp_path / n).read_text() == (data / n).read_text() for n in names)
+    train = {json.loads(x)["question"] for x in (data / "words-train.jsonl").read_text().splitlines()}
+    held = {json.loads(x)["question"] for x in (data / "words-heldout.jsonl").read_text().splitlines()}
+    assert len(train) == 28 and len(held) == 6 and not train & held

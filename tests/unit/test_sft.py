@@ -68,6 +68,11 @@ def test_sft_trains_completion_tokens_and_writes_a_model(tiny_model: Path, tmp_p
     unseen = _rows(2, 16)
     before, after = _completion_nll(tiny_model, unseen), _completion_nll(out, unseen)
     assert after < 0.6 * before, (before, after)
+    # --until-loss: the same run stops after the first epoch at or under the bound (here epoch 3's loss)
+    bound = report.epoch_loss[2]
+    first = next(i for i, x in enumerate(report.epoch_loss) if x <= bound) + 1
+    short = run_sft(tiny_model, data, tmp_path / "short", epochs=50, lr=3e-3, batch_size=16, until_loss=bound)
+    assert short.epoch_loss == report.epoch_loss[:first] and short.steps == 3 * first
 
 
 def test_chat_rows_train_assistant_turns_only(tiny_model: Path) -> None:

@@ -18,6 +18,14 @@ def sft(
     max_length: Annotated[int, typer.Option("--max-length", min=2, help="Tokens kept per row.")] = 512,
     seed: Annotated[int, typer.Option("--seed", help="Shuffling and initialisation seed.")] = 0,
     threads: Annotated[int, typer.Option("--threads", min=1, help="torch CPU threads.")] = 1,
+    until_loss: Annotated[
+        float,
+        typer.Option(
+            "--until-loss",
+            min=0.0,
+            help="Stop after the first epoch whose mean loss is at most this (0: off).",
+        ),
+    ] = 0.0,
 ) -> None:
     """Fine-tune MODEL on DATA (loss on completion tokens only) and write OUT for a recipe's policy.model."""
     import os
@@ -35,9 +43,12 @@ def sft(
         max_length=max_length,
         seed=seed,
         threads=threads,
+        until_loss=until_loss,
     )
     for i, (loss, acc) in enumerate(zip(report.epoch_loss, report.epoch_token_accuracy, strict=True), 1):
         typer.echo(f"epoch {i}/{report.epochs}: loss {loss:.4f}  token accuracy {acc:.3f}")
+    if len(report.epoch_loss) < report.epochs:
+        typer.echo(f"stopped after epoch {len(report.epoch_loss)}: loss <= --until-loss {until_loss}")
     typer.echo(
         f"trained {report.examples} rows ({report.trained_tokens} completion tokens, {report.steps} steps) "
         f"in {report.seconds:.1f}s; wrote {out}"

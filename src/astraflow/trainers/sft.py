@@ -133,8 +133,12 @@ def run_sft(
     max_length: int = 512,
     seed: int = 0,
     threads: int = 1,
+    until_loss: float = 0.0,
 ) -> SFTReport:
-    """Train model_dir on data for `epochs` (AdamW, loss on trained tokens) and write OUT."""
+    """Train model_dir on data for `epochs` (AdamW, loss on trained tokens) and write OUT.
+
+    until_loss > 0 stops after the first epoch whose mean loss is at most that (`epochs` is then a cap).
+    """
     if not (model_dir / "config.json").is_file():
         raise SFTError(f"no model directory at {model_dir}", hint="astraflow model init --out DIR makes one")
     if out.exists() and any(out.iterdir()):
@@ -185,11 +189,22 @@ def run_sft(
         )
         if not math.isfinite(loss_sum):
             raise SFTError("the loss is not finite", hint="lower --lr")
+        if loss_sum / count <= until_loss:
+            break
     report.seconds = time.monotonic() - t0
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out))
     tok.save_pretrained(str(out))
     (out / "sft.json").write_text(
-        json.dumps({"base_model": str(model_dir), "data": str(data), "lr": lr, **report.__dict__}, indent=1)
+        json.dumps(
+            {
+                "base_model": str(model_dir),
+                "data": str(data),
+                "lr": lr,
+                "until_loss": until_loss,
+                **report.__dict__,
+            },
+            indent=1,
+        )
     )
     return report
