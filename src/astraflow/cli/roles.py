@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -51,6 +50,7 @@ def controller(
     from astraflow.config.recipe_change import check_run_recipe
     from astraflow.roles.controller import run_controller
     from astraflow.rundir import prepare
+    from astraflow.shutdown import exit_process
     from astraflow.transport.security import set_server_keys
 
     log.setup("controller")
@@ -60,7 +60,7 @@ def controller(
     # before prepare() rewrites recipe.resolved.json: a refused recipe must leave the run as it was
     check_run_recipe(run_dir, r, allow=allow_recipe_change)
     prepare(run_dir, r)
-    sys.exit(run_controller(r, run_dir, bind=bind, allow_recipe_change=allow_recipe_change))
+    exit_process(run_controller(r, run_dir, bind=bind, allow_recipe_change=allow_recipe_change))
 
 
 def _controller_keys(keys: Path | None, run_dir: Path, bind: str, insecure: bool) -> Any:
@@ -166,6 +166,7 @@ def join(
 ) -> None:
     """Join a running controller as a rollout worker (raas) or as one policy's trainer."""
     from astraflow import log
+    from astraflow.shutdown import exit_process
     from astraflow.transport.keys import KeyStore
     from astraflow.weights.server import set_pull_keys
 
@@ -181,7 +182,7 @@ def join(
         log.setup(member_id or "raas")
         from astraflow.roles.raas import run_raas
 
-        sys.exit(
+        exit_process(
             run_raas(
                 controller,
                 policies=policy or [],
@@ -203,7 +204,7 @@ def join(
                 exec_torchrun(nproc)
         from astraflow.roles.trainer import run_trainer
 
-        sys.exit(
+        exit_process(
             run_trainer(
                 controller,
                 policy=policy[0],
