@@ -40,10 +40,41 @@ def list_plugins(group: str | None = None) -> dict[str, list[PluginInfo]]:
     return out
 
 
+OPTIONS_GROUP = "astraflow.options"
+"""Where a plugin whose module is heavy to import may register its options model apart from its code,
+under the name `<group>.<name>` (e.g. `engines.torch`), so a recipe's options are checked without it."""
+
+
+def options_model(group: str, name: str) -> Any | None:
+    """The options model registered for plugin `name` of `group` in OPTIONS_GROUP (imported without
+    the plugin's own module), or None if it registered none; fails like `load` if the plugin is missing."""
+    group = group.removeprefix("astraflow.")
+    _entry(f"astraflow.{group}", name)
+    matches = [ep for ep in entry_points(group=OPTIONS_GROUP) if ep.name == f"{group}.{name}"]
+    if len({ep.value for ep in matches}) != 1:
+        return None  # none, or ambiguous: the plugin's own Config decides
+    try:
+        return matches[0].load()
+    except Exception:
+        return None  # the plugin's own Config decides (and `load` reports a broken install)
+
+
 def load(group: str, name: str) -> Any:
     """Import and return the object registered as `name` in `group`, or fail with what is installed."""
     if not group.startswith("astraflow."):
         group = f"astraflow.{group}"
+    ep = _entry(group, name)
+    try:
+        return ep.load()
+    except Exception as exc:  # a broken third-party plugin must not look like our bug
+        raise PluginError(
+            f"plugin {name!r} in {group} failed to import: {exc}",
+            hint=f"check the package that provides {ep.value}",
+        ) from exc
+
+
+def _entry(group: str, name: str) -> Any:
+    """The one entry point registered as `name` in `group`; a missing or duplicate name is a PluginError."""
     matches = [ep for ep in entry_points(group=group) if ep.name == name]
     if not matches:
         have = ", ".join(sorted({ep.name for ep in entry_points(group=group)})) or "none"
@@ -57,10 +88,4 @@ def load(group: str, name: str) -> Any:
             f"plugin name {name!r} in {group} is registered more than once: {', '.join(targets)}",
             hint="uninstall one of the distributions that provide it",
         )
-    try:
-        return matches[0].load()
-    except Exception as exc:  # a broken third-party plugin must not look like our bug
-        raise PluginError(
-            f"plugin {name!r} in {group} failed to import: {exc}",
-            hint=f"check the package that provides {targets[0]}",
-        ) from exc
+    return matches[0]

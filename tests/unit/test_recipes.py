@@ -108,3 +108,12 @@ def test_bad_trainer_and_engine_options_rejected_before_any_process_starts() -> 
     r = validate_recipe({"policy": [{"model": "m", "engine_options": {"max_btach": 4}}]})
     with pytest.raises(RecipeError, match="engine_options.max_btach"):
         validate_plugins(r)
+
+
+def test_builtin_options_models_are_the_plugins_own() -> None:
+    """`up` checks engine and trainer options through the torch-free models registered in
+    astraflow.options: they must be exactly what the plugins themselves validate with."""
+    from astraflow import plugins
+
+    for group in ("engines", "trainers"):
+        assert plugins.options_model(group, "torch") is plugins.load(group, "torch").Config
