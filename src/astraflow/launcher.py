@@ -356,8 +356,9 @@ def run_up(
             "controller",
             ["controller", resolved, "--run-dir", str(run_dir), "--plugins-checked"],
         )
-        addr = wait_for_address(addr_file, ctl)
-        _log.info("controller at %s; run directory %s", addr, run_dir)
+        # the members start now too: they import torch and the model's code (most of their start-up)
+        # while the controller opens the state and binds, then read its address from addr_file
+        at_controller = ["--controller-file", str(addr_file)]
         for pol in recipe.trainable():  # a frozen policy has no trainer
             sup.start(
                 f"trainer-{pol.name}",
@@ -366,8 +367,7 @@ def run_up(
                     "join",
                     "--role",
                     "trainer",
-                    "--controller",
-                    addr,
+                    *at_controller,
                     "--policy",
                     pol.name,
                     "--member-id",
@@ -389,8 +389,7 @@ def run_up(
                     "join",
                     "--role",
                     "raas",
-                    "--controller",
-                    addr,
+                    *at_controller,
                     "--member-id",
                     f"raas-{i}",
                     "--slots",
@@ -403,6 +402,8 @@ def run_up(
                     STATS_ENV: str(run_dir / "logs" / f"raas-{i}.stats.jsonl"),
                 },
             )
+        addr = wait_for_address(addr_file, ctl)
+        _log.info("controller at %s; run directory %s", addr, run_dir)
         if viewer is not None:
             shown = subprocess.Popen(astraflow_cmd() + viewer, env=sup.env, preexec_fn=_die_with_parent)
         return _watch(sup, recipe, run_dir, stop, t0, max_raas_restarts, shown)

@@ -35,8 +35,8 @@ def prepare(run_dir: Path, recipe: Recipe) -> Path:
     (run_dir / "logs").mkdir(exist_ok=True)
     (run_dir / "checkpoints").mkdir(exist_ok=True)
     dump_resolved(recipe, run_dir / "recipe.resolved.json")
-    meta = {"astraflow": __version__, "git_sha": git_sha(), "created": time.time()}
     meta_path = run_dir / "meta.json"
-    if not meta_path.exists():
+    if not meta_path.exists():  # `up` and then its controller both prepare: one `git` call is enough
+        meta = {"astraflow": __version__, "git_sha": git_sha(), "created": time.time()}
         meta_path.write_text(json.dumps(meta, indent=2) + "\n")
     return run_dir

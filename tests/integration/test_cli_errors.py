@@ -67,6 +67,10 @@ def test_unknown_role() -> None:
     assert_clean_error(run_cli("join", "--role", "pilot", "--controller", "tcp://127.0.0.1:9"), "pilot")
 
 
+def test_join_without_a_controller() -> None:
+    assert_clean_error(run_cli("join", "--role", "raas"), "--controller")
+
+
 def test_status_of_missing_run_dir(tmp_path: Path) -> None:
     assert_clean_error(run_cli("status", "--run-dir", str(tmp_path)), "state.db")
 

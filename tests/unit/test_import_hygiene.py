@@ -60,3 +60,24 @@ def test_core_never_imports_tui() -> None:
         if "astraflow.tui" in text or "import textual" in text or "from textual" in text:
             offenders.append(rel.as_posix())
     assert offenders == []
+
+
+def test_controller_state_opens_without_pandas(tmp_path: Path) -> None:
+    """sqlite-utils would import pandas and numpy (a second of the controller's start-up); the store
+    creates a run's schema without them."""
+    db = tmp_path / "state.db"
+    mods = _imported_after(
+        f"from astraflow.state.store import Store; s = Store.open({str(db)!r}); "
+        "assert 'migrations' in s.db.table_names(); s.close()"
+    )
+    # hidden only while sqlite_utils loads: a `None` left in sys.modules would be listed here too
+    assert "sqlite_utils" in mods and "pandas" not in mods and "numpy" not in mods
+
+
+def test_up_checks_engine_and_trainer_options_without_torch() -> None:
+    root = Path(__file__).resolve().parents[2]
+    mods = _imported_after(
+        "from astraflow.config.load import load_recipe, validate_plugins; "
+        f"validate_plugins(load_recipe({str(root / 'recipes/quickstart/recipe.toml')!r}))"
+    )
+    assert "astraflow.engines.torch_engine_config" in mods and "torch" not in mods

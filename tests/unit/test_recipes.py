@@ -125,3 +125,12 @@ def test_words_smoke_data_is_what_its_generator_writes(tmp_path: Path) -> None:
     train = {json.loads(x)["question"] for x in (data / "words-train.jsonl").read_text().splitlines()}
     held = {json.loads(x)["question"] for x in (data / "words-heldout.jsonl").read_text().splitlines()}
     assert len(train) == 28 and len(held) == 6 and not train & held
+
+
+def test_builtin_options_models_are_the_plugins_own() -> None:
+    """`up` checks engine and trainer options through the torch-free models registered in
+    astraflow.options: they must be exactly what the plugins themselves validate with."""
+    from astraflow import plugins
+
+    for group in ("engines", "trainers"):
+        assert plugins.options_model(group, "torch") is plugins.load(group, "torch").Config

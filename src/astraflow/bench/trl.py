@@ -94,6 +94,10 @@ class Side:
     cpu_s: float | None = None
     """CPU seconds (user + system) of the side's whole process tree: less sensitive than wall time to
     other work sharing the machine."""
+    startup_s: float | None = None
+    """From starting the side's process to the end of its first step (start-up and one step)."""
+    shutdown_s: float | None = None
+    """From the end of the last step to the side's process exit (final checkpoint, teardown)."""
 
     def summary(self) -> dict[str, Any]:
         """Wall and step times, first and last WINDOW-step reward means, the step the mean reaches 0.8."""
@@ -176,7 +180,7 @@ def run_trl(spec: dict[str, Any], trl_path: Path, out_dir: Path, timeout_s: floa
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(trl_path), env.get("PYTHONPATH", "")) if p)
     env["HF_HUB_OFFLINE"] = "1"
     cmd = [sys.executable, "-m", "astraflow.bench.trl_side", str(spec_file), str(result_file)]
-    t0, c0 = time.monotonic(), children_cpu_s()
+    t0, c0, started = time.monotonic(), children_cpu_s(), time.time()
     with log_file.open("wb") as log:
         try:
             rc = subprocess.run(
@@ -184,7 +188,7 @@ def run_trl(spec: dict[str, Any], trl_path: Path, out_dir: Path, timeout_s: floa
             ).returncode
         except subprocess.TimeoutExpired:
             raise AstraflowError(f"the TRL run took over {timeout_s:.0f}s", hint=f"see {log_file}") from None
-    wall = time.monotonic() - t0
+    wall, ended = time.monotonic() - t0, time.time()
     if rc != 0 or not result_file.is_file():
         tail = log_file.read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
         raise AstraflowError(f"the TRL run failed (exit {rc}): {tail[0]}", hint=f"see {log_file}")
@@ -195,6 +199,9 @@ def run_trl(spec: dict[str, Any], trl_path: Path, out_dir: Path, timeout_s: floa
         note += ", BOS written into the prompt text"
     side = Side("trl", wall, times[-1] - times[0] if len(times) > 1 else 0.0, res["rewards"], note)
     side.cpu_s = children_cpu_s() - c0
+    stamps = res.get("step_clock", [])  # wall-clock ends of the steps, comparable with `started`
+    if stamps:
+        side.startup_s, side.shutdown_s = stamps[0] - started, ended - stamps[-1]
     return side
 
 
@@ -202,13 +209,13 @@ def astraflow_side(recipe_path: Path, overrides: list[str], run_dir: Path, timeo
     """Run the recipe through `astraflow up`; wall time, first-to-last-step time and rewards per step."""
     from astraflow.bench.data import read_metrics, run_recipe
 
-    c0 = children_cpu_s()
+    c0, started = children_cpu_s(), time.time()
     res = run_recipe(recipe_path, "astraflow", run_dir, overrides, timeout_s)
-    cpu = children_cpu_s() - c0
+    cpu, ended = children_cpu_s() - c0, time.time()
     if not res.ok:
         raise AstraflowError(f"the astraflow run failed: {res.error}", hint=f"see {run_dir / 'up.log'}")
     rows = read_metrics(run_dir / "metrics.jsonl", res.policy)
-    times = [float(r["time"]) for r in rows]
+    times = [float(r["time"]) for r in rows]  # wall clock when the controller recorded each step
     return Side(
         "astraflow",
         res.wall_s,
@@ -216,6 +223,8 @@ def astraflow_side(recipe_path: Path, overrides: list[str], run_dir: Path, timeo
         [float(r.get("reward_mean", 0.0)) for r in rows],
         "controller + 2 RaaS + trainer processes, 1 torch thread each",
         cpu,
+        times[0] - started if times else None,
+        ended - times[-1] if times else None,
     )
 
 
@@ -231,7 +240,9 @@ def format_table(sides: list[Side], load: tuple[str, str]) -> str:
         lines.append(f"{label:22}{cell(a):>12}{cell(t):>12}{r:>16}")
 
     row("wall s", "wall_s", ".1f", True)
+    row("start->first step s", "startup_s", ".1f", True)
     row("first->last step s", "train_s", ".1f", True)
+    row("last step->exit s", "shutdown_s", ".1f", True)
     row("cpu s (process tree)", "cpu_s", ".1f", True)
     row("steps", "steps", "d", False)
     row(f"reward first {WINDOW}", "reward_first", ".3f", False)

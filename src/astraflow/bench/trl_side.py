@@ -57,12 +57,15 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         return out
 
     step_times: list[float] = []
+    step_clock: list[float] = []
 
     class Clock(TrainerCallback):
-        """Stamps the end of every optimizer step."""
+        """Stamps the end of every optimizer step (and its wall clock, for the parent's start-up and
+        shutdown times)."""
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             step_times.append(time.perf_counter())
+            step_clock.append(time.time())
 
     group = int(spec["group_size"])
     per_step = int(spec["batch_prompts"]) * group
@@ -116,6 +119,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         "setup_s": t_train - t_start,
         "train_s": t_end - t_train,
         "step_times": [t - t_train for t in step_times],
+        "step_clock": step_clock,
         "rewards": rewards,
         "bos_prefixed": bool(prefix),
     }

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -51,6 +50,7 @@ def controller(
     from astraflow.config.recipe_change import check_run_recipe
     from astraflow.roles.controller import run_controller
     from astraflow.rundir import prepare
+    from astraflow.shutdown import exit_process
     from astraflow.transport.security import set_server_keys
 
     log.setup("controller")
@@ -60,7 +60,7 @@ def controller(
     # before prepare() rewrites recipe.resolved.json: a refused recipe must leave the run as it was
     check_run_recipe(run_dir, r, allow=allow_recipe_change)
     prepare(run_dir, r)
-    sys.exit(run_controller(r, run_dir, bind=bind, allow_recipe_change=allow_recipe_change))
+    exit_process(run_controller(r, run_dir, bind=bind, allow_recipe_change=allow_recipe_change))
 
 
 def _controller_keys(keys: Path | None, run_dir: Path, bind: str, insecure: bool) -> Any:
@@ -124,8 +124,8 @@ def member_credentials(key: Path | None, controller_key: str | None) -> Any:
 def join(
     role: Annotated[str, typer.Option("--role", help="raas or trainer.")],
     controller: Annotated[
-        str, typer.Option("--controller", help="Controller endpoint, e.g. tcp://HOST:7600.")
-    ],
+        str | None, typer.Option("--controller", help="Controller endpoint, e.g. tcp://HOST:7600.")
+    ] = None,
     policy: Annotated[
         list[str] | None, typer.Option("--policy", help="Policy to serve/train (repeatable for raas).")
     ] = None,
@@ -163,12 +163,28 @@ def join(
         int,
         typer.Option("--nproc", min=1, help="Trainer ranks on this machine (torchrun, FSDP2; one GPU each)."),
     ] = 1,
+    controller_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--controller-file",
+            hidden=True,
+            help="Set by `astraflow up`, which starts members with the controller: import what the role "
+            "needs, then read the controller's endpoint from this file once the controller wrote it.",
+        ),
+    ] = None,
 ) -> None:
     """Join a running controller as a rollout worker (raas) or as one policy's trainer."""
     from astraflow import log
+    from astraflow.shutdown import exit_process
     from astraflow.transport.keys import KeyStore
     from astraflow.weights.server import set_pull_keys
 
+    if role not in ("raas", "trainer"):
+        raise AstraflowError(f"unknown role {role!r}", hint="--role raas or --role trainer")
+    if (controller is None) == (controller_file is None):
+        raise AstraflowError(
+            "pass the controller's endpoint with --controller", hint="e.g. --controller tcp://HOST:7600"
+        )
     creds = member_credentials(key, controller_key)
     if creds is not None and member_id is None and creds.keypair.name:
         member_id = creds.keypair.name  # the key's name is the member id the controller expects
@@ -177,11 +193,23 @@ def join(
             raise AstraflowError("--keys needs --key", hint="the weight server uses this member's key pair")
         set_pull_keys(KeyStore(keys))
 
+    log.setup(member_id or role)
+    if role == "trainer" and (not policy or len(policy) != 1):
+        raise AstraflowError("a trainer trains exactly one policy", hint="pass --policy NAME once")
+    if role == "trainer" and nproc > 1:
+        from astraflow.roles.trainer_ranks import exec_torchrun, world_from_env
+
+        if world_from_env() == 1:
+            exec_torchrun(nproc)  # the ranks run this command again, without --nproc
+    if controller_file is not None:
+        from astraflow.roles.early_start import controller_from_file
+
+        controller = controller_from_file(controller_file, role)
+    assert controller is not None
     if role == "raas":
-        log.setup(member_id or "raas")
         from astraflow.roles.raas import run_raas
 
-        sys.exit(
+        exit_process(
             run_raas(
                 controller,
                 policies=policy or [],
@@ -193,17 +221,11 @@ def join(
             )
         )
     if role == "trainer":
-        log.setup(member_id or "trainer")
-        if not policy or len(policy) != 1:
-            raise AstraflowError("a trainer trains exactly one policy", hint="pass --policy NAME once")
-        if nproc > 1:
-            from astraflow.roles.trainer_ranks import exec_torchrun, world_from_env
-
-            if world_from_env() == 1:
-                exec_torchrun(nproc)
         from astraflow.roles.trainer import run_trainer
 
-        sys.exit(
+        assert policy is not None  # checked above
+
+        exit_process(
             run_trainer(
                 controller,
                 policy=policy[0],
@@ -214,4 +236,3 @@ def join(
                 connect_timeout_s=connect_timeout,
             )
         )
-    raise AstraflowError(f"unknown role {role!r}", hint="--role raas or --role trainer")

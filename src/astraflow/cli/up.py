@@ -34,13 +34,14 @@ def up(
     from astraflow.config.load import load_recipe, validate_plugins
     from astraflow.launcher import run_up
     from astraflow.rundir import default_run_dir
+    from astraflow.shutdown import exit_process
 
     logger = log.setup("up")
     r = load_recipe(recipe, set_ or [])
     validate_plugins(r)
     rd = run_dir or default_run_dir(r)
     if no_dash or not wants_dashboard():
-        sys.exit(run_up(r, rd, offline=offline))
+        exit_process(run_up(r, rd, offline=offline))
     # the dashboard owns the terminal: the launcher's own log lines go to logs/up.log meanwhile
     (rd / "logs").mkdir(parents=True, exist_ok=True)
     handlers = [h for h in logger.handlers if isinstance(h, logging.StreamHandler)]
@@ -53,7 +54,7 @@ def up(
             for h in handlers:
                 h.setStream(sys.stderr)
     sys.stdout.write(summary(rd, code) + "\n")
-    sys.exit(code)
+    exit_process(code)
 
 
 def wants_dashboard() -> bool:

@@ -120,8 +120,9 @@ def validate_options(group: str, name: str, options: dict[str, Any], where: str)
     """Validate a plugin's options table against the plugin's own Config model (if it has one)."""
     from astraflow import plugins
 
-    obj = plugins.load(group, name)
-    config_cls = getattr(obj, "Config", None)
+    config_cls = plugins.options_model(group, name)
+    if config_cls is None:
+        config_cls = getattr(plugins.load(group, name), "Config", None)
     if config_cls is None:
         if options:
             raise RecipeError(f"{where}: plugin {name!r} takes no options, got {sorted(options)}")
@@ -172,8 +173,8 @@ def validate_plugins(recipe: Recipe, *, torch_plugins: bool = True) -> None:
         validate_options("losses", pol.loss, pol.loss_options, f"policy.{i}.loss_options")
         for j, stage in enumerate(pol.data):
             validate_options("data", stage.name, stage.options, f"policy.{i}.data.{j}.options")
-        # engines and trainers import torch: checking their options here costs a second, and saves
-        # a run that would die in its first RaaS or trainer process
+        # engines and trainers may import torch (seconds); the built-in ones register their options
+        # models apart (plugins.OPTIONS_GROUP), so checking them here imports no torch
         if not torch_plugins:
             continue
         validate_options("engines", pol.engine, pol.engine_options, f"policy.{i}.engine_options")

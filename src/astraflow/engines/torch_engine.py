@@ -23,15 +23,15 @@ import time
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
 from astraflow import log
 from astraflow.engines.base import Completion, GenerationRequest, RolloutEngine
 from astraflow.engines.device import resolve_device
 from astraflow.engines.sampler import Sampler
+from astraflow.engines.torch_engine_config import TorchEngineConfig
 from astraflow.engines.weights import check_weights
 from astraflow.errors import AstraflowError, EngineFailedError
 
@@ -39,26 +39,6 @@ _log = log.get("engines.torch")
 
 _PREFILL_TOKENS = 16384
 """Most (padded) prompt tokens one prefill forward takes; longer admissions are split."""
-
-
-class TorchEngineConfig(BaseModel):
-    """Options of the embedded torch engine (recipe: policy.engine_options)."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-    max_batch: int = Field(64, ge=1)
-    """Most sequences decoded together (KV-cache slots)."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """Parameter dtype; sampling always runs in float32."""
-    batch_wait_s: float = Field(0.002, ge=0)
-    """When idle, how long the decode thread waits for more requests before starting a batch that is
-    not full (requests arriving later join the running batch at its next step)."""
-    max_seq_len: int = Field(2048, ge=2)
-    """Longest prompt plus completion of one sequence; the KV cache holds max_batch slots this long."""
-    cuda_graphs: bool = True
-    """On a GPU, replay each decode step as a CUDA graph (one per batch-size bucket)."""
-    kernels: Literal["auto", "triton", "torch"] = "auto"
-    """Decode-step kernels on a GPU: Triton when it is installed (auto), Triton, or plain PyTorch."""
 
 
 @dataclass

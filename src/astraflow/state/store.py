@@ -25,6 +25,27 @@ class StateError(AstraflowError):
     """The state file cannot be opened or does not hold a run."""
 
 
+def _sqlite_utils() -> Any:
+    """The sqlite_utils module, imported without its optional pandas and numpy support.
+
+    sqlite-utils imports pandas and numpy when they are installed, only to map their scalar types to
+    column types; state.db holds plain Python values. Those imports are a second of the controller's
+    start-up, so they are hidden while sqlite_utils loads (a module imported before is left alone)."""
+    import sys
+
+    if "sqlite_utils.db" in sys.modules:
+        return sys.modules["sqlite_utils"]
+    hidden = [name for name in ("pandas", "numpy") if name not in sys.modules]
+    for name in hidden:
+        sys.modules[name] = None  # type: ignore[assignment]  # `import name` raises ImportError
+    try:
+        import sqlite_utils
+    finally:
+        for name in hidden:
+            del sys.modules[name]
+    return sqlite_utils
+
+
 class Store:
     """Typed access to a run's state.db; the controller is its only writer."""
 
@@ -38,9 +59,7 @@ class Store:
     def db(self) -> Database:
         """A sqlite-utils view of the connection (imported on first use: readers never need it)."""
         if self._db is None:
-            from sqlite_utils import Database
-
-            self._db = Database(self.conn)
+            self._db = _sqlite_utils().Database(self.conn)
         return self._db
 
     @classmethod
@@ -59,10 +78,11 @@ class Store:
             raise ValueError(f"synchronous must be 'normal' or 'full', not {synchronous!r}")
         conn.execute(f"PRAGMA synchronous={synchronous.upper()}")
         conn.execute("PRAGMA foreign_keys=ON")
+        store = cls(conn, readonly=False)
+        db = store.db  # before migrations imports sqlite_utils the usual way (see _sqlite_utils)
         from astraflow.state import migrations
 
-        store = cls(conn, readonly=False)
-        migrations.apply(store.db)
+        migrations.apply(db)
         return store
 
     @classmethod

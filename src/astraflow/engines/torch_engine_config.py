@@ -1,0 +1,28 @@
+"""The embedded torch engine's options, in a module without torch: `astraflow up` checks a recipe's
+engine options before any process starts without importing torch (pyproject: astraflow.options)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class TorchEngineConfig(BaseModel):
+    """Options of the embedded torch engine (recipe: policy.engine_options)."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    max_batch: int = Field(64, ge=1)
+    """Most sequences decoded together (KV-cache slots)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter dtype; sampling always runs in float32."""
+    batch_wait_s: float = Field(0.002, ge=0)
+    """When idle, how long the decode thread waits for more requests before starting a batch that is
+    not full (requests arriving later join the running batch at its next step)."""
+    max_seq_len: int = Field(2048, ge=2)
+    """Longest prompt plus completion of one sequence; the KV cache holds max_batch slots this long."""
+    cuda_graphs: bool = True
+    """On a GPU, replay each decode step as a CUDA graph (one per batch-size bucket)."""
+    kernels: Literal["auto", "triton", "torch"] = "auto"
+    """Decode-step kernels on a GPU: Triton when it is installed (auto), Triton, or plain PyTorch."""
