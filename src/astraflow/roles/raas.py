@@ -287,7 +287,12 @@ class RaaS:
 
     async def _ask(self, msg: Any, stop: asyncio.Event) -> Any:
         """Send a request and await its reply, or None as soon as the worker is told to stop."""
-        reply = asyncio.wrap_future(self.client.submit(msg))
+        wait = float(getattr(msg, "wait_s", 0.0))
+        # a long poll held by a controller that then died is never answered: give up on it soon, and
+        # ask again (a restarted controller has forgotten it)
+        reply = asyncio.wrap_future(
+            self.client.submit(msg, timeout_s=10.0 + wait) if wait > 0 else self.client.submit(msg)
+        )
         stopped = asyncio.ensure_future(stop.wait())
         done, _ = await asyncio.wait({reply, stopped}, return_when=asyncio.FIRST_COMPLETED)
         if reply not in done:

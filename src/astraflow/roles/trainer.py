@@ -205,8 +205,11 @@ def run_trainer(
                 # a long poll (the controller answers once the batch is ready), except while a version
                 # is still being serialised: it must be announced first, so workers can pull it
                 wait = 0.0 if publisher.busy else BATCH_WAIT_S
+                # a held request whose controller died is never answered: a long poll gives up sooner
                 reply = request_retrying(
-                    client, BatchRequest(policy=policy, step=step, wait_s=wait), timeout_s=60.0 + wait
+                    client,
+                    BatchRequest(policy=policy, step=step, wait_s=wait),
+                    timeout_s=15.0 + wait if wait > 0 else 60.0,
                 )
                 if isinstance(reply, BatchReply) and reply.ready:
                     batch = reply
