@@ -109,6 +109,7 @@ def finished_run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     recipe.write_text(
         f'extends = "{ROOT / "recipes/quickstart/recipe.toml"}"\n\n[run]\nsteps = {STEPS}\n\n'
         f'[[policy]]\nmodel = "{tiny_model}"\nbatch_prompts = 8\n\n'
+        "[rollout]\nlocal_workers = 2\nslots = 8\n\n"  # two workers: the dashboard shows both
         '[metrics]\nsinks = [{ name = "copy_rows", options = { file = "copied.jsonl" } }]\n'
     )
     run_dir = tmp / "run"

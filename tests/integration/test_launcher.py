@@ -47,6 +47,8 @@ def start_up(tiny_model: Path, run_dir: Path, steps: int = 500) -> subprocess.Po
             f'policy.model="{tiny_model}"',
             "--set",
             f"run.steps={steps}",
+            "--set",
+            "rollout.local_workers=2",  # the quickstart runs one; supervision is checked with several
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -205,7 +205,9 @@ def run_trl(spec: dict[str, Any], trl_path: Path, out_dir: Path, timeout_s: floa
     return side
 
 
-def astraflow_side(recipe_path: Path, overrides: list[str], run_dir: Path, timeout_s: float) -> Side:
+def astraflow_side(
+    recipe_path: Path, overrides: list[str], run_dir: Path, timeout_s: float, workers: int = 1
+) -> Side:
     """Run the recipe through `astraflow up`; wall time, first-to-last-step time and rewards per step."""
     from astraflow.bench.data import read_metrics, run_recipe
 
@@ -221,7 +223,7 @@ def astraflow_side(recipe_path: Path, overrides: list[str], run_dir: Path, timeo
         res.wall_s,
         times[-1] - times[0] if len(times) > 1 else 0.0,
         [float(r.get("reward_mean", 0.0)) for r in rows],
-        "controller + 2 RaaS + trainer processes, 1 torch thread each",
+        f"controller + {workers} RaaS + trainer processes, 1 torch thread each",
         cpu,
         times[0] - started if times else None,
         ended - times[-1] if times else None,
@@ -307,7 +309,7 @@ def run_bench(
     out.mkdir(parents=True, exist_ok=True)
     before = load_average()
     say(f"astraflow: astraflow up {recipe_path} ({spec['steps']} steps) ...")
-    ours = astraflow_side(recipe_path, overrides, out / "astraflow", timeout_s)
+    ours = astraflow_side(recipe_path, overrides, out / "astraflow", timeout_s, recipe.rollout.local_workers)
     say(f"astraflow: {ours.wall_s:.1f}s wall; trl: GRPOTrainer, same model, task and settings ...")
     theirs = run_trl(spec, path, out / "trl", timeout_s)
     say(f"trl: {theirs.wall_s:.1f}s wall")

@@ -68,6 +68,7 @@ class Buffer:
         self.store = store
         self._order = order or (lambda _policy: EdfOrder())
         self._replay = replay_count or (lambda _policy, _n: 0)
+        self._generated: dict[str, int] = {}
 
     def insert(
         self,
@@ -78,40 +79,77 @@ class Buffer:
         status: str = "buffered",
     ) -> list[int]:
         """Store one group's sequences (one policy) with their advantages; returns trajectory ids."""
-        ids: list[int] = []
+        if not seqs:
+            return []
         with self.store.write() as c:
             # MAX of the rowid is an index lookup; ids only grow, so they make a cheap arrival counter.
             arrival = int(c.execute("SELECT COALESCE(MAX(id), 0) FROM trajectories").fetchone()[0])
-            for seq, adv in zip(seqs, advantages, strict=True):
-                arrival += 1
-                cur = c.execute(
-                    "INSERT INTO trajectories (task_id, policy, prompt_key, tokens, loss_mask, logprobs, versions, "
-                    "reward, advantage, length, min_version, arrival, status, consumed_step, role, group_key, "
-                    "temperature, top_p, top_k) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, NULL, ?, ?, ?, ?, ?)",
-                    (
-                        task_id,
-                        seq.policy,
-                        prompt_key,
-                        _enc.encode(seq.tokens),
-                        _enc.encode(seq.loss_mask),
-                        _enc.encode(seq.logprobs),
-                        _enc.encode(seq.versions),
-                        float(seq.reward),
-                        float(adv),
-                        int(sum(1 for m in seq.loss_mask if m)),
-                        min_version(seq),
-                        arrival,
-                        status,
-                        seq.role,
-                        seq.group_key,
-                        float(seq.temperature),
-                        float(seq.top_p),
-                        int(seq.top_k),
-                    ),
+            rows = [
+                (
+                    task_id,
+                    seq.policy,
+                    prompt_key,
+                    _enc.encode(seq.tokens),
+                    _enc.encode(seq.loss_mask),
+                    _enc.encode(seq.logprobs),
+                    _enc.encode(seq.versions),
+                    float(seq.reward),
+                    float(adv),
+                    int(sum(seq.loss_mask)),
+                    min_version(seq),
+                    arrival + i + 1,
+                    status,
+                    seq.role,
+                    seq.group_key,
+                    float(seq.temperature),
+                    float(seq.top_p),
+                    int(seq.top_k),
                 )
-                ids.append(int(cur.lastrowid or 0))
-        return ids
+                for i, (seq, adv) in enumerate(zip(seqs, advantages, strict=True))
+            ]
+            # one statement for the group; inside this transaction (one writer) the new rowids are consecutive
+            c.executemany(
+                "INSERT INTO trajectories (task_id, policy, prompt_key, tokens, loss_mask, logprobs, versions, "
+                "reward, advantage, length, min_version, arrival, status, consumed_step, role, group_key, "
+                "temperature, top_p, top_k) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, NULL, ?, ?, ?, ?, ?)",
+                rows,
+            )
+            last = int(c.execute("SELECT last_insert_rowid()").fetchone()[0])
+        for pol in {seq.policy for seq in seqs}:
+            if pol in self._generated:
+                self._generated[pol] += sum(1 for seq in seqs if seq.policy == pol)
+        return list(range(last - len(rows) + 1, last + 1))
+
+    def generated(self, policy: str) -> int:
+        """Trajectories of a policy ever stored (every status): counted once, then kept up to date by
+        `insert` (the controller is the only writer), so a step's metrics do not scan the run."""
+        if policy not in self._generated:
+            self._generated[policy] = int(
+                self.store.scalar("SELECT COUNT(*) FROM trajectories WHERE policy = ?", (policy,))
+            )
+        return self._generated[policy]
+
+    def open_counts(self, policy: str) -> dict[str, int]:
+        """Trajectories of a policy that are buffered, expired or dropped (`counts` without the consumed,
+        which grow with the run: these are index range scans over small sets)."""
+        out = {"buffered": 0, "expired": 0, "dropped": 0}
+        for status in out:
+            out[status] = int(
+                self.store.scalar(
+                    "SELECT COUNT(*) FROM trajectories WHERE status = ? AND policy = ?", (status, policy)
+                )
+            )
+        return out
+
+    def recorded_ids(self, policy: str, step: int) -> tuple[list[int], list[bool], int] | None:
+        """(trajectory ids, replay flags, version) of a recorded batch, without loading its samples."""
+        rows = self.store.query(
+            "SELECT traj_ids, replay, version FROM batches WHERE policy = ? AND step = ?", (policy, step)
+        )
+        if not rows:
+            return None
+        return json.loads(rows[0]["traj_ids"]), json.loads(rows[0]["replay"]), int(rows[0]["version"])
 
     def counts(self, policy: str) -> dict[str, int]:
         """Trajectories of a policy per status: buffered, consumed, expired, dropped."""

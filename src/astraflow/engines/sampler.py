@@ -25,8 +25,32 @@ def step_seeds(seeds: list[int], counters: list[int]) -> torch.Tensor:
     )
 
 
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(h: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer finaliser (xor-shift-multiply) on int64 lanes holding values < 2**32; every
+    product stays below 2**59, so nothing overflows."""
+    h = ((h >> 16) ^ h) * 0x45D9F3B & _M32
+    h = ((h >> 16) ^ h) * 0x45D9F3B & _M32
+    return (h >> 16) ^ h
+
+
+def hashed_gumbel(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Gumbel noise [n, vocab] (float32, on the keys' device) that depends only on each row's key and
+    the token id: the whole batch in a few tensor ops, where a generator per row costs a call per row
+    and token."""
+    keys = keys.to(torch.int64)
+    row = _mix32((keys & _M32) ^ _mix32((keys >> 32) & _M32))
+    col = torch.arange(vocab, dtype=torch.int64, device=keys.device) * 0x9E3779B1 & _M32
+    h = _mix32(row[:, None] ^ col[None, :])
+    u = (h.double() + 0.5) / 4294967296.0  # in (0, 1): -log(-log(u)) stays finite
+    return (-torch.log(-torch.log(u))).float()
+
+
 class Sampler:
-    """Draws one token per row; GPU rows use Philox noise, CPU rows a torch.Generator per row."""
+    """Draws one token per row; GPU rows use Philox noise, CPU rows hashed noise (or a torch.Generator
+    per row when the caller passes them)."""
 
     def __init__(self, device: torch.device, use_triton: bool) -> None:
         self.device = device
@@ -54,9 +78,11 @@ class Sampler:
                 tok, lp = triton_sampling.fused_sample(logits, temp, key)
                 return _to_lists(tok, lp)
             noise = triton_sampling.gumbel_noise(key, vocab)
-        else:
+        elif generators and all(g is not None for g in generators):
             u = torch.stack([torch.rand(vocab, generator=g, device=self.device) for g in generators])
             noise = -torch.log(-torch.log(u.clamp_min(1e-20)))
+        else:
+            noise = hashed_gumbel(step_seeds(seeds, counters).to(self.device), vocab)
         logp = processed_logprobs(
             logits,
             temp,

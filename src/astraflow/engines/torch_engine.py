@@ -317,10 +317,7 @@ class TorchEngine(RolloutEngine):
             if p.request.max_new_tokens <= 0:
                 continue
             seed = p.request.seed if p.request.seed is not None else self._rng.getrandbits(62)
-            gen = None
-            if not self._sampler.use_triton:
-                gen = torch.Generator(device=self.device)
-                gen.manual_seed(seed)
+            gen = None  # noise comes from (seed, token index) alone (Sampler): no generator per row
             groups.setdefault(tuple(p.request.prompt_ids), []).append(len(self._rows))
             self._rows.append(_Row(p, seed, gen))
         for chunk in _chunks([(list(prompt), slots) for prompt, slots in groups.items()]):

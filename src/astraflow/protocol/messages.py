@@ -191,6 +191,9 @@ class TaskRequest(Msg, kw_only=True):
 
     n: int
     loaded: Annotated[dict[Name, int], msgspec.Meta(max_length=64)] = {}
+    wait_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    """With no task to lease now, the controller may hold the request up to this long (capped) and
+    answer as soon as tasks can be leased or a new version is published (a long poll)."""
 
 
 class TaskGrant(Msg, kw_only=True):
@@ -226,6 +229,9 @@ class BatchRequest(Msg, kw_only=True):
 
     policy: Name
     step: int
+    wait_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    """When the batch is not ready, the controller may hold the request up to this long (capped) and
+    answer as soon as it is (a long poll)."""
 
 
 class BatchReply(Msg, kw_only=True):

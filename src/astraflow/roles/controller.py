@@ -32,6 +32,7 @@ from astraflow.metrics.sinks import Sinks
 from astraflow.protocol import messages as m
 from astraflow.protocol.codec import DecodeError
 from astraflow.roles import authz
+from astraflow.roles.parked import Parked, ParkedRequests, immediate, may_park
 from astraflow.roles.run_control import on_control
 from astraflow.state.status import build_status
 from astraflow.state.store import Store
@@ -90,6 +91,8 @@ class Controller:
         self._recipe_doc: dict[str, Any] | None = None
         """Members asked to leave (`astraflow leave`): they get no new tasks."""
         self.sinks = Sinks.from_specs([(s.name, s.options) for s in recipe.metrics.sinks], run_dir)
+        self.parked = ParkedRequests()
+        """Long polls (roles/parked.py): requests answered when an event may change their answer."""
 
     # ----- start and stop -----------------------------------------------------------------------
 
@@ -611,12 +614,9 @@ class Controller:
 
     def step_metrics(self, msg: m.VersionPublished, now: float) -> dict[str, Any]:
         """The metrics row of a finished step: batch reward and staleness, pipeline counters, trainer metrics."""
-        rec = self.buffer.recorded(msg.policy, msg.step)
-        rows = self.store.query(
-            "SELECT version FROM batches WHERE policy = ? AND step = ?", (msg.policy, msg.step)
-        )
-        ref = int(rows[0]["version"]) if rows else msg.version - 1
-        fresh_ids = [s.traj_id for s in rec.samples if not s.replay] if rec else []
+        rec = self.buffer.recorded_ids(msg.policy, msg.step)
+        ref = rec[2] if rec else msg.version - 1
+        fresh_ids = [i for i, replay in zip(rec[0], rec[1], strict=True) if not replay] if rec else []
         rewards: list[float] = []
         stale: list[int] = []
         task_ids: list[int] = []
@@ -629,11 +629,9 @@ class Controller:
                 rewards.append(float(r["reward"]))
                 stale.append(ref - int(r["min_version"]))
                 task_ids.append(int(r["task_id"]))
-        counts = self.buffer.counts(msg.policy)
+        counts = self.buffer.open_counts(msg.policy)
         tasks = self.ledger.counts()
-        generated = int(
-            self.store.scalar("SELECT COUNT(*) FROM trajectories WHERE policy = ?", (msg.policy,))
-        )
+        generated = self.buffer.generated(msg.policy)
         hist = self.rate_hist.setdefault(msg.policy, deque(maxlen=6))
         hist.append((now, generated))
         t0, g0 = hist[0]
@@ -675,21 +673,107 @@ class Controller:
             grace = 4 * self.recipe.controller.heartbeat_interval_s + 1.0
         return now - self.finished_at > grace
 
+    def _handle_safely(
+        self, ident: bytes, msg: m.Msg | DecodeError, principal: Principal | None
+    ) -> m.Msg | None:
+        try:
+            return self.handle(ident, msg, principal)
+        except Exception as exc:  # a bad request must never take the controller down
+            _log.exception("handling %s from %r failed", type(msg).__name__, ident)
+            return m.Error(rid=getattr(msg, "rid", 0), code="internal", message=str(exc)[:500])
+
+    def dispatch(
+        self, ident: bytes, msg: m.Msg | DecodeError, principal: Principal | None = None
+    ) -> list[tuple[bytes, m.Msg]]:
+        """Handle one message; the replies to send now: its own (unless it was parked, roles/parked.py)
+        and those of parked requests whose answer it may have changed."""
+        reply = self._handle_safely(ident, msg, principal)
+        now = time.time()
+        out: list[tuple[bytes, m.Msg]] = []
+        if isinstance(msg, m.BatchRequest | m.TaskRequest):
+            if may_park(msg, reply):
+                self.parked.park(ident, principal, msg, now)
+                reply = None
+            else:
+                # a newer request of the same kind supersedes a held one (its sender stopped waiting)
+                held = self.parked.batches if isinstance(msg, m.BatchRequest) else self.parked.tasks
+                held.pop(ident, None)
+        if reply is not None:
+            out.append((ident, reply))
+        if not self.parked:
+            return out
+        if isinstance(msg, m.TaskResult) and isinstance(reply, m.ResultAck) and reply.status == "accepted":
+            out += self.wake(("batch",), now)
+        elif isinstance(msg, m.BatchRequest) and isinstance(reply, m.BatchReply) and reply.ready:
+            out += self.wake(("task",), now)
+        elif isinstance(msg, m.VersionPublished) and isinstance(reply, m.Ack) and reply.detail == "recorded":
+            # workers hear of the version at once: they pull it, then ask again with it loaded
+            out += self.wake(("task",), now, answer_all=True)
+        elif isinstance(msg, m.Bye | m.Control | m.Leave):
+            out += self.wake(("batch", "task"), now, answer_all=True)
+        return out
+
+    def wake(
+        self, kinds: tuple[str, ...], now: float, *, expired_only: bool = False, answer_all: bool = False
+    ) -> list[tuple[bytes, m.Msg]]:
+        """Handle parked requests of these kinds again; returns the replies to send (a request whose
+        answer is still "nothing yet" stays parked until its deadline, unless `answer_all`)."""
+        out: list[tuple[bytes, m.Msg]] = []
+        queue = list(kinds)
+        while queue:
+            kind = queue.pop(0)
+            expired, rest = self.parked.take(kind, now, everything=answer_all)
+            if expired_only:
+                self.parked.put_back(rest)
+                rest = []
+            if kind == "batch":
+                # a batch cannot be ready before enough fresh sequences are buffered: one COUNT, not a batch attempt
+                ready = [p for p in rest if self._batch_may_be_ready(p)]
+                self.parked.put_back([p for p in rest if p not in ready])
+                rest = ready
+            keep: list[Parked] = []
+            for p in expired + rest:
+                reply = self._handle_safely(p.ident, immediate(p.msg), p.principal)
+                if p in rest and reply is not None and may_park(p.msg, reply):
+                    keep.append(p)
+                    continue
+                if reply is not None:
+                    out.append((p.ident, reply))
+                if (
+                    kind == "batch"
+                    and isinstance(reply, m.BatchReply)
+                    and reply.ready
+                    and "task" not in queue
+                ):
+                    queue.append("task")  # a batch taken makes room for more tasks
+            self.parked.put_back(keep)
+        return out
+
+    def _batch_may_be_ready(self, parked: Parked) -> bool:
+        """Whether the policy of a parked BatchRequest has at least a batch's fresh sequences buffered."""
+        policy = getattr(parked.msg, "policy", "")
+        try:
+            pol = self.recipe.get_policy(policy)
+        except KeyError:
+            return True  # answered with its error at once
+        need = self.pipeline.fresh_per_batch(policy, pol.batch_prompts * pol.group_size)
+        have = self.store.scalar(
+            "SELECT COUNT(*) FROM trajectories WHERE status = 'buffered' AND policy = ?", (policy,)
+        )
+        return int(have or 0) >= need
+
     def serve(self, server: Any) -> int:
         """Poll, dispatch, do periodic work; returns 0 on a signal or at the run's end, 1 if the run failed."""
         while not self.stop_requested:
             for ident, principal, msg in server.poll(int(TICK_S * 1000)):
-                try:
-                    reply = self.handle(ident, msg, principal)
-                except Exception as exc:  # a bad request must never take the controller down
-                    _log.exception("handling %s from %r failed", type(msg).__name__, ident)
-                    reply = m.Error(rid=getattr(msg, "rid", 0), code="internal", message=str(exc)[:500])
-                if reply is not None:
-                    server.send(ident, reply)
+                for to, reply in self.dispatch(ident, msg, principal):
+                    server.send(to, reply)
             now = time.time()
             if now - self.last_tick >= TICK_S:
                 self.last_tick = now
                 self.tick(now)
+                for to, reply in self.wake(("batch", "task"), now, expired_only=True):
+                    server.send(to, reply)
                 if self.should_exit(now):
                     _log.info("run finished; exiting")
                     break

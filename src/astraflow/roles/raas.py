@@ -19,6 +19,8 @@ from astraflow.engines.base import Completion, GenerationRequest, RolloutEngine
 
 _log = log.get("raas")
 RESULT_ATTEMPTS = 30
+TASK_WAIT_S = 1.0
+"""How long a TaskRequest asks the controller to hold it when nothing may be leased (a long poll)."""
 MAX_ERROR_CHARS = 8000
 """Longest traceback sent in TaskResult.error (the controller logs it)."""
 
@@ -210,8 +212,11 @@ class RaaS:
                 if free <= 0:
                     await asyncio.sleep(0.02)
                     continue
+                # a long poll, unless weights are on their way: the controller is then asked again as
+                # soon as they are loaded (the lease rule looks at the loaded version)
+                wait = 0.0 if self._pull_pending() else TASK_WAIT_S
                 try:
-                    reply = await self._ask(TaskRequest(n=free, loaded=self.loaded()), stop)
+                    reply = await self._ask(TaskRequest(n=free, loaded=self.loaded(), wait_s=wait), stop)
                 except ConnectError:
                     _log.warning("controller not answering; asking again until it is back")
                     await asyncio.sleep(1.0)
@@ -237,10 +242,14 @@ class RaaS:
                     running.add(t)
                     t.add_done_callback(running.discard)
                 if not reply.tasks:
-                    try:
-                        await asyncio.wait_for(stop.wait(), timeout=max(0.02, reply.retry_after_s or 0.1))
-                    except TimeoutError:
-                        pass
+                    self._maybe_pull_weights()  # the reply may name a new version
+                    if self._pull_pending():
+                        await self._until_loaded(stop, timeout=max(0.02, reply.retry_after_s or 0.1))
+                    elif wait == 0.0:
+                        try:
+                            await asyncio.wait_for(stop.wait(), timeout=max(0.02, reply.retry_after_s or 0.1))
+                        except TimeoutError:
+                            pass
             if drain.is_set() and running and not stop.is_set():
                 self.draining = True
                 timeout = self.recipe.rollout.drain_timeout_s
@@ -265,9 +274,26 @@ class RaaS:
         _log.info("stopping after %d tasks", self.tasks_done)
         return 0
 
+    def _pull_pending(self) -> bool:
+        """Weights of some policy are being pulled, or pulled and not yet applied by its engine."""
+        return bool(self.pulling) or any(
+            self.scheduled.get(name, -1) > eng.version for name, eng in self.engines.items()
+        )
+
+    async def _until_loaded(self, stop: asyncio.Event, timeout: float) -> None:
+        """Wait (polling briefly) until no pull is pending, the worker stops, or `timeout` passes."""
+        deadline = time.monotonic() + timeout
+        while self._pull_pending() and not stop.is_set() and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+
     async def _ask(self, msg: Any, stop: asyncio.Event) -> Any:
         """Send a request and await its reply, or None as soon as the worker is told to stop."""
-        reply = asyncio.wrap_future(self.client.submit(msg))
+        wait = float(getattr(msg, "wait_s", 0.0))
+        # a long poll held by a controller that then died is never answered: give up on it soon, and
+        # ask again (a restarted controller has forgotten it)
+        reply = asyncio.wrap_future(
+            self.client.submit(msg, timeout_s=10.0 + wait) if wait > 0 else self.client.submit(msg)
+        )
         stopped = asyncio.ensure_future(stop.wait())
         done, _ = await asyncio.wait({reply, stopped}, return_when=asyncio.FIRST_COMPLETED)
         if reply not in done:

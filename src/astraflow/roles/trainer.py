@@ -14,6 +14,9 @@ from astraflow.errors import AstraflowError
 
 _log = log.get("trainer")
 
+BATCH_WAIT_S = 1.0
+"""How long a BatchRequest asks the controller to hold it when the batch is not ready (a long poll)."""
+
 
 def latest_checkpoint(root: Path) -> Path | None:
     """The newest complete checkpoint directory (step-N with a COMPLETE marker) under root."""
@@ -199,7 +202,15 @@ def run_trainer(
             while not stopping["sig"]:
                 client.tick()
                 announce(block=False)  # the previous version, as soon as it is served
-                reply = request_retrying(client, BatchRequest(policy=policy, step=step), timeout_s=60.0)
+                # a long poll (the controller answers once the batch is ready), except while a version
+                # is still being serialised: it must be announced first, so workers can pull it
+                wait = 0.0 if publisher.busy else BATCH_WAIT_S
+                # a held request whose controller died is never answered: a long poll gives up sooner
+                reply = request_retrying(
+                    client,
+                    BatchRequest(policy=policy, step=step, wait_s=wait),
+                    timeout_s=15.0 + wait if wait > 0 else 60.0,
+                )
                 if isinstance(reply, BatchReply) and reply.ready:
                     batch = reply
                     break
@@ -207,7 +218,13 @@ def run_trainer(
                     break
                 if isinstance(reply, Error):
                     raise AstraflowError(f"controller refused batch {step}: {reply.code} {reply.message}")
-                time.sleep(max(0.01, getattr(reply, "retry_after_s", 0.05) or 0.05))
+                pause = max(0.0, getattr(reply, "retry_after_s", 0.05) or 0.0)
+                if wait > 0:
+                    pause = 0.01  # the controller held the request already: ask again at once
+                if publisher.busy:
+                    publisher.wait(pause)  # announce it the moment it is served
+                elif pause > 0:
+                    time.sleep(pause)
             if batch is None:
                 break
             wait_s = time.monotonic() - t_wait

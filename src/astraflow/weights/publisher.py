@@ -46,6 +46,11 @@ class BackgroundPublisher:
         """The in-flight version (if any) has finished serialising and hashing."""
         return self._thread is not None and not self._thread.is_alive()
 
+    def wait(self, timeout: float) -> None:
+        """Block until the in-flight version is served, at most `timeout` seconds."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+
     def start(self, version: int, weights: dict[str, Any], metrics: dict[str, float]) -> None:
         """Serialise, hash and hold `weights` as `version` on a worker thread.
 

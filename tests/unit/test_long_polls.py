@@ -1,0 +1,82 @@
+"""Long polls (roles/parked.py), driven through Controller.dispatch on a real state.db (no sockets): a
+held request gets no reply until the event that changes its answer, then exactly one."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from astraflow.config.recipe import Recipe
+from astraflow.protocol import messages as m
+from astraflow.roles.controller import Controller
+from astraflow.state.store import Store
+
+
+def _controller(model: Path, tmp_path: Path) -> Controller:
+    recipe = Recipe.model_validate(
+        {
+            "run": {"name": "polls", "steps": 3},
+            "policy": [{"name": "main", "model": str(model), "group_size": 2, "batch_prompts": 1}],
+            "workflow": {"name": "quickstart", "options": {"size": 50}},
+            "rollout": {"slots": 4},
+        }
+    )
+    c = Controller(recipe, tmp_path, Store.open(tmp_path / "state.db"))
+    c.start()
+    return c
+
+
+def _hello(ident: str, role: str) -> m.Hello:
+    return m.Hello(
+        member_id=ident, role=role, protocol=m.PROTOCOL_VERSION, policies=["main"], pid=1, host="h"
+    )
+
+
+def _episodes() -> list[m.Episode]:
+    seq = m.Sequence(
+        policy="main",
+        tokens=[5, 6, 7],
+        loss_mask=[0, 1, 1],
+        logprobs=[0.0, -0.5, -0.5],
+        versions=[-1, 0, 0],
+        reward=1.0,
+    )
+    return [m.Episode(sequences=[seq]) for _ in range(2)]
+
+
+def _to(replies: list[tuple[bytes, m.Msg]], ident: str) -> list[m.Msg]:
+    return [r for to, r in replies if to == ident.encode()]
+
+
+def test_held_requests_are_answered_by_the_event_that_changes_them(tiny_model: Path, tmp_path: Path) -> None:
+    c = _controller(tiny_model, tmp_path)
+    for ident, role in (("trainer-main", "trainer"), ("w", "raas")):
+        assert isinstance(_to(c.dispatch(ident.encode(), _hello(ident, role)), ident)[0], m.Welcome)
+    # the trainer asks before any rollout: held, no reply
+    assert c.dispatch(b"trainer-main", m.BatchRequest(policy="main", step=1, wait_s=1.0)) == []
+    # the worker fills the cap ((S + 1) x B = 2 tasks); its next request is held too
+    grant = _to(c.dispatch(b"w", m.TaskRequest(n=4, loaded={"main": 0}, wait_s=1.0)), "w")[0]
+    assert isinstance(grant, m.TaskGrant) and len(grant.tasks) == 2
+    assert c.dispatch(b"w", m.TaskRequest(n=2, loaded={"main": 0}, wait_s=1.0)) == []
+    # the first result makes the batch ready: the held BatchRequest is answered with it, at once
+    t = grant.tasks[0]
+    out = c.dispatch(b"w", m.TaskResult(task_id=t.task_id, epoch=t.epoch, episodes=_episodes()))
+    acks, batches = _to(out, "w"), _to(out, "trainer-main")
+    assert [type(a) for a in acks] == [m.ResultAck]
+    assert len(batches) == 1 and isinstance(batches[0], m.BatchReply) and batches[0].ready
+    assert len(batches[0].samples) == 2
+    # taking the batch made room, but the worker's loaded version 0 is too old for it: still held
+    assert len(c.parked.tasks) == 1
+    # a recorded version answers the held TaskRequest at once (the worker must hear of it to pull it)
+    pub = m.VersionPublished(policy="main", version=1, step=1, weights_addr="tcp://127.0.0.1:1")
+    out = c.dispatch(b"trainer-main", pub)
+    assert isinstance(_to(out, "trainer-main")[0], m.Ack)
+    held = _to(out, "w")
+    assert len(held) == 1 and isinstance(held[0], m.TaskGrant)
+    assert [v.version for v in held[0].versions] == [1]
+    # a request still held at its deadline gets the plain answer then, once
+    assert c.dispatch(b"trainer-main", m.BatchRequest(policy="main", step=2, wait_s=0.5)) == []
+    assert c.wake(("batch",), time.time(), expired_only=True) == []
+    late = c.wake(("batch",), time.time() + 1.0, expired_only=True)
+    assert len(late) == 1 and isinstance(late[0][1], m.BatchReply) and not late[0][1].ready
+    assert len(c.parked) == 0
