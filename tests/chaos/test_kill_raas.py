@@ -49,13 +49,21 @@ def test_kill_9_raas_mid_run_loses_no_task(tiny_model: Path, tmp_path: Path) -> 
                     r[0] for r in db.execute("SELECT id FROM tasks WHERE status='leased' AND owner='raas-0'")
                 ]
 
-        while time.monotonic() < deadline and not held_by_raas0():
-            time.sleep(0.02)
+        # freeze raas-0 while it holds leases, so it cannot hand them back before the kill: its episodes
+        # take milliseconds, and a lease seen a moment ago may already be done (then thaw and try again)
+        victim_tasks: list[int] = []
+        while time.monotonic() < deadline and not victim_tasks:
+            if not held_by_raas0():
+                time.sleep(0.02)
+                continue
+            raas[0].send_signal(signal.SIGSTOP)
+            time.sleep(0.3)  # a result sent just before the freeze reaches the controller: not a victim
+            # what it holds now, well inside controller.member_timeout_s (the leases are not yet taken back)
+            victim_tasks = held_by_raas0()
+            if not victim_tasks:
+                raas[0].send_signal(signal.SIGCONT)
         raas[0].send_signal(signal.SIGKILL)
         raas[0].wait()
-        # what it held when it died (read after the kill: a result it sent just before is not a victim),
-        # well inside controller.member_timeout_s, before the controller can take the leases back
-        victim_tasks = held_by_raas0()
 
         assert trainer.wait(timeout=300) == 0, c.log("trainer.log")
         assert ctl.wait(timeout=60) == 0, c.log("controller.log")

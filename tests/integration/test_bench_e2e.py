@@ -20,7 +20,7 @@ def test_bench_e2e_reports_throughput_busy_fractions_and_weight_sync(
     run_dir = tmp_path / "run"
     sets = {
         "policy.0.model": f'"{tiny_model}"',
-        "run.steps": "5",  # a window long enough to hold weight pulls (publishing runs in the background)
+        "run.steps": "20",  # a window long enough to hold weight pulls (publishing runs in the background)
         "rollout.local_workers": "1",
         "policy.0.batch_prompts": "4",
         "policy.0.group_size": "4",
@@ -35,9 +35,9 @@ def test_bench_e2e_reports_throughput_busy_fractions_and_weight_sync(
     rep = json.loads(out.stdout)
     assert rep == json.loads((run_dir / "e2e.json").read_text())
     pol = rep["policies"]["main"]
-    assert pol["steps"] == 5 and rep["window_s"] > 0
-    # 16 sequences a step: four steps after the first were trained inside the window
-    assert rep["trained_per_s"] == pytest.approx(64 / rep["window_s"])
+    assert pol["steps"] == 20 and rep["window_s"] > 0
+    # 16 sequences a step: the 19 steps after the first were trained inside the window
+    assert rep["trained_per_s"] == pytest.approx(19 * 16 / rep["window_s"])
     # rollouts buffered before the window (within the staleness bound) are not counted in it: >= 0
     assert rep["generated_per_s"] >= 0 and pol["generated_tokens_per_s"] >= pol["generated_per_s"]
     assert 0 < pol["trainer_busy"] <= 1 and pol["trainer_compute_s"] > 0
