@@ -103,8 +103,8 @@ def test_code_coder_and_test_writer_rewards_in_the_sandbox(tok: Any) -> None:
     try:
         (ep,) = asyncio.run(wf.run_group(task, {"coder": coder, "tester": tester}, {"coder": 2, "tester": 4}))
     finally:
-        if wf._sandbox is not None:
-            wf._sandbox.close()
+        if wf._code._sandbox is not None:  # the pool is the code workflow's
+            wf._code._sandbox.close()
     coder_r = [s.reward for s in ep.sequences if s.role == "coder"]
     tester_r = [s.reward for s in ep.sequences if s.role == "tester"]
     assert coder_r == [1.0, 0.0]

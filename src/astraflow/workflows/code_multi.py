@@ -26,8 +26,8 @@ from astraflow.protocol.messages import Scalar, Sequence
 from astraflow.sandbox import SandboxConfig, SandboxLimits, SandboxPool
 from astraflow.workflows.base import Episode, PolicyClient, Workflow
 from astraflow.workflows.code_check import candidate, check, extract_code
-from astraflow.workflows.code_data import generate_functions, humaneval, load_code, normalize
-from astraflow.workflows.code_rl import CodeConfig, prompt_transcript
+from astraflow.workflows.code_data import normalize
+from astraflow.workflows.code_rl import CodeConfig, CodeWorkflow, prompt_transcript
 from astraflow.workflows.transcript import Transcript
 
 TESTER_INSTRUCTION = (
@@ -83,17 +83,20 @@ class CodeMultiAgentWorkflow(Workflow):
     def __init__(self, config: CodeMultiConfig | None = None) -> None:
         super().__init__(config if config is not None else CodeMultiConfig())
         self.config: CodeMultiConfig
-        self._sandbox: SandboxPool | None = None
-        self._code_cfg = CodeConfig(prompt=self.config.prompt, instruction=self.config.instruction)
+        cfg = self.config
+        self._code_cfg = CodeConfig(
+            source=cfg.source,
+            data_file=cfg.data_file,
+            generated_size=cfg.generated_size,
+            prompt=cfg.prompt,
+            instruction=cfg.instruction,
+            sandbox=cfg.sandbox,
+        )
+        self._code = CodeWorkflow(self._code_cfg)  # the tasks, coder prompts and sandbox pool of `code`
 
     def dataset(self, seed: int, size: int = 0) -> Iterator[dict[str, Any]]:
-        """The tasks of `source` (first `size` if given)."""
-        cfg = self.config
-        if cfg.source == "generated":
-            yield from generate_functions(seed, size or cfg.generated_size)
-            return
-        rows = humaneval() if cfg.source == "humaneval" else load_code(cfg.data_file)  # type: ignore[arg-type]
-        yield from rows[:size] if size else rows
+        """The tasks of `source` (first `size` if given), as the code workflow reads them."""
+        return self._code.dataset(seed, size)
 
     @classmethod
     def sequences_per_task(cls, group_sizes: dict[str, int]) -> dict[str, int]:
@@ -101,12 +104,8 @@ class CodeMultiAgentWorkflow(Workflow):
         return {"coder": group_sizes.get("coder", 1), "tester": group_sizes.get("tester", 1)}
 
     async def sandbox(self) -> SandboxPool:
-        """The RaaS's sandbox pool, checked once on first use."""
-        if self._sandbox is None:
-            pool = SandboxPool(self.config.sandbox)
-            await pool.check()
-            self._sandbox = pool
-        return self._sandbox
+        """The RaaS's sandbox pool (the code workflow's), checked once on first use."""
+        return await self._code.sandbox()
 
     def _tester_transcript(self, client: PolicyClient, task: dict[str, Any]) -> Transcript:
         if self.config.prompt == "raw":
