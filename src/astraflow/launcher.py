@@ -418,6 +418,14 @@ def run_up(
             signal.signal(s, h)
 
 
+def _echo_failures(fails: Any, viewer: subprocess.Popen[bytes] | None) -> None:
+    """Print the task failures recorded since the last read (one line per kind and second)."""
+    for line in fails.read():
+        if viewer is None:
+            sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def _watch(
     sup: Supervisor,
     recipe: Any,
@@ -448,10 +456,7 @@ def _watch(
         if time.monotonic() >= next_fail_read:
             # failures reach the console as one line per kind and second (the full traceback is in the controller log)
             next_fail_read = time.monotonic() + 1.0
-            for line in fails.read():
-                if viewer is None:
-                    sys.stdout.write(line + "\n")
-                sys.stdout.flush()
+            _echo_failures(fails, viewer)
         if stop["signal"]:
             _log.warning("stopping on signal %d", stop["signal"])
             return 130
@@ -494,6 +499,7 @@ def _watch(
                 if any(c.running for c in sup.children if c.role == "raas"):
                     _log.warning("%s exited with %s and will not be restarted again", child.name, rc)
                     continue
+            _echo_failures(fails, viewer)  # the failures that ended it, read before the run is left
             _log.error(
                 "%s failed (exit %s); last lines of %s:\n%s",
                 child.name,

@@ -243,24 +243,38 @@ def request_once(
 
     With credentials the request goes over CURVE under the key's name (the controller knows the sender
     only by its key); an unknown key gets no answer at all, which reads as a timeout here.
+
+    Without an answer the request is sent again on a fresh connection after 0.5 s, 1 s, 2 s, ... (up
+    to 5 s apart): the controller's ROUTER ignores a connection whose identity a previous connection
+    still holds until it has seen that one close (two `ctl` calls in a row under one key's name), and
+    it never delivers from the ignored one. Only idempotent requests may use this (status, pause,
+    resume, stop, leave); the first answer wins.
     """
     from astraflow.protocol.codec import decode, encode
 
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
     if credentials is not None:
-        curve_client(sock, credentials.keypair, credentials.controller_public)
         ident = credentials.keypair.name or ident
-    sock.setsockopt(zmq.IDENTITY, ident.encode())
-    try:
-        sock.connect(controller)
+    payload = encode(msg)
+    deadline = time.monotonic() + timeout_s
+    wait_s = 0.5
+    while True:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        if credentials is not None:
+            curve_client(sock, credentials.keypair, credentials.controller_public)
+        sock.setsockopt(zmq.IDENTITY, ident.encode())
         try:
-            sock.send(encode(msg), zmq.NOBLOCK)
-        except zmq.Again:
-            pass  # no connection to queue to yet: the poll below times out
-        if not sock.poll(int(timeout_s * 1000)):
+            sock.connect(controller)
+            try:
+                sock.send(payload, zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # no connection to queue to yet: the next attempt sends again
+            left = deadline - time.monotonic()
+            if left > 0 and sock.poll(int(min(left, wait_s) * 1000)):
+                return decode(sock.recv())
+        finally:
+            sock.close()
+        if time.monotonic() >= deadline:
             return None
-        return decode(sock.recv())
-    finally:
-        sock.close()
+        wait_s = min(wait_s * 2, 5.0)

@@ -132,6 +132,7 @@ class KeyStore:
                 hint=f"create one: astraflow keys init --keys {self.directory}",
             )
         self._lock = threading.Lock()
+        self._refresh_lock = threading.Lock()
         self._seen: tuple[int, int, int] | None = None
         self._checked = 0.0
         self._by_key: dict[bytes, Principal] = {}
@@ -204,7 +205,15 @@ class KeyStore:
         self.refresh(force=True)
 
     def refresh(self, *, force: bool = False, every_s: float = 0.1) -> None:
-        """Re-read members.json if it changed (checked at most every `every_s` unless forced)."""
+        """Re-read members.json if it changed (checked at most every `every_s` unless forced).
+
+        The ZAP thread and the socket's own thread both refresh: one refresh runs at a time, so an
+        older read can never overwrite a newer one (a key the handshake admitted, then unknown to
+        the frame check)."""
+        with self._refresh_lock:
+            self._refresh(force, every_s)
+
+    def _refresh(self, force: bool, every_s: float) -> None:
         now = time.monotonic()
         if not force and now - self._checked < every_s:
             return

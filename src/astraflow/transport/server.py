@@ -135,7 +135,12 @@ class RouterServer:
             user = frame.get("User-Id")
         except zmq.ZMQError:
             return None
-        return self.keys.principal(user.encode() if isinstance(user, str) else b"")
+        key = user.encode() if isinstance(user, str) else b""
+        found = self.keys.principal(key)
+        if found is None and key:
+            self.keys.refresh(every_s=0.0)  # admitted at the handshake a moment ago: look at the registry again
+            found = self.keys.principal(key)
+        return found
 
     def _refuse(self, identity: bytes, frames: list[bytes], code: str, why: str) -> None:
         self.refused += 1
