@@ -39,3 +39,43 @@ def test_kill_9_controller_and_restart(tiny_model: Path, tmp_path: Path) -> None
         group = json.loads((run_dir / "recipe.resolved.json").read_text())["policy"][0]["group_size"]
         per_task = dict(db.execute("SELECT task_id, COUNT(*) FROM trajectories GROUP BY task_id").fetchall())
         assert all(n == group for n in per_task.values())
+
+
+@pytest.mark.chaos
+def test_a_long_poll_held_by_a_killed_controller_fails_fast_after_the_restart(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """A trainer's BatchRequest held by the controller (no rollouts yet) dies with it on `kill -9`. The
+    restarted controller's first HeartbeatAck names it lost, so the caller hears ConnectError about
+    a second after the restart, not at its 90 s deadline (it then asks again, as after a timeout)."""
+    from astraflow.errors import ConnectError
+    from astraflow.protocol.messages import PROTOCOL_VERSION, BatchReply, BatchRequest, Hello
+    from astraflow.transport.client import MemberClient
+
+    # a member timeout longer than the test: the restarted controller still counts the trainer alive
+    # (so no unknown_member and no re-join), and only the HeartbeatAck's `lost` can end the wait early
+    with Cluster(tmp_path, tiny_model, 5, "controller.member_timeout_s=300.0") as c:
+        ctl = c.controller("controller-1.log")
+        hello = Hello(member_id="trainer-main", role="trainer", protocol=PROTOCOL_VERSION, policies=["main"])
+        client = MemberClient(c.addr, hello, connect_timeout_s=120, hang_timeout_s=600)
+        try:
+            client.connect()
+            # answered "not ready" at once, then held for up to 2 s: no worker makes rollouts
+            first = client.request(BatchRequest(policy="main", step=1, wait_s=0.0), timeout_s=60)
+            assert isinstance(first, BatchReply) and not first.ready
+            held = client.submit(BatchRequest(policy="main", step=1, wait_s=2.0), timeout_s=90)
+            time.sleep(0.3)  # it reached the controller, which holds it
+            ctl.send_signal(signal.SIGKILL)
+            ctl.wait()
+            assert not held.done()
+            ctl2 = c.controller("controller-2.log")
+            restarted = time.monotonic()
+            with pytest.raises(ConnectError, match="never got BatchRequest"):
+                held.result(timeout=60)
+            assert time.monotonic() - restarted < 45, "the lost request waited for its deadline"
+            # asked again, it is answered by the restarted controller
+            again = client.request(BatchRequest(policy="main", step=1, wait_s=0.0), timeout_s=60)
+            assert isinstance(again, BatchReply) and not again.ready
+            assert ctl2.poll() is None
+        finally:
+            client.close()

@@ -45,7 +45,7 @@ def test_malformed_frames_at_a_live_controller(tmp_path: Path) -> None:
         assert b.errors >= 0.5 * FRAMES, b
         assert after - before < 64, f"controller RSS grew {before:.0f} -> {after:.0f} MiB"
         print(f"controller: {b}, RSS {before:.0f} -> {after:.0f} MiB")
-        reply = request(addr, StatusRequest(rid=2))
+        reply = request(addr, StatusRequest(rid=2), timeout_s=30.0)
         assert isinstance(reply, StatusReply) and reply.rid == 2
     finally:
         proc.kill()
@@ -57,7 +57,7 @@ def test_malformed_frames_and_chunk_hoarding_at_a_live_weight_server(tmp_path: P
     proc, addr = start_weight_server(tmp_path)
     probe = WeightRequest(rid=1, policy="main", version=1)
     try:
-        assert isinstance(request(addr, probe), WeightManifest)
+        assert isinstance(request(addr, probe, timeout_s=30.0), WeightManifest)
         blast(addr, malformed_frames(2_600, seed=1))
         before = rss_mb(proc.pid)
         b = blast(addr, malformed_frames(FRAMES, seed=3))
@@ -66,7 +66,7 @@ def test_malformed_frames_and_chunk_hoarding_at_a_live_weight_server(tmp_path: P
         after = rss_mb(proc.pid)
         assert after - before < 64, f"weight server RSS grew {before:.0f} -> {after:.0f} MiB"
         print(f"weight server: {b}, RSS {before:.0f} -> {after:.0f} MiB")
-        assert isinstance(request(addr, probe), WeightManifest)
+        assert isinstance(request(addr, probe, timeout_s=30.0), WeightManifest)
 
         # 1,000 requests for 1 MiB chunks from a peer that never reads: only SNDHWM chunks may queue
         before = rss_mb(proc.pid)
@@ -80,7 +80,7 @@ def test_malformed_frames_and_chunk_hoarding_at_a_live_weight_server(tmp_path: P
             f"weight server RSS {before:.0f} -> {held:.0f} MiB for a peer that never reads"
         )
         assert proc.poll() is None
-        assert isinstance(request(addr, probe), WeightManifest)
+        assert isinstance(request(addr, probe, timeout_s=30.0), WeightManifest)
     finally:
         proc.kill()
         proc.wait()

@@ -153,6 +153,8 @@ class Heartbeat(Msg, kw_only=True):
     """Task ids the member is working on now: only these leases are renewed."""
     error: Text = ""
     """The member's newest failure it survived (e.g. weights it could not apply); logged by the controller."""
+    waiting: Annotated[list[int], msgspec.Meta(max_length=256)] = []
+    """rids of requests sent before this heartbeat, on this connection, still unanswered."""
 
 
 class HeartbeatAck(Msg, kw_only=True):
@@ -160,6 +162,9 @@ class HeartbeatAck(Msg, kw_only=True):
 
     versions: list[VersionInfo] = []
     stop: bool = False
+    lost: list[int] = []
+    """The heartbeat's `waiting` rids this controller neither answered nor holds: it never got them
+    (it restarted, or they died with a connection). No answer will come; the member asks again."""
 
 
 class Bye(Msg, kw_only=True):

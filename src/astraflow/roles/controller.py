@@ -354,7 +354,11 @@ class Controller:
                 self.store.add_event("member_error", f"{member['id']}: {msg.error[:500]}")
         if msg.error:
             _log.warning("member %s reports: %s", member["id"], msg.error[:500])
-        return m.HeartbeatAck(rid=msg.rid, versions=self.versions(), stop=self.stopping())
+        # Requests are handled in the order they arrive, so every request the member sent before this
+        # heartbeat is answered (its reply is ahead of this one) or held; any other was never received.
+        ident = str(member["id"]).encode()
+        lost = [rid for rid in msg.waiting if not self.parked.holds(ident, rid)]
+        return m.HeartbeatAck(rid=msg.rid, versions=self.versions(), stop=self.stopping(), lost=lost)
 
     def on_bye(self, member: dict[str, Any], msg: m.Bye) -> m.Msg:
         """Return the member's leases at once and mark it left."""

@@ -47,6 +47,8 @@ class Pending:
     future: concurrent.futures.Future[Msg]
     deadline: float
     timeout_s: float
+    sent_on: int = 0
+    """The connection (MemberLoop.connection) it was last sent on; 0: not sent yet."""
 
 
 class MemberLoop:
@@ -58,6 +60,8 @@ class MemberLoop:
         self.reopen = reopen
         """Makes a fresh connected socket (see _reopen)."""
         self.opened = time.monotonic()
+        self.connection = 1
+        """Counts the sockets opened (see _reopen): a reply owed on an older one never comes."""
         self.reopen_after = REOPEN_AFTER_S
         """Silence before the next reopen; doubles each time (a slow controller is not a lost route)."""
         self.poller = zmq.Poller()
@@ -156,7 +160,17 @@ class MemberLoop:
             return
         loaded, busy, free = c._load
         active, error = c._progress
-        beat = Heartbeat(rid=next(c._rids), loaded=loaded, busy=busy, free=free, active=active, error=error)
+        # the requests already sent on this connection: the controller says which it never got
+        waiting = [rid for rid, p in self.pending.items() if p.sent_on == self.connection][:256]
+        beat = Heartbeat(
+            rid=next(c._rids),
+            loaded=loaded,
+            busy=busy,
+            free=free,
+            active=active,
+            error=error,
+            waiting=waiting,
+        )
         # a heartbeat that cannot go out now is worthless later: replace any queued one
         self.outbox = deque(m for m in self.outbox if not isinstance(m, Heartbeat))
         self.outbox.append(beat)
@@ -175,6 +189,7 @@ class MemberLoop:
         self.sock = self.reopen()
         self.poller.register(self.sock, zmq.POLLIN)
         self.opened = time.monotonic()
+        self.connection += 1
 
     def _flush(self) -> None:
         while self.outbox:
@@ -184,6 +199,9 @@ class MemberLoop:
             except zmq.Again:
                 return  # no live connection yet: retry on the next loop turn
             self.outbox.popleft()
+            p = self.pending.get(msg.rid)
+            if p is not None and p.msg is msg and not isinstance(msg, Hello):
+                p.sent_on = self.connection
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -244,6 +262,7 @@ class MemberLoop:
         elif isinstance(msg, HeartbeatAck):
             self._merge_versions(msg.versions)
             c.stop_requested = c.stop_requested or msg.stop
+            self._lost(msg.lost)
             return
         elif isinstance(msg, TaskGrant):
             self._merge_versions(msg.versions)
@@ -253,6 +272,24 @@ class MemberLoop:
             p.future.set_result(msg)
         elif p is None and not isinstance(msg, Welcome):
             _log.debug("late or unsolicited %s rid=%d", type(msg).__name__, msg.rid)
+
+    def _lost(self, rids: list[int]) -> None:
+        """Requests the controller says it never got (it restarted, or a connection dropped them): their
+        answers will not come, so their callers hear it now (ConnectError: they ask again) instead of at
+        their deadlines, which a held long poll would otherwise wait out."""
+        for rid in rids:
+            p = self.pending.get(rid)
+            if p is None or isinstance(p.msg, Hello) or p.sent_on == 0:
+                continue
+            del self.pending[rid]
+            _fail(
+                p.future,
+                ConnectError(
+                    f"controller at {self.c.controller} never got {type(p.msg).__name__} "
+                    "(it restarted, or the connection dropped it)",
+                    hint="ask again",
+                ),
+            )
 
     def _rejoin(self, rid: int) -> None:
         """The controller forgot us (it restarted): Hello again and replay the rejected request."""
@@ -265,7 +302,22 @@ class MemberLoop:
         if self.joined:
             _log.info("controller at %s does not know us: joining again", self.c.controller)
             self.joined = False
-            # requests already in flight will come back as unknown_member and join the backlog
+            # Requests in flight went to the old controller (their answers died with it, and a held
+            # long poll would wait out its whole deadline) or to this one (refused as unknown_member).
+            # Fail them all now: their callers take ConnectError as the signal to ask again, and
+            # asking again goes out after the Welcome.
+            for rid, pending in list(self.pending.items()):
+                if not isinstance(pending.msg, Hello):
+                    del self.pending[rid]
+                    _fail(
+                        pending.future,
+                        ConnectError(
+                            f"controller at {self.c.controller} restarted before it answered {type(pending.msg).__name__}",
+                            hint="the request is asked again",
+                        ),
+                    )
+            live = {id(p.msg) for p in self.pending.values()}
+            self.outbox = deque(m for m in self.outbox if not _is_request(m) or id(m) in live)
         if not self.hello_rid or time.monotonic() - self.hello_sent > self.c.heartbeat_interval_s:
             self._send_hello()
 

@@ -138,7 +138,8 @@ class RouterServer:
         key = user.encode() if isinstance(user, str) else b""
         found = self.keys.principal(key)
         if found is None and key:
-            self.keys.refresh(every_s=0.0)  # admitted at the handshake a moment ago: look at the registry again
+            # admitted at the handshake a moment ago: look at the registry again
+            self.keys.refresh(every_s=0.0)
             found = self.keys.principal(key)
         return found
 
