@@ -143,8 +143,8 @@ class MemberLoop:
         self.next_beat = now + c.heartbeat_interval_s
         # expecting an answer (a request in flight, or heartbeats going out) and hearing nothing: the
         # connection may be one the controller's ROUTER ignores (see _reopen); dial again
-        waiting = bool(self.pending) or (self.joined and not c.hung)
-        if waiting and now - max(self.opened, c.last_heard) > self.reopen_after:
+        expecting = bool(self.pending) or (self.joined and not c.hung)
+        if expecting and now - max(self.opened, c.last_heard) > self.reopen_after:
             self._reopen()
             self.reopen_after = min(2 * self.reopen_after, REOPEN_MAX_S)
         if c.hung:
