@@ -114,8 +114,16 @@ class Supervisor:
         _log.debug("started %s pid %d: %s", child.name, child.proc.pid, " ".join(child.argv))
 
     def restart(self, child: Child) -> None:
-        """Start a dead child again with the same command line."""
+        """Start a dead child again with the same command line (a service's leftover processes, which
+        may still hold its port, are killed first)."""
         child.restarts += 1
+        if child.role == "service" and child.proc is not None:
+            try:
+                os.killpg(child.proc.pid, signal.SIGKILL)  # its own session: the group id is its pid
+            except (ProcessLookupError, PermissionError):
+                pass
+        if child.log_file is not None:
+            child.log_file.close()
         self._spawn(child)
 
     def exited(self) -> list[tuple[Child, int]]:
@@ -436,14 +444,15 @@ def _watch(
     viewer: subprocess.Popen[bytes] | None = None,
 ) -> int:
     """Supervise until the trainers finish, a fatal child fails, or a signal arrives. A dead RaaS is
-    restarted up to max_restarts times, a dead trainer up to MAX_TRAINER_RESTARTS times; a controller
-    failure, or a child past its restarts, ends the run."""
+    restarted up to max_restarts times, a dead trainer up to MAX_TRAINER_RESTARTS times, a dead service
+    up to its own max_restarts; a controller failure, or a child past its restarts, ends the run."""
     from astraflow.state.failure_tail import FailureTail
 
     metrics = MetricsTail(run_dir / "metrics.jsonl")
     fails, next_fail_read = FailureTail(run_dir / "state.db"), 0.0
     trainers = [c for c in sup.children if c.role == "trainer"]
     budgets = {p.name: recipe.budget(p.name) for p in recipe.trainable()}
+    service_restarts = {f"service-{s.name}": s.max_restarts for s in getattr(recipe, "service", [])}
     seen_dead: set[tuple[str, int]] = set()
     reached: dict[str, int] = {}
     while True:
@@ -485,6 +494,14 @@ def _watch(
                 )
                 sup.restart(child)
                 continue
+            if child.role == "service":
+                limit = service_restarts.get(child.name, 0)
+                if child.restarts < limit:
+                    _log.warning(
+                        "%s exited with %s; restarting it (%d/%d)", child.name, rc, child.restarts + 1, limit
+                    )
+                    sup.restart(child)
+                    continue
             if child.role == "raas":
                 if child.restarts < max_restarts:
                     _log.warning(

@@ -1,7 +1,8 @@
 """The recipe's `[[service]]` processes under `astraflow up`: started before the roles, each in its own
 process group, waited for until it accepts connections, and stopped (the whole group) after the roles.
 The launcher's supervisor watches them like the roles: a service that exits before the run is over
-ends the run."""
+ends the run, unless it has restarts left (`max_restarts`): then its process group is killed and its
+command started again."""
 
 from __future__ import annotations
 

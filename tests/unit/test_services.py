@@ -128,3 +128,49 @@ def test_a_service_that_stops_during_the_run_ends_the_run(tmp_path: Path) -> Non
     finally:
         sup.stop_all(grace_s=2)
     assert time.monotonic() - t0 < 30
+
+
+def test_a_service_with_restarts_left_is_started_again_and_the_run_goes_on(tmp_path: Path) -> None:
+    """A service that dies during the run (its first life exits 1, leaving a child of its own) is
+    started again after its old process group is killed, and the run ends normally when the
+    stand-in trainer does."""
+    from types import SimpleNamespace
+
+    from astraflow.launcher import _watch
+
+    port = _free_port()
+    lives = tmp_path / "lives"
+    flaky = f"""
+import socket, subprocess, sys, time
+from pathlib import Path
+lives = Path({str(lives)!r}); n = len(lives.read_text()) if lives.exists() else 0
+lives.write_text("x" * (n + 1))
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+Path({str(tmp_path)!r}, "child-%d" % n).write_text(str(child.pid))
+s = socket.socket(); s.bind(("127.0.0.1", {port})); s.listen()
+time.sleep(1.0 if n == 0 else 600)
+sys.exit(1)
+"""
+    sup = _sup(tmp_path)
+    sup.start_command("trainer-main", "trainer", [sys.executable, "-c", "import time; time.sleep(6)"], {})
+    cfg = ServiceConfig(
+        name="env", command=[sys.executable, "-c", flaky], ready=f"127.0.0.1:{port}", max_restarts=1
+    )
+    start_services(sup, [cfg])
+    recipe = SimpleNamespace(
+        trainable=lambda: [SimpleNamespace(name="main")], budget=lambda name: 1, service=[cfg]
+    )
+    try:
+        assert _watch(sup, recipe, tmp_path, {"signal": 0}, time.monotonic(), max_restarts=0) == 0
+        assert lives.read_text() == "xx", "the service was not started a second time"
+        first_child = int((tmp_path / "child-0").read_text())
+        assert not _alive(first_child), "the dead service's own child was left running"
+        assert sup.children[-1].running and sup.children[-1].restarts == 1
+    finally:
+        sup.stop_all(grace_s=2)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

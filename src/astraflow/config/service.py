@@ -21,3 +21,6 @@ class ServiceConfig(BaseModel):
     """A service not accepting connections on `ready` after this long fails the start of the run."""
     env: dict[str, str] = {}
     """Environment variables set for this service only."""
+    max_restarts: int = Field(0, ge=0, le=1000)
+    """Times `up` starts the service again (its old process group killed first) when it exits during the
+    run; 0: its exit ends the run. The roles are not told: their calls fail until it listens again."""
