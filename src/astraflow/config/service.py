@@ -22,5 +22,4 @@ class ServiceConfig(BaseModel):
     env: dict[str, str] = {}
     """Environment variables set for this service only."""
     max_restarts: int = Field(0, ge=0, le=1000)
-    """Times `up` starts the service again (its old process group killed first) when it exits during the
-    run; 0: its exit ends the run. The roles are not told: their calls fail until it listens again."""
+    """Times `up` starts it again (old process group killed first) if it exits mid-run; 0: its exit ends the run."""
