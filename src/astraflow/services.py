@@ -68,6 +68,17 @@ def wait_ready(child: Child, cfg: ServiceConfig) -> None:
 
 def start_services(sup: Supervisor, services: list[ServiceConfig]) -> None:
     """Start every service in order, each waited for before the next (a later one may need an earlier one)."""
+    import shutil
+
     for cfg in services:
-        child = sup.start_command(f"service-{cfg.name}", ROLE, cfg.command, service_env(cfg, sup.env))
+        env = service_env(cfg, sup.env)
+        if shutil.which(cfg.command[0], path=env["PATH"]) is None:
+            raise AstraflowError(
+                f"cannot start service-{cfg.name}: {cfg.command[0]!r} is not an executable here "
+                "(nor on the service's PATH)",
+                hint="check [[service]] command",
+            )
+        # the guard takes the service's whole process group down with it, even when `up` is SIGKILLed
+        guarded = [sys.executable, "-m", "astraflow.service_guard", "--", *cfg.command]
+        child = sup.start_command(f"service-{cfg.name}", ROLE, guarded, env)
         wait_ready(child, cfg)

@@ -95,6 +95,55 @@ def test_services_wait_for_ready_and_stop_with_their_whole_process_group(tmp_pat
     assert not _alive(grandchild), "the service's own child outlived the run"
 
 
+def test_a_sigkilled_launcher_takes_the_services_own_children_down(tmp_path: Path) -> None:
+    """`kill -9` of the process that started the services (a stand-in for `up`: a real Supervisor in a
+    real process): the service and the child it started itself are gone within seconds."""
+    import signal
+    import subprocess
+
+    script = tmp_path / "server.py"
+    script.write_text(SERVER)
+    child_pid = tmp_path / "child.pid"
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = int(probe.getsockname()[1])
+    (tmp_path / "logs").mkdir()
+    launcher = f"""
+import sys, time
+from pathlib import Path
+from astraflow.config.service import ServiceConfig
+from astraflow.launcher import Supervisor
+from astraflow.services import start_services
+sup = Supervisor(Path({str(tmp_path)!r}))
+cfg = ServiceConfig(name="env", command=["python", {str(script)!r}, {str(child_pid)!r}, "{port}"],
+                    ready="127.0.0.1:{port}")
+start_services(sup, [cfg])
+Path({str(tmp_path / "service.pid")!r}).write_text(str(sup.children[0].proc.pid))
+time.sleep(600)
+"""
+    up = subprocess.Popen([sys.executable, "-c", launcher])
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "service.pid").is_file():
+            assert up.poll() is None and time.monotonic() < deadline, "the stand-in launcher did not start"
+            time.sleep(0.05)
+        service, grandchild = int((tmp_path / "service.pid").read_text()), int(child_pid.read_text())
+        assert _alive(service) and _alive(grandchild)
+        up.send_signal(signal.SIGKILL)
+        up.wait()
+        deadline = time.monotonic() + 15
+        while (_alive(grandchild) or _alive(service)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(grandchild), "the service's own child outlived a SIGKILLed launcher"
+        assert not _alive(service)
+    finally:
+        if up.poll() is None:
+            up.kill()
+        for f in ("child.pid",):
+            if (tmp_path / f).is_file() and _alive(int((tmp_path / f).read_text())):
+                os.kill(int((tmp_path / f).read_text()), 9)
+
+
 def test_recipe_service_tables_are_checked() -> None:
     from pydantic import ValidationError
 
