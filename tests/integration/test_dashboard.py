@@ -212,7 +212,11 @@ def test_dashboard_on_a_finished_run(finished_run: dict[str, Any]) -> None:
     assert seen["tab2"] == "members" and seen["tab1"] == "overview"
     by_id = {r[0]: r for r in seen["members"]}
     assert {"trainer-main", "raas-0", "raas-1"} <= set(by_id)
-    assert by_id["raas-0"][2] == "left" and int(by_id["raas-0"][8]) > 0  # tasks done by that worker
+    workers = [by_id["raas-0"], by_id["raas-1"]]
+    assert all(w[2] == "left" for w in workers)
+    # tasks done by each worker ("-": none; one worker with free slots may have taken every task)
+    done = [0 if w[8] == "-" else int(w[8]) for w in workers]
+    assert sum(done) > 0
     assert "dim" in seen["member_styles"]  # members that left are greyed
     kinds = [r[1] for r in seen["events"]]
     assert kinds[0] == "start" and kinds.count("member_joined") >= 3 and "member_left" in kinds
