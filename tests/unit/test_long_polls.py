@@ -80,3 +80,31 @@ def test_held_requests_are_answered_by_the_event_that_changes_them(tiny_model: P
     late = c.wake(("batch",), time.time() + 1.0, expired_only=True)
     assert len(late) == 1 and isinstance(late[0][1], m.BatchReply) and not late[0][1].ready
     assert len(c.parked) == 0
+
+
+def test_heartbeats_learn_which_requests_were_lost_and_a_rejoin_voids_held_ones(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """A heartbeat's `waiting` rids: held ones are not lost, unknown ones are. A member that joins
+    again (its client already failed what it had in flight) has nothing held any more, so no late
+    grant goes to a request nobody waits for; the same when it is declared dead or says Bye."""
+    c = _controller(tiny_model, tmp_path)
+    assert isinstance(
+        _to(c.dispatch(b"trainer-main", _hello("trainer-main", "trainer")), "trainer-main")[0], m.Welcome
+    )
+    assert c.dispatch(b"trainer-main", m.BatchRequest(rid=7, policy="main", step=1, wait_s=1.0)) == []
+    ack = _to(c.dispatch(b"trainer-main", m.Heartbeat(rid=8, waiting=[7, 5])), "trainer-main")[0]
+    assert isinstance(ack, m.HeartbeatAck) and ack.lost == [5]
+    # joining again drops the held request: a later event answers nothing for it, heartbeats call it lost
+    assert isinstance(
+        _to(c.dispatch(b"trainer-main", _hello("trainer-main", "trainer")), "trainer-main")[0], m.Welcome
+    )
+    assert len(c.parked) == 0
+    assert c.wake(("batch",), time.time() + 5.0) == []
+    ack = _to(c.dispatch(b"trainer-main", m.Heartbeat(rid=9, waiting=[7])), "trainer-main")[0]
+    assert isinstance(ack, m.HeartbeatAck) and ack.lost == [7]
+    # declared dead (silent past member_timeout_s): what it held goes too
+    assert c.dispatch(b"trainer-main", m.BatchRequest(rid=10, policy="main", step=1, wait_s=1.0)) == []
+    assert len(c.parked) == 1
+    c.tick(time.time() + c.recipe.controller.member_timeout_s + 60)
+    assert len(c.parked) == 0

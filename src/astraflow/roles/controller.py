@@ -156,6 +156,7 @@ class Controller:
                 (t - timeout,),
             ):
                 self.store.set_member_status(mem["id"], "dead")
+                self.parked.drop(str(mem["id"]).encode())  # its held requests die with it
                 n = self.ledger.release_member(mem["id"])
                 self.store.add_event(
                     "member_dead",
@@ -366,6 +367,7 @@ class Controller:
             n = self.ledger.release_member(member["id"])
             self.store.set_member_status(member["id"], "left")
             self.store.add_event("member_left", f"{member['id']} ({msg.reason[:200]}); {n} leases back")
+        self.parked.drop(str(member["id"]).encode())
         self.draining.discard(member["id"])
         _log.info("member %s left (%s); %d tasks requeued", member["id"], msg.reason[:200] or "-", n)
         return m.Ack(rid=msg.rid)
@@ -702,6 +704,10 @@ class Controller:
                 # a newer request of the same kind supersedes a held one (its sender stopped waiting)
                 held = self.parked.batches if isinstance(msg, m.BatchRequest) else self.parked.tasks
                 held.pop(ident, None)
+        elif isinstance(msg, m.Hello) and isinstance(reply, m.Welcome):
+            # a member joining (again) starts afresh: what it had held from before is void; its client
+            # already failed those requests, and a late answer would grant tasks to nobody
+            self.parked.drop(ident)
         if reply is not None:
             out.append((ident, reply))
         if not self.parked:

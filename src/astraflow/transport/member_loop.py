@@ -312,8 +312,9 @@ class MemberLoop:
                     _fail(
                         pending.future,
                         ConnectError(
-                            f"controller at {self.c.controller} restarted before it answered {type(pending.msg).__name__}",
-                            hint="the request is asked again",
+                            f"controller at {self.c.controller} no longer knew this member (it restarted, or "
+                            f"declared it dead) before it answered {type(pending.msg).__name__}",
+                            hint="ask again once joined",
                         ),
                     )
             live = {id(p.msg) for p in self.pending.values()}
