@@ -32,6 +32,13 @@ def _sup(tmp_path: Path) -> Supervisor:
     return Supervisor(tmp_path)
 
 
+def _server(tmp_path: Path) -> tuple[Path, Path, int]:
+    """The SERVER script, the file it writes its child's pid to, and a free port for it."""
+    script = tmp_path / "server.py"
+    script.write_text(SERVER)
+    return script, tmp_path / "child.pid", _free_port()
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -75,12 +82,7 @@ def test_a_missing_command_is_a_clear_error(tmp_path: Path) -> None:
 
 def test_services_wait_for_ready_and_stop_with_their_whole_process_group(tmp_path: Path) -> None:
     sup = _sup(tmp_path)
-    script = tmp_path / "server.py"
-    script.write_text(SERVER)
-    child_pid = tmp_path / "child.pid"
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = int(probe.getsockname()[1])
+    script, child_pid, port = _server(tmp_path)
     cfg = ServiceConfig(
         name="env", command=["python", str(script), str(child_pid), str(port)], ready=f"127.0.0.1:{port}"
     )
@@ -101,12 +103,7 @@ def test_a_sigkilled_launcher_takes_the_services_own_children_down(tmp_path: Pat
     import signal
     import subprocess
 
-    script = tmp_path / "server.py"
-    script.write_text(SERVER)
-    child_pid = tmp_path / "child.pid"
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = int(probe.getsockname()[1])
+    script, child_pid, port = _server(tmp_path)
     (tmp_path / "logs").mkdir()
     launcher = f"""
 import sys, time
