@@ -73,6 +73,27 @@ def test_verifier_pool_kills_an_overrunning_call_and_keeps_serving() -> None:
         os.kill(before, 0)
 
 
+def test_preloaded_modules_are_imported_before_the_first_call_is_timed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A target that imports a slow module lazily: its first call overruns a short timeout unless the
+    module is preloaded, when the import is part of the worker's start, not of the call."""
+    (tmp_path / "slow_import.py").write_text("import time\ntime.sleep(2.0)\n")
+    (tmp_path / "lazy_target.py").write_text("def check():\n    import slow_import\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # spawned workers inherit sys.path
+
+    def first_call(preload: tuple[str, ...]) -> Any:
+        pool = VerifierPool("lazy_target:check", workers=1, timeout_s=1.0, preload=preload)
+        try:
+            return asyncio.run(pool.call())
+        finally:
+            pool.close()
+
+    assert first_call(()).error == "timeout"
+    preloaded = first_call(("slow_import",))
+    assert preloaded.ok and preloaded.value == 1.0
+
+
 def test_math_verify_scores_equivalent_answers_through_the_pool() -> None:
     pool = VerifierPool("astraflow.workflows.math_reward:boxed_reward", workers=1, timeout_s=30)
 

@@ -68,7 +68,10 @@ class MathWorkflow(Workflow):
         if self._pool is None:
             cfg = self.config
             self._pool = VerifierPool(
-                "astraflow.workflows.math_reward:boxed_reward", cfg.verifier_workers, cfg.verify_timeout_s
+                "astraflow.workflows.math_reward:boxed_reward",
+                cfg.verifier_workers,
+                cfg.verify_timeout_s,
+                preload=("math_verify",),  # its sympy import is not a check's time
             )
         return self._pool
 

@@ -4,7 +4,9 @@ Verifiers (math-verify's sympy, a regex on model output) can take unbounded time
 input; a thread cannot be stopped, so they run in processes. A call that overruns its timeout kills
 its worker and starts a fresh one; the caller gets a timeout result and the pool keeps its size.
 Workers are started with the spawn method (never fork a process that holds torch threads) and import
-the function once, so the import cost is paid per worker, not per call.
+the function once, so the import cost is paid per worker, not per call. Modules the function imports
+lazily (math-verify's sympy, say) can be named in `preload`: a worker imports them before it counts
+as started, so a first call does not spend its timeout importing them.
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ def _resolve(target: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-def _serve(target: str, conn: Connection) -> None:
+def _serve(target: str, conn: Connection, preload: tuple[str, ...] = ()) -> None:
     fn = _resolve(target)
+    for module in preload:
+        importlib.import_module(module)
     conn.send("ready")
     while True:
         try:
@@ -59,10 +63,14 @@ class CallResult:
 class VerifierPool:
     """`workers` processes running `target` ("module:function"); async `call(*args)`."""
 
-    def __init__(self, target: str, workers: int = 2, timeout_s: float = 10.0) -> None:
-        """`timeout_s`: a call running longer kills its worker."""
+    def __init__(
+        self, target: str, workers: int = 2, timeout_s: float = 10.0, preload: tuple[str, ...] = ()
+    ) -> None:
+        """`timeout_s`: a call running longer kills its worker. `preload`: modules each worker imports
+        before its first call (not in the caller: they may be heavy)."""
         _resolve(target)  # fail here, in the caller, if the target does not exist
         self.target = target
+        self.preload = tuple(preload)
         self.timeout_s = timeout_s
         self._ctx = mp.get_context("spawn")
         self._workers = [self._spawn() for _ in range(workers)]
@@ -72,7 +80,7 @@ class VerifierPool:
 
     def _spawn(self) -> _Worker:
         parent, child = self._ctx.Pipe()
-        proc = self._ctx.Process(target=_serve, args=(self.target, child), daemon=True)
+        proc = self._ctx.Process(target=_serve, args=(self.target, child, self.preload), daemon=True)
         proc.start()
         child.close()
         return _Worker(proc, parent)
