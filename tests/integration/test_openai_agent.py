@@ -85,6 +85,21 @@ def _workflow() -> OpenAIAgentWorkflow:
     return OpenAIAgentWorkflow(OpenAIAgentConfig(agent="unused:agent", max_tokens=200))
 
 
+def _run_agent(client: Any, engine: Any, agent: Any) -> Any:
+    """One episode of `agent` on an empty task through the endpoint; the engine is closed afterwards."""
+
+    async def main() -> Any:
+        wf = _workflow()
+        ep, _ = await wf.run_agent({}, {"actor": client}, agent)
+        await wf.server.close()
+        return ep
+
+    try:
+        return asyncio.run(main())
+    finally:
+        engine.inner.close()
+
+
 def test_openai_client_agent_records_the_engines_exact_tokens(model_dir: Path) -> None:
     client, engine = _client(model_dir)
     seen: dict[str, Any] = {}
@@ -266,16 +281,7 @@ def test_streamed_answers_are_recorded_exactly_as_streamed(model_dir: Path) -> N
         )
         return 1.0
 
-    async def main() -> Any:
-        wf = _workflow()
-        ep, _ = await wf.run_agent({}, {"actor": client}, agent)
-        await wf.server.close()
-        return ep
-
-    try:
-        ep = asyncio.run(main())
-    finally:
-        engine.inner.close()
+    ep = _run_agent(client, engine, agent)
     (p1, out1), (p2, out2), (p3, out3) = engine.calls
     chunks, text = got["chat"]
     eos = tok.eos_token_id
@@ -365,16 +371,7 @@ def test_tool_calls_round_trip_through_the_real_engine(tool_model_dir: Path) -> 
         got.update(first=first, chunks=list(stream))
         return 1.0
 
-    async def main() -> Any:
-        wf = _workflow()
-        ep, _ = await wf.run_agent({}, {"actor": client}, agent)
-        await wf.server.close()
-        return ep
-
-    try:
-        ep = asyncio.run(main())
-    finally:
-        engine.inner.close()
+    ep = _run_agent(client, engine, agent)
     (p1, out1), (p2, out2), (p3, out3) = engine.calls
     # the engine really generated the tool call (the fine-tune took), and the endpoint parsed it
     assert tok.decode(out1.token_ids) == TOOL_CALL_TEXT + "<eos>"
@@ -415,16 +412,7 @@ def test_a_seed_makes_the_engine_repeat_its_samples(model_dir: Path) -> None:
             answers.append([c.message.content or "" for c in out.choices])
         return 1.0
 
-    async def main() -> Any:
-        wf = _workflow()
-        ep, _ = await wf.run_agent({}, {"actor": client}, agent)
-        await wf.server.close()
-        return ep
-
-    try:
-        ep = asyncio.run(main())
-    finally:
-        engine.inner.close()
+    ep = _run_agent(client, engine, agent)
     outs = [c.token_ids for _, c in engine.calls]
     # the same seed gives the same samples; choice i of n uses seed + i, so the two choices differ
     assert answers[0] == answers[1] and outs[:2] == outs[2:] and outs[0] != outs[1]

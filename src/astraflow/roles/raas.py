@@ -289,8 +289,8 @@ class RaaS:
     async def _ask(self, msg: Any, stop: asyncio.Event) -> Any:
         """Send a request and await its reply, or None as soon as the worker is told to stop."""
         wait = float(getattr(msg, "wait_s", 0.0))
-        # a long poll held by a controller that then died is never answered: give up on it soon, and
-        # ask again (a restarted controller has forgotten it)
+        # a long poll held by a controller that then died is never answered: the restarted one's
+        # HeartbeatAck names it lost at once; this shorter deadline is the fallback if none does
         reply = asyncio.wrap_future(
             self.client.submit(msg, timeout_s=10.0 + wait) if wait > 0 else self.client.submit(msg)
         )

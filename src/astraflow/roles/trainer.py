@@ -205,7 +205,8 @@ def run_trainer(
                 # a long poll (the controller answers once the batch is ready), except while a version
                 # is still being serialised: it must be announced first, so workers can pull it
                 wait = 0.0 if publisher.busy else BATCH_WAIT_S
-                # a held request whose controller died is never answered: a long poll gives up sooner
+                # a held request whose controller died is never answered: the restarted controller's
+                # HeartbeatAck names it lost at once; the shorter deadline is the fallback if none does
                 reply = request_retrying(
                     client,
                     BatchRequest(policy=policy, step=step, wait_s=wait),
