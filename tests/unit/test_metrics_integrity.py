@@ -81,7 +81,7 @@ def take_step(c: Controller, step: int) -> m.Msg:
         version=step,
         step=step,
         weights_addr="tcp://127.0.0.1:1",
-        metrics={"loss": 0.25 * step},
+        metrics={"loss": 0.25 * step, "reward_mean": 9.0},
     )
     return ask(c, "trainer-main", pub)
 
@@ -109,6 +109,9 @@ def test_a_step_row_cut_off_by_a_kill_is_rewritten_on_restart(tiny_model: Path, 
     c.sinks = Sinks({})
     assert isinstance(take_step(c, 2), m.Ack)
     assert [r["step"] for r in rows(tmp_path)] == [1]
+    # one definition per name: the batch's reward (controller) and the trainer's own, apart
+    first = rows(tmp_path)[0]
+    assert first["reward_mean"] == 0.5 and first["trainer/reward_mean"] == 9.0
     c.store.close()
 
     c2 = started(tiny_model, tmp_path, steps=3)

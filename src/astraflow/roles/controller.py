@@ -646,8 +646,7 @@ class Controller:
         hist.append((now, generated))
         t0, g0 = hist[0]
         rate = (generated - g0) / (now - t0) if now > t0 else 0.0
-        row: dict[str, Any] = {k: float(v) for k, v in msg.metrics.items()}
-        row.update(self.pipeline.metrics(msg.policy))
+        row: dict[str, Any] = dict(self.pipeline.metrics(msg.policy))
         row.update(self.pipeline.take_info(msg.policy, task_ids))
         row.update(self.buffer.role_metrics(fresh_ids))
         row.update(
@@ -667,7 +666,7 @@ class Controller:
                 **{f"tasks_{k}": v for k, v in tasks.items()},
             }
         )
-        return row
+        return with_trainer_metrics(row, msg.metrics)
 
     # ----- metrics sinks ------------------------------------------------------------------------
 
@@ -834,6 +833,15 @@ class Controller:
             _log.error("run failed: %s", _summary(self.failed))
             return 1
         return self.exit_code
+
+
+def with_trainer_metrics(row: dict[str, Any], trainer: dict[str, float]) -> dict[str, Any]:
+    """The controller's row plus the trainer's metrics; a trainer metric named like one of the
+    controller's keeps its own value as `trainer/<name>`, so each name has one definition."""
+    for k, v in trainer.items():
+        name = f"trainer/{k}" if k in row and f"trainer/{k}" not in trainer else k
+        row.setdefault(name, float(v))
+    return row
 
 
 def _summary(text: str) -> str:
