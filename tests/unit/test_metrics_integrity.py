@@ -6,13 +6,18 @@ sink's failure becomes an event, and a handler that raises leaves the data stage
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from astraflow import plugins
+from astraflow.config.load import load_recipe
 from astraflow.config.recipe import Recipe
 from astraflow.data.base import GroupFilter, GroupView
 from astraflow.dataflow.source import PromptSource
@@ -20,6 +25,30 @@ from astraflow.metrics.sinks import Sinks
 from astraflow.protocol import messages as m
 from astraflow.roles.controller import Controller
 from astraflow.state.store import Store
+from tests.chaos.cluster import free_port
+
+RECIPE_TOML = """
+[run]
+name = "integrity"
+steps = 3
+
+[[policy]]
+name = "main"
+model = "{model}"
+group_size = 2
+batch_prompts = 1
+
+[workflow]
+name = "quickstart"
+options = {{ size = 40, length = 1 }}
+
+[rollout]
+lease_timeout_s = 30.0
+slots = 8
+
+[controller]
+member_timeout_s = 30.0
+"""
 
 
 def _recipe(model: Path, steps: int = 2, data: list[dict[str, Any]] | None = None) -> Recipe:
@@ -125,6 +154,61 @@ def test_a_step_row_cut_off_by_a_kill_is_rewritten_on_restart(tiny_model: Path, 
     c3 = started(tiny_model, tmp_path, steps=3)  # nothing missing: nothing written twice
     assert [r["step"] for r in rows(tmp_path)] == [1, 2]
     c3.store.close()
+
+
+def test_a_real_controller_fails_loudly_on_a_full_disk_and_rewrites_the_rows_once_fixed(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text(RECIPE_TOML.format(model=tiny_model))
+    c = Controller(load_recipe(recipe), tmp_path, Store.open(tmp_path / "state.db"))
+    c.start()
+    join(c, "w1", "raas")
+    join(c, "trainer-main", "trainer")
+    assert isinstance(take_step(c, 1), m.Ack)
+    c.sinks = Sinks({})  # the cut: step 2 commits, the process dies before the sinks get its row
+    assert isinstance(take_step(c, 2), m.Ack)
+    c.store.close()
+    kept = tmp_path / "metrics.jsonl.kept"
+    (tmp_path / "metrics.jsonl").rename(kept)
+    (tmp_path / "metrics.jsonl").symlink_to("/dev/full")  # a real fault: the disk is full
+
+    def controller(log: str) -> subprocess.Popen[bytes]:
+        args = [
+            "controller",
+            str(recipe),
+            "--run-dir",
+            str(tmp_path),
+            "--bind",
+            f"tcp://127.0.0.1:{free_port()}",
+        ]
+        return subprocess.Popen(
+            [sys.executable, "-m", "astraflow", *args],
+            stdout=(tmp_path / log).open("wb"),
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+
+    full = controller("full.log")
+    assert full.wait(timeout=120) == 1
+    log = (tmp_path / "full.log").read_text()
+    assert "metrics.jsonl cannot be written (OSError: [Errno 28] No space left on device)" in log
+    st = Store.open_readonly(tmp_path / "state.db")
+    assert any("No space left" in e["detail"] for e in st.events(1000) if e["kind"] == "run_failed")
+    st.close()
+
+    (tmp_path / "metrics.jsonl").unlink()
+    kept.rename(tmp_path / "metrics.jsonl")
+    (tmp_path / "controller.addr").unlink()
+    fixed = controller("fixed.log")
+    try:
+        while fixed.poll() is None and not (tmp_path / "controller.addr").exists():
+            time.sleep(0.05)  # the rows are rewritten before the controller listens
+        assert fixed.poll() is None, (tmp_path / "fixed.log").read_text()
+        assert [r["step"] for r in rows(tmp_path)] == [1, 2]
+    finally:
+        fixed.send_signal(signal.SIGTERM)
+        fixed.wait(timeout=60)
 
 
 def test_a_metrics_jsonl_that_cannot_be_written_ends_the_run(tiny_model: Path, tmp_path: Path) -> None:
