@@ -20,6 +20,7 @@ from astraflow import plugins
 from astraflow.config.load import load_recipe
 from astraflow.config.recipe import Recipe
 from astraflow.data.base import GroupFilter, GroupView
+from astraflow.dataflow.buffer import Buffer
 from astraflow.dataflow.source import PromptSource
 from astraflow.metrics.sinks import Sinks
 from astraflow.protocol import messages as m
@@ -312,4 +313,17 @@ def test_a_rolled_back_draw_of_prompts_is_offered_again(tmp_path: Path) -> None:
         src.save()
         raise RuntimeError("refill failed")
     assert (src.epoch, src.index) == (0, 1) and src.next()[1] == {"prompt": "1"}
+    store.close()
+
+
+def test_a_rolled_back_insert_does_not_count_as_generated(tmp_path: Path) -> None:
+    store = Store.open(tmp_path / "state.db")
+    buf = Buffer(store)
+    seq = m.Sequence(policy="main", tokens=[1, 2], loss_mask=[0, 1], logprobs=[0.0, -1.0], versions=[-1, 0])
+    buf.insert(1, "a", [seq], [0.0])
+    assert buf.generated("main") == 1
+    with pytest.raises(RuntimeError), store.write():
+        buf.insert(2, "b", [seq, seq], [0.0, 0.0])
+        raise RuntimeError("handler failed after the insert")
+    assert buf.generated("main") == 1  # samples_generated stays what the store holds
     store.close()
