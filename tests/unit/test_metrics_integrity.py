@@ -25,6 +25,7 @@ from astraflow.dataflow.source import PromptSource
 from astraflow.metrics.sinks import Sinks
 from astraflow.protocol import messages as m
 from astraflow.roles.controller import Controller
+from astraflow.state.failure_tail import FailureTail
 from astraflow.state.store import Store
 from tests.chaos.cluster import free_port
 
@@ -245,6 +246,9 @@ def test_an_optional_sink_failure_is_an_event_and_its_rows_follow(tiny_model: Pa
     assert c.failed is None
     (failed,) = events(c, "sink_failed")
     assert "metric sink 'copy_rows' failed (FileNotFoundError" in failed
+    # `up` prints it on the console
+    (line,) = FailureTail(tmp_path / "state.db").read()
+    assert line.startswith("[sink failed] metric sink 'copy_rows' failed (FileNotFoundError")
     (tmp_path / "later").mkdir()
     c.sinks.retry_at["copy_rows"] = 0.0  # its backoff ran out
     c.tick()

@@ -333,7 +333,7 @@ class Dashboard(App[int]):
             return
         table = self.query_one("#event-table", DataTable)
         for e in new_events:
-            bad = e["kind"] in ("member_dead", "error", "task_failed")
+            bad = e["kind"] in ("member_dead", "error", "task_failed", "run_failed", "sink_failed")
             style = "bold red" if bad else ""
             table.add_row(
                 time.strftime("%H:%M:%S", time.localtime(e["time"])),
