@@ -102,6 +102,11 @@ def test_trainer_logprobs_equal_engine_logprobs_on_policy(model_dir: Path, tempe
     assert abs(metrics["ratio_mean"] - 1.0) < 1e-4
     assert abs(metrics["ratio_max"] - 1.0) < 1e-4
     assert metrics["approx_kl"] < 1e-8
+    # the engine's tokens are version 0's, the version the trainer holds: the mismatch is numerics only
+    assert metrics["trainer/mismatch/tokens_fresh"] == sum(sum(s.loss_mask) for s in batch)
+    assert metrics["trainer/mismatch/tokens_stale"] == 0
+    assert metrics["trainer/mismatch/logp_abs_diff_fresh"] < 1e-4
+    assert abs(metrics["trainer/mismatch/ratio_fresh"] - 1.0) < 1e-4
 
 
 def test_micro_batching_and_padding_do_not_change_the_update(model_dir: Path) -> None:
