@@ -119,3 +119,10 @@ def test_unknown_sink_and_bad_options_fail_with_what_is_installed(tmp_path: Path
 
     with pytest.raises(RecipeError, match="metrics.sinks.0.options.pth"):
         validate_options("metric_sinks", "sqlite", {"pth": "x"}, "metrics.sinks.0.options")
+
+
+def test_a_metrics_jsonl_that_cannot_be_opened_is_a_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "metrics.jsonl").mkdir()  # a real fault: a directory where the file must be
+    with pytest.raises(SinkFailed, match="metrics.jsonl cannot be opened .*IsADirectoryError") as err:
+        Sinks.from_specs([], tmp_path)
+    assert "restart the controller" in (err.value.hint or "")

@@ -36,6 +36,11 @@ RETRY_MAX_S = 60.0
 MAX_PENDING = 10_000
 """Rows kept for a failing optional sink; older ones are given up (and reported) beyond that."""
 
+_JSONL_HINT = (
+    "free disk space or fix the run directory's permissions, then restart the controller on the same "
+    "run directory: the missing rows are rewritten from state.db"
+)
+
 Report = Callable[[str, str], None]
 """(event kind, detail) of a sink failure, recovery or rows given up."""
 
@@ -102,7 +107,14 @@ class Sinks:
             sink_cls = plugins.load("metric_sinks", name)
             config_cls = getattr(sink_cls, "Config", None)
             config = config_cls.model_validate(options) if config_cls is not None else None
-            out[name] = sink_cls(config, run_dir)
+            try:
+                out[name] = sink_cls(config, run_dir)
+            except OSError as exc:
+                if name != ALWAYS:
+                    raise
+                raise SinkFailed(
+                    f"metrics.jsonl cannot be opened ({type(exc).__name__}: {exc})", hint=_JSONL_HINT
+                ) from exc
         return cls(out, report)
 
     def write(self, row: dict[str, Any]) -> None:
@@ -114,8 +126,7 @@ class Sinks:
                 except Exception as exc:
                     raise SinkFailed(
                         f"metrics.jsonl cannot be written ({type(exc).__name__}: {exc})",
-                        hint="free disk space or fix the run directory's permissions, then restart the "
-                        "controller on the same run directory: the missing rows are rewritten from state.db",
+                        hint=_JSONL_HINT,
                     ) from exc
                 continue
             queue = self.pending.setdefault(name, deque())
