@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from astraflow.config.recipe import OptimizerConfig, PolicyConfig
-from astraflow.models.init import init_model
 from astraflow.protocol.messages import TrainSample
 from astraflow.trainers import mismatch
 from astraflow.trainers.torch_trainer import TorchTrainer, token_logprobs
@@ -24,8 +23,8 @@ DELTA = 0.5
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return init_model("qwen3", "tiny", tmp_path_factory.mktemp("mismatch") / "tiny", seed=0)
+def model_dir(tiny_model: Path) -> Path:
+    return tiny_model
 
 
 def _samples(trainer: TorchTrainer, held: int, stale_every: int) -> list[TrainSample]:
