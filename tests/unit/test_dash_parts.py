@@ -8,7 +8,7 @@ from pathlib import Path
 from astraflow.metrics.log import MetricsLog
 from astraflow.state.views import Sample
 from astraflow.tui.samples import segments, version_span
-from astraflow.tui.series import PLOT_POINTS, Series, fmt_duration
+from astraflow.tui.series import PLOT_POINTS, Series, fmt_duration, mismatch_text
 
 
 def test_tail_history_and_new_rows_cover_the_file_once(tmp_path: Path) -> None:
@@ -51,3 +51,14 @@ def test_segments_split_by_mask_with_versions() -> None:
     segs = segments(smp, lambda ids: "|".join(map(str, ids)))
     assert [(g.trained, g.text) for g in segs] == [(False, "5|6"), (True, "7|8"), (False, "9"), (True, "10")]
     assert version_span(segs[1].versions) == "v3..v4" and version_span(segs[0].versions) == "-"
+
+
+def test_mismatch_text_shows_fresh_and_stale_ratios() -> None:
+    row = {
+        "trainer/mismatch/ratio_fresh": 1.00002,
+        "trainer/mismatch/ratio_stale": 1.25,
+        "trainer/mismatch/tokens_stale": 12.0,
+    }
+    assert mismatch_text(row) == "ratio fresh 1.0000 stale 1.2500  "
+    assert mismatch_text({**row, "trainer/mismatch/tokens_stale": 0.0}) == "ratio fresh 1.0000  "
+    assert mismatch_text({"loss": 0.1}) == ""

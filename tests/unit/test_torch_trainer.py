@@ -102,6 +102,11 @@ def test_trainer_logprobs_equal_engine_logprobs_on_policy(model_dir: Path, tempe
     assert abs(metrics["ratio_mean"] - 1.0) < 1e-4
     assert abs(metrics["ratio_max"] - 1.0) < 1e-4
     assert metrics["approx_kl"] < 1e-8
+    # the engine's tokens are version 0's, the version the trainer holds: the mismatch is numerics only
+    assert metrics["trainer/mismatch/tokens_fresh"] == sum(sum(s.loss_mask) for s in batch)
+    assert metrics["trainer/mismatch/tokens_stale"] == 0
+    assert metrics["trainer/mismatch/logp_abs_diff_fresh"] < 1e-4
+    assert abs(metrics["trainer/mismatch/ratio_fresh"] - 1.0) < 1e-4
 
 
 def test_micro_batching_and_padding_do_not_change_the_update(model_dir: Path) -> None:
@@ -128,20 +133,20 @@ def test_metrics_and_minibatches(model_dir: Path) -> None:
         "loss",
         "grad_norm",
         "entropy",
-        "reward_mean",
+        "trainer/reward_mean",
         "adv_mean",
         "adv_std",
-        "staleness_mean",
-        "staleness_max",
+        "trainer/staleness_mean",
+        "trainer/staleness_max",
         "tokens",
         "clip_frac",
         "lr",
     ):
         assert key in metrics and metrics[key] == metrics[key]  # present and not NaN
     assert metrics["tokens"] == sum(sum(s.loss_mask) for s in batch)
-    assert metrics["reward_mean"] == pytest.approx(sum(s.reward for s in batch) / 6)
+    assert metrics["trainer/reward_mean"] == pytest.approx(sum(s.reward for s in batch) / 6)
     # Version 0 trains at step 1; token versions 0/1 give staleness 0 (and -1 for "newer").
-    assert metrics["staleness_max"] <= 0.0
+    assert metrics["trainer/staleness_max"] <= 0.0
     # Later minibatches see moved parameters, so some ratios leave 1.
     assert metrics["ratio_max"] != pytest.approx(1.0, abs=1e-7) or metrics["ratio_min"] != pytest.approx(
         1.0, abs=1e-7

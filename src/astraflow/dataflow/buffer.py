@@ -69,6 +69,8 @@ class Buffer:
         self._order = order or (lambda _policy: EdfOrder())
         self._replay = replay_count or (lambda _policy, _n: 0)
         self._generated: dict[str, int] = {}
+        # a rolled-back insert leaves the count too high: count again from the store when next asked
+        store.on_rollback.append(self._generated.clear)
 
     def insert(
         self,

@@ -108,10 +108,19 @@ class Evaluator:
         self.open_tasks: dict[int, tuple[str, int]] = {}
         """Task id -> (policy, version) of every eval task not yet recorded."""
         self.open_rounds: set[tuple[str, int]] = set()
-        for r in store.query("SELECT policy, version FROM eval_rounds WHERE status = 'open'"):
-            self.open_rounds.add((r["policy"], int(r["version"])))
-        for r in store.query("SELECT task_id, policy, version FROM eval_tasks WHERE done = 0"):
-            self.open_tasks[int(r["task_id"])] = (r["policy"], int(r["version"]))
+        self.reload()
+        store.on_rollback.append(self.reload)
+
+    def reload(self) -> None:
+        """Read the open rounds and tasks from the store (at start, and after a rolled-back transaction)."""
+        self.open_rounds = {
+            (r["policy"], int(r["version"]))
+            for r in self.store.query("SELECT policy, version FROM eval_rounds WHERE status = 'open'")
+        }
+        self.open_tasks = {
+            int(r["task_id"]): (r["policy"], int(r["version"]))
+            for r in self.store.query("SELECT task_id, policy, version FROM eval_tasks WHERE done = 0")
+        }
 
     def identities(self) -> set[str]:
         """Content identities of the held-out samples (excluded from training)."""

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from astraflow.config.recipe import Recipe
+from astraflow.config.recipe import PolicyConfig, Recipe
 from astraflow.data.base import (
     AdmissionStage,
     BatchComposer,
@@ -87,36 +87,43 @@ class Pipeline:
         self.info: dict[tuple[str, int], dict[str, tuple[float, int]]] = {}
         """(policy, task id) -> info key -> (sum, count) of the task's episodes; the newest INFO_TASKS
         tasks are kept, so a step's metrics carry the info of the tasks its batch drew from."""
+        self._loader = loader
         for pol in recipe.policy:
-            ps = PolicyStages(pol.name)
-            for i, spec in enumerate(pol.data):
-                cls = loader(spec.name)
-                config_cls = getattr(cls, "Config", None)
-                try:
-                    config = config_cls.model_validate(spec.options) if config_cls is not None else None
-                except Exception as exc:
-                    raise RecipeError(
-                        f"policy {pol.name!r} data stage {i} ({spec.name}): invalid options: {exc}",
-                        hint="`astraflow recipe check` validates every stage's options",
-                    ) from None
-                stage = cls(config, policy=pol.name, seed=recipe.run.seed)
-                ps.stages.append(stage)
-                if isinstance(stage, Curator):
-                    ps.curators.append(stage)
-                elif isinstance(stage, GroupFilter):
-                    ps.filters.append(stage)
-                elif isinstance(stage, BufferOrder):
-                    if ps.order is None:
-                        ps.order = stage
-                elif isinstance(stage, BatchComposer):
-                    ps.composers.append(stage)
-                elif isinstance(stage, AdmissionStage):
-                    stage.bind(pol.max_staleness)
-                    ps.admissions.append(stage)
-            if ps.order is None:
-                ps.order = default_order(pol.order)
-            self.policies[pol.name] = ps
+            self.policies[pol.name] = self._build(pol)
         self.load()
+        if store is not None:
+            store.on_rollback.append(self.reload)
+
+    def _build(self, pol: PolicyConfig) -> PolicyStages:
+        """Fresh stages of one policy, as the recipe lists them."""
+        ps = PolicyStages(pol.name)
+        for i, spec in enumerate(pol.data):
+            cls = self._loader(spec.name)
+            config_cls = getattr(cls, "Config", None)
+            try:
+                config = config_cls.model_validate(spec.options) if config_cls is not None else None
+            except Exception as exc:
+                raise RecipeError(
+                    f"policy {pol.name!r} data stage {i} ({spec.name}): invalid options: {exc}",
+                    hint="`astraflow recipe check` validates every stage's options",
+                ) from None
+            stage = cls(config, policy=pol.name, seed=self.recipe.run.seed)
+            ps.stages.append(stage)
+            if isinstance(stage, Curator):
+                ps.curators.append(stage)
+            elif isinstance(stage, GroupFilter):
+                ps.filters.append(stage)
+            elif isinstance(stage, BufferOrder):
+                if ps.order is None:
+                    ps.order = stage
+            elif isinstance(stage, BatchComposer):
+                ps.composers.append(stage)
+            elif isinstance(stage, AdmissionStage):
+                stage.bind(pol.max_staleness)
+                ps.admissions.append(stage)
+        if ps.order is None:
+            ps.order = default_order(pol.order)
+        return ps
 
     # ----- persistence --------------------------------------------------------------------------
 
@@ -131,6 +138,13 @@ class Pipeline:
                     stage.load_state_dict(saved[i][1])
             if COUNTERS_STAGE in saved:
                 ps.counters.update({k: float(v) for k, v in saved[COUNTERS_STAGE][1].items()})
+
+    def reload(self) -> None:
+        """Rebuild every stage from the store: a transaction that rolled back (a handler that raised)
+        takes the in-memory changes of its stages with it, so the next save cannot persist them."""
+        for pol in self.recipe.policy:
+            self.policies[pol.name] = self._build(pol)
+        self.load()
 
     def save(self, policy: str | None = None) -> None:
         """Write every stage's state_dict (of one policy, or all) and the counters to the store."""

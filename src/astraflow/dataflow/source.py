@@ -69,10 +69,16 @@ class PromptSource:
     def __init__(self, epochs: Callable[[int], Iterator[dict[str, Any]]], store: Store | None = None) -> None:
         self._epochs = epochs
         self.store = store
-        self.epoch = 0
-        self.index = 0
+        self.reload()
         if store is not None:
-            saved = store.load_stage_state(CURSOR_POLICY).get(CURSOR_STAGE)
+            store.on_rollback.append(self.reload)
+
+    def reload(self) -> None:
+        """Take the cursor saved in the store (the start, without one): at start, and after a
+        transaction rolled back, so prompts it drew and did not queue are offered again."""
+        self.epoch, self.index = 0, 0
+        if self.store is not None:
+            saved = self.store.load_stage_state(CURSOR_POLICY).get(CURSOR_STAGE)
             if saved is not None:
                 self.epoch, self.index = int(saved[1]["epoch"]), int(saved[1]["index"])
         self._it = self._open()

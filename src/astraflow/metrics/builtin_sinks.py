@@ -16,7 +16,9 @@ class JsonlSink(MetricSink):
 
     def __init__(self, config: SinkConfig | None, run_dir: Path) -> None:
         super().__init__(config, run_dir)
-        self.file: IO[str] = open(run_dir / "metrics.jsonl", "a")  # noqa: SIM115 - closed in close()
+        path = run_dir / "metrics.jsonl"
+        _cut_torn_line(path)
+        self.file: IO[str] = open(path, "a")  # noqa: SIM115 - closed in close()
 
     def write(self, row: dict[str, Any]) -> None:
         """One line, flushed at once so readers (`up`, the dashboard) see the step immediately."""
@@ -26,6 +28,24 @@ class JsonlSink(MetricSink):
     def close(self) -> None:
         """Close the file."""
         self.file.close()
+
+
+def _cut_torn_line(path: Path) -> None:
+    """Drop a last line without its newline (a writer killed mid-line), so the next row starts a line
+    of its own; the step it held is rewritten from state.db (metrics/recovery.py)."""
+    if not path.is_file():
+        return
+    with open(path, "rb+") as f:
+        size = f.seek(0, 2)
+        back = min(size, 1 << 20)
+        f.seek(size - back)
+        tail = f.read(back)
+        if not tail or tail.endswith(b"\n"):
+            return
+        cut = tail.rfind(b"\n") + 1
+        if cut == 0 and back < size:
+            return  # a last line over 1 MiB: not a row this sink wrote; leave it
+        f.truncate(size - back + cut)
 
 
 class SqliteSinkConfig(SinkConfig):

@@ -28,7 +28,7 @@ from astraflow.dataflow.pipeline import Pipeline
 from astraflow.dataflow.source import PromptSource, workflow_epochs
 from astraflow.dataflow.stall import Progress, stall_report
 from astraflow.dataflow.validate import ResultChecker
-from astraflow.metrics.sinks import Sinks
+from astraflow.metrics.sinks import SinkFailed, Sinks
 from astraflow.protocol import messages as m
 from astraflow.protocol.codec import DecodeError
 from astraflow.roles import authz
@@ -90,7 +90,9 @@ class Controller:
         """Paused admission and an operator's stop (`astraflow ctl`, the dashboard's keys)."""
         self._recipe_doc: dict[str, Any] | None = None
         """Members asked to leave (`astraflow leave`): they get no new tasks."""
-        self.sinks = Sinks.from_specs([(s.name, s.options) for s in recipe.metrics.sinks], run_dir)
+        self.sinks = Sinks.from_specs(
+            [(s.name, s.options) for s in recipe.metrics.sinks], run_dir, report=self.sink_event
+        )
         self.parked = ParkedRequests()
         """Long polls (roles/parked.py): requests answered when an event may change their answer."""
 
@@ -124,6 +126,7 @@ class Controller:
                 self.recipe.run.name,
                 {p["name"]: p["step"] for p in self.store.policies()},
             )
+            self.rewrite_lost_rows()
         self.refill()
 
     def finished(self) -> bool:
@@ -176,7 +179,7 @@ class Controller:
             with self.store.write():
                 rows = self.evals.finish_rounds()
             for row in rows:
-                self.sinks.write(row)
+                self.emit(row)
                 self.made_progress(t)
         budgets_met = self.finished() and not self.evals_pending()
         if self.finished_at is None and (budgets_met or self.control.stopped):
@@ -184,6 +187,7 @@ class Controller:
             _log.info("%s; telling members to stop", self.control.end_reason(self.finished()))
         if self.finished_at is None and not self.control.paused:
             self.check_stall(t)  # a paused run waits on purpose
+        self.sinks.retry()
 
     def check_stall(self, now: float) -> None:
         """Warn (log, event, status) when nothing progressed for stall_warn_s; fail after stall_fail_s."""
@@ -615,7 +619,7 @@ class Controller:
                     self.evals.on_version(msg.policy, msg.version, msg.step)
                 self.made_progress(now)
         if row is not None:
-            self.sinks.write(row)
+            self.emit(row)
         return m.Ack(rid=msg.rid, detail="recorded" if new else "known")
 
     def step_metrics(self, msg: m.VersionPublished, now: float) -> dict[str, Any]:
@@ -642,8 +646,7 @@ class Controller:
         hist.append((now, generated))
         t0, g0 = hist[0]
         rate = (generated - g0) / (now - t0) if now > t0 else 0.0
-        row: dict[str, Any] = {k: float(v) for k, v in msg.metrics.items()}
-        row.update(self.pipeline.metrics(msg.policy))
+        row: dict[str, Any] = dict(self.pipeline.metrics(msg.policy))
         row.update(self.pipeline.take_info(msg.policy, task_ids))
         row.update(self.buffer.role_metrics(fresh_ids))
         row.update(
@@ -663,7 +666,44 @@ class Controller:
                 **{f"tasks_{k}": v for k, v in tasks.items()},
             }
         )
-        return row
+        return with_trainer_metrics(row, msg.metrics)
+
+    # ----- metrics sinks ------------------------------------------------------------------------
+
+    def emit(self, row: dict[str, Any]) -> None:
+        """Give a committed metrics row to the sinks; metrics.jsonl failing to take it ends the run."""
+        try:
+            self.sinks.write(row)
+        except SinkFailed as exc:
+            self.end_run_failed(f"{exc}; {exc.hint}")
+
+    def sink_event(self, kind: str, detail: str) -> None:
+        """Record a metric sink's failure or recovery as an event (`status`, the dashboard, `up`)."""
+        with self.store.write():
+            self.store.add_event(kind, detail[:1000])
+
+    def rewrite_lost_rows(self) -> None:
+        """Give the sinks the step rows a kill between a step's commit and its sink writes kept from
+        metrics.jsonl (metrics/recovery.py)."""
+        from astraflow.metrics.recovery import lost_rows
+
+        rows = lost_rows(self.store, self.run_dir / "metrics.jsonl")
+        if rows:
+            _log.info("rewriting %d metrics rows missing from metrics.jsonl", len(rows))
+            with self.store.write():
+                self.store.add_event("metrics_rewritten", f"{len(rows)} step rows from state.db")
+        for row in rows:
+            self.emit(row)
+
+    def end_run_failed(self, reason: str) -> None:
+        """End the run with exit 1 (members are told to stop); the first reason is kept."""
+        if self.failed is not None:
+            return
+        self.failed = reason
+        self.finished_at = time.time()
+        with self.store.write():
+            self.store.add_event("run_failed", reason[:1000])
+        _log.error("%s; ending the run", reason)
 
     # ----- the loop -----------------------------------------------------------------------------
 
@@ -793,6 +833,15 @@ class Controller:
             _log.error("run failed: %s", _summary(self.failed))
             return 1
         return self.exit_code
+
+
+def with_trainer_metrics(row: dict[str, Any], trainer: dict[str, float]) -> dict[str, Any]:
+    """The controller's row plus the trainer's metrics; a trainer metric named like one of the
+    controller's keeps its own value as `trainer/<name>`, so each name has one definition."""
+    for k, v in trainer.items():
+        name = f"trainer/{k}" if k in row and f"trainer/{k}" not in trainer else k
+        row.setdefault(name, float(v))
+    return row
 
 
 def _summary(text: str) -> str:

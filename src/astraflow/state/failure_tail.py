@@ -7,9 +7,10 @@ from pathlib import Path
 
 
 class FailureTail:
-    """Reads new `task_failed` / `run_failed` / `member_error` events (read-only) and summarises them."""
+    """Reads new `task_failed` / `run_failed` / `member_error` / `sink_failed` events (read-only) and
+    summarises them."""
 
-    KINDS = ("task_failed", "run_failed", "member_error")
+    KINDS = ("task_failed", "run_failed", "member_error", "sink_failed")
 
     def __init__(self, db: Path) -> None:
         self.db = db
@@ -23,7 +24,7 @@ class FailureTail:
             conn = sqlite3.connect(f"file:{self.db.resolve()}?mode=ro", uri=True, timeout=1.0)
             try:
                 rows = conn.execute(
-                    "SELECT id, kind, detail FROM events WHERE id > ? AND kind IN (?, ?, ?) ORDER BY id",
+                    "SELECT id, kind, detail FROM events WHERE id > ? AND kind IN (?, ?, ?, ?) ORDER BY id",
                     (self.last_id, *self.KINDS),
                 ).fetchall()
             finally:

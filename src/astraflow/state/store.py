@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -54,6 +54,9 @@ class Store:
         self.conn = conn
         self.readonly = readonly
         self._db: Database | None = None
+        self.on_rollback: list[Callable[[], None]] = []
+        """Called after a write transaction rolled back: holders of in-memory state that the
+        transaction's statements persist (data stages, the prompt cursor) reload it from the store."""
 
     @property
     def db(self) -> Database:
@@ -111,6 +114,8 @@ class Store:
             yield self.conn
         except BaseException:
             self.conn.execute("ROLLBACK")
+            for restore in self.on_rollback:
+                restore()
             raise
         self.conn.execute("COMMIT")
 
@@ -295,6 +300,13 @@ class Store:
         """The newest metrics row of a policy, or None."""
         v = self.scalar('SELECT "values" FROM metrics WHERE policy = ? ORDER BY id DESC LIMIT 1', (policy,))
         return None if v is None else json.loads(v)
+
+    def metrics_rows_newest_first(self) -> Iterator[dict[str, Any]]:
+        """Every step's metrics row as its sinks received it (`policy` and the numbers), newest first
+        (lazily: a reader that stops early reads only what it needs)."""
+        cur = self.conn.execute('SELECT policy, "values" FROM metrics ORDER BY id DESC')
+        for policy, values in cur:
+            yield {"policy": policy, **json.loads(values)}
 
     def add_event(self, kind: str, detail: str = "", now: float | None = None) -> None:
         """Append an event (member joined/died/left, restart, ...)."""

@@ -99,6 +99,8 @@ class MicroBatch:
     """B: sequences in this micro-batch (0 for an empty filler)."""
     filtered: bool = True
     """Whether any sequence samples with top-p or top-k (known on the host: no device check needed)."""
+    versions: torch.Tensor | None = None
+    """[B, L] weight version that generated each token of the views (-1 where none)."""
     one_per_row: bool = False
     """Every row holds one sequence from position 0 (padding only after it): plain causal attention is
     exact for every real token, so no mask needs building."""
@@ -163,6 +165,7 @@ def build(
             behaviour=torch.zeros((0, 0)).to(device),
             adv=empty_f.to(device),
             sequences=0,
+            versions=torch.zeros((0, 0), dtype=torch.long).to(device),
             filtered=False,
             one_per_row=True,
         )
@@ -181,6 +184,7 @@ def build(
     attn_l = [0] * (len(rows) * width)
     mask_l = [0] * (b * span)
     beh_l = [0.0] * (b * span)
+    ver_l = [-1] * (b * span)
     first = [0] * b  # flat index of each sequence's first token in the rows
     for r, row in enumerate(rows):
         start, end = r * width, (r + 1) * width
@@ -193,6 +197,7 @@ def build(
             at = i * span
             mask_l[at : at + max(n - 1, 0)] = s.loss_mask[1:]
             beh_l[at : at + max(n - 1, 0)] = s.logprobs[1:]
+            ver_l[at : at + max(n - 1, 0)] = s.versions[1:]
             first[i] = start
             start += n
         if pack and start < end:
@@ -227,6 +232,7 @@ def build(
         behaviour=behaviour.to(device),
         adv=torch.tensor([s.advantage for s in samples], dtype=torch.float32).to(device),
         sequences=b,
+        versions=_longs(ver_l).reshape(b, span).to(device),
         # Conservative: a top_k at or above the vocabulary also counts (the exact path, only slower).
         filtered=any(s.top_p < 1.0 or s.top_k > 0 for s in samples),
         one_per_row=all(len(row) == 1 for row in rows),

@@ -28,7 +28,7 @@ from astraflow.errors import AstraflowError
 from astraflow.losses.base import Loss, LossInputs
 from astraflow.protocol.messages import TrainSample
 from astraflow.trainers import distributed as dist
-from astraflow.trainers import lora, packing
+from astraflow.trainers import lora, mismatch, packing
 from astraflow.trainers.base import Trainer
 from astraflow.trainers.logprobs import chunked_token_logprobs
 from astraflow.trainers.packing import MicroBatch
@@ -259,9 +259,11 @@ class TorchTrainer(Trainer):
         micros: list[MicroBatch],
         extras: dict[int, dict[str, torch.Tensor]],
         acc: dict[str, list[Any]],
+        mismatch_sums: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Forward/backward of one update's micro-batches into .grad; returns this rank's loss sum (on
-        the device: metrics stay there until the step's one host transfer)."""
+        the device: metrics stay there until the step's one host transfer). With `mismatch_sums`, the
+        mismatch sums of these logprobs (taken before this update's optimizer step) are appended."""
         # Every rank knows the whole update, so the normalisers are global without a collective.
         total = float(sum(sum(s.loss_mask[1:]) for s in part))
         n_seqs = float(len(part))
@@ -278,6 +280,8 @@ class TorchTrainer(Trainer):
             # FSDP averages gradients over ranks; each rank's loss is a part of one global sum.
             (loss * world if world > 1 else loss).backward()
             update_loss += loss.detach().float()
+            if mismatch_sums is not None:
+                mismatch_sums.append(self._mismatch_sums(m, logp))
             acc.setdefault("_ent_sum", []).append((ent.detach() * m.mask).sum())
             acc.setdefault("_ent_tokens", []).append(m.mask.sum())
             for name, value in metrics.items():
@@ -297,9 +301,19 @@ class TorchTrainer(Trainer):
         losses_dev: list[torch.Tensor] = []
         norms_dev: list[torch.Tensor] = []
         acc: dict[str, list[Any]] = {}
-        for part, micros in updates:
+        # Mismatch over logprobs of the weights held at the step's start: the prox pass when there is
+        # one, else the first update's own forward (later updates see moved weights).
+        has_prox = any("prox" in e for e in extras.values())
+        mm_dev = [
+            self._mismatch_sums(m, extras[id(m)]["prox"])
+            for _, ms in updates
+            for m in ms
+            if has_prox and m.sequences > 0
+        ]
+        for u, (part, micros) in enumerate(updates):
             self.optimizer.zero_grad(set_to_none=True)
-            losses_dev.append(self._accumulate(part, micros, extras, acc))
+            first = mm_dev if u == 0 and not has_prox else None
+            losses_dev.append(self._accumulate(part, micros, extras, acc, first))
             norms_dev.append(dist.grad_norm(self._params, self.policy.optimizer.grad_clip))
             self.optimizer.step()
         self._step += 1
@@ -307,12 +321,15 @@ class TorchTrainer(Trainer):
         out = self._batch_metrics(batch)
         zero = torch.zeros((), dtype=torch.float32, device=self.device)
         ent_dev = [torch.stack(acc.pop(k, [zero])).sum() for k in ("_ent_sum", "_ent_tokens")]
+        mm_sum = torch.stack(mm_dev).sum(0) if mm_dev else torch.zeros(6, device=self.device)
         # The step's one device-to-host transfer (the objective's own metrics may have synced already).
-        host = torch.stack([t.float() for t in (*losses_dev, *norms_dev, *ent_dev)]).tolist()
+        host = torch.cat(
+            [torch.stack([t.float() for t in (*losses_dev, *norms_dev, *ent_dev)]), mm_sum]
+        ).tolist()
         k_up = len(losses_dev)
         grad_norms = host[k_up : 2 * k_up]
         sums = dist.all_sum([*host[:k_up], *host[2 * k_up :]], self.device)
-        update_losses, (ent_sum, ent_tokens) = sums[:-2], sums[-2:]
+        update_losses, (ent_sum, ent_tokens), mm_host = sums[:k_up], sums[k_up : k_up + 2], sums[k_up + 2 :]
         acc = {name: [float(v) for v in values] for name, values in acc.items()}
         if self.sharded:
             merged: dict[str, list[float]] = {}
@@ -330,7 +347,14 @@ class TorchTrainer(Trainer):
             entropy=ent_sum / max(ent_tokens, 1.0),
             lr=lr,
         )
+        out.update(mismatch.metrics(mm_host))
         return out
+
+    def _mismatch_sums(self, m: MicroBatch, logp: torch.Tensor) -> torch.Tensor:
+        """Engine-vs-trainer sums of one micro-batch (trainers/mismatch.py); the trainer holds version
+        step - 1 until this step's optimizer updates end."""
+        assert m.versions is not None
+        return mismatch.token_sums(logp, m.behaviour, m.mask, m.versions, self._step)
 
     def batch_gradients(self, batch: list[TrainSample]) -> tuple[float, dict[str, torch.Tensor]]:
         """(loss, gradients) of `batch` taken as one update at the current parameters, without stepping;
@@ -361,13 +385,13 @@ class TorchTrainer(Trainer):
             stale.append(version - min(trained) if trained else 0)
         tokens = sum(sum(s.loss_mask) for s in batch)
         return {
-            "reward_mean": _mean(rewards),
+            "trainer/reward_mean": _mean(rewards),
             "reward_std": _std(rewards),
             "adv_mean": _mean(advs),
             "adv_std": _std(advs),
             "adv_abs_mean": _mean([abs(a) for a in advs]),
-            "staleness_mean": _mean([float(x) for x in stale]),
-            "staleness_max": float(max(stale)),
+            "trainer/staleness_mean": _mean([float(x) for x in stale]),
+            "trainer/staleness_max": float(max(stale)),
             "tokens": float(tokens),
             "sequences": float(len(batch)),
             "replayed": float(sum(1 for s in batch if s.replay)),

@@ -15,7 +15,7 @@ from textual.widgets import DataTable, Footer, Header, Static, TabbedContent, Ta
 from astraflow.state.views import Sample
 from astraflow.tui.confirm import Confirm
 from astraflow.tui.samples import Decode, load_decoder, segments, version_span
-from astraflow.tui.series import Series, fmt_duration, progress_bar
+from astraflow.tui.series import Series, fmt_duration, mismatch_text, progress_bar
 from astraflow.tui.source import Snapshot, Source
 
 if TYPE_CHECKING:
@@ -250,6 +250,7 @@ class Dashboard(App[int]):
             ):
                 v = last.get(key)
                 out.append(f"{label} {'-' if v is None else format(v, fmt)}  ")
+            out.append(mismatch_text(last))
             ev = self.evals.get(p["name"])
             if ev is not None:
                 scores = " ".join(f"{k[5:]} {v:.2f}" for k, v in sorted(ev.items()) if k.startswith("eval/"))
@@ -332,7 +333,7 @@ class Dashboard(App[int]):
             return
         table = self.query_one("#event-table", DataTable)
         for e in new_events:
-            bad = e["kind"] in ("member_dead", "error", "task_failed")
+            bad = e["kind"] in ("member_dead", "error", "task_failed", "run_failed", "sink_failed")
             style = "bold red" if bad else ""
             table.add_row(
                 time.strftime("%H:%M:%S", time.localtime(e["time"])),

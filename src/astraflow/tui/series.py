@@ -85,3 +85,19 @@ def progress_bar(done: int, total: int, width: int = 30) -> str:
     frac = 0.0 if total <= 0 else min(1.0, done / total)
     n = int(round(frac * width))
     return "[" + "#" * n + "-" * (width - n) + "]"
+
+
+MISMATCH = "trainer/mismatch/"
+"""Prefix of the trainer's engine-vs-trainer mismatch metrics (trainers/mismatch.py)."""
+
+
+def mismatch_text(last: dict[str, Any]) -> str:
+    """The newest step's importance ratio over fresh and over stale tokens, for the progress line
+    ("" when the trainer reports none)."""
+    fresh, stale = last.get(MISMATCH + "ratio_fresh"), last.get(MISMATCH + "ratio_stale")
+    if fresh is None:
+        return ""
+    parts = [f"ratio fresh {float(fresh):.4f}"]
+    if float(last.get(MISMATCH + "tokens_stale", 0.0)) > 0 and stale is not None:
+        parts.append(f"stale {float(stale):.4f}")
+    return " ".join(parts) + "  "
