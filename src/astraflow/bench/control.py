@@ -82,7 +82,10 @@ def _keys(work: Path, names: list[str]) -> Path:
     write_member_keys(
         store,
         work / "member-keys",
-        [(n, "trainer" if n == "trainer-main" else "raas", POLICY if n == "trainer-main" else None) for n in names]
+        [
+            (n, "trainer" if n == "trainer-main" else "raas", POLICY if n == "trainer-main" else None)
+            for n in names
+        ]
         + [("bench-observer", "observer", None)],
     )
     (work / "member-keys" / "controller.key_secret").write_bytes(
@@ -111,7 +114,17 @@ def run_one(
     rec.write_text(json.dumps(recipe(heartbeat_s, workers)))
     addr = f"tcp://127.0.0.1:{free_port()}"
     run_dir = work / "run"
-    args = [sys.executable, "-m", "astraflow", "controller", str(rec), "--run-dir", str(run_dir), "--bind", addr]
+    args = [
+        sys.executable,
+        "-m",
+        "astraflow",
+        "controller",
+        str(rec),
+        "--run-dir",
+        str(run_dir),
+        "--bind",
+        addr,
+    ]
     if curve:
         args += ["--keys", str(work / "keys")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -124,7 +137,9 @@ def run_one(
         deadline = time.monotonic() + 120
         while not (run_dir / "controller.addr").is_file():
             if ctl.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"controller did not start: {(work / 'controller.log').read_text()[-2000:]}")
+                raise RuntimeError(
+                    f"controller did not start: {(work / 'controller.log').read_text()[-2000:]}"
+                )
             time.sleep(0.05)
         # the trainer and the active workers get a process of their own, idle members share the rest
         active = names[: ACTIVE + 1]
@@ -199,7 +214,9 @@ def run_one(
         "task_ms_p99": _ms(_pct(task_lat, 0.99)),
         "batch_ms_p50": _ms(_pct(batch_lat, 0.5)),
         "batch_ms_p99": _ms(_pct(batch_lat, 0.99)),
-        "heartbeats_per_s": round(sum(r["heartbeats"] / max(1e-9, r["ended"] - r["started"]) for r in results), 1),
+        "heartbeats_per_s": round(
+            sum(r["heartbeats"] / max(1e-9, r["ended"] - r["started"]) for r in results), 1
+        ),
         "controller_rss_mb": round(rss, 1),
     }
 
@@ -379,11 +396,15 @@ def run(
         for r in rows:
             if r["curve"] == c:
                 r["sequences_vs_first"] = (
-                    round(r["sequences_per_s"] / base["sequences_per_s"], 3) if base["sequences_per_s"] else None
+                    round(r["sequences_per_s"] / base["sequences_per_s"], 3)
+                    if base["sequences_per_s"]
+                    else None
                 )
                 extra = r["members"] - base["members"]
                 r["rss_kb_per_extra_member"] = (
-                    round(1024 * (r["controller_rss_mb"] - base["controller_rss_mb"]) / extra, 1) if extra else None
+                    round(1024 * (r["controller_rss_mb"] - base["controller_rss_mb"]) / extra, 1)
+                    if extra
+                    else None
                 )
     if progress is not None:
         progress("physical limits: raw ZeroMQ + msgpack, SQLite WAL ...")

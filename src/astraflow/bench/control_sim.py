@@ -177,7 +177,7 @@ def simulate(spec: SimSpec) -> SimResult:
                     )
                     res.heartbeats += 1
             for sock, _ in poller.poll(20):
-                mem = by_sock[sock]  # type: ignore[index]
+                mem = by_sock[sock]
                 while True:
                     try:
                         frame = sock.recv(zmq.NOBLOCK)
@@ -223,9 +223,7 @@ def _on_reply(mem: _Member, msg: m.Msg, spec: SimSpec, res: SimResult, rng: rand
             mem.send(m.TaskResult(task_id=task.task_id, epoch=task.epoch, episodes=eps))
             res.results_sent += 1
             res.sequences_sent += len(eps)
-        mem.send(
-            m.TaskRequest(n=spec.slots, loaded={spec.policy: mem.version}, wait_s=TASK_WAIT_S), "task"
-        )
+        mem.send(m.TaskRequest(n=spec.slots, loaded={spec.policy: mem.version}, wait_s=TASK_WAIT_S), "task")
     elif isinstance(msg, m.ResultAck):
         mem.held.discard(msg.task_id)
     elif isinstance(msg, m.BatchReply):

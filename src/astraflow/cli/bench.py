@@ -558,8 +558,12 @@ def control(
     curve: str = typer.Option("off,on", help="CURVE off, on, or both (off,on): every member its own key."),
     seconds: float = typer.Option(10.0, help="Measured window per run, after the warm-up steps."),
     warmup_steps: int = typer.Option(3, help="Steps the controller records before the window opens."),
-    heartbeat_s: float = typer.Option(0.5, help="The recipe's heartbeat interval (every member beats this often)."),
-    procs: int = typer.Option(4, help="Simulator processes: one for the trainer and active workers, the rest share idle members."),
+    heartbeat_s: float = typer.Option(
+        0.5, help="The recipe's heartbeat interval (every member beats this often)."
+    ),
+    procs: int = typer.Option(
+        4, help="Simulator processes: one for the trainer and active workers, the rest share idle members."
+    ),
     out: Path = typer.Option(None, help="Keep the runs' directories here (default: a temporary directory)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
@@ -571,7 +575,9 @@ def control(
     from astraflow.bench.control import render, run
 
     counts = [int(x) for x in members.split(",") if x.strip()]
-    modes = {"off": [False], "on": [True], "off,on": [False, True], "on,off": [True, False]}.get(curve.replace(" ", ""))
+    modes = {"off": [False], "on": [True], "off,on": [False, True], "on,off": [True, False]}.get(
+        curve.replace(" ", "")
+    )
     if not counts or min(counts) < 1 or modes is None:
         raise typer.BadParameter("--members takes counts >= 1 (e.g. 2,100,1000); --curve off, on or off,on")
     with tempfile.TemporaryDirectory() as tmp:

@@ -251,13 +251,11 @@ class KeyStore:
         return self._by_key.get(public_z85)
 
 
-def write_member_keys(
-    store: KeyStore, directory: Path, members: list[tuple[str, str, str | None]]
-) -> None:
+def write_member_keys(store: KeyStore, directory: Path, members: list[tuple[str, str, str | None]]) -> None:
     """Make a key pair file for each (name, role, policy) in `directory` and register them all in one
     write of the store's registry (a bench registers thousands; `KeyStore.add` rewrites it per key)."""
     registry = store.members()
-    for name, role, policy in members:
+    for name, role, _policy in members:
         check_name(name)
         if role not in ROLES:
             raise KeyStoreError(f"unknown role {role!r}", hint="raas, trainer, observer or operator")
@@ -270,10 +268,16 @@ def write_member_keys(
         path = directory / f"{name}.key_secret"
         path.touch(mode=0o600)
         path.write_text(
-            "metadata\n    name = \"%s\"\ncurve\n    public-key = \"%s\"\n    secret-key = \"%s\"\n"
-            % (name, public.decode(), secret.decode())
+            f'metadata\n    name = "{name}"\ncurve\n    public-key = "{public.decode()}"\n'
+            f'    secret-key = "{secret.decode()}"\n'
         )
-        registry[name] = {"public_key": public.decode(), "role": role, "policy": policy, "revoked": False, "added": now}
+        registry[name] = {
+            "public_key": public.decode(),
+            "role": role,
+            "policy": policy,
+            "revoked": False,
+            "added": now,
+        }
     _write_members(store.directory, registry)
     store.refresh(force=True)
 
