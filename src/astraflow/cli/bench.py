@@ -550,3 +550,45 @@ def dash(
         f"with a reader polling at 20 Hz {r['writes_per_s_20hz_reader']:.0f} "
         f"(ratio {r['writes_per_s_20hz_reader'] / r['writes_per_s_alone']:.3f})"
     )
+
+
+@app.command("control")
+def control(
+    members: str = typer.Option("2,100,1000", help="Comma-separated simulated worker counts, one run each."),
+    curve: str = typer.Option("off,on", help="CURVE off, on, or both (off,on): every member its own key."),
+    seconds: float = typer.Option(10.0, help="Measured window per run, after the warm-up steps."),
+    warmup_steps: int = typer.Option(3, help="Steps the controller records before the window opens."),
+    heartbeat_s: float = typer.Option(
+        0.5, help="The recipe's heartbeat interval (every member beats this often)."
+    ),
+    procs: int = typer.Option(
+        4, help="Simulator processes: one for the trainer and active workers, the rest share idle members."
+    ),
+    out: Path = typer.Option(None, help="Keep the runs' directories here (default: a temporary directory)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+) -> None:
+    """One live controller fed by simulated members: sequences/s, steps/s, CPU per step, request
+    latency and RSS per member, for each member count; raw ZeroMQ and SQLite rates as the limits."""
+    import json as _json
+    import tempfile
+
+    from astraflow.bench.control import render, run
+
+    counts = [int(x) for x in members.split(",") if x.strip()]
+    modes = {"off": [False], "on": [True], "off,on": [False, True], "on,off": [True, False]}.get(
+        curve.replace(" ", "")
+    )
+    if not counts or min(counts) < 1 or modes is None:
+        raise typer.BadParameter("--members takes counts >= 1 (e.g. 2,100,1000); --curve off, on or off,on")
+    with tempfile.TemporaryDirectory() as tmp:
+        res = run(
+            counts,
+            curve=modes,
+            seconds=seconds,
+            warmup_steps=warmup_steps,
+            heartbeat_s=heartbeat_s,
+            procs=procs,
+            work=out or Path(tmp),
+            progress=lambda line: typer.echo(line, err=True),
+        )
+    typer.echo(_json.dumps(res, indent=2) if as_json else render(res))

@@ -95,6 +95,13 @@ class Controller:
         )
         self.parked = ParkedRequests()
         """Long polls (roles/parked.py): requests answered when an event may change their answer."""
+        self._versions: list[m.VersionInfo] | None = None
+        self._finished: bool | None = None
+        """Read-through caches of the policies' versions and budgets: both change only when a version is
+        recorded (on_version), and heartbeats of thousands of members read them."""
+        self._touches: dict[str, tuple[float, dict[str, int] | None, int | None]] = {}
+        """Heartbeats seen since the last tick: member -> (time, loaded, slots), written in one
+        transaction before the liveness check (a heartbeat then costs no write of its own)."""
 
     # ----- start and stop -----------------------------------------------------------------------
 
@@ -131,20 +138,40 @@ class Controller:
 
     def finished(self) -> bool:
         """True once every trainable policy reached its step budget."""
-        steps = {p["name"]: int(p["step"]) for p in self.store.policies()}
-        return all(steps.get(p.name, 0) >= self.recipe.budget(p.name) for p in self.recipe.trainable())
+        if self._finished is None:
+            steps = {p["name"]: int(p["step"]) for p in self.store.policies()}
+            self._finished = all(
+                steps.get(p.name, 0) >= self.recipe.budget(p.name) for p in self.recipe.trainable()
+            )
+        return self._finished
 
     def versions(self) -> list[m.VersionInfo]:
         """The newest version of each policy that has one."""
-        return [
-            m.VersionInfo(
-                policy=v["policy"],
-                version=v["version"],
-                weights_addr=v["weights_addr"] or "",
-                sha256=v["sha256"] or "",
-            )
-            for v in self.store.latest_versions()
-        ]
+        if self._versions is None:
+            self._versions = [
+                m.VersionInfo(
+                    policy=v["policy"],
+                    version=v["version"],
+                    weights_addr=v["weights_addr"] or "",
+                    sha256=v["sha256"] or "",
+                )
+                for v in self.store.latest_versions()
+            ]
+        return list(self._versions)
+
+    def _versions_changed(self) -> None:
+        """Forget the cached versions and budgets (a version was recorded)."""
+        self._versions = None
+        self._finished = None
+
+    def flush_touches(self) -> None:
+        """Write the heartbeats seen since the last flush (last_seen, loaded version, slots) at once."""
+        if not self._touches:
+            return
+        touches, self._touches = self._touches, {}
+        with self.store.write():
+            for member_id, (t, loaded, slots) in touches.items():
+                self.store.touch_member(member_id, t, loaded, slots)
 
     # ----- periodic work ------------------------------------------------------------------------
 
@@ -152,6 +179,7 @@ class Controller:
         """Liveness, lease expiry, queue refill, end-of-run bookkeeping."""
         t = time.time() if now is None else now
         timeout = self.recipe.controller.member_timeout_s
+        self.flush_touches()
         with self.store.write():
             # only the silent ones: reading every live row each tick would cost O(members) per 0.1s
             for mem in self.store.query(
@@ -345,18 +373,23 @@ class Controller:
     def on_heartbeat(self, member: dict[str, Any], msg: m.Heartbeat) -> m.Msg:
         """Touch the member, renew its leases, tell it the versions and whether to stop."""
         now = time.time()
-        with self.store.write():
-            slots = msg.busy + msg.free
-            self.store.touch_member(
-                member["id"], now, dict(msg.loaded) if msg.loaded else None, slots if slots > 0 else None
-            )
-            # only leases the worker reports working on are renewed, and none past the task timeout
-            rc = self.recipe.rollout
-            self.ledger.renew_tasks(
-                member["id"], msg.active, now, max_age_s=rc.task_timeout_s + rc.lease_timeout_s
-            )
-            if msg.error:
-                self.store.add_event("member_error", f"{member['id']}: {msg.error[:500]}")
+        slots = msg.busy + msg.free
+        # last_seen needs no durability (a restarted controller gives every member a fresh timer):
+        # it is written with the other heartbeats of this tick, before the liveness check reads it
+        self._touches[member["id"]] = (
+            now,
+            dict(msg.loaded) if msg.loaded else None,
+            slots if slots > 0 else None,
+        )
+        if msg.active or msg.error:
+            with self.store.write():
+                # only leases the worker reports working on are renewed, and none past the task timeout
+                rc = self.recipe.rollout
+                self.ledger.renew_tasks(
+                    member["id"], msg.active, now, max_age_s=rc.task_timeout_s + rc.lease_timeout_s
+                )
+                if msg.error:
+                    self.store.add_event("member_error", f"{member['id']}: {msg.error[:500]}")
         if msg.error:
             _log.warning("member %s reports: %s", member["id"], msg.error[:500])
         # Requests are handled in the order they arrive, so every request the member sent before this
@@ -608,6 +641,7 @@ class Controller:
             new = self.store.record_version(
                 msg.policy, msg.version, msg.step, msg.weights_addr, msg.sha256, msg.nbytes
             )
+            self._versions_changed()
             row: dict[str, Any] | None = None
             if new:
                 row = self.step_metrics(msg, now)

@@ -251,6 +251,37 @@ class KeyStore:
         return self._by_key.get(public_z85)
 
 
+def write_member_keys(store: KeyStore, directory: Path, members: list[tuple[str, str, str | None]]) -> None:
+    """Make a key pair file for each (name, role, policy) in `directory` and register them all in one
+    write of the store's registry (a bench registers thousands; `KeyStore.add` rewrites it per key)."""
+    registry = store.members()
+    for name, role, _policy in members:
+        check_name(name)
+        if role not in ROLES:
+            raise KeyStoreError(f"unknown role {role!r}", hint="raas, trainer, observer or operator")
+        if name in registry and not registry[name].get("revoked"):
+            raise KeyStoreError(f"member {name!r} already has a key", hint="pick new names")
+    directory.mkdir(parents=True, exist_ok=True)
+    now = time.time()
+    for name, role, policy in members:
+        public, secret = zmq.curve_keypair()
+        path = directory / f"{name}.key_secret"
+        path.touch(mode=0o600)
+        path.write_text(
+            f'metadata\n    name = "{name}"\ncurve\n    public-key = "{public.decode()}"\n'
+            f'    secret-key = "{secret.decode()}"\n'
+        )
+        registry[name] = {
+            "public_key": public.decode(),
+            "role": role,
+            "policy": policy,
+            "revoked": False,
+            "added": now,
+        }
+    _write_members(store.directory, registry)
+    store.refresh(force=True)
+
+
 def _read_members(directory: Path) -> dict[str, dict[str, Any]]:
     path = directory / MEMBERS_FILE
     try:

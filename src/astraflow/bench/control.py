@@ -1,0 +1,447 @@
+"""`astraflow bench control`: how many sequences a second one live controller moves, and what each
+member costs it.
+
+A real `astraflow controller` process runs the quickstart's shape (32 prompts x 16 samples a step)
+with no model anywhere; simulated members in a few processes (bench/control_sim.py) speak the protocol
+as real members do, each with its own socket, routing id, heartbeats and (with `--curve`) its own
+CURVE key: two RaaS members lease tasks and answer each at once with trivial episodes, one trainer
+takes each batch and announces the next version at once, and every further member is a RaaS that
+only heartbeats. So the figures are the controller's own cost: sequences/s and steps/s through it,
+its CPU seconds per step, p50/p99 of task and batch requests, its RSS per member. The same run
+measures the physical limits on this machine: msgpack messages/s through a raw ZeroMQ ROUTER, and
+SQLite rows/s in WAL mode.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from astraflow.bench.control_sim import SimSpec
+from astraflow.bench.wire import free_port, rss_mb
+from astraflow.protocol import messages as m
+from astraflow.protocol.codec import decode, encode
+
+POLICY = "main"
+ACTIVE = 2
+"""RaaS members that lease and answer tasks; every other simulated worker only heartbeats."""
+
+
+def recipe(heartbeat_s: float, members: int) -> dict[str, Any]:
+    """The quickstart's shape with no model: the controller reads no weights and checks ids >= 0."""
+    return {
+        "run": {"name": "control-bench", "seed": 0, "steps": 1_000_000},
+        "policy": [
+            {
+                "name": POLICY,
+                "model": "unused",
+                "group_size": 16,
+                "batch_prompts": 32,
+                "max_staleness": 1,
+            }
+        ],
+        "workflow": {"name": "quickstart", "options": {"task": "copy", "length": 2}},
+        "rollout": {"slots": 32},
+        "controller": {
+            "heartbeat_interval_s": heartbeat_s,
+            # a loaded 2-core machine delays a simulator's beats; no member should be declared dead
+            "member_timeout_s": max(30.0, 20 * heartbeat_s),
+        },
+    }
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def _keys(work: Path, names: list[str]) -> Path:
+    """A controller key store with one raas/trainer key per simulated member, written in one go."""
+    from astraflow.transport.keys import KeyStore, write_member_keys
+
+    store = KeyStore.init(work / "keys")
+    write_member_keys(
+        store,
+        work / "member-keys",
+        [
+            (n, "trainer" if n == "trainer-main" else "raas", POLICY if n == "trainer-main" else None)
+            for n in names
+        ]
+        + [("bench-observer", "observer", None)],
+    )
+    (work / "member-keys" / "controller.key_secret").write_bytes(
+        (work / "keys" / "controller.key_secret").read_bytes()
+    )
+    return work / "member-keys"
+
+
+def run_one(
+    members: int,
+    *,
+    curve: bool,
+    seconds: float,
+    warmup_steps: int,
+    heartbeat_s: float,
+    procs: int,
+    work: Path,
+) -> dict[str, Any]:
+    """One controller with `members` simulated members (2 active RaaS + idle ones + 1 trainer)."""
+    work.mkdir(parents=True, exist_ok=True)
+    workers = max(members, ACTIVE)
+    names = ["trainer-main"] + [f"sim-{i:05d}" for i in range(workers)]
+    roles = {n: ("trainer" if i == 0 else "raas" if i <= ACTIVE else "idle") for i, n in enumerate(names)}
+    keys_dir = _keys(work, names) if curve else None
+    rec = work / "recipe.json"
+    rec.write_text(json.dumps(recipe(heartbeat_s, workers)))
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    run_dir = work / "run"
+    args = [
+        sys.executable,
+        "-m",
+        "astraflow",
+        "controller",
+        str(rec),
+        "--run-dir",
+        str(run_dir),
+        "--bind",
+        addr,
+    ]
+    if curve:
+        args += ["--keys", str(work / "keys")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    log = (work / "controller.log").open("ab")
+    ctl = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
+    sims: list[subprocess.Popen[bytes]] = []
+    outs: list[Path] = []
+    stop = work / "stop"
+    try:
+        deadline = time.monotonic() + 120
+        while not (run_dir / "controller.addr").is_file():
+            if ctl.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"controller did not start: {(work / 'controller.log').read_text()[-2000:]}"
+                )
+            time.sleep(0.05)
+        # the trainer and the active workers get a process of their own, idle members share the rest
+        active = names[: ACTIVE + 1]
+        idle = names[ACTIVE + 1 :]
+        n_idle = max(1, procs - 1) if idle else 0
+        groups = [active] + [idle[i::n_idle] for i in range(n_idle)]
+        hard_deadline = time.time() + 60 + seconds * 4 + members * 0.02
+        for i, group in enumerate(groups):
+            spec = SimSpec(
+                addr=addr,
+                members=group,
+                roles={n: roles[n] for n in group},
+                policy=POLICY,
+                heartbeat_s=heartbeat_s,
+                slots=32,
+                deadline=hard_deadline,
+                stop_file=str(stop),
+                out=str(work / f"sim{i}.json"),
+                keys_dir=str(keys_dir) if keys_dir else "",
+                seed=i,
+            )
+            (work / f"sim{i}.spec.json").write_text(json.dumps(asdict(spec)))
+            outs.append(work / f"sim{i}.json")
+            sims.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "astraflow.bench.control_sim", str(work / f"sim{i}.spec.json")],
+                    stdout=(work / f"sim{i}.log").open("ab"),
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                )
+            )
+        joined = _wait_joined(addr, keys_dir, len(names), deadline=time.monotonic() + 60 + members * 0.02)
+        steps0 = _wait_step(run_dir, warmup_steps, deadline=time.monotonic() + 120)
+        t0, cpu0 = time.time(), _cpu_s(ctl.pid)
+        time.sleep(seconds)
+        t1, cpu1 = time.time(), _cpu_s(ctl.pid)
+        rss = rss_mb(ctl.pid)
+        stop.touch()
+        for p in sims:
+            p.wait(timeout=60)
+    finally:
+        stop.touch()
+        for p in sims:
+            if p.poll() is None:
+                p.kill()
+        ctl.kill()
+        ctl.wait()
+    results = [json.loads(o.read_text()) for o in outs if o.is_file()]
+    steps = [s for r in results for s in r["steps"] if t0 <= s[0] <= t1]
+    n_steps = len(steps)
+    seqs = sum(s[2] for s in steps)
+    window = t1 - t0
+    task_lat = [x for r in results for x in r["task_latency_s"]]
+    batch_lat = [x for r in results for x in r["batch_latency_s"]]
+    return {
+        "members": len(names),
+        "workers": workers,
+        "curve": curve,
+        "joined": joined,
+        "refused": sum(len(r["refused"]) for r in results),
+        "first_refusals": [x for r in results for x in r["refused"]][:3],
+        "errors": [x for r in results for x in r["errors"]][:5],
+        "warmup_steps": steps0,
+        "window_s": round(window, 2),
+        "steps": n_steps,
+        "steps_per_s": round(n_steps / window, 2),
+        "sequences_per_s": round(seqs / window, 1),
+        "controller_cpu_pct": round(100 * (cpu1 - cpu0) / window, 1),
+        "controller_cpu_ms_per_step": round(1000 * (cpu1 - cpu0) / n_steps, 1) if n_steps else None,
+        "controller_cpu_us_per_sequence": round(1e6 * (cpu1 - cpu0) / seqs, 1) if seqs else None,
+        "task_ms_p50": _ms(_pct(task_lat, 0.5)),
+        "task_ms_p99": _ms(_pct(task_lat, 0.99)),
+        "batch_ms_p50": _ms(_pct(batch_lat, 0.5)),
+        "batch_ms_p99": _ms(_pct(batch_lat, 0.99)),
+        "heartbeats_per_s": round(
+            sum(r["heartbeats"] / max(1e-9, r["ended"] - r["started"]) for r in results), 1
+        ),
+        "controller_rss_mb": round(rss, 1),
+    }
+
+
+def _ms(x: float | None) -> float | None:
+    return None if x is None else round(1000 * x, 2)
+
+
+def _status(addr: str, keys_dir: Path | None) -> dict[str, Any] | None:
+    """The controller's status document over a fresh connection (an observer-less plain socket without keys)."""
+    ctx: zmq.Context[Any] = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    try:
+        if keys_dir is not None:
+            from astraflow.transport.keys import load_keypair
+            from astraflow.transport.security import curve_client
+
+            server = load_keypair(keys_dir / "controller.key_secret").public
+            curve_client(s, load_keypair(keys_dir / "bench-observer.key_secret"), server)
+            s.setsockopt(zmq.ROUTING_ID, b"bench-observer")
+        s.connect(addr)
+        s.send(encode(m.StatusRequest(rid=1)))
+        if not s.poll(10_000):
+            return None
+        reply = decode(s.recv())
+        return reply.status if isinstance(reply, m.StatusReply) else None
+    finally:
+        s.close(0)
+        ctx.term()
+
+
+def _wait_joined(addr: str, keys_dir: Path | None, want: int, deadline: float) -> int:
+    """Alive members the controller counts, once all `want` joined (or the deadline passed)."""
+    alive = 0
+    while time.monotonic() < deadline:
+        doc = _status(addr, keys_dir)
+        if doc is not None:
+            alive = sum(1 for mem in doc.get("members", []) if mem.get("status") == "alive")
+            if alive >= want:
+                return alive
+        time.sleep(0.5)
+    return alive
+
+
+def _wait_step(run_dir: Path, step: int, deadline: float) -> int:
+    """Wait until the policy recorded `step` versions (read-only look at state.db); the step reached."""
+    from astraflow.state.store import Store
+
+    got = 0
+    while time.monotonic() < deadline:
+        try:
+            store = Store.open_readonly(run_dir / "state.db")
+            try:
+                got = int(store.policy(POLICY)["step"])
+            finally:
+                store.close()
+        except Exception:
+            got = 0
+        if got >= step:
+            return got
+        time.sleep(0.2)
+    raise RuntimeError(f"the controller reached step {got} of the {step} warm-up steps in time")
+
+
+# ----- physical limits ----------------------------------------------------------------------------
+
+
+def zmq_msgpack_rate(seconds: float = 2.0) -> float:
+    """Heartbeats/s a raw ZeroMQ ROUTER decodes and answers with msgpack, pipelined from one DEALER."""
+    ctx: zmq.Context[Any] = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    stop = threading.Event()
+    ack = encode(m.HeartbeatAck(rid=1))
+
+    def serve() -> None:
+        while not stop.is_set():
+            if router.poll(50):
+                while True:
+                    try:
+                        ident, frame = router.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    decode(frame)
+                    router.send_multipart([ident, ack])
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(f"tcp://127.0.0.1:{port}")
+    beat = encode(m.Heartbeat(rid=1, loaded={POLICY: 3}, busy=1, free=1))
+    sent = got = 0
+    window = 1000
+    t0 = time.perf_counter()
+    try:
+        while time.perf_counter() - t0 < seconds:
+            while sent - got < window:
+                dealer.send(beat)
+                sent += 1
+            if dealer.poll(1000):
+                while True:
+                    try:
+                        dealer.recv(zmq.NOBLOCK)
+                        got += 1
+                    except zmq.Again:
+                        break
+        return got / (time.perf_counter() - t0)
+    finally:
+        stop.set()
+        t.join()
+        dealer.close(0)
+        router.close(0)
+        ctx.term()
+
+
+def sqlite_rows_rate(rows: int = 100_000, per_txn: int = 512) -> dict[str, float]:
+    """Rows/s SQLite (WAL, synchronous=NORMAL as the store runs) inserts: batched and one per transaction."""
+    with tempfile.TemporaryDirectory() as tmp:
+        db = sqlite3.connect(Path(tmp) / "bench.db", isolation_level=None)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=NORMAL")
+        db.execute("CREATE TABLE t (id INTEGER PRIMARY KEY, task INTEGER, reward REAL, tokens BLOB)")
+        blob = bytes(64)
+        t0 = time.perf_counter()
+        for start in range(0, rows, per_txn):
+            db.execute("BEGIN IMMEDIATE")
+            db.executemany(
+                "INSERT INTO t (task, reward, tokens) VALUES (?, ?, ?)",
+                [(i, 0.5, blob) for i in range(start, min(rows, start + per_txn))],
+            )
+            db.execute("COMMIT")
+        batched = rows / (time.perf_counter() - t0)
+        single_n = max(1, rows // 20)
+        t0 = time.perf_counter()
+        for i in range(single_n):
+            db.execute("BEGIN IMMEDIATE")
+            db.execute("INSERT INTO t (task, reward, tokens) VALUES (?, ?, ?)", (i, 0.5, blob))
+            db.execute("COMMIT")
+        single = single_n / (time.perf_counter() - t0)
+        db.close()
+    return {"rows_per_s_batched": round(batched), "rows_per_s_one_per_txn": round(single)}
+
+
+def run(
+    member_counts: list[int],
+    *,
+    curve: list[bool],
+    seconds: float,
+    warmup_steps: int,
+    heartbeat_s: float,
+    procs: int,
+    work: Path,
+    progress: Any = None,
+) -> dict[str, Any]:
+    """Every (members, curve) combination, then the physical limits; ratios against the first row."""
+    rows = []
+    for c in curve:
+        for n in member_counts:
+            if progress is not None:
+                progress(f"controller with {n} simulated workers, CURVE {'on' if c else 'off'} ...")
+            rows.append(
+                run_one(
+                    n,
+                    curve=c,
+                    seconds=seconds,
+                    warmup_steps=warmup_steps,
+                    heartbeat_s=heartbeat_s,
+                    procs=procs,
+                    work=work / f"{'curve' if c else 'plain'}-{n}",
+                )
+            )
+    for c in curve:
+        base = next(r for r in rows if r["curve"] == c)
+        for r in rows:
+            if r["curve"] == c:
+                r["sequences_vs_first"] = (
+                    round(r["sequences_per_s"] / base["sequences_per_s"], 3)
+                    if base["sequences_per_s"]
+                    else None
+                )
+                extra = r["members"] - base["members"]
+                r["rss_kb_per_extra_member"] = (
+                    round(1024 * (r["controller_rss_mb"] - base["controller_rss_mb"]) / extra, 1)
+                    if extra
+                    else None
+                )
+    if progress is not None:
+        progress("physical limits: raw ZeroMQ + msgpack, SQLite WAL ...")
+    limits = {"zmq_msgpack_msgs_per_s": round(zmq_msgpack_rate()), **sqlite_rows_rate()}
+    return {"rows": rows, "limits": limits, "cpus": os.cpu_count(), "load_avg": os.getloadavg()[0]}
+
+
+def render(res: dict[str, Any]) -> str:
+    """The bench's table as text."""
+    cols = [
+        ("members", "members"),
+        ("curve", "curve"),
+        ("sequences_per_s", "seq/s"),
+        ("sequences_vs_first", "vs first"),
+        ("steps_per_s", "steps/s"),
+        ("controller_cpu_pct", "ctl CPU %"),
+        ("controller_cpu_ms_per_step", "CPU ms/step"),
+        ("task_ms_p50", "task p50 ms"),
+        ("task_ms_p99", "task p99 ms"),
+        ("batch_ms_p50", "batch p50 ms"),
+        ("batch_ms_p99", "batch p99 ms"),
+        ("heartbeats_per_s", "beats/s"),
+        ("controller_rss_mb", "RSS MB"),
+        ("rss_kb_per_extra_member", "KB/member"),
+    ]
+    lines = ["  ".join(h for _, h in cols)]
+    for r in res["rows"]:
+        lines.append("  ".join(str(r.get(k)) for k, _ in cols))
+        if r["refused"] or r["errors"] or r["joined"] < r["members"]:
+            lines.append(
+                f"    joined {r['joined']}/{r['members']}, refused {r['refused']} {r['first_refusals']} "
+                f"errors {r['errors']}"
+            )
+    lim = res["limits"]
+    lines.append(
+        f"physical limits here: raw ZeroMQ + msgpack {lim['zmq_msgpack_msgs_per_s']:,} msgs/s; SQLite WAL "
+        f"{lim['rows_per_s_batched']:,} rows/s batched, {lim['rows_per_s_one_per_txn']:,} rows/s one per transaction"
+    )
+    lines.append(f"machine: {res['cpus']} CPUs, load average {res['load_avg']:.1f} at the end")
+    return "\n".join(lines)

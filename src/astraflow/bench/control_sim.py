@@ -1,0 +1,258 @@
+"""Simulated members for `astraflow bench control`: many protocol-speaking members in one process.
+
+One process runs a slice of the bench's members on one thread: each member has its own DEALER socket,
+routing id (and CURVE key when the bench runs with keys), says Hello, and heartbeats at the recipe's
+interval. Members given the `raas` role lease tasks and answer each at once with trivial episodes of
+the task's group size; the `trainer` member takes each batch and announces the next version at once.
+No model runs anywhere: what the bench measures is the controller's own cost per message.
+
+Run as `python -m astraflow.bench.control_sim SPEC.json`; the spec and the result are JSON files
+(see `SimSpec` and `SimResult`). The process ends when the spec's stop file appears or its
+deadline passes, and writes its result file last.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from astraflow.protocol import messages as m
+from astraflow.protocol.codec import decode, encode
+
+TASK_WAIT_S = 1.0
+"""Long-poll wait of a task request with nothing to lease (the real RaaS waits the same way)."""
+BATCH_WAIT_S = 1.0
+"""Long-poll wait of a batch request that is not ready yet."""
+
+
+@dataclass
+class SimSpec:
+    """What one simulator process runs."""
+
+    addr: str
+    members: list[str]
+    roles: dict[str, str]
+    """Member id -> raas (leases tasks) | idle (a RaaS that only heartbeats) | trainer."""
+    policy: str
+    heartbeat_s: float
+    slots: int
+    deadline: float
+    """time.time() at which the process stops at the latest."""
+    stop_file: str
+    out: str
+    keys_dir: str = ""
+    """Directory of NAME.key_secret files (one per member) and controller.key; "" = no CURVE."""
+    seed: int = 0
+
+
+@dataclass
+class SimResult:
+    """What one simulator process saw."""
+
+    joined: int = 0
+    refused: list[str] = field(default_factory=list)
+    heartbeats: int = 0
+    results_sent: int = 0
+    sequences_sent: int = 0
+    task_latency_s: list[float] = field(default_factory=list)
+    """Task request -> a grant that carried tasks."""
+    batch_latency_s: list[float] = field(default_factory=list)
+    """Batch request -> the ready batch."""
+    steps: list[tuple[float, int, int]] = field(default_factory=list)
+    """(time.time(), step, samples in its batch) for every version the trainer announced."""
+    errors: list[str] = field(default_factory=list)
+    started: float = 0.0
+    ended: float = 0.0
+    """time.time() of the first Hello and of the stop: heartbeats/s is heartbeats over that span."""
+
+
+class _Member:
+    """One simulated member: its socket, role and protocol state."""
+
+    def __init__(self, ctx: zmq.Context[Any], spec: SimSpec, ident: str, keys: Path | None) -> None:
+        self.ident = ident
+        self.role = spec.roles[ident]
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTING_ID, ident.encode())
+        if keys is not None:
+            from astraflow.transport.keys import load_keypair
+            from astraflow.transport.security import curve_client
+
+            server = load_keypair(keys / "controller.key_secret").public
+            curve_client(self.sock, load_keypair(keys / f"{ident}.key_secret"), server)
+        self.sock.connect(spec.addr)
+        self.rid = 0
+        self.welcomed = False
+        self.version = 0
+        self.step = 1
+        self.held: set[int] = set()
+        self.sent_at: dict[int, tuple[str, float]] = {}
+        self.next_beat = 0.0
+
+    def send(self, msg: m.Msg, kind: str = "") -> None:
+        self.rid += 1
+        msg.rid = self.rid
+        if kind:
+            self.sent_at[self.rid] = (kind, time.perf_counter())
+        self.sock.send(encode(msg), zmq.NOBLOCK)
+
+
+def _episodes(task: m.Task, policy: str, version: int, rng: random.Random) -> list[m.Episode]:
+    """The task's group as trivial one-sequence episodes: 3 prompt tokens, 3 generated."""
+    n = task.group_sizes.get(policy, task.group_size) if task.group_sizes else task.group_size
+    return [
+        m.Episode(
+            sequences=[
+                m.Sequence(
+                    policy=policy,
+                    tokens=[1, 2, 3, 4, 5, 6],
+                    loss_mask=[0, 0, 0, 1, 1, 1],
+                    logprobs=[0.0, 0.0, 0.0, -0.5, -0.5, -0.1],
+                    versions=[-1, -1, -1, version, version, version],
+                    reward=float(rng.random() < 0.5),
+                )
+            ]
+        )
+        for _ in range(n)
+    ]
+
+
+def simulate(spec: SimSpec) -> SimResult:
+    """Run the spec's members until its stop file or deadline; the result of what they saw."""
+    res = SimResult()
+    rng = random.Random(spec.seed)
+    ctx: zmq.Context[Any] = zmq.Context()
+    ctx.setsockopt(zmq.MAX_SOCKETS, len(spec.members) + 64)
+    keys = Path(spec.keys_dir) if spec.keys_dir else None
+    members = [_Member(ctx, spec, ident, keys) for ident in spec.members]
+    by_sock = {mem.sock: mem for mem in members}
+    poller = zmq.Poller()
+    for mem in members:
+        poller.register(mem.sock, zmq.POLLIN)
+        mem.send(
+            m.Hello(
+                member_id=mem.ident,
+                role="trainer" if mem.role == "trainer" else "raas",
+                protocol=m.PROTOCOL_VERSION,
+                policies=[spec.policy],
+                slots=spec.slots,
+                pid=1,
+                host=f"sim-{mem.ident}",
+                hardware="simulated",
+            )
+        )
+    stop = Path(spec.stop_file)
+    now = res.started = time.time()
+    # heartbeats spread evenly over one interval, as members that started at different times would
+    for i, mem in enumerate(members):
+        mem.next_beat = now + spec.heartbeat_s * (i / max(1, len(members)))
+    last_stop_check = 0.0
+    try:
+        while True:
+            now = time.time()
+            if now > spec.deadline:
+                break
+            if now - last_stop_check > 0.2:
+                last_stop_check = now
+                if stop.exists():
+                    break
+            for mem in members:
+                if mem.welcomed and now >= mem.next_beat:
+                    mem.next_beat = now + spec.heartbeat_s
+                    mem.send(
+                        m.Heartbeat(
+                            loaded={spec.policy: mem.version},
+                            busy=len(mem.held),
+                            free=max(0, spec.slots - len(mem.held)),
+                            active=sorted(mem.held)[:4096],
+                        )
+                    )
+                    res.heartbeats += 1
+            for sock, _ in poller.poll(20):
+                mem = by_sock[sock]
+                while True:
+                    try:
+                        frame = sock.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    _on_reply(mem, decode(frame), spec, res, rng)
+    finally:
+        res.ended = time.time()
+        for mem in members:
+            mem.sock.close(0)
+        ctx.term()
+    return res
+
+
+def _on_reply(mem: _Member, msg: m.Msg, spec: SimSpec, res: SimResult, rng: random.Random) -> None:
+    """Advance one member's protocol on a reply from the controller."""
+    sent = mem.sent_at.pop(msg.rid, None)
+    took = time.perf_counter() - sent[1] if sent is not None else 0.0
+    if isinstance(msg, m.Error):
+        if not mem.welcomed:
+            res.refused.append(f"{mem.ident}: {msg.code}: {msg.message}")
+        elif len(res.errors) < 20:
+            res.errors.append(f"{mem.ident}: {msg.code}: {msg.message}")
+        return
+    if isinstance(msg, m.Welcome):
+        mem.welcomed = True
+        res.joined += 1
+        if mem.role == "raas":
+            mem.send(m.TaskRequest(n=spec.slots, loaded={spec.policy: 0}, wait_s=TASK_WAIT_S), "task")
+        elif mem.role == "trainer":
+            mem.send(m.BatchRequest(policy=spec.policy, step=mem.step, wait_s=BATCH_WAIT_S), "batch")
+    elif isinstance(msg, m.TaskGrant):
+        for v in msg.versions:
+            if v.policy == spec.policy:
+                mem.version = max(mem.version, v.version)
+        if msg.stop:
+            return
+        if msg.tasks:
+            res.task_latency_s.append(took)
+        for task in msg.tasks:
+            eps = _episodes(task, spec.policy, mem.version, rng)
+            mem.held.add(task.task_id)
+            mem.send(m.TaskResult(task_id=task.task_id, epoch=task.epoch, episodes=eps))
+            res.results_sent += 1
+            res.sequences_sent += len(eps)
+        mem.send(m.TaskRequest(n=spec.slots, loaded={spec.policy: mem.version}, wait_s=TASK_WAIT_S), "task")
+    elif isinstance(msg, m.ResultAck):
+        mem.held.discard(msg.task_id)
+    elif isinstance(msg, m.BatchReply):
+        if msg.done:
+            return
+        if not msg.ready:
+            mem.send(m.BatchRequest(policy=spec.policy, step=mem.step, wait_s=BATCH_WAIT_S), "batch")
+            return
+        res.batch_latency_s.append(took)
+        res.steps.append((time.time(), msg.step, len(msg.samples)))
+        mem.send(
+            m.VersionPublished(policy=spec.policy, version=msg.step, step=msg.step, weights_addr=""),
+            "version",
+        )
+    elif isinstance(msg, m.Ack) and sent is not None and sent[0] == "version":
+        mem.version = mem.step
+        mem.step += 1
+        mem.send(m.BatchRequest(policy=spec.policy, step=mem.step, wait_s=BATCH_WAIT_S), "batch")
+
+
+def main(argv: list[str]) -> int:
+    """Entry point: read the spec, simulate, write the result."""
+    spec = SimSpec(**json.loads(Path(argv[1]).read_text()))
+    res = simulate(spec)
+    tmp = Path(spec.out + ".tmp")
+    tmp.write_text(json.dumps(asdict(res)))
+    tmp.replace(spec.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,52 @@
+"""`astraflow bench control`: a live controller, simulated members with their own CURVE keys, a table."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+@pytest.mark.timeout(300)
+def test_bench_control_moves_steps_through_a_live_controller_with_every_member_joined(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "astraflow",
+            "bench",
+            "control",
+            "--members",
+            "2,12",
+            "--curve",
+            "on",
+            "--seconds",
+            "2",
+            "--warmup-steps",
+            "1",
+            "--procs",
+            "2",
+            "--out",
+            str(tmp_path),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout)
+    assert [r["workers"] for r in res["rows"]] == [2, 12]
+    for row in res["rows"]:
+        # every simulated member (and the trainer) joined under its own key, none was refused
+        assert row["joined"] == row["members"] and row["refused"] == 0, row
+        assert row["errors"] == [], row
+        # steps went through the controller: batches of the recipe's 32 x 16 sequences
+        assert row["warmup_steps"] >= 1
+        assert row["sequences_per_s"] > 0 and row["steps_per_s"] > 0
+        assert row["controller_rss_mb"] > 0 and row["task_ms_p50"] is not None
+    assert res["rows"][1]["heartbeats_per_s"] > res["rows"][0]["heartbeats_per_s"]
+    assert res["limits"]["zmq_msgpack_msgs_per_s"] > 0 and res["limits"]["rows_per_s_batched"] > 0
