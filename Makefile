@@ -9,7 +9,7 @@ MODEL ?= models/tiny-qwen3
 RECIPE ?= recipes/quickstart/recipe.toml
 PYTEST_ARGS ?=
 
-.PHONY: install demo test check fmt clean
+.PHONY: install demo test test-fast check fmt clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,11 @@ demo: $(VENV)/.installed $(MODEL)/config.json
 
 test: $(VENV)/.installed
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The everyday tier: unit and contract tests, no real-process runs of the whole system (a few minutes
+# on 2 cores); `make test` (CI) runs everything.
+test-fast: $(VENV)/.installed
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest tests/unit tests/contract -m "not slow and not chaos" $(PYTEST_ARGS)
 
 check: $(VENV)/.installed
 	$(BIN)/ruff check src tests
