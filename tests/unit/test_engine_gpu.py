@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 
+from astraflow.protocol.messages import SamplingParams
+
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 import asyncio
@@ -90,7 +92,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 def _ref_logprobs(model: Any, req: GenerationRequest, tokens: list[int]) -> list[float]:
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([req.prompt_ids + tokens], device=DEV)).logits[0]
-    logp = processed_logprobs(logits, req.temperature, req.top_p, req.top_k)
+    logp = processed_logprobs(logits, req.sampling.temperature, req.sampling.top_p, req.sampling.top_k)
     n = len(req.prompt_ids)
     return [float(logp[n - 1 + k, t]) for k, t in enumerate(tokens)]
 
@@ -103,10 +105,16 @@ def test_graph_engine_logprobs_and_weight_swap_between_replays(models: tuple[Pat
     new = AutoModelForCausalLM.from_pretrained(models[1]).state_dict()
     old = {k: v.clone() for k, v in eng.model.state_dict().items()}
     reqs = [
-        GenerationRequest(prompt_ids=[1, 14, 5 + i, 6, 7][: 2 + i % 4], max_new_tokens=12) for i in range(5)
+        GenerationRequest(
+            prompt_ids=[1, 14, 5 + i, 6, 7][: 2 + i % 4], max_new_tokens=12, sampling=SamplingParams()
+        )
+        for i in range(5)
     ]
     reqs += [
-        GenerationRequest(prompt_ids=[1, 16, 4], max_new_tokens=12, top_k=5, top_p=0.9) for _ in range(3)
+        GenerationRequest(
+            prompt_ids=[1, 16, 4], max_new_tokens=12, sampling=SamplingParams(top_k=5, top_p=0.9)
+        )
+        for _ in range(3)
     ]
     decode = eng.runner.decode
     calls = {"n": 0}

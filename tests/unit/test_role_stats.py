@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 
+from astraflow.protocol.messages import SamplingParams
+
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 import asyncio
@@ -32,7 +34,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _generate(engine: TorchEngine, n: int, new: int) -> None:
-    req = GenerationRequest(prompt_ids=[1, 5, 6], max_new_tokens=new, temperature=1.0, stop_ids=[])
+    req = GenerationRequest(
+        prompt_ids=[1, 5, 6], max_new_tokens=new, stop_ids=[], sampling=SamplingParams(temperature=1.0)
+    )
     asyncio.run(engine.generate([req] * n))
 
 

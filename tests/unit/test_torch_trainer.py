@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 
+from astraflow.protocol.messages import SamplingParams
+
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 import asyncio
@@ -54,6 +56,7 @@ def _batch(seed: int, n: int = 6) -> list[TrainSample]:
                 versions=[-1] * len(prompt) + [rng.choice([0, 0, 1])] * len(gen),
                 reward=rng.random(),
                 advantage=rng.uniform(-1, 1),
+                sampling=SamplingParams(),
             )
         )
     return out
@@ -64,7 +67,11 @@ def _on_policy_batch(model_dir: Path, temperature: float) -> list[TrainSample]:
 
     async def go() -> list:
         reqs = [
-            GenerationRequest(prompt_ids=[1, 14, d, d + 1, 18], max_new_tokens=4, temperature=temperature)
+            GenerationRequest(
+                prompt_ids=[1, 14, d, d + 1, 18],
+                max_new_tokens=4,
+                sampling=SamplingParams(temperature=temperature),
+            )
             for d in range(4, 12)
         ]
         return await eng.generate(reqs)
@@ -85,7 +92,7 @@ def _on_policy_batch(model_dir: Path, temperature: float) -> list[TrainSample]:
                 versions=[-1] * 5 + c.versions,
                 reward=float(i % 2),
                 advantage=1.0 if i % 2 else -1.0,
-                temperature=temperature,
+                sampling=SamplingParams(temperature=temperature),
             )
         )
     return batch

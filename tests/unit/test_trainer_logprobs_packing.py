@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 
+from astraflow.protocol.messages import SamplingParams
+
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 import random
@@ -89,9 +91,11 @@ def _samples(seed: int, n: int) -> list[TrainSample]:
                 versions=[-1] * len(prompt) + [0] * len(gen),
                 reward=rng.random(),
                 advantage=rng.uniform(-1, 1),
-                temperature=rng.choice([1.0, 0.7, 1.3]),
-                top_p=rng.choice([1.0, 0.9]),
-                top_k=rng.choice([0, 12]),
+                sampling=SamplingParams(
+                    temperature=rng.choice([1.0, 0.7, 1.3]),
+                    top_p=rng.choice([1.0, 0.9]),
+                    top_k=rng.choice([0, 12]),
+                ),
             )
         )
     return out
