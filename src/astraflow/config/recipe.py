@@ -45,9 +45,10 @@ class OptimizerConfig(_Model):
 
 
 class SamplingOverridesConfig(_Model):
-    """Which per-call sampling overrides a result of this policy may claim (a workflow's
-    `generate(..., temperature=...)`); the controller refuses a result whose settings are neither the
-    task's (the recipe's, or eval.sampling on an evaluation task) nor inside these bounds."""
+    """Per-call sampling overrides a result of this policy may claim beyond its task's own settings."""
+
+    # The controller refuses a sequence whose settings are neither the task's (the recipe's, or
+    # eval.sampling on an evaluation task) nor inside these bounds (dataflow/sampling_rule.py).
 
     temperature: tuple[float, float] = (MIN_TEMPERATURE, 2.0)
     """Lowest and highest temperature a call may switch to (the lowest at least 0.01)."""
