@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import os
 
-from astraflow.protocol.messages import SamplingParams
-
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 import asyncio
@@ -28,6 +26,7 @@ from astraflow.engines.base import GenerationRequest  # noqa: E402
 from astraflow.engines.sampling import processed_logprobs  # noqa: E402
 from astraflow.engines.torch_engine import TorchEngine, TorchEngineConfig  # noqa: E402
 from astraflow.models.init import init_model  # noqa: E402
+from astraflow.protocol.messages import SamplingParams  # noqa: E402
 
 DEV = torch.device("cuda")
 

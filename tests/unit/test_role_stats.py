@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import os
 
-from astraflow.protocol.messages import SamplingParams
-
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 import asyncio
@@ -24,6 +22,7 @@ from astraflow.engines.base import GenerationRequest
 from astraflow.engines.torch_engine import TorchEngine, TorchEngineConfig
 from astraflow.metrics.role_stats import PullStats, StatsWriter, raas_snapshot, read_stats
 from astraflow.models.init import init_model
+from astraflow.protocol.messages import SamplingParams
 
 torch.set_num_threads(1)
 

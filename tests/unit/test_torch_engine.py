@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import os
 
-from astraflow.protocol.messages import SamplingParams
-
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 import asyncio
@@ -26,6 +24,7 @@ from astraflow.engines.sampling import processed_logprobs
 from astraflow.engines.torch_engine import TorchEngine, TorchEngineConfig
 from astraflow.errors import AstraflowError, EngineFailedError, WeightsMismatchError
 from astraflow.models.init import init_model
+from astraflow.protocol.messages import SamplingParams
 
 torch.set_num_threads(1)
 

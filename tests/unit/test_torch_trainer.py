@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import os
 
-from astraflow.protocol.messages import SamplingParams
-
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 import asyncio
@@ -20,7 +18,7 @@ from astraflow.config.recipe import OptimizerConfig, PolicyConfig, SamplingConfi
 from astraflow.engines.base import GenerationRequest
 from astraflow.engines.torch_engine import TorchEngine
 from astraflow.models.init import init_model
-from astraflow.protocol.messages import TrainSample
+from astraflow.protocol.messages import SamplingParams, TrainSample
 from astraflow.trainers.torch_trainer import TorchTrainer
 
 torch.set_num_threads(1)

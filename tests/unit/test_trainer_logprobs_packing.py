@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import os
 
-from astraflow.protocol.messages import SamplingParams
-
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 import random
@@ -18,7 +16,7 @@ import torch
 from astraflow.config.recipe import OptimizerConfig, PolicyConfig
 from astraflow.engines.sampling import processed_logprobs
 from astraflow.models.init import init_model
-from astraflow.protocol.messages import TrainSample
+from astraflow.protocol.messages import SamplingParams, TrainSample
 from astraflow.trainers import packing
 from astraflow.trainers.logprobs import chunked_token_logprobs, full_token_logprobs
 from astraflow.trainers.torch_trainer import TorchTrainer

@@ -23,7 +23,7 @@ def processed_logprobs(
     top_k 0 (or >= V) and top_p 1.0 turn that filter off. The nucleus is the smallest prefix of the
     tokens sorted by probability whose mass reaches top_p; the most likely token is always kept.
     Filters apply per row: a row that uses neither is exactly its own log_softmax(logits / temperature)
-    whatever its batch mates use, and a filtered row is computed as it would be alone.
+    whatever its batch mates use, and a filtered row is cut by its own top-p / top-k only.
     """
     x = logits.float()
     n, v = x.shape

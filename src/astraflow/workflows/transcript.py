@@ -223,6 +223,11 @@ class Transcript:
                 "equal across its turns"
             )
 
+    def _asked(self) -> SamplingParams:
+        """What the client's generate would ask for: the claim of a sequence with no sampled token."""
+        asked = getattr(self.client, "sampling_params", None)
+        return asked() if callable(asked) else SamplingParams()
+
     # ----- the result ----------------------------------------------------------------------------
 
     @property
@@ -232,7 +237,7 @@ class Transcript:
 
     def sequence(self, reward: float) -> Sequence:
         """The finished Sequence, with its per-turn metadata and the sampling settings its engine
-        reported (a transcript without a policy turn has nothing sampled: the default settings)."""
+        reported (a transcript without a policy turn sampled nothing: the settings its client asks for)."""
         return Sequence(
             policy=self.client.policy,
             tokens=list(self.tokens),
@@ -240,6 +245,6 @@ class Transcript:
             logprobs=list(self.logprobs),
             versions=list(self.versions),
             reward=float(reward),
-            sampling=self._sampling or SamplingParams(),
+            sampling=self._sampling or self._asked(),
             turns=[(t.start, t.length, t.truncated) for t in self.turns],
         )
