@@ -1,5 +1,6 @@
 """The RolloutEngine contract, run against every engine: behaviour logprobs equal the trainer's
-recomputation, per-token versions across a weight update mid-generation (and no stale prefix cache
+recomputation (filtered and unfiltered rows in one batch, and a multi-turn Transcript with per-turn
+overrides), each completion reports the settings it was sampled with, per-token versions across a weight update mid-generation (and no stale prefix cache
 after it), stop ids, n samples per prompt, capacity, and a clean close.
 
 Tolerances on |engine logprob - trainer logprob|, per token (float32 everywhere): the embedded engine
@@ -142,6 +143,46 @@ def test_n_samples_per_prompt(harness: Harness) -> None:
     assert len({tuple(o.token_ids) for o in group}) > 1, "the n samples of a group must differ"
     again = _run(harness.engine.generate_n(req, 4))
     assert [o.token_ids for o in again] == [o.token_ids for o in group], "seeded groups are reproducible"
+
+
+def test_multi_turn_transcript_with_per_turn_overrides(harness: Harness) -> None:
+    """The transcript path: the RaaS's policy client over the engine, two policy turns of one
+    Transcript, each with per-call overrides (top-k too where the engine samples with it). The
+    Sequence carries the settings the engine reported, and the trainer's recomputation over the whole
+    multi-turn sequence under them matches every policy token's behaviour logprob."""
+    from transformers import AutoTokenizer
+
+    from astraflow.config.recipe import SamplingConfig
+    from astraflow.roles.raas import EnginePolicyClient
+    from astraflow.workflows.transcript import Transcript
+
+    tok = AutoTokenizer.from_pretrained(harness.models.a)
+    cfg = SamplingConfig(max_new_tokens=6)
+    client = EnginePolicyClient("main", tok, harness.engine, cfg, stop_ids=[])
+    ov: dict[str, Any] = (
+        {"temperature": 0.8} if harness.kind == "sglang" else {"temperature": 0.8, "top_k": 4}
+    )
+
+    async def episode() -> Any:
+        tr = Transcript(client, chat=False)
+        tr.add_ids([1, 14, 5, 18])
+        await tr.generate(**ov, seed=51)
+        tr.add_ids([16, 7])  # the environment's reply, masked
+        await tr.generate(**ov, seed=52)
+        return tr.sequence(1.0)
+
+    seq = _run(episode())
+    assert seq.sampling == SamplingParams(**ov)
+    assert sum(seq.loss_mask) == 12 and seq.turns == [(4, 6, True), (12, 6, True)]
+    sp = seq.sampling
+    for version in sorted({v for v in seq.versions if v >= 0}):
+        with torch.no_grad():
+            logits = harness.models.hf(version)(input_ids=torch.tensor([seq.tokens])).logits[0].float()
+        lp = processed_logprobs(logits[:-1], sp.temperature, sp.top_p, sp.top_k)
+        for i in range(1, len(seq.tokens)):
+            if seq.loss_mask[i] and seq.versions[i] == version:
+                want = float(lp[i - 1, seq.tokens[i]])
+                assert abs(want - seq.logprobs[i]) <= TOLERANCE[harness.kind], (harness.kind, i, want)
 
 
 def test_stop_ids_end_a_sequence_and_are_kept(harness: Harness) -> None:
