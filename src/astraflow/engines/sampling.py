@@ -29,14 +29,13 @@ def processed_logprobs(
     n, v = x.shape
     temp = torch.as_tensor(temperature, dtype=torch.float32, device=x.device).reshape(-1, 1)
     x = x / temp
-    out = torch.log_softmax(x, dim=-1)
     tk = torch.as_tensor(top_k, device=x.device).reshape(-1).expand(n)
     tp = torch.as_tensor(top_p, dtype=torch.float32, device=x.device).reshape(-1).expand(n)
     use_k = (tk > 0) & (tk < v)
     use_p = tp < 1.0
     rows = torch.nonzero(use_k | use_p).squeeze(-1)
     if rows.numel() == 0:
-        return out
+        return torch.log_softmax(x, dim=-1)
     sorted_x, order = torch.sort(x.index_select(0, rows), dim=-1, descending=True)
     pos = torch.arange(v, device=x.device).unsqueeze(0)
     k = torch.where(use_k, tk, torch.full_like(tk, v)).index_select(0, rows).unsqueeze(-1)
@@ -44,10 +43,12 @@ def processed_logprobs(
     sorted_x = sorted_x.masked_fill(~keep, float("-inf"))
     probs = torch.softmax(sorted_x, dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
-    # a row without top-p keeps its whole top-k: float32 cumsums reach 1.0 before the tail ends
-    keep &= (mass_before < tp.index_select(0, rows).unsqueeze(-1)) | ~use_p.index_select(0, rows).unsqueeze(
-        -1
-    )
+    # a row without top-p keeps its whole top-k: a float32 cumsum can reach 1.0 before the tail ends
+    p_off = ~use_p.index_select(0, rows).unsqueeze(-1)
+    keep &= (mass_before < tp.index_select(0, rows).unsqueeze(-1)) | p_off
     keep[:, 0] = True
     sorted_logp = torch.log_softmax(sorted_x.masked_fill(~keep, float("-inf")), dim=-1)
-    return out.index_copy(0, rows, torch.empty_like(sorted_logp).scatter_(-1, order, sorted_logp))
+    filtered = torch.empty_like(sorted_logp).scatter_(-1, order, sorted_logp)
+    if rows.numel() == n:
+        return filtered
+    return torch.log_softmax(x, dim=-1).index_copy(0, rows, filtered)
