@@ -47,6 +47,7 @@ def test_the_tasks_settings_and_overrides_inside_the_bounds_are_allowed() -> Non
         (SamplingParams(top_p=1.5), "top_p 1.5"),
         (SamplingParams(top_p=math.nan), "top_p nan"),
         (SamplingParams(top_k=-1), "top_k -1"),
+        (SamplingParams(top_k=1 << 63), "is not an integer in [0, 2**31)"),
     ],
 )
 def test_settings_nobody_can_train_on_are_refused_whatever_the_bounds(

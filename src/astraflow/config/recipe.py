@@ -72,7 +72,7 @@ class SamplingConfig(_Model):
     """Softmax temperature (at least 0.01); behaviour logprobs are those of the tempered distribution."""
     top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus sampling mass (1.0 = off)."""
-    top_k: int = Field(0, ge=0)
+    top_k: int = Field(0, ge=0, lt=1 << 31)
     """Keep only the k most likely tokens before top-p (0 = off)."""
     max_new_tokens: int = Field(64, ge=1)
     """Most tokens generated per call."""

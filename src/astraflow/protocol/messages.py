@@ -60,8 +60,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             )
         if not (isinstance(p, float | int) and 0.0 < p <= 1.0):
             return f"top_p {p!r} is not in (0, 1]"
-        if not (isinstance(k, int) and k >= 0):
-            return f"top_k {k!r} is not an integer >= 0"
+        if not (isinstance(k, int) and 0 <= k < 1 << 31):
+            # the upper bound keeps it inside SQLite's and torch's integers (no vocabulary is larger)
+            return f"top_k {k!r} is not an integer in [0, 2**31)"
         return ""
 
     def filtered(self) -> bool:
