@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from astraflow.config.eval import EvalConfig
 from astraflow.config.service import ServiceConfig
-from astraflow.protocol.messages import MIN_TEMPERATURE, SamplingParams
+from astraflow.protocol.messages import MIN_TEMPERATURE
 
 
 class _Model(BaseModel):
@@ -78,10 +78,6 @@ class SamplingConfig(_Model):
     """Most tokens generated per call."""
     overrides: SamplingOverridesConfig = SamplingOverridesConfig()
     """Bounds on the per-call overrides of temperature, top_p and top_k that results may claim."""
-
-    def params(self) -> SamplingParams:
-        """These settings as the SamplingParams an engine samples with."""
-        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
 
 
 class StageSpec(_Model):

@@ -5,7 +5,8 @@ relies on is checked here: each policy has the sequences the task asks of it (th
 of the task's per-policy group sizes; at most that many for a policy read-only in the task), every
 sequence belongs to a policy the workflow's roles map to, token ids are inside the policy's vocabulary, the per-token
 lists have one entry per token, versions exist, logprobs are finite and at most 0, rewards are
-finite, sampling settings are those the task allowed (dataflow/sampling_rule.py). A result that fails is a failed attempt with the reason (docs/protocol.md).
+finite, sampling settings are those the task allowed (dataflow/sampling_rule.py). A result that
+fails is a failed attempt with the reason (docs/protocol.md).
 """
 
 from __future__ import annotations
