@@ -82,6 +82,31 @@ def test_fused_sampling_matches_the_unfused_path_and_the_distribution() -> None:
     assert torch.allclose(freq, probs, atol=0.005)
 
 
+def test_sampler_rows_of_a_mixed_batch_are_their_own() -> None:
+    """Plain rows beside filtered ones keep the fused kernel, filtered rows their own filters: each
+    row samples what it samples alone, with its own logprob."""
+    from astraflow.engines.sampler import Sampler
+
+    torch.manual_seed(1)
+    logits = torch.randn(6, 151936, device=DEV, dtype=torch.bfloat16) * 4
+    params = [
+        SamplingParams(),
+        SamplingParams(top_p=0.9),
+        SamplingParams(temperature=0.7),
+        SamplingParams(top_k=20),
+        SamplingParams(),
+        SamplingParams(temperature=1.3, top_p=0.8, top_k=50),
+    ]
+    sampler = Sampler(DEV, use_triton=True)
+    seeds = [11 * i + 3 for i in range(len(params))]
+    toks, lps = sampler.sample(logits, params, seeds, [0] * len(params), [None] * len(params))
+    for i, p in enumerate(params):
+        tok, lp = sampler.sample(logits[i : i + 1], [p], [seeds[i]], [0], [None])
+        assert tok[0] == toks[i] and abs(lp[0] - lps[i]) < 1e-5, (i, p)
+        ref = processed_logprobs(logits[i : i + 1], p.temperature, p.top_p, p.top_k)[0, toks[i]]
+        assert abs(float(ref) - lps[i]) < 1e-4, (i, p)
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("gpu-engine")
