@@ -12,6 +12,7 @@ import pytest
 from astraflow import plugins
 from astraflow.engines.base import GenerationRequest
 from astraflow.errors import AstraflowError
+from astraflow.protocol.messages import SamplingParams
 from tests.contract.conftest import Models
 from tests.contract.fake_sglang import FakeSglangServer
 
@@ -57,7 +58,9 @@ def test_sglang_update_pauses_updates_flushes_and_continues(models: Models, tmp_
             "/continue_generation",
         ]
         assert server.weight_version == "1"
-        (out,) = asyncio.run(eng.generate([GenerationRequest(prompt_ids=[1, 5], max_new_tokens=3)]))
+        (out,) = asyncio.run(
+            eng.generate([GenerationRequest(prompt_ids=[1, 5], max_new_tokens=3, sampling=SamplingParams())])
+        )
         assert out.versions == [1, 1, 1]
         assert [p.name for p in tmp_path.iterdir()] == ["v1"]  # one weight set on disk at a time
     finally:

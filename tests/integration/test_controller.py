@@ -28,6 +28,7 @@ from astraflow.protocol.messages import (
     Hello,
     Msg,
     ResultAck,
+    SamplingParams,
     Sequence,
     StatusReply,
     StatusRequest,
@@ -118,6 +119,7 @@ def _episodes(rewards: list[float], version: int = 0) -> list[Episode]:
                     logprobs=[0.0, -0.1, -0.2],
                     versions=[-1, version, version],
                     reward=r,
+                    sampling=SamplingParams(),
                 )
             ]
         )

@@ -65,7 +65,13 @@ class RecordingEngine:
             self.calls.append(
                 (
                     list(r.prompt_ids),
-                    Completion(list(c.token_ids), list(c.logprobs), list(c.versions), c.finish_reason),
+                    Completion(
+                        list(c.token_ids),
+                        list(c.logprobs),
+                        list(c.versions),
+                        c.finish_reason,
+                        c.sampling,
+                    ),
                 )
             )
 
@@ -77,7 +83,7 @@ def _client(model_dir: Path) -> tuple[Any, RecordingEngine]:
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     engine = RecordingEngine(model_dir)
-    sampling = SimpleNamespace(temperature=1.0, top_p=1.0, max_new_tokens=6)
+    sampling = SimpleNamespace(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=6)
     return EnginePolicyClient("main", tok, engine, sampling, [tok.eos_token_id]), engine  # type: ignore[arg-type]
 
 
@@ -392,7 +398,7 @@ def test_tool_calls_round_trip_through_the_real_engine(tool_model_dir: Path) -> 
     seqs = ep.sequences(1.0)
     two = [s for s in seqs if len(s.turns or []) == 2]
     assert len(seqs) == 2 and len(two) == 1
-    assert _policy_turns(two[0]) == [out1.token_ids, out2.token_ids] and two[0].temperature == 0.2
+    assert _policy_turns(two[0]) == [out1.token_ids, out2.token_ids] and two[0].sampling.temperature == 0.2
     # streamed, the same call arrives as a tool_calls delta
     deltas = [tc for c in got["chunks"] for tc in (c.choices[0].delta.tool_calls or [])]
     assert out3.token_ids == out1.token_ids and [d.function.name for d in deltas] == ["add"]

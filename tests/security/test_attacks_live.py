@@ -78,6 +78,7 @@ def test_attacks_fail_and_the_run_finishes(tiny_model: Path, tmp_path: Path) -> 
                 logprobs=[0.0] + [-0.1] * ((n_lp or n) - 1),
                 versions=[-1] + [0] * (n - 1),
                 reward=1.0,
+                sampling=m.SamplingParams(),
             )
 
         forged = [

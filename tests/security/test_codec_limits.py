@@ -69,7 +69,9 @@ def test_hello_fields_are_capped(field: dict[str, object]) -> None:
 
 
 def test_episode_info_holds_scalars_only() -> None:
-    seq = m.Sequence(policy="p", tokens=[1], loss_mask=[1], logprobs=[0.0], versions=[0])
+    seq = m.Sequence(
+        policy="p", tokens=[1], loss_mask=[1], logprobs=[0.0], versions=[0], sampling=m.SamplingParams()
+    )
     ok = m.TaskResult(
         task_id=1, epoch=1, episodes=[m.Episode(sequences=[seq], info={"a": 1, "b": "x", "c": None})]
     )

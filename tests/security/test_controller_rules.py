@@ -64,7 +64,7 @@ def seq(tokens: list[int], version: int = 0, **kw: object) -> m.Sequence:
         "reward": 1.0,
     }
     fields.update(kw)
-    return m.Sequence(**fields)  # type: ignore[arg-type]
+    return m.Sequence(**fields, sampling=m.SamplingParams())  # type: ignore[arg-type]
 
 
 def good(n: int = 2, tokens: list[int] | None = None) -> list[m.Episode]:

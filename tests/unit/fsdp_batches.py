@@ -6,7 +6,7 @@ import random
 from pathlib import Path
 
 from astraflow.config.recipe import OptimizerConfig, PolicyConfig
-from astraflow.protocol.messages import TrainSample
+from astraflow.protocol.messages import SamplingParams, TrainSample
 
 
 def policy(model_dir: Path) -> PolicyConfig:
@@ -34,7 +34,7 @@ def batch(seed: int, n: int = 8) -> list[TrainSample]:
                 versions=[-1] * len(prompt) + [0] * len(gen),
                 reward=rng.random(),
                 advantage=rng.uniform(-1, 1),
-                temperature=rng.choice([1.0, 0.8]),
+                sampling=SamplingParams(temperature=rng.choice([1.0, 0.8])),
             )
         )
     return out

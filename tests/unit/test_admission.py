@@ -7,7 +7,7 @@ from pathlib import Path
 from astraflow.dataflow.admission import Admission, PolicyLimits
 from astraflow.dataflow.buffer import Buffer
 from astraflow.dataflow.ledger import Ledger
-from astraflow.protocol.messages import Sequence
+from astraflow.protocol.messages import SamplingParams, Sequence
 from astraflow.state.store import Store
 
 ROLES = {"actor": "main"}
@@ -26,7 +26,12 @@ def _finish(led: Ledger, buf: Buffer, member: str, version: int) -> None:
         assert led.complete(t.id, t.epoch, member) == "accepted"
         seqs = [
             Sequence(
-                policy="main", tokens=[1, 2], loss_mask=[0, 1], logprobs=[0.0, -1.0], versions=[-1, version]
+                policy="main",
+                tokens=[1, 2],
+                loss_mask=[0, 1],
+                logprobs=[0.0, -1.0],
+                versions=[-1, version],
+                sampling=SamplingParams(),
             )
             for _ in range(G)
         ]
@@ -185,7 +190,12 @@ def test_sync_mode_admits_whole_rounds_in_lock_step(tmp_path: Path) -> None:
             if pol in t.read_only:
                 continue
             seq = Sequence(
-                policy=pol, tokens=[1, 2], loss_mask=[0, 1], logprobs=[0.0, -1.0], versions=[-1, 0]
+                policy=pol,
+                tokens=[1, 2],
+                loss_mask=[0, 1],
+                logprobs=[0.0, -1.0],
+                versions=[-1, 0],
+                sampling=SamplingParams(),
             )
             buf.insert(t.id, t.prompt_key, [seq] * 2, [0.0] * 2)
     assert adm.outstanding() == {"a": 4, "b": 8, "frozen": 0}  # exactly one batch each

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from astraflow.data.order import EdfOrder, FifoOrder
 from astraflow.dataflow.buffer import Buffer, min_version
-from astraflow.protocol.messages import Sequence
+from astraflow.protocol.messages import SamplingParams, Sequence
 from astraflow.state.store import Store
 
 
@@ -18,6 +18,7 @@ def _seq(version: int, reward: float = 0.0, n: int = 3) -> Sequence:
         logprobs=[0.0, 0.0] + [-0.5] * n,
         versions=[-1, -1] + [version] * n,
         reward=reward,
+        sampling=SamplingParams(),
     )
 
 
@@ -27,7 +28,12 @@ def _group(buf: Buffer, task_id: int, version: int, size: int = 2) -> list[int]:
 
 def test_min_version_ignores_prompt_tokens() -> None:
     s = Sequence(
-        policy="p", tokens=[1, 2, 3, 4], loss_mask=[0, 1, 0, 1], logprobs=[0.0] * 4, versions=[-1, 5, -1, 3]
+        policy="p",
+        tokens=[1, 2, 3, 4],
+        loss_mask=[0, 1, 0, 1],
+        logprobs=[0.0] * 4,
+        versions=[-1, 5, -1, 3],
+        sampling=SamplingParams(),
     )
     assert min_version(s) == 3
 

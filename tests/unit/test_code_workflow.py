@@ -12,6 +12,7 @@ import pytest
 from astraflow.engines.base import Completion
 from astraflow.errors import AstraflowError
 from astraflow.models.bpe import build_bpe_tokenizer
+from astraflow.protocol.messages import SamplingParams
 from astraflow.sandbox import SandboxPool
 from astraflow.workflows.code_check import outputs_match
 from astraflow.workflows.code_data import generate_functions, humaneval, normalize
@@ -56,11 +57,11 @@ class ScriptedClient:
     def __init__(self, tokenizer: Any, text: str) -> None:
         self.tokenizer = tokenizer
         self.text = text
-        self.sampling = SimpleNamespace(temperature=1.0, top_p=1.0, max_new_tokens=16)
+        self.sampling = SimpleNamespace(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=16)
 
     async def generate(self, prompt_ids: list[int], n: int = 1, **overrides: Any) -> list[Completion]:
         ids = list(self.tokenizer.encode(self.text, add_special_tokens=False)) + [self.tokenizer.eos_token_id]
-        return [Completion(ids, [-0.1] * len(ids), [0] * len(ids), "stop")]
+        return [Completion(ids, [-0.1] * len(ids), [0] * len(ids), "stop", SamplingParams())]
 
 
 def test_episode_reward_is_whether_hidden_tests_pass(tmp_path: Path) -> None:

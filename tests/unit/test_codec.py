@@ -18,6 +18,7 @@ _SEQ = m.Sequence(
     logprobs=[0.0, -0.5, -1.0],
     versions=[-1, 4, 5],
     reward=1.0,
+    sampling=m.SamplingParams(),
 )
 _VI = m.VersionInfo(policy="p", version=7, weights_addr="tcp://127.0.0.1:5000", sha256="ab" * 32)
 _TS = m.TrainSample(
@@ -28,6 +29,7 @@ _TS = m.TrainSample(
     versions=[-1, 3],
     reward=0.5,
     advantage=-0.25,
+    sampling=m.SamplingParams(),
 )
 
 SAMPLES: list[m.Msg] = [

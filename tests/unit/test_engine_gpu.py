@@ -26,6 +26,7 @@ from astraflow.engines.base import GenerationRequest  # noqa: E402
 from astraflow.engines.sampling import processed_logprobs  # noqa: E402
 from astraflow.engines.torch_engine import TorchEngine, TorchEngineConfig  # noqa: E402
 from astraflow.models.init import init_model  # noqa: E402
+from astraflow.protocol.messages import SamplingParams  # noqa: E402
 
 DEV = torch.device("cuda")
 
@@ -81,6 +82,31 @@ def test_fused_sampling_matches_the_unfused_path_and_the_distribution() -> None:
     assert torch.allclose(freq, probs, atol=0.005)
 
 
+def test_sampler_rows_of_a_mixed_batch_are_their_own() -> None:
+    """Plain rows beside filtered ones keep the fused kernel, filtered rows their own filters: each
+    row samples what it samples alone, with its own logprob."""
+    from astraflow.engines.sampler import Sampler
+
+    torch.manual_seed(1)
+    logits = torch.randn(6, 151936, device=DEV, dtype=torch.bfloat16) * 4
+    params = [
+        SamplingParams(),
+        SamplingParams(top_p=0.9),
+        SamplingParams(temperature=0.7),
+        SamplingParams(top_k=20),
+        SamplingParams(),
+        SamplingParams(temperature=1.3, top_p=0.8, top_k=50),
+    ]
+    sampler = Sampler(DEV, use_triton=True)
+    seeds = [11 * i + 3 for i in range(len(params))]
+    toks, lps = sampler.sample(logits, params, seeds, [0] * len(params), [None] * len(params))
+    for i, p in enumerate(params):
+        tok, lp = sampler.sample(logits[i : i + 1], [p], [seeds[i]], [0], [None])
+        assert tok[0] == toks[i] and abs(lp[0] - lps[i]) < 1e-5, (i, p)
+        ref = processed_logprobs(logits[i : i + 1], p.temperature, p.top_p, p.top_k)[0, toks[i]]
+        assert abs(float(ref) - lps[i]) < 1e-4, (i, p)
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("gpu-engine")
@@ -90,7 +116,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 def _ref_logprobs(model: Any, req: GenerationRequest, tokens: list[int]) -> list[float]:
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([req.prompt_ids + tokens], device=DEV)).logits[0]
-    logp = processed_logprobs(logits, req.temperature, req.top_p, req.top_k)
+    logp = processed_logprobs(logits, req.sampling.temperature, req.sampling.top_p, req.sampling.top_k)
     n = len(req.prompt_ids)
     return [float(logp[n - 1 + k, t]) for k, t in enumerate(tokens)]
 
@@ -103,10 +129,16 @@ def test_graph_engine_logprobs_and_weight_swap_between_replays(models: tuple[Pat
     new = AutoModelForCausalLM.from_pretrained(models[1]).state_dict()
     old = {k: v.clone() for k, v in eng.model.state_dict().items()}
     reqs = [
-        GenerationRequest(prompt_ids=[1, 14, 5 + i, 6, 7][: 2 + i % 4], max_new_tokens=12) for i in range(5)
+        GenerationRequest(
+            prompt_ids=[1, 14, 5 + i, 6, 7][: 2 + i % 4], max_new_tokens=12, sampling=SamplingParams()
+        )
+        for i in range(5)
     ]
     reqs += [
-        GenerationRequest(prompt_ids=[1, 16, 4], max_new_tokens=12, top_k=5, top_p=0.9) for _ in range(3)
+        GenerationRequest(
+            prompt_ids=[1, 16, 4], max_new_tokens=12, sampling=SamplingParams(top_k=5, top_p=0.9)
+        )
+        for _ in range(3)
     ]
     decode = eng.runner.decode
     calls = {"n": 0}

@@ -74,6 +74,7 @@ def episodes(rewards: list[float], version: int = 0) -> list[m.Episode]:
         logprobs=[0.0, -0.5, -0.5],
         versions=[-1, version, version],
         reward=r,
+        sampling=m.SamplingParams(),
     )
     return [m.Episode(sequences=[seq(r)]) for r in rewards]
 

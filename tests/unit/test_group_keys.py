@@ -8,7 +8,7 @@ from pathlib import Path
 from astraflow.config.recipe import PolicyConfig, Recipe, WorkflowConfig
 from astraflow.dataflow.buffer import Buffer
 from astraflow.dataflow.pipeline import Pipeline
-from astraflow.protocol.messages import Episode, Sequence
+from astraflow.protocol.messages import Episode, SamplingParams, Sequence
 from astraflow.state.store import Store
 
 
@@ -22,6 +22,7 @@ def _seq(policy: str, reward: float, role: str = "", key: str = "") -> Sequence:
         reward=reward,
         role=role,
         group_key=key,
+        sampling=SamplingParams(),
     )
 
 

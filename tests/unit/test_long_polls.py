@@ -40,6 +40,7 @@ def _episodes() -> list[m.Episode]:
         logprobs=[0.0, -0.5, -0.5],
         versions=[-1, 0, 0],
         reward=1.0,
+        sampling=m.SamplingParams(),
     )
     return [m.Episode(sequences=[seq]) for _ in range(2)]
 

@@ -14,6 +14,7 @@ import pytest
 from astraflow.engines.base import Completion
 from astraflow.errors import AstraflowError
 from astraflow.models.bpe import build_bpe_tokenizer
+from astraflow.protocol.messages import SamplingParams
 from astraflow.workflows.math_data import last_boxed, load_math, normalize
 from astraflow.workflows.math_rl import MathConfig, MathWorkflow
 from astraflow.workflows.verifier_pool import VerifierPool
@@ -121,13 +122,13 @@ class ScriptedClient:
     def __init__(self, tokenizer: Any, answer: str) -> None:
         self.tokenizer = tokenizer
         self.answer = answer
-        self.sampling = SimpleNamespace(temperature=1.0, top_p=1.0, max_new_tokens=8)
+        self.sampling = SimpleNamespace(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=8)
 
     async def generate(self, prompt_ids: list[int], n: int = 1, **overrides: Any) -> list[Completion]:
         ids = list(self.tokenizer.encode(self.answer, add_special_tokens=False)) + [
             self.tokenizer.eos_token_id
         ]
-        return [Completion(ids, [-0.1] * len(ids), [0] * len(ids), "stop")]
+        return [Completion(ids, [-0.1] * len(ids), [0] * len(ids), "stop", SamplingParams())]
 
 
 def test_episode_rewards_the_verified_answer(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ import pytest
 
 from astraflow.engines.base import Completion
 from astraflow.models.bpe import build_bpe_tokenizer
+from astraflow.protocol.messages import SamplingParams
 from astraflow.workflows.code_multi import CodeMultiAgentWorkflow, CodeMultiConfig
 from astraflow.workflows.math_multi import MathMultiAgentWorkflow, MathMultiConfig, verdict
 
@@ -24,14 +25,14 @@ class Scripted:
         self.tokenizer = tokenizer
         self.answer = answer
         self.read_only = False
-        self.sampling = SimpleNamespace(temperature=1.0, top_p=1.0, max_new_tokens=16)
+        self.sampling = SimpleNamespace(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=16)
         self.calls = 0
 
     async def generate(self, prompt_ids: list[int], n: int = 1, **overrides: Any) -> list[Completion]:
         text = self.answer(self.tokenizer.decode(prompt_ids), self.calls)
         self.calls += 1
         ids = list(self.tokenizer.encode(text, add_special_tokens=False)) + [self.tokenizer.eos_token_id]
-        return [Completion(ids, [-0.1] * len(ids), [0] * len(ids), "stop")]
+        return [Completion(ids, [-0.1] * len(ids), [0] * len(ids), "stop", SamplingParams())]
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from astraflow.data.order import EdfOrder, FifoOrder
 from astraflow.dataflow.buffer import Buffer
 from astraflow.dataflow.pipeline import Pipeline
 from astraflow.errors import RecipeError
-from astraflow.protocol.messages import Episode, Sequence
+from astraflow.protocol.messages import Episode, SamplingParams, Sequence
 from astraflow.state.store import Store
 
 
@@ -119,6 +119,7 @@ def _episode(rewards: list[float], n_tokens: int = 2) -> list[Episode]:
                     logprobs=[0.0] * (n_tokens + 1),
                     versions=[-1] + [0] * n_tokens,
                     reward=r,
+                    sampling=SamplingParams(),
                 )
             ]
         )
@@ -189,6 +190,17 @@ def test_unknown_policy_sequences_are_ignored(tmp_path: Path) -> None:
     store = Store.open(tmp_path / "s.db")
     pipe = Pipeline(_recipe([]), store)
     eps = [
-        Episode(sequences=[Sequence(policy="ghost", tokens=[1], loss_mask=[1], logprobs=[0.0], versions=[0])])
+        Episode(
+            sequences=[
+                Sequence(
+                    policy="ghost",
+                    tokens=[1],
+                    loss_mask=[1],
+                    logprobs=[0.0],
+                    versions=[0],
+                    sampling=SamplingParams(),
+                )
+            ]
+        )
     ]
     assert pipe.ingest(Buffer(store), 1, "k", eps) == []

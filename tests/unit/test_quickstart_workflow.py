@@ -14,6 +14,7 @@ from pydantic import ValidationError
 
 from astraflow.engines.base import Completion
 from astraflow.models.init import build_tokenizer
+from astraflow.protocol.messages import SamplingParams
 from astraflow.workflows.quickstart import QuickstartConfig, QuickstartWorkflow, make_sample, score
 
 
@@ -31,7 +32,7 @@ class ScriptedClient:
     async def generate(self, prompt_ids: list[int], n: int = 1, **overrides: Any) -> list[Completion]:
         self.calls.append((list(prompt_ids), n))
         k = len(self.ids)
-        return [Completion(self.ids, [-0.5] * k, [3] * k, "stop") for _ in range(n)]
+        return [Completion(self.ids, [-0.5] * k, [3] * k, "stop", SamplingParams()) for _ in range(n)]
 
 
 def test_samples_per_task() -> None:

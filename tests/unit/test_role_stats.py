@@ -22,6 +22,7 @@ from astraflow.engines.base import GenerationRequest
 from astraflow.engines.torch_engine import TorchEngine, TorchEngineConfig
 from astraflow.metrics.role_stats import PullStats, StatsWriter, raas_snapshot, read_stats
 from astraflow.models.init import init_model
+from astraflow.protocol.messages import SamplingParams
 
 torch.set_num_threads(1)
 
@@ -32,7 +33,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _generate(engine: TorchEngine, n: int, new: int) -> None:
-    req = GenerationRequest(prompt_ids=[1, 5, 6], max_new_tokens=new, temperature=1.0, stop_ids=[])
+    req = GenerationRequest(
+        prompt_ids=[1, 5, 6], max_new_tokens=new, stop_ids=[], sampling=SamplingParams(temperature=1.0)
+    )
     asyncio.run(engine.generate([req] * n))
 
 

@@ -9,6 +9,7 @@ from typing import Any
 
 from astraflow.engines.base import Completion
 from astraflow.models.bpe import build_bpe_tokenizer
+from astraflow.protocol.messages import SamplingParams
 from astraflow.workflows.search_rl import Index, SearchConfig, SearchWorkflow, f1
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,7 +39,7 @@ class ScriptedClient:
     def __init__(self, tokenizer: Any, turns: list[str]) -> None:
         self.tokenizer = tokenizer
         self.turns = list(turns)
-        self.sampling = SimpleNamespace(temperature=1.0, top_p=1.0, max_new_tokens=64)
+        self.sampling = SimpleNamespace(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=64)
         self.prompts: list[str] = []
 
     async def generate(self, prompt_ids: list[int], n: int = 1, **overrides: Any) -> list[Completion]:
@@ -46,7 +47,7 @@ class ScriptedClient:
         ids = list(self.tokenizer.encode(self.turns.pop(0), add_special_tokens=False)) + [
             self.tokenizer.eos_token_id
         ]
-        return [Completion(ids, [-0.1] * len(ids), [0] * len(ids), "stop")]
+        return [Completion(ids, [-0.1] * len(ids), [0] * len(ids), "stop", SamplingParams())]
 
 
 def test_episode_searches_then_answers(tmp_path: Path) -> None:

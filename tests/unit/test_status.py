@@ -7,7 +7,7 @@ from pathlib import Path
 
 from astraflow.dataflow.buffer import Buffer
 from astraflow.dataflow.ledger import Ledger
-from astraflow.protocol.messages import Sequence
+from astraflow.protocol.messages import SamplingParams, Sequence
 from astraflow.state.status import build_status
 from astraflow.state.store import Store
 
@@ -25,7 +25,19 @@ def test_status_schema_and_values(tmp_path: Path) -> None:
     led.enqueue("b", {}, {"actor": "main"}, 1)
     led.lease("raas-0", 1)
     Buffer(store).insert(
-        1, "a", [Sequence(policy="main", tokens=[1], loss_mask=[1], logprobs=[0.0], versions=[3])], [0.0]
+        1,
+        "a",
+        [
+            Sequence(
+                policy="main",
+                tokens=[1],
+                loss_mask=[1],
+                logprobs=[0.0],
+                versions=[3],
+                sampling=SamplingParams(),
+            )
+        ],
+        [0.0],
     )
     store.close()
     ro = Store.open_readonly(tmp_path / "state.db")

@@ -16,6 +16,7 @@ import pytest
 from astraflow.engines.base import Completion
 from astraflow.errors import AstraflowError
 from astraflow.models.bpe import build_bpe_tokenizer
+from astraflow.protocol.messages import SamplingParams
 from astraflow.workflows.textworld_games import alfworld_rows, clean, make_games
 from astraflow.workflows.textworld_rl import TextWorldConfig, TextWorldWorkflow, command_of
 from astraflow.workflows.textworld_worker import GameCrashed
@@ -39,14 +40,14 @@ class ScriptedClient:
     def __init__(self, tokenizer: Any, turns: list[str]) -> None:
         self.tokenizer = tokenizer
         self.turns = list(turns)
-        self.sampling = SimpleNamespace(temperature=1.0, top_p=1.0, max_new_tokens=16)
+        self.sampling = SimpleNamespace(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=16)
         self.prompts: list[str] = []
 
     async def generate(self, prompt_ids: list[int], n: int = 1, **overrides: Any) -> list[Completion]:
         self.prompts.append(self.tokenizer.decode(prompt_ids))
         text = self.turns.pop(0) if self.turns else "look"
         ids = list(self.tokenizer.encode(text, add_special_tokens=False)) + [self.tokenizer.eos_token_id]
-        return [Completion(ids, [-0.1] * len(ids), [0] * len(ids), "stop")]
+        return [Completion(ids, [-0.1] * len(ids), [0] * len(ids), "stop", SamplingParams())]
 
 
 def _walkthrough(game: str) -> list[str]:

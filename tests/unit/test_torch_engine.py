@@ -24,6 +24,7 @@ from astraflow.engines.sampling import processed_logprobs
 from astraflow.engines.torch_engine import TorchEngine, TorchEngineConfig
 from astraflow.errors import AstraflowError, EngineFailedError, WeightsMismatchError
 from astraflow.models.init import init_model
+from astraflow.protocol.messages import SamplingParams
 
 torch.set_num_threads(1)
 
@@ -62,7 +63,7 @@ def test_behaviour_logprobs_match_a_fresh_forward(engine: TorchEngine) -> None:
     prompts = [[1, 14, 5], [1, 14, 7, 8, 9, 10, 18], [1, 16, 4, 17, 6, 18], [1, 18]]
     temps = [1.0, 0.7, 1.3, 1.0]
     reqs = [
-        GenerationRequest(prompt_ids=p, max_new_tokens=8, temperature=t)
+        GenerationRequest(prompt_ids=p, max_new_tokens=8, sampling=SamplingParams(temperature=t))
         for p, t in zip(prompts, temps, strict=True)
     ]
 
@@ -73,7 +74,7 @@ def test_behaviour_logprobs_match_a_fresh_forward(engine: TorchEngine) -> None:
     for req, out in zip(reqs, outs, strict=True):
         assert len(out.token_ids) == len(out.logprobs) == len(out.versions) == 8
         assert out.finish_reason == "length" and out.versions == [0] * 8
-        ref = _full_logprobs(engine.model, req.prompt_ids, out.token_ids, req.temperature)
+        ref = _full_logprobs(engine.model, req.prompt_ids, out.token_ids, req.sampling.temperature)
         assert max(abs(a - b) for a, b in zip(ref, out.logprobs, strict=True)) < 1e-4
 
 
@@ -83,7 +84,7 @@ def test_top_p_logprob_is_of_the_renormalised_nucleus() -> None:
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).expand(n, 4)
     gens = [torch.Generator().manual_seed(i) for i in range(n)]
     # top_p = 0.7 keeps tokens 0 and 1 (they hold 0.8 of the mass), renormalised to 5/8 and 3/8.
-    tokens, logps = sampler.sample(logits, [1.0] * n, [0.7] * n, [0] * n, [0] * n, [0] * n, gens)
+    tokens, logps = sampler.sample(logits, [SamplingParams(top_p=0.7)] * n, [0] * n, [0] * n, gens)
     assert set(tokens) == {0, 1}
     assert abs(tokens.count(1) / n - 0.375) < 0.03
     lp1 = next(lp for t, lp in zip(tokens, logps, strict=True) if t == 1)
@@ -102,7 +103,15 @@ def test_concurrent_callers_share_batches_up_to_max_batch(model_dirs: tuple[Path
     eng.runner.decode = recording
 
     async def one(i: int) -> Any:
-        return (await eng.generate([GenerationRequest(prompt_ids=[1, 14, 5 + i % 10], max_new_tokens=3)]))[0]
+        return (
+            await eng.generate(
+                [
+                    GenerationRequest(
+                        prompt_ids=[1, 14, 5 + i % 10], max_new_tokens=3, sampling=SamplingParams()
+                    )
+                ]
+            )
+        )[0]
 
     async def many() -> list[Any]:
         return await asyncio.gather(*(one(i) for i in range(10)))
@@ -121,8 +130,12 @@ def test_concurrent_callers_share_batches_up_to_max_batch(model_dirs: tuple[Path
 def test_stop_ids_end_a_sequence_and_are_kept(engine: TorchEngine) -> None:
     async def go() -> list[Any]:
         # Every token is a stop token, so each sequence ends after one step.
-        reqs = [GenerationRequest(prompt_ids=[1, 14, 5], max_new_tokens=5, stop_ids=list(range(19)))]
-        reqs.append(GenerationRequest(prompt_ids=[1, 14, 6], max_new_tokens=5))
+        reqs = [
+            GenerationRequest(
+                prompt_ids=[1, 14, 5], max_new_tokens=5, stop_ids=list(range(19)), sampling=SamplingParams()
+            )
+        ]
+        reqs.append(GenerationRequest(prompt_ids=[1, 14, 6], max_new_tokens=5, sampling=SamplingParams()))
         return await engine.generate(reqs)
 
     stopped, full = asyncio.run(go())
@@ -131,13 +144,18 @@ def test_stop_ids_end_a_sequence_and_are_kept(engine: TorchEngine) -> None:
 
 
 def test_seeded_requests_reproduce_regardless_of_batch_mates(engine: TorchEngine) -> None:
-    req = GenerationRequest(prompt_ids=[1, 14, 5, 6, 18], max_new_tokens=6, seed=42)
+    req = GenerationRequest(
+        prompt_ids=[1, 14, 5, 6, 18], max_new_tokens=6, seed=42, sampling=SamplingParams()
+    )
 
     async def alone() -> Any:
         return (await engine.generate([req]))[0]
 
     async def crowded() -> Any:
-        others = [GenerationRequest(prompt_ids=[1, 15, 9], max_new_tokens=3) for _ in range(5)]
+        others = [
+            GenerationRequest(prompt_ids=[1, 15, 9], max_new_tokens=3, sampling=SamplingParams())
+            for _ in range(5)
+        ]
         return (await engine.generate([*others, req]))[-1]
 
     a, b = asyncio.run(alone()), asyncio.run(crowded())
@@ -167,7 +185,11 @@ def test_weights_change_mid_sequence_and_later_tokens_carry_the_new_version(
     prompt = [1, 14, 5, 6, 7, 18]
 
     async def go() -> Any:
-        return (await engine.generate([GenerationRequest(prompt_ids=prompt, max_new_tokens=7)]))[0]
+        return (
+            await engine.generate(
+                [GenerationRequest(prompt_ids=prompt, max_new_tokens=7, sampling=SamplingParams())]
+            )
+        )[0]
 
     out = asyncio.run(go())
     engine.runner.prefill, engine.runner.decode = prefill, decode
@@ -202,7 +224,9 @@ def test_closed_engine_refuses_work(model_dirs: tuple[Path, Path]) -> None:
     eng.close()
 
     async def go() -> Any:
-        return await eng.generate([GenerationRequest(prompt_ids=[1, 14], max_new_tokens=2)])
+        return await eng.generate(
+            [GenerationRequest(prompt_ids=[1, 14], max_new_tokens=2, sampling=SamplingParams())]
+        )
 
     with pytest.raises(RuntimeError):
         asyncio.run(go())
@@ -211,7 +235,7 @@ def test_closed_engine_refuses_work(model_dirs: tuple[Path, Path]) -> None:
 def _processed_ref(model: Any, req: GenerationRequest, completion: list[int]) -> list[float]:
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([req.prompt_ids + completion])).logits[0]
-    logp = processed_logprobs(logits, req.temperature, req.top_p, req.top_k)
+    logp = processed_logprobs(logits, req.sampling.temperature, req.sampling.top_p, req.sampling.top_k)
     n = len(req.prompt_ids)
     return [float(logp[n - 1 + k, t]) for k, t in enumerate(completion)]
 
@@ -225,8 +249,10 @@ def test_a_request_arriving_mid_batch_joins_the_running_batch(engine: TorchEngin
         return decode(tokens, positions)
 
     engine.runner.decode = recording
-    long = GenerationRequest(prompt_ids=[1, 14, 5, 6], max_new_tokens=40)
-    short = GenerationRequest(prompt_ids=[1, 16, 4, 17, 6, 18, 9], max_new_tokens=4)
+    long = GenerationRequest(prompt_ids=[1, 14, 5, 6], max_new_tokens=40, sampling=SamplingParams())
+    short = GenerationRequest(
+        prompt_ids=[1, 16, 4, 17, 6, 18, 9], max_new_tokens=4, sampling=SamplingParams()
+    )
 
     async def go() -> tuple[Any, Any, bool]:
         first = asyncio.ensure_future(engine.generate([long]))
@@ -254,9 +280,12 @@ def test_a_group_prompt_is_prefilled_once_and_shared(engine: TorchEngine) -> Non
 
     engine.runner.prefill = recording
     group = [
-        GenerationRequest(prompt_ids=[1, 14, 5, 6, 7], max_new_tokens=6, temperature=1.5) for _ in range(8)
+        GenerationRequest(
+            prompt_ids=[1, 14, 5, 6, 7], max_new_tokens=6, sampling=SamplingParams(temperature=1.5)
+        )
+        for _ in range(8)
     ]
-    other = GenerationRequest(prompt_ids=[1, 15, 9], max_new_tokens=6)
+    other = GenerationRequest(prompt_ids=[1, 15, 9], max_new_tokens=6, sampling=SamplingParams())
     outs = asyncio.run(engine.generate([*group, other]))
     assert prefilled == [2]  # two distinct prompts, one prefill row each
     assert len({tuple(o.token_ids) for o in outs[:8]}) > 1  # the samples are independent
@@ -267,9 +296,13 @@ def test_a_group_prompt_is_prefilled_once_and_shared(engine: TorchEngine) -> Non
 
 def test_top_k_and_top_p_logprobs_are_the_processed_distributions(engine: TorchEngine) -> None:
     reqs = [
-        GenerationRequest(prompt_ids=[1, 14, 5], max_new_tokens=10, top_k=3),
-        GenerationRequest(prompt_ids=[1, 16, 4], max_new_tokens=10, top_k=5, top_p=0.8, temperature=0.8),
-        GenerationRequest(prompt_ids=[1, 18], max_new_tokens=10),
+        GenerationRequest(prompt_ids=[1, 14, 5], max_new_tokens=10, sampling=SamplingParams(top_k=3)),
+        GenerationRequest(
+            prompt_ids=[1, 16, 4],
+            max_new_tokens=10,
+            sampling=SamplingParams(top_k=5, top_p=0.8, temperature=0.8),
+        ),
+        GenerationRequest(prompt_ids=[1, 18], max_new_tokens=10, sampling=SamplingParams()),
     ]
     outs = asyncio.run(engine.generate(reqs))
     for req, out in zip(reqs, outs, strict=True):
@@ -290,7 +323,11 @@ def test_mismatched_weights_are_refused_without_touching_the_model(engine: Torch
         with pytest.raises(WeightsMismatchError):
             engine.load_weights(9, sd)
     assert engine.version == 0 and engine.healthy()
-    out = asyncio.run(engine.generate([GenerationRequest(prompt_ids=[1, 14, 5], max_new_tokens=3)]))[0]
+    out = asyncio.run(
+        engine.generate(
+            [GenerationRequest(prompt_ids=[1, 14, 5], max_new_tokens=3, sampling=SamplingParams())]
+        )
+    )[0]
     assert out.versions == [0, 0, 0]
     assert all(torch.equal(v, before[k]) for k, v in engine.model.state_dict().items())
 
@@ -300,7 +337,7 @@ def test_a_failing_decode_loop_fails_callers_fast_and_reports_unhealthy(engine: 
         raise RuntimeError("device lost")
 
     engine.runner.decode = broken
-    req = GenerationRequest(prompt_ids=[1, 14, 5], max_new_tokens=4)
+    req = GenerationRequest(prompt_ids=[1, 14, 5], max_new_tokens=4, sampling=SamplingParams())
     with pytest.raises(EngineFailedError, match="device lost"):
         asyncio.run(engine.generate([req, req]))
     assert not engine.healthy() and "device lost" in (engine.failure or "")
@@ -311,11 +348,13 @@ def test_a_failing_decode_loop_fails_callers_fast_and_reports_unhealthy(engine: 
 
 
 def test_requests_the_engine_cannot_serve_are_refused(engine: TorchEngine) -> None:
-    too_long = GenerationRequest(prompt_ids=[1] * 10, max_new_tokens=engine.config.max_seq_len)
+    too_long = GenerationRequest(
+        prompt_ids=[1] * 10, max_new_tokens=engine.config.max_seq_len, sampling=SamplingParams()
+    )
     for req in (
         too_long,
-        GenerationRequest(prompt_ids=[], max_new_tokens=2),
-        GenerationRequest(prompt_ids=[1, 10**6], max_new_tokens=2),
+        GenerationRequest(prompt_ids=[], max_new_tokens=2, sampling=SamplingParams()),
+        GenerationRequest(prompt_ids=[1, 10**6], max_new_tokens=2, sampling=SamplingParams()),
     ):
         with pytest.raises(AstraflowError):
             asyncio.run(engine.generate([req]))
@@ -350,7 +389,10 @@ def test_other_architectures_fall_back_to_recomputing_with_transformers(
     eng = TorchEngine(str(model_dirs[0]), TorchEngineConfig(max_batch=4), seed=1)
     try:
         assert isinstance(eng.runner, HFRecomputeRunner)
-        reqs = [GenerationRequest(prompt_ids=p, max_new_tokens=5) for p in ([1, 14, 5], [1, 14, 5], [1, 18])]
+        reqs = [
+            GenerationRequest(prompt_ids=p, max_new_tokens=5, sampling=SamplingParams())
+            for p in ([1, 14, 5], [1, 14, 5], [1, 18])
+        ]
         outs = asyncio.run(eng.generate(reqs))
     finally:
         eng.close()

@@ -18,7 +18,7 @@ from astraflow.config.recipe import OptimizerConfig, PolicyConfig, SamplingConfi
 from astraflow.engines.base import GenerationRequest
 from astraflow.engines.torch_engine import TorchEngine
 from astraflow.models.init import init_model
-from astraflow.protocol.messages import TrainSample
+from astraflow.protocol.messages import SamplingParams, TrainSample
 from astraflow.trainers.torch_trainer import TorchTrainer
 
 torch.set_num_threads(1)
@@ -54,6 +54,7 @@ def _batch(seed: int, n: int = 6) -> list[TrainSample]:
                 versions=[-1] * len(prompt) + [rng.choice([0, 0, 1])] * len(gen),
                 reward=rng.random(),
                 advantage=rng.uniform(-1, 1),
+                sampling=SamplingParams(),
             )
         )
     return out
@@ -64,7 +65,11 @@ def _on_policy_batch(model_dir: Path, temperature: float) -> list[TrainSample]:
 
     async def go() -> list:
         reqs = [
-            GenerationRequest(prompt_ids=[1, 14, d, d + 1, 18], max_new_tokens=4, temperature=temperature)
+            GenerationRequest(
+                prompt_ids=[1, 14, d, d + 1, 18],
+                max_new_tokens=4,
+                sampling=SamplingParams(temperature=temperature),
+            )
             for d in range(4, 12)
         ]
         return await eng.generate(reqs)
@@ -85,7 +90,7 @@ def _on_policy_batch(model_dir: Path, temperature: float) -> list[TrainSample]:
                 versions=[-1] * 5 + c.versions,
                 reward=float(i % 2),
                 advantage=1.0 if i % 2 else -1.0,
-                temperature=temperature,
+                sampling=SamplingParams(temperature=temperature),
             )
         )
     return batch

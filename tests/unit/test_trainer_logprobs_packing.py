@@ -16,7 +16,7 @@ import torch
 from astraflow.config.recipe import OptimizerConfig, PolicyConfig
 from astraflow.engines.sampling import processed_logprobs
 from astraflow.models.init import init_model
-from astraflow.protocol.messages import TrainSample
+from astraflow.protocol.messages import SamplingParams, TrainSample
 from astraflow.trainers import packing
 from astraflow.trainers.logprobs import chunked_token_logprobs, full_token_logprobs
 from astraflow.trainers.torch_trainer import TorchTrainer
@@ -89,9 +89,11 @@ def _samples(seed: int, n: int) -> list[TrainSample]:
                 versions=[-1] * len(prompt) + [0] * len(gen),
                 reward=rng.random(),
                 advantage=rng.uniform(-1, 1),
-                temperature=rng.choice([1.0, 0.7, 1.3]),
-                top_p=rng.choice([1.0, 0.9]),
-                top_k=rng.choice([0, 12]),
+                sampling=SamplingParams(
+                    temperature=rng.choice([1.0, 0.7, 1.3]),
+                    top_p=rng.choice([1.0, 0.9]),
+                    top_k=rng.choice([0, 12]),
+                ),
             )
         )
     return out

@@ -22,7 +22,7 @@ from astraflow.data.turns import sequence_turns
 from astraflow.engines.base import Completion
 from astraflow.models.init import init_model
 from astraflow.protocol.codec import decode, encode
-from astraflow.protocol.messages import Episode, Sequence, TaskResult
+from astraflow.protocol.messages import Episode, SamplingParams, Sequence, TaskResult
 from astraflow.workflows.tools import Tools
 from astraflow.workflows.transcript import Transcript, TranscriptError, TranscriptFull
 
@@ -44,7 +44,7 @@ def _client(model_dir: Path) -> Any:
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     engine = TorchEngine(str(model_dir), seed=0, device="cpu")
-    sampling = SimpleNamespace(temperature=1.0, top_p=1.0, max_new_tokens=6)
+    sampling = SimpleNamespace(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=6)
     return EnginePolicyClient("main", tok, engine, sampling, [tok.eos_token_id])
 
 
@@ -99,7 +99,7 @@ class ScriptedClient:
     def __init__(self, tokenizer: Any, answers: list[tuple[str, bool]]) -> None:
         self.tokenizer = tokenizer
         self.answers = list(answers)
-        self.sampling = SimpleNamespace(temperature=1.0, top_p=1.0, max_new_tokens=50)
+        self.sampling = SimpleNamespace(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=50)
         self.prompts: list[list[int]] = []
 
     async def generate(self, prompt_ids: list[int], n: int = 1, **overrides: Any) -> list[Completion]:
@@ -107,7 +107,11 @@ class ScriptedClient:
         text, stop = self.answers.pop(0)
         ids = list(self.tokenizer.encode(text, add_special_tokens=False))
         ids += [self.tokenizer.eos_token_id] if stop else []
-        return [Completion(ids, [-0.25] * len(ids), [7] * len(ids), "stop" if stop else "length")]
+        return [
+            Completion(
+                ids, [-0.25] * len(ids), [7] * len(ids), "stop" if stop else "length", SamplingParams()
+            )
+        ]
 
 
 def test_chat_transcript_equals_the_template_of_the_whole_conversation(model_dir: Path) -> None:
@@ -152,7 +156,7 @@ def test_raw_mode_budget_overrides_and_sampling_consistency(model_dir: Path) -> 
         with pytest.raises(TranscriptFull):
             await tr.generate()
         with pytest.raises(TranscriptError, match="different settings"):
-            tr.add_completion(Completion([9], [-1.0], [7], "stop"), temperature=0.5)
+            tr.add_completion(Completion([9], [-1.0], [7], "stop", SamplingParams(temperature=0.5)))
 
     asyncio.run(episode())
     with pytest.raises(TranscriptError, match="add_message is for chat"):
@@ -168,6 +172,7 @@ def test_turns_survive_the_wire_and_drive_the_length_filter() -> None:
         logprobs=[0.0] * 16,
         versions=[0] * 16,
         turns=[(2, 5, False), (10, 5, False)],
+        sampling=SamplingParams(),
     )
     msg = decode(encode(TaskResult(task_id=1, epoch=0, episodes=[Episode(sequences=[seq])])))
     assert isinstance(msg, TaskResult)
@@ -270,6 +275,7 @@ def test_controller_rejects_turns_that_do_not_fit_the_sequence() -> None:
             loss_mask=[0, 1, 1, 0],
             logprobs=[0.0] * 4,
             versions=[-1, 0, 0, -1],
+            sampling=SamplingParams(),
         )
     )
     good = Sequence(**{**base, "turns": [(1, 2, False)]})

@@ -16,7 +16,7 @@ from pydantic import BaseModel
 from astraflow.config.load import load_recipe
 from astraflow.config.recipe import Recipe
 from astraflow.dataflow.validate import ResultChecker
-from astraflow.protocol.messages import Episode, Sequence
+from astraflow.protocol.messages import Episode, SamplingParams, Sequence
 from astraflow.workflows.base import PolicyClient, Workflow
 from astraflow.workflows.collab import CollabWorkflow
 
@@ -26,7 +26,12 @@ ROLES = {"proposer": "proposer", "solver": "solver", "judge": "fixed"}
 
 def _seq(policy: str) -> Sequence:
     return Sequence(
-        policy=policy, tokens=[1, 2, 3], loss_mask=[0, 1, 1], logprobs=[0.0, -0.5, -0.2], versions=[-1, 0, 0]
+        policy=policy,
+        tokens=[1, 2, 3],
+        loss_mask=[0, 1, 1],
+        logprobs=[0.0, -0.5, -0.2],
+        versions=[-1, 0, 0],
+        sampling=SamplingParams(),
     )
 
 

@@ -22,7 +22,12 @@ _VALID: list[m.Msg] = [
             m.Episode(
                 sequences=[
                     m.Sequence(
-                        policy="main", tokens=[1, 2], loss_mask=[0, 1], logprobs=[0, -1.0], versions=[-1, 0]
+                        policy="main",
+                        tokens=[1, 2],
+                        loss_mask=[0, 1],
+                        logprobs=[0, -1.0],
+                        versions=[-1, 0],
+                        sampling=m.SamplingParams(),
                     )
                 ]
             )

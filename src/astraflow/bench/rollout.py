@@ -302,10 +302,7 @@ def _bench_batch(
     low = min(4, model.config.vocab_size - 1)
     prompts = torch.randint(low, model.config.vocab_size, (batch // res.group, res.prompt_len), generator=gen)
     prompts = prompts.repeat_interleave(res.group, dim=0)
-    requests = [
-        GenerationRequest(prompt_ids=p.tolist(), max_new_tokens=res.new_tokens, temperature=1.0, top_p=1.0)
-        for p in prompts
-    ]
+    requests = [GenerationRequest(prompt_ids=p.tolist(), max_new_tokens=res.new_tokens) for p in prompts]
     input_ids = prompts.to(dev)
     attention_mask = torch.ones_like(input_ids)
 

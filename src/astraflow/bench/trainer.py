@@ -71,7 +71,7 @@ def peak_flops(device_name: str, override_tflops: float | None) -> float | None:
 
 def synthetic_batch(n: int, seq_len: int, prompt_len: int, vocab: int, seed: int) -> list[Any]:
     """`n` sequences of `seq_len` random tokens, the first `prompt_len` untrained."""
-    from astraflow.protocol.messages import TrainSample
+    from astraflow.protocol.messages import SamplingParams, TrainSample
 
     rng = random.Random(seed)
     gen = seq_len - prompt_len
@@ -86,6 +86,7 @@ def synthetic_batch(n: int, seq_len: int, prompt_len: int, vocab: int, seed: int
                 versions=[-1] * prompt_len + [0] * gen,
                 reward=float(i % 2),
                 advantage=1.0 if i % 2 else -1.0,
+                sampling=SamplingParams(),
             )
         )
     return out

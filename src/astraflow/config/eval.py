@@ -6,13 +6,15 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from astraflow.protocol.messages import MIN_TEMPERATURE
+
 
 class EvalSampling(BaseModel):
     """Sampling settings of evaluation episodes; unset fields keep the policy's recipe sampling."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-    temperature: float | None = Field(None, gt=0)
+    temperature: float | None = Field(None, ge=MIN_TEMPERATURE, allow_inf_nan=False)
     """Sampling temperature of evaluation (e.g. 0.6; None = the policy's)."""
     top_p: float | None = Field(None, gt=0, le=1)
     """Nucleus mass of evaluation (None = the policy's)."""

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from astraflow.config.eval import EvalConfig
 from astraflow.config.service import ServiceConfig
+from astraflow.protocol.messages import MIN_TEMPERATURE
 
 
 class _Model(BaseModel):
@@ -42,17 +44,40 @@ class OptimizerConfig(_Model):
     """Linear warm-up of the learning rate over this many steps."""
 
 
+class SamplingOverridesConfig(_Model):
+    """Per-call sampling overrides a result of this policy may claim beyond its task's own settings."""
+
+    # The controller refuses a sequence whose settings are neither the task's (the recipe's, or
+    # eval.sampling on an evaluation task) nor inside these bounds (dataflow/sampling_rule.py).
+
+    temperature: tuple[float, float] = (MIN_TEMPERATURE, 2.0)
+    """Lowest and highest temperature a call may switch to (the lowest at least 0.01)."""
+    top_p: bool = True
+    """Whether a call may switch top_p (any value in (0, 1])."""
+    top_k: bool = False
+    """Whether a call may switch top_k (any value >= 0)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> SamplingOverridesConfig:
+        lo, hi = self.temperature
+        if not (MIN_TEMPERATURE <= lo <= hi) or not math.isfinite(hi):
+            raise ValueError(f"temperature bounds must be finite with {MIN_TEMPERATURE} <= low <= high")
+        return self
+
+
 class SamplingConfig(_Model):
     """How the rollout engine samples for one policy."""
 
-    temperature: float = Field(1.0, gt=0)
-    """Softmax temperature; behaviour logprobs are those of the tempered distribution."""
+    temperature: float = Field(1.0, ge=MIN_TEMPERATURE, allow_inf_nan=False)
+    """Softmax temperature (at least 0.01); behaviour logprobs are those of the tempered distribution."""
     top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus sampling mass (1.0 = off)."""
-    top_k: int = Field(0, ge=0)
+    top_k: int = Field(0, ge=0, lt=1 << 31)
     """Keep only the k most likely tokens before top-p (0 = off)."""
     max_new_tokens: int = Field(64, ge=1)
     """Most tokens generated per call."""
+    overrides: SamplingOverridesConfig = SamplingOverridesConfig()
+    """Bounds on the per-call overrides of temperature, top_p and top_k that results may claim."""
 
 
 class StageSpec(_Model):

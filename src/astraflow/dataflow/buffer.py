@@ -17,7 +17,7 @@ import msgspec
 
 from astraflow.data.base import BufferItem, BufferOrder
 from astraflow.data.order import EdfOrder, FifoOrder
-from astraflow.protocol.messages import Sequence, TrainSample
+from astraflow.protocol.messages import SamplingParams, Sequence, TrainSample
 from astraflow.state.store import Store
 
 _enc = msgspec.msgpack.Encoder()
@@ -103,9 +103,9 @@ class Buffer:
                     status,
                     seq.role,
                     seq.group_key,
-                    float(seq.temperature),
-                    float(seq.top_p),
-                    int(seq.top_k),
+                    float(seq.sampling.temperature),
+                    float(seq.sampling.top_p),
+                    int(seq.sampling.top_k),
                 )
                 for i, (seq, adv) in enumerate(zip(seqs, advantages, strict=True))
             ]
@@ -304,9 +304,9 @@ class Buffer:
                     reward=float(r["reward"]),
                     advantage=float(r["advantage"]),
                     replay=replay,
-                    temperature=float(r["temperature"]),
-                    top_p=float(r["top_p"]),
-                    top_k=int(r["top_k"]),
+                    sampling=SamplingParams(
+                        temperature=float(r["temperature"]), top_p=float(r["top_p"]), top_k=int(r["top_k"])
+                    ),
                 )
             )
         return out

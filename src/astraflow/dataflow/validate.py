@@ -5,7 +5,8 @@ relies on is checked here: each policy has the sequences the task asks of it (th
 of the task's per-policy group sizes; at most that many for a policy read-only in the task), every
 sequence belongs to a policy the workflow's roles map to, token ids are inside the policy's vocabulary, the per-token
 lists have one entry per token, versions exist, logprobs are finite and at most 0, rewards are
-finite. A result that fails is a failed attempt with the reason (docs/protocol.md).
+finite, sampling settings are those the task allowed (dataflow/sampling_rule.py). A result that
+fails is a failed attempt with the reason (docs/protocol.md).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 from astraflow import log
 from astraflow.config.recipe import Recipe
 from astraflow.data.turns import turns_problem
+from astraflow.dataflow.sampling_rule import sampling_problem
 from astraflow.protocol.messages import Episode, Sequence
 
 _log = log.get("validate")
@@ -61,13 +63,14 @@ class ResultChecker:
         expected: dict[str, int],
         roles: dict[str, str],
         latest: dict[str, int],
+        task_sampling: dict[str, float | int] | None = None,
     ) -> str:
         """Why the result is invalid ('' when it is fine). `expected`: sequences the task asks of each
         policy at most (workflows shape episodes per policy, so the episode count alone says nothing;
         admission counts with it, so more would overrun the staleness cap); fewer is fine, none
         included (a workflow may skip a role on some tasks, or generate less with a read-only
         policy: its groups are then smaller and admission queues more); `latest` is each policy's
-        newest version."""
+        newest version; `task_sampling` the task's sampling overrides (Task.sampling)."""
         if not episodes:
             return "0 episodes"
         allowed = set(roles.values())
@@ -77,7 +80,7 @@ class ResultChecker:
             if len(ep.sequences) > MAX_SEQUENCES_PER_EPISODE:
                 return f"episode {i} has {len(ep.sequences)} sequences (at most {MAX_SEQUENCES_PER_EPISODE})"
             for j, s in enumerate(ep.sequences):
-                why = self._sequence(s, allowed, latest)
+                why = self._sequence(s, allowed, latest, task_sampling or {})
                 if why:
                     return f"episode {i} sequence {j}: {why}"
         got: dict[str, int] = {}
@@ -93,7 +96,9 @@ class ResultChecker:
                 )
         return ""
 
-    def _sequence(self, s: Sequence, allowed: set[str], latest: dict[str, int]) -> str:
+    def _sequence(
+        self, s: Sequence, allowed: set[str], latest: dict[str, int], task_sampling: dict[str, float | int]
+    ) -> str:
         if s.policy not in allowed:
             return f"policy {s.policy!r} is not one the task's roles map to ({sorted(allowed)})"
         n = len(s.tokens)
@@ -118,8 +123,7 @@ class ResultChecker:
                 return f"version {v} does not exist (newest {newest}; -1 only where loss_mask is 0)"
         if not math.isfinite(s.reward):
             return "reward is not finite"
-        if not (math.isfinite(s.temperature) and s.temperature > 0):
-            return "temperature must be finite and > 0"
-        if not (0.0 < s.top_p <= 1.0) or s.top_k < 0:
-            return "top_p must be in (0, 1] and top_k >= 0"
+        why = sampling_problem(s.sampling, self.recipe.get_policy(s.policy).sampling, task_sampling)
+        if why:
+            return f"sampling settings not allowed by the task: {why}"
         return turns_problem(s)

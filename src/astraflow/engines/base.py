@@ -8,6 +8,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from astraflow.protocol.messages import SamplingParams
+
 
 @dataclass
 class GenerationRequest:
@@ -15,10 +17,8 @@ class GenerationRequest:
 
     prompt_ids: list[int]
     max_new_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    """Keep only the k most likely tokens before top-p (0: off); see engines/sampling.py."""
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    """The distribution to sample from (temperature, top-p, top-k); see engines/sampling.py."""
     stop_ids: list[int] = field(default_factory=list)
     """Generation ends after any of these tokens (the stop token is kept in token_ids)."""
     seed: int | None = None
@@ -35,10 +35,10 @@ class Completion:
     """Weight version that produced each generated token (changes mid-sequence on a weight update)."""
     finish_reason: str
     """stop | length"""
-    temperature: float = 1.0
-    """Sampling settings this completion was drawn with (the request's); carried to the Sequence."""
-    top_p: float = 1.0
-    top_k: int = 0
+    sampling: SamplingParams
+    """The settings the engine actually sampled this completion with (its logprobs are of that
+    distribution); the Sequence built from it carries them to the trainer. Required: every engine
+    reports what it used, never what it was asked."""
 
 
 class RolloutEngine(ABC):

@@ -211,8 +211,8 @@ class TorchEngine(RolloutEngine):
                 f"prompt ({len(r.prompt_ids)}) plus max_new_tokens ({r.max_new_tokens}) exceeds the "
                 f"engine's max_seq_len ({self.config.max_seq_len})"
             )
-        elif not r.temperature > 0 or not 0 < r.top_p <= 1 or r.top_k < 0:
-            problem = "sampling needs temperature > 0, 0 < top_p <= 1 and top_k >= 0"
+        elif r.sampling.problem():
+            problem = f"cannot sample with {r.sampling}: {r.sampling.problem()}"
         if problem:
             raise AstraflowError(
                 problem, hint="raise policy.engine_options.max_seq_len or shorten the request"
@@ -311,7 +311,7 @@ class TorchEngine(RolloutEngine):
         """Give each request a slot; prefill each distinct prompt once and share its KV."""
         for p in batch:
             if p.request.max_new_tokens <= 0:
-                _resolve(p, Completion([], [], [], "length"))
+                _resolve(p, Completion([], [], [], "length", p.request.sampling))
         groups: dict[tuple[int, ...], list[int]] = {}
         for p in batch:
             if p.request.max_new_tokens <= 0:
@@ -348,9 +348,7 @@ class TorchEngine(RolloutEngine):
         reqs = [r.pending.request for r in rows]
         tokens, logps = self._sampler.sample(
             logits,
-            [q.temperature for q in reqs],
-            [q.top_p for q in reqs],
-            [q.top_k for q in reqs],
+            [q.sampling for q in reqs],
             [r.seed for r in rows],
             [len(r.tokens) for r in rows],
             [r.generator for r in rows],
@@ -372,7 +370,12 @@ class TorchEngine(RolloutEngine):
         done: list[tuple[_Pending, Completion]] = []
         for i in [i for i, r in enumerate(rows) if r.finish_reason][::-1]:
             r = rows[i]
-            done.append((r.pending, Completion(r.tokens, r.logprobs, r.versions, r.finish_reason)))
+            done.append(
+                (
+                    r.pending,
+                    Completion(r.tokens, r.logprobs, r.versions, r.finish_reason, r.pending.request.sampling),
+                )
+            )
             last = len(rows) - 1
             if i != last:
                 self.runner.move_slot(last, i, rows[last].cached)

@@ -6,11 +6,12 @@ rejected, and `rid` pairs a reply with its request. docs/protocol.md documents e
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 # Caps on what a peer may send, checked by the decoder before a message reaches a handler
 # (docs/protocol.md "Limits"); frames as a whole are capped by the transport's MAXMSGSIZE.
@@ -30,6 +31,44 @@ class Msg(msgspec.Struct, tag=True, tag_field="type", kw_only=True, forbid_unkno
 
 # ----- data carried inside messages -----------------------------------------------------------
 
+MIN_TEMPERATURE = 0.01
+"""Lowest sampling temperature anything accepts: the trainer scales logits by 1 / temperature in
+float32, and lower values (1e-300) overflow it; greedy decoding has no behaviour logprobs at all."""
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The settings that shape the distribution an engine samples each token from.
+
+    The engine reports the ones it used on every completion; the Sequence carries them to the trainer,
+    which recomputes logprobs under exactly these (engines/sampling.py). Settings that do not change the
+    per-token distribution (max_new_tokens, stop tokens, seed) are not part of it."""
+
+    temperature: float = 1.0
+    """Softmax temperature (at least MIN_TEMPERATURE)."""
+    top_p: float = 1.0
+    """Nucleus mass, in (0, 1] (1.0: off)."""
+    top_k: int = 0
+    """Keep only the k most likely tokens before top-p (0: off)."""
+
+    def problem(self) -> str:
+        """Why these settings cannot be sampled from and trained on ('' when they can)."""
+        t, p, k = self.temperature, self.top_p, self.top_k
+        if not (isinstance(t, float | int) and math.isfinite(t) and t >= MIN_TEMPERATURE):
+            return (
+                f"temperature {t!r} is not a finite number >= {MIN_TEMPERATURE} (the trainer divides "
+                "the logits by it in float32)"
+            )
+        if not (isinstance(p, float | int) and 0.0 < p <= 1.0):
+            return f"top_p {p!r} is not in (0, 1]"
+        if not (isinstance(k, int) and 0 <= k < 1 << 31):
+            # the upper bound keeps it inside SQLite's and torch's integers (no vocabulary is larger)
+            return f"top_k {k!r} is not an integer in [0, 2**31)"
+        return ""
+
+    def filtered(self) -> bool:
+        """Whether top-p or top-k cuts the distribution (a top_k at or above the vocabulary counts)."""
+        return self.top_p < 1.0 or self.top_k > 0
+
 
 class Sequence(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """One token sequence of one policy in an episode; the unit a trainer consumes."""
@@ -43,14 +82,11 @@ class Sequence(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Behaviour logprob of each token under the engine that sampled it (0.0 where mask is 0)."""
     versions: list[int]
     """Policy version that produced each token (-1 where mask is 0)."""
+    sampling: SamplingParams
+    """The settings the engine reported for this sequence's generated tokens (the completion's own;
+    a Transcript refuses turns that differ); the trainer recomputes logprobs under them."""
     reward: float = 0.0
     """Scalar reward of this sequence."""
-    temperature: float = 1.0
-    """Sampling temperature the engine used for this sequence's generated tokens."""
-    top_p: float = 1.0
-    """Nucleus mass the engine sampled with (1.0: off)."""
-    top_k: int = 0
-    """Top-k the engine sampled with (0: off)."""
     role: Name = ""
     """Workflow role that produced this sequence ("" = not said); per-role metrics and baselines use it."""
     group_key: Annotated[str, msgspec.Meta(max_length=1024)] = ""
@@ -108,11 +144,9 @@ class TrainSample(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     versions: list[int]
     reward: float
     advantage: float
-    replay: bool = False
-    temperature: float = 1.0
+    sampling: SamplingParams
     """Sampling settings of the behaviour distribution: the trainer recomputes logprobs under them."""
-    top_p: float = 1.0
-    top_k: int = 0
+    replay: bool = False
 
 
 # ----- membership --------------------------------------------------------------------------------

@@ -504,6 +504,7 @@ class Controller:
                 expected=self.admission.task_sequences(task.roles, sizes),
                 roles=task.roles,
                 latest=latest,
+                task_sampling=self._task_sampling(task),
             )
             if bad:
                 status = self.fail_attempt(member["id"], msg.task_id, msg.epoch, f"invalid result: {bad}")

@@ -16,6 +16,7 @@ from typing import Any
 
 from astraflow import log
 from astraflow.engines.base import Completion, GenerationRequest, RolloutEngine
+from astraflow.protocol.messages import SamplingParams
 
 _log = log.get("raas")
 RESULT_ATTEMPTS = 30
@@ -39,33 +40,35 @@ class EnginePolicyClient:
 
     async def generate(self, prompt_ids: list[int], n: int = 1, **overrides: Any) -> list[Completion]:
         """Sample n completions with the recipe's sampling settings (overridable per call); each
-        completion carries the settings it was drawn with."""
+        completion carries the settings the engine reports it used (never rewritten here)."""
         from astraflow.workflows.transcript import check_overrides
 
         check_overrides(overrides)
         req = GenerationRequest(
             prompt_ids=list(prompt_ids),
             max_new_tokens=int(overrides.get("max_new_tokens", self.sampling.max_new_tokens)),
-            temperature=float(overrides.get("temperature", self.sampling.temperature)),
-            top_p=float(overrides.get("top_p", self.sampling.top_p)),
-            top_k=int(overrides.get("top_k", getattr(self.sampling, "top_k", 0))),
+            sampling=self.sampling_params(**overrides),
             stop_ids=list(overrides.get("stop_ids", self.stop_ids)),
             seed=overrides.get("seed"),  # the engine's own stream when None
         )
         # One n-sample call, so an engine can prefill the prompt once for the whole group.
-        outs = await self.engine.generate_n(req, n) if n > 1 else await self.engine.generate([req])
-        for c in outs:
-            c.temperature, c.top_p, c.top_k = req.temperature, req.top_p, req.top_k
-        return outs
+        return await self.engine.generate_n(req, n) if n > 1 else await self.engine.generate([req])
+
+    def sampling_params(self, **overrides: Any) -> SamplingParams:
+        """The settings a generate call with these overrides asks the engine for."""
+        return SamplingParams(
+            temperature=float(overrides.get("temperature", self.sampling.temperature)),
+            top_p=float(overrides.get("top_p", self.sampling.top_p)),
+            top_k=int(overrides.get("top_k", self.sampling.top_k)),
+        )
 
 
 @dataclass
 class TaskPolicyClient:
-    """One task's view of a policy: its group size in the task, and the sampling settings it used."""
+    """One task's view of a policy: its group size in the task and the task's sampling overrides."""
 
     base: EnginePolicyClient
     group_size: int
-    used: set[tuple[float, float, int]]
     read_only: bool = False
     defaults: dict[str, Any] | None = None
     """Sampling overrides the task carries (an eval task's), under the workflow's own."""
@@ -86,20 +89,12 @@ class TaskPolicyClient:
         return self.base.sampling
 
     async def generate(self, prompt_ids: list[int], n: int = 1, **overrides: Any) -> list[Completion]:
-        """The engine client's generate, remembering each completion's settings."""
-        outs = await self.base.generate(prompt_ids, n, **{**(self.defaults or {}), **overrides})
-        self.used.update((c.temperature, c.top_p, c.top_k) for c in outs)
-        return outs
+        """The engine client's generate, with the task's overrides under the workflow's own."""
+        return await self.base.generate(prompt_ids, n, **{**(self.defaults or {}), **overrides})
 
-
-def fill_sampling(episodes: list[Any], used: dict[str, set[tuple[float, float, int]]]) -> None:
-    """A sequence left at the default settings (1.0, 1.0, 0) by a workflow that did not copy them gets
-    the settings its policy was sampled with in this task, when that was one setting only."""
-    for ep in episodes:
-        for seq in ep.sequences:
-            settings = used.get(seq.policy, set())
-            if len(settings) == 1 and (seq.temperature, seq.top_p, seq.top_k) == (1.0, 1.0, 0):
-                seq.temperature, seq.top_p, seq.top_k = next(iter(settings))
+    def sampling_params(self, **overrides: Any) -> SamplingParams:
+        """The settings a generate call with these overrides asks the engine for."""
+        return self.base.sampling_params(**{**(self.defaults or {}), **overrides})
 
 
 class RaaS:
@@ -333,7 +328,6 @@ class RaaS:
 
         self.active.add(task.task_id)
         try:
-            used: dict[str, set[tuple[float, float, int]]] = {}
             sizes = {
                 role: int(task.group_sizes.get(pol, task.group_size)) for role, pol in task.roles.items()
             }
@@ -341,7 +335,6 @@ class RaaS:
                 role: TaskPolicyClient(
                     self.clients[pol],
                     sizes[role],
-                    used.setdefault(pol, set()),
                     pol in task.read_only,
                     dict(task.sampling),
                 )
@@ -351,7 +344,6 @@ class RaaS:
                 self.workflow.run_group(dict(task.sample), clients, sizes),
                 timeout=self.recipe.rollout.task_timeout_s,
             )
-            fill_sampling(episodes, used)
             result = TaskResult(task_id=task.task_id, epoch=task.epoch, episodes=list(episodes))
         except asyncio.CancelledError:
             raise

@@ -214,9 +214,9 @@ def build(
     order = torch.argsort(src_t, stable=True)
     seq, j, src_t = seq[order], j[order], src_t[order]
     targets = ids.reshape(-1)[src_t + 1]
-    temp = torch.tensor([s.temperature for s in samples], dtype=torch.float32)[seq]
-    top_p = torch.tensor([s.top_p for s in samples], dtype=torch.float32)[seq]
-    top_k = torch.tensor([s.top_k for s in samples], dtype=torch.long)[seq]
+    temp = torch.tensor([s.sampling.temperature for s in samples], dtype=torch.float32)[seq]
+    top_p = torch.tensor([s.sampling.top_p for s in samples], dtype=torch.float32)[seq]
+    top_k = torch.tensor([s.sampling.top_k for s in samples], dtype=torch.long)[seq]
     padded = sum(lengths) < len(rows) * width
     return MicroBatch(
         input_ids=ids.to(device),
@@ -234,6 +234,6 @@ def build(
         sequences=b,
         versions=_longs(ver_l).reshape(b, span).to(device),
         # Conservative: a top_k at or above the vocabulary also counts (the exact path, only slower).
-        filtered=any(s.top_p < 1.0 or s.top_k > 0 for s in samples),
+        filtered=any(s.sampling.filtered() for s in samples),
         one_per_row=all(len(row) == 1 for row in rows),
     )

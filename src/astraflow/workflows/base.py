@@ -9,7 +9,7 @@ from typing import Any, Protocol
 from pydantic import BaseModel
 
 from astraflow.engines.base import Completion
-from astraflow.protocol.messages import Episode, Sequence
+from astraflow.protocol.messages import Episode, SamplingParams, Sequence
 
 __all__ = ["Episode", "Sequence", "PolicyClient", "Workflow", "completion_sequence"]
 
@@ -27,7 +27,13 @@ class PolicyClient(Protocol):
     a workflow may then generate less with it (e.g. fewer samples) where that is all it needs."""
 
     async def generate(self, prompt_ids: list[int], n: int = 1, **overrides: Any) -> list[Completion]:
-        """Sample n completions of prompt_ids with the recipe's sampling settings (overridable)."""
+        """Sample n completions of prompt_ids with the recipe's sampling settings (overridable by
+        SAMPLING_OVERRIDES keys); each completion carries the SamplingParams its engine used."""
+        ...
+
+    def sampling_params(self, **overrides: Any) -> SamplingParams:
+        """The settings a generate call with these overrides asks for (to decide before generating,
+        e.g. whether a conversation can continue; a Sequence records the completion's own)."""
         ...
 
 
@@ -101,9 +107,7 @@ def completion_sequence(
         logprobs=[0.0] * n + [float(x) for x in completion.logprobs],
         versions=[-1] * n + [int(v) for v in completion.versions],
         reward=float(reward),
-        temperature=float(completion.temperature),
-        top_p=float(completion.top_p),
-        top_k=int(completion.top_k),
+        sampling=completion.sampling,
         role=role,
         group_key=group_key,
     )

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from astraflow.engines.base import Completion
-from astraflow.protocol.messages import Sequence
+from astraflow.protocol.messages import MIN_TEMPERATURE, Sequence
 from astraflow.workflows.base import PolicyClient
 from astraflow.workflows.loopback_http import EventStream, HttpError
 from astraflow.workflows.openai_stream import Answer, chat_chunks, completion_chunks
@@ -113,8 +113,7 @@ def cut_at_stop(tokenizer: Any, c: Completion, stops: list[str]) -> tuple[Comple
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if hit(mid) >= 0 else (mid + 1, hi)
     text = str(tokenizer.decode(ids[:lo], skip_special_tokens=True))
-    cut = Completion(ids[:lo], list(c.logprobs[:lo]), list(c.versions[:lo]), "stop", c.temperature)
-    cut.top_p, cut.top_k = c.top_p, c.top_k
+    cut = Completion(ids[:lo], list(c.logprobs[:lo]), list(c.versions[:lo]), "stop", c.sampling)
     return cut, text[: hit(lo)]
 
 
@@ -164,8 +163,11 @@ class EpisodeEndpoint:
         ov: dict[str, float] = {}
         t, p = body.get("temperature"), body.get("top_p")
         if t is not None:
-            if not isinstance(t, int | float) or t <= 0:
-                raise HttpError(400, "temperature must be > 0 (greedy decoding has no behaviour logprobs)")
+            if not isinstance(t, int | float) or not t >= MIN_TEMPERATURE:
+                raise HttpError(
+                    400,
+                    f"temperature must be >= {MIN_TEMPERATURE} (greedy decoding has no behaviour logprobs)",
+                )
             ov["temperature"] = float(t)
         if p is not None:
             if not isinstance(p, int | float) or not 0 < p <= 1:
@@ -298,7 +300,9 @@ class EpisodeEndpoint:
                 fork.transcript.add_messages([template_message(m) for m in new])
             fork.api = list(messages)
             fork.transcript.prompt_ids()
-            fork.transcript._check_sampling(ov)  # one Sequence has one temperature / top_p
+            # one Sequence has one SamplingParams: a request with other settings starts a new one
+            if not fork.transcript.accepts(client.sampling_params(**ov)):
+                raise TranscriptError("the request's sampling settings differ from the conversation's")
 
         fresh = Trajectory(
             role, Transcript(client, chat=True, max_tokens=self.max_tokens), api=list(messages)
@@ -397,7 +401,8 @@ class EpisodeEndpoint:
                 fork.text = prompt
             else:
                 fork.transcript.add_ids(list(prompt[len(fork.transcript.tokens) :]))
-            fork.transcript._check_sampling(ov)
+            if not fork.transcript.accepts(client.sampling_params(**ov)):
+                raise TranscriptError("the request's sampling settings differ from the conversation's")
 
         fresh = Trajectory(role, Transcript(client, chat=False, max_tokens=self.max_tokens))
         chosen = self._extend(best, fresh, grow)

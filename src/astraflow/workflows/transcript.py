@@ -19,10 +19,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from astraflow.engines.base import Completion
-from astraflow.protocol.messages import Sequence
+from astraflow.protocol.messages import SamplingParams, Sequence
 
-SAMPLING_OVERRIDES: frozenset[str] = frozenset({"max_new_tokens", "temperature", "top_p", "stop_ids", "seed"})
-"""Keys a workflow may pass to PolicyClient.generate to change the recipe's sampling for one call."""
+SAMPLING_OVERRIDES: frozenset[str] = frozenset(
+    {"max_new_tokens", "temperature", "top_p", "top_k", "stop_ids", "seed"}
+)
+"""Keys a workflow may pass to PolicyClient.generate to change the recipe's sampling for one call
+(the controller accepts changed temperature / top_p / top_k only inside policy.sampling.overrides)."""
 
 
 class TranscriptError(ValueError):
@@ -74,7 +77,8 @@ class Transcript:
         self.tools: list[dict[str, Any]] | None = None
         """Tool schemas the chat template renders (its `tools=`); set before the first message."""
         self._text = ""
-        self._sampling: dict[str, float] | None = None
+        self._sampling: SamplingParams | None = None
+        """The settings of the first policy turn, as its engine reported them; later turns must match."""
         self._header_open = False
         if chat and not getattr(self.tokenizer, "chat_template", None):
             raise TranscriptError("the tokenizer has no chat template; use Transcript(chat=False)")
@@ -135,7 +139,6 @@ class Transcript:
         other.tokens, other.loss_mask = list(self.tokens), list(self.loss_mask)
         other.logprobs, other.versions = list(self.logprobs), list(self.versions)
         other.turns, other.messages = list(self.turns), [dict(m) for m in self.messages]
-        other._sampling = None if self._sampling is None else dict(self._sampling)
         return other
 
     def prompt_ids(self) -> list[int]:
@@ -172,9 +175,10 @@ class Transcript:
         return self.add_completion(completion, **overrides)
 
     def add_completion(self, completion: Completion, **overrides: Any) -> PolicyTurn:
-        """Append a completion the policy generated for this transcript (with the overrides it used)."""
+        """Append a completion the policy generated for this transcript (`overrides`: those of its call;
+        only stop_ids is read, to cut the turn's text). Its sampling settings are the completion's own."""
         check_overrides(overrides)
-        self._check_sampling(overrides)
+        self.check_sampling(completion.sampling)
         ids = [int(t) for t in completion.token_ids]
         if len(completion.logprobs) != len(ids) or len(completion.versions) != len(ids):
             raise TranscriptError("completion token_ids, logprobs and versions differ in length")
@@ -201,20 +205,28 @@ class Transcript:
             self._text += str(self.tokenizer.decode(ids))
         return turn
 
-    def _check_sampling(self, overrides: dict[str, Any]) -> None:
-        # One Sequence records one set of sampling settings; the trainer recomputes logprobs with them.
-        base = getattr(self.client, "sampling", None)
-        used = {
-            "temperature": float(overrides.get("temperature", getattr(base, "temperature", 1.0))),
-            "top_p": float(overrides.get("top_p", getattr(base, "top_p", 1.0))),
-        }
+    def accepts(self, sampling: SamplingParams) -> bool:
+        """Whether a turn sampled with these settings may join this transcript."""
+        return self._sampling is None or self._sampling == sampling
+
+    def check_sampling(self, sampling: SamplingParams) -> None:
+        """Refuse a turn sampled with other settings than this transcript's earlier turns: one
+        Sequence carries one SamplingParams, under which the trainer recomputes every turn."""
+        if not isinstance(sampling, SamplingParams):
+            raise TranscriptError(f"a completion must carry its engine's SamplingParams, not {sampling!r}")
         if self._sampling is None:
-            self._sampling = used
-        elif used != self._sampling:
+            self._sampling = sampling
+        elif sampling != self._sampling:
             raise TranscriptError(
                 f"policy turns of one transcript sampled with different settings ({self._sampling} then "
-                f"{used}); a Sequence has one temperature/top_p: keep them equal across turns"
+                f"{sampling}); a Sequence has one SamplingParams: keep temperature, top_p and top_k "
+                "equal across its turns"
             )
+
+    def _asked(self) -> SamplingParams:
+        """What the client's generate would ask for: the claim of a sequence with no sampled token."""
+        asked = getattr(self.client, "sampling_params", None)
+        return asked() if callable(asked) else SamplingParams()
 
     # ----- the result ----------------------------------------------------------------------------
 
@@ -224,8 +236,8 @@ class Transcript:
         return any(t.truncated for t in self.turns)
 
     def sequence(self, reward: float) -> Sequence:
-        """The finished Sequence, with its per-turn metadata and the sampling settings it used."""
-        sampling = self._sampling or {}
+        """The finished Sequence, with its per-turn metadata and the sampling settings its engine
+        reported (a transcript without a policy turn sampled nothing: the settings its client asks for)."""
         return Sequence(
             policy=self.client.policy,
             tokens=list(self.tokens),
@@ -233,7 +245,6 @@ class Transcript:
             logprobs=list(self.logprobs),
             versions=list(self.versions),
             reward=float(reward),
-            temperature=sampling.get("temperature", 1.0),
-            top_p=sampling.get("top_p", 1.0),
+            sampling=self._sampling or self._asked(),
             turns=[(t.start, t.length, t.truncated) for t in self.turns],
         )

@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from astraflow import log
 from astraflow.engines.base import Completion, GenerationRequest, RolloutEngine
 from astraflow.errors import AstraflowError
+from astraflow.protocol.messages import SamplingParams
 
 _log = log.get("engines.sglang")
 _MODEL_FILES = ("config.json", "generation_config.json")
@@ -110,15 +111,16 @@ class SglangEngine(RolloutEngine):
 
     async def generate_n(self, request: GenerationRequest, n: int) -> list[Completion]:
         """n samples of one prompt as one batched /generate call; sample i uses seed + i."""
-        if request.top_p < 1.0 or request.top_k > 0:
+        if request.sampling.filtered():
+            sp = request.sampling
             raise AstraflowError(
-                f"the sglang engine cannot sample with top_p={request.top_p}, top_k={request.top_k}",
+                f"the sglang engine cannot sample with top_p={sp.top_p}, top_k={sp.top_k}",
                 hint="SGLang reports logprobs before top-p/top-k renormalisation; use top_p = 1.0 and top_k = 0",
             )
         if n <= 0:
             return []
         if request.max_new_tokens <= 0:
-            return [Completion([], [], [], "length") for _ in range(n)]
+            return [Completion([], [], [], "length", _used(request)) for _ in range(n)]
         if not request.prompt_ids:
             raise ValueError("a generation request needs at least one prompt token")
         tokens: list[list[int]] = [[] for _ in range(n)]
@@ -162,7 +164,7 @@ class SglangEngine(RolloutEngine):
                 if kind == "abort":
                     continue  # paused for a weight update (or closing): resume from here
                 finish[i] = "stop" if kind == "stop" else "length"
-        return [Completion(tokens[i], logprobs[i], versions[i], finish[i]) for i in range(n)]
+        return [Completion(tokens[i], logprobs[i], versions[i], finish[i], _used(request)) for i in range(n)]
 
     def load_weights(self, version: int, state_dict: Mapping[str, Any]) -> None:
         """Stage new weights (a full state dict); the update thread hands them to the server."""
@@ -205,9 +207,9 @@ class SglangEngine(RolloutEngine):
     def _params(self, req: GenerationRequest, index: int, done: int) -> dict[str, Any]:
         params: dict[str, Any] = {
             "max_new_tokens": req.max_new_tokens - done,
-            "temperature": req.temperature,
-            "top_p": 1.0,
-            "top_k": -1,  # SGLang's "off"
+            "temperature": _used(req).temperature,
+            "top_p": _used(req).top_p,
+            "top_k": _used(req).top_k or -1,  # SGLang's "off"
             "stop_token_ids": list(req.stop_ids),
             # Only astraflow's stop ids end a sequence (they already hold the EOS id when wanted).
             "ignore_eos": True,
@@ -295,3 +297,9 @@ def _version_of(meta: Mapping[str, Any], fallback: int) -> int:
         return int(raw)
     except (TypeError, ValueError):
         return 0 if raw == "default" else fallback
+
+
+def _used(req: GenerationRequest) -> SamplingParams:
+    """The settings this engine sends SGLang for a request, and so reports on its completions:
+    the request's temperature, with top-p and top-k off (requests that ask for them are refused)."""
+    return SamplingParams(temperature=req.sampling.temperature)

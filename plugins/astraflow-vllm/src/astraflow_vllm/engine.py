@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from astraflow import log
 from astraflow.engines.base import Completion, GenerationRequest, RolloutEngine
 from astraflow.errors import AstraflowError
+from astraflow.protocol.messages import SamplingParams
 
 _log = log.get("engines.vllm")
 EXTENSION = "astraflow_vllm.worker.WeightReloadExtension"
@@ -63,6 +64,8 @@ class _Live:
     logprobs: list[list[float]] = field(default_factory=list)
     versions: list[list[int]] = field(default_factory=list)
     finish: list[str] = field(default_factory=list)
+    used: SamplingParams | None = None
+    """The settings vLLM was given, read back from its own SamplingParams (set when submitted)."""
 
     def __post_init__(self) -> None:
         self.tokens = [[] for _ in range(self.n)]
@@ -148,7 +151,7 @@ class VllmEngine(RolloutEngine):
         if n <= 0:
             return []
         if request.max_new_tokens <= 0:
-            return [Completion([], [], [], "length") for _ in range(n)]
+            return [Completion([], [], [], "length", request.sampling) for _ in range(n)]
         if not request.prompt_ids:
             raise ValueError("a generation request needs at least one prompt token")
         loop = asyncio.get_running_loop()
@@ -244,15 +247,15 @@ class VllmEngine(RolloutEngine):
 
     def _add(self, rid: str, live: _Live) -> None:
         """Hand one request to vLLM; a request vLLM refuses fails alone."""
-        from vllm import SamplingParams
+        from vllm import SamplingParams as VllmSamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         req = live.request
-        params = SamplingParams(
+        params = VllmSamplingParams(
             n=live.n,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
+            temperature=req.sampling.temperature,
+            top_p=req.sampling.top_p,
+            top_k=req.sampling.top_k if req.sampling.top_k > 0 else -1,
             seed=req.seed,
             max_tokens=req.max_new_tokens,
             stop_token_ids=list(req.stop_ids),
@@ -263,6 +266,7 @@ class VllmEngine(RolloutEngine):
             detokenize=False,
         )
         try:
+            live.used = _used(params)
             self._engine.add_request(rid, {"prompt_token_ids": list(req.prompt_ids)}, params)
         except Exception as exc:
             _deliver(live, exc=ValueError(f"vLLM refused the request: {exc}"))
@@ -290,7 +294,11 @@ class VllmEngine(RolloutEngine):
                     live,
                     [
                         Completion(
-                            live.tokens[i], live.logprobs[i], live.versions[i], live.finish[i] or "length"
+                            live.tokens[i],
+                            live.logprobs[i],
+                            live.versions[i],
+                            live.finish[i] or "length",
+                            live.used or live.request.sampling,
                         )
                         for i in range(live.n)
                     ],
@@ -323,6 +331,22 @@ class VllmEngine(RolloutEngine):
             engine.engine_core.shutdown()
         except Exception:  # shutting down twice or half-built: nothing left to release
             _log.debug("vLLM shutdown raised", exc_info=True)
+
+
+_NEUTRAL = {"min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+"""vLLM sampling options astraflow's trainer cannot reproduce, at the values that leave them off."""
+
+
+def _used(params: Any) -> SamplingParams:
+    """The settings vLLM samples a request with, read back from its own SamplingParams (it normalises
+    some: top_k -1 and 0 both mean off), as the completion reports them to the trainer."""
+    on = {k: getattr(params, k) for k, off in _NEUTRAL.items() if getattr(params, k, off) != off}
+    if on:
+        raise ValueError(f"sampling options the trainer cannot reproduce are set: {on}")
+    top_k = int(params.top_k or 0)
+    return SamplingParams(
+        temperature=float(params.temperature), top_p=float(params.top_p), top_k=max(top_k, 0)
+    )
 
 
 def _deliver(live: _Live, result: list[Completion] | None = None, exc: BaseException | None = None) -> None:
