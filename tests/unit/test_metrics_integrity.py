@@ -95,6 +95,7 @@ def result(t: m.Task, rewards: list[float]) -> m.TaskResult:
             logprobs=[0.0, -0.5, -0.5],
             versions=[-1, 0, 0],
             reward=r,
+            sampling=m.SamplingParams(),
         )
         for r in rewards
     ]
@@ -323,7 +324,14 @@ def test_a_rolled_back_draw_of_prompts_is_offered_again(tmp_path: Path) -> None:
 def test_a_rolled_back_insert_does_not_count_as_generated(tmp_path: Path) -> None:
     store = Store.open(tmp_path / "state.db")
     buf = Buffer(store)
-    seq = m.Sequence(policy="main", tokens=[1, 2], loss_mask=[0, 1], logprobs=[0.0, -1.0], versions=[-1, 0])
+    seq = m.Sequence(
+        policy="main",
+        tokens=[1, 2],
+        loss_mask=[0, 1],
+        logprobs=[0.0, -1.0],
+        versions=[-1, 0],
+        sampling=m.SamplingParams(),
+    )
     buf.insert(1, "a", [seq], [0.0])
     assert buf.generated("main") == 1
     with pytest.raises(RuntimeError), store.write():

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from astraflow.config.recipe import OptimizerConfig, PolicyConfig
-from astraflow.protocol.messages import TrainSample
+from astraflow.protocol.messages import SamplingParams, TrainSample
 from astraflow.trainers import mismatch
 from astraflow.trainers.torch_trainer import TorchTrainer, token_logprobs
 
@@ -49,6 +49,7 @@ def _samples(trainer: TorchTrainer, held: int, stale_every: int) -> list[TrainSa
                 versions=[-1] * len(prompt) + [held - 1 if stale else held] * len(gen),
                 reward=float(i % 2),
                 advantage=1.0 if i % 2 else -1.0,
+                sampling=SamplingParams(),
             )
         )
     return out

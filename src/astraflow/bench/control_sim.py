@@ -118,6 +118,7 @@ def _episodes(task: m.Task, policy: str, version: int, rng: random.Random) -> li
                     logprobs=[0.0, 0.0, 0.0, -0.5, -0.5, -0.1],
                     versions=[-1, -1, -1, version, version, version],
                     reward=float(rng.random() < 0.5),
+                    sampling=m.SamplingParams(),
                 )
             ]
         )
