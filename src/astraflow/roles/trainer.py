@@ -119,7 +119,7 @@ def run_trainer(
         dist.broadcast(welcome.recipe)
     import torch
 
-    from astraflow.trainers.guard import SkipGuard, finite_metrics, nonfinite_weights
+    from astraflow.trainers.guard import NonFiniteError, SkipGuard, finite_metrics, nonfinite_weights
     from astraflow.weights.publisher import BackgroundPublisher
     from astraflow.weights.server import WeightServer
 
@@ -184,7 +184,7 @@ def run_trainer(
         weights = snapshot()
         bad = nonfinite_weights(weights)
         if bad:
-            raise AstraflowError(
+            raise NonFiniteError(
                 f"the weights after step {trainer.step_count} are not finite ({len(bad)} tensors, e.g. "
                 f"{bad[0]}); they are not published",
                 hint="lower optimizer.lr, or look for extreme values in the results (the controller's events)",
@@ -285,8 +285,12 @@ def run_trainer(
         if isinstance(trainer, Leader):
             trainer.stop()
         return 0
-    except AstraflowError as exc:
+    except NonFiniteError as exc:
         bye = f"failed: {exc}"  # the controller records why this trainer left
+        _log.error("%s\n  hint: %s", exc.message, exc.hint)
+        return 1
+    except AstraflowError as exc:
+        bye = f"failed: {exc}"
         raise
     finally:
         if publisher.busy:

@@ -17,6 +17,10 @@ from astraflow.errors import AstraflowError
 _log = log.get("trainer.guard")
 
 
+class NonFiniteError(AstraflowError):
+    """The trainer stops (exit 1): steps in a row did not learn, or its weights are not finite."""
+
+
 def step_problem(metrics: dict[str, float]) -> str:
     """Why a step did not learn ('' when it did): it skipped updates, or reports a non-finite loss or
     gradient norm (a trainer plugin that does not skip is counted too)."""
@@ -58,7 +62,7 @@ class SkipGuard:
         metrics["trainer_skipped_step"] = 1.0 if why else 0.0
         metrics["trainer_skipped_in_a_row"] = float(self.in_a_row)
         if self.in_a_row >= self.limit:
-            raise AstraflowError(
+            raise NonFiniteError(
                 f"policy {self.policy}: {self.in_a_row} steps in a row (the last: {step}) had a non-finite "
                 f"loss or gradient norm ({why}); stopping without learning from them",
                 hint="look for results with extreme values (the controller's events and failures) or lower "
