@@ -91,3 +91,5 @@ def test_non_finite_weights_are_named() -> None:
     w["ids"] = torch.tensor([1, 2])  # integer buffers are not checked
     assert nonfinite_weights(w) == ["b", "c"]
     assert nonfinite_weights({"a": torch.zeros(2)}) == []
+    assert nonfinite_weights({"huge": torch.full((4,), 3e38)}) == []  # its sum overflows; it is finite
+    assert nonfinite_weights({"half": torch.tensor([1.0, float("nan")], dtype=torch.bfloat16)}) == ["half"]

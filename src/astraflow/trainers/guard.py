@@ -77,12 +77,17 @@ def finite_metrics(metrics: dict[str, float]) -> dict[str, float]:
 
 
 def nonfinite_weights(weights: dict[str, Any]) -> list[str]:
-    """Names of the floating-point tensors that hold a NaN or an inf (one host sync for all of them)."""
+    """Names of the floating-point tensors that hold a NaN or an inf (one host sync for all of them).
+
+    A tensor's float32 sum is not finite if any element is not (one read, no temporary); only a tensor
+    whose sum is not finite is then checked element by element, so huge finite weights whose sum
+    overflows are not taken for NaN."""
     import torch
 
     names = [k for k, t in weights.items() if isinstance(t, torch.Tensor) and t.is_floating_point()]
     if not names:
         return []
-    flags = [torch.isfinite(weights[k]).all() for k in names]
-    ok = torch.stack([f.to(flags[0].device) for f in flags]).tolist()
-    return [k for k, good in zip(names, ok, strict=True) if not good]
+    sums = [weights[k].sum(dtype=torch.float32) for k in names]
+    ok = torch.isfinite(torch.stack([s.to(sums[0].device) for s in sums])).tolist()
+    suspects = [k for k, good in zip(names, ok, strict=True) if not good]
+    return [k for k in suspects if not bool(torch.isfinite(weights[k]).all())]
