@@ -150,7 +150,7 @@ def test_poisoned_results_are_refused_and_garbage_is_never_learned(tiny_model: P
     trainer_log = c.log("trainer.log", tail=100_000)
     assert "2 steps in a row (the last: 4) had a non-finite loss" in trainer_log, trainer_log[-3000:]
     assert status.returncode == 0, status.stderr
-    assert "1 steps skipped by the trainer (non-finite loss or gradient norm): 3" in status.stdout, (
+    assert "1 step skipped by the trainer (non-finite loss or gradient norm): 3" in status.stdout, (
         status.stdout
     )
     with ro(c.run_dir) as db:

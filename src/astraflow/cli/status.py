@@ -78,8 +78,9 @@ def render(doc: dict[str, Any]) -> str:
         skipped = p.get("skipped_steps") or []
         if skipped:
             shown = ", ".join(str(k) for k in skipped[-5:])
+            n = len(skipped)
             lines.append(
-                f"  {len(skipped)} steps skipped by the trainer (non-finite loss or gradient norm): {shown}"
+                f"  {n} step{'s' if n != 1 else ''} skipped by the trainer (non-finite loss or gradient norm): {shown}"
             )
     paused = doc.get("control", {}).get("paused", [])
     if paused:
