@@ -113,13 +113,17 @@ def test_poisoned_results_are_refused_and_garbage_is_never_learned(tiny_model: P
         trainer = c.trainer()
         rogue = Rogue(ctx, c.addr, vocab)
 
-        # (b) huge finite rewards, (c) a sequence 400 times the engine's max_seq_len: refused, with why
+        # (b) huge finite rewards, (c) a sequence 400 times the model's max_position_embeddings: refused, with why
         huge = [m.Episode(sequences=[rogue.seq(reward=1.7e307)]) for _ in range(GROUP)]
         one = rogue.group()
         one[3] = m.Episode(sequences=[rogue.seq(reward=1e308)])
         long = rogue.group()
         long[0] = m.Episode(sequences=[rogue.seq(reward=1.0, n=200_000)])
-        for episodes, why in ((huge, "max_abs_reward"), (one, "max_abs_reward"), (long, "max_seq_len (512;")):
+        for episodes, why in (
+            (huge, "max_abs_reward"),
+            (one, "max_abs_reward"),
+            (long, "max_seq_len (512;"),
+        ):
             r = rogue.send(episodes)
             assert isinstance(r, m.Error) and r.code == "bad_result" and why in r.message, r
 

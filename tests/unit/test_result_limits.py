@@ -55,10 +55,15 @@ def test_part_bounds_cover_the_batch_in_order_within_the_budget() -> None:
     assert part_bounds([10, 10], 1 << 20) == [(0, 2)] and part_bounds([], 100) == [(0, 0)]
 
 
-def test_the_sequence_bound_is_the_engine_s_unless_the_policy_sets_one(tiny_model: Path) -> None:
-    assert policy_max_seq_len(PolicyConfig(model=str(tiny_model))) == 2048  # the torch engine's default
-    opts = PolicyConfig(model=str(tiny_model), engine_options={"max_seq_len": 300})
-    assert policy_max_seq_len(opts) == 300
+def test_the_sequence_bound_is_the_engine_s_or_the_model_s_unless_the_policy_sets_one(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    # the tiny model's max_position_embeddings is 512, the torch engine's default max_seq_len 2048
+    assert policy_max_seq_len(PolicyConfig(model=str(tiny_model))) == 2048
+    assert policy_max_seq_len(PolicyConfig(model=str(tiny_model), engine_options={"max_seq_len": 300})) == 512
+    longer = PolicyConfig(model=str(tiny_model), engine_options={"max_seq_len": 5000})
+    assert policy_max_seq_len(longer) == 5000
+    assert policy_max_seq_len(PolicyConfig(model=str(tmp_path), engine_options={"max_seq_len": 300})) == 300
     assert policy_max_seq_len(PolicyConfig(model=str(tiny_model), max_seq_len=99)) == 99
 
 

@@ -116,7 +116,7 @@ class PolicyConfig(_Model):
     trainer_gpus: str = Field("", pattern=r"^(\d+(,\d+)*)?$")
     """GPUs of the trainer `astraflow up` starts for this policy, as CUDA_VISIBLE_DEVICES (e.g. "1"); empty = every GPU `up` sees."""
     max_seq_len: int | None = Field(None, ge=2)
-    """Most tokens one sequence of this policy may carry (prompt and every turn); a result with a longer one is refused. None: the engine's `max_seq_len` option when it has one (the torch engine's default: 2048), else the model's max_position_embeddings."""
+    """Most tokens one sequence of this policy may carry (prompt and every turn); a result with a longer one is refused. None: the larger of the engine's `max_seq_len` option (the torch engine's default: 2048) and the model's max_position_embeddings."""
     max_abs_reward: float = Field(1e6, gt=0, le=1e30)
     """Largest absolute reward a result may claim for a sequence of this policy; a result with a larger one is refused (the cap keeps every sum and square of rewards finite)."""
     max_nonfinite_steps: int = Field(3, ge=1)

@@ -40,14 +40,16 @@ def model_max_positions(model_dir: str) -> int | None:
 
 
 def policy_max_seq_len(p: PolicyConfig) -> int | None:
-    """The longest sequence policy `p` may carry: its own max_seq_len, else its engine's max_seq_len
-    option (read through the engine's options model, without importing the engine), else the
-    model's max_position_embeddings; None when none is known."""
+    """The longest sequence policy `p` may carry: its own max_seq_len, else the larger of its engine's
+    max_seq_len option (read through the engine's options model, without importing the engine) and the
+    model's max_position_embeddings; None when neither is known. The larger, because a multi-turn
+    transcript may end with masked tokens (a tool's output) past what the engine generated in."""
     if p.max_seq_len is not None:
         return p.max_seq_len
     from astraflow import plugins
     from astraflow.errors import PluginError
 
+    known: list[int] = []
     try:
         options = plugins.options_model("engines", p.engine)
     except PluginError:
@@ -58,8 +60,11 @@ def policy_max_seq_len(p: PolicyConfig) -> int | None:
         except ValueError:
             value = None
         if isinstance(value, int) and value > 0:
-            return value
-    return model_max_positions(p.model)
+            known.append(value)
+    positions = model_max_positions(p.model)
+    if positions is not None:
+        known.append(positions)
+    return max(known) if known else None
 
 
 class RefusedResult(ValueError):
