@@ -93,3 +93,11 @@ def test_non_finite_weights_are_named() -> None:
     assert nonfinite_weights({"a": torch.zeros(2)}) == []
     assert nonfinite_weights({"huge": torch.full((4,), 3e38)}) == []  # its sum overflows; it is finite
     assert nonfinite_weights({"half": torch.tensor([1.0, float("nan")], dtype=torch.bfloat16)}) == ["half"]
+
+
+def test_the_progress_line_of_up_says_a_step_was_skipped() -> None:
+    from astraflow.launcher import progress_line
+
+    row = {"policy": "main", "step": 4, "version": 4, "reward_mean": 0.5, "trainer_skipped_step": 1.0}
+    assert progress_line(row, 10).endswith("SKIPPED: non-finite loss or gradient norm")
+    assert "SKIPPED" not in progress_line({**row, "trainer_skipped_step": 0.0}, 10)
