@@ -7,7 +7,8 @@ each batch streamed to the trainer in several parts). Then it sends results whos
 (-900, finite, accepted) make the trainer's loss infinite: the trainer skips those steps without
 changing a weight (the skipped step's version has the previous one's sha256), the controller records
 them and `astraflow status` shows them, and after policy.max_nonfinite_steps in a row the trainer
-exits 1 with the reason. Nothing NaN reaches state.db or metrics.jsonl."""
+exits 1 with the reason. Nothing NaN reaches state.db or metrics.jsonl. A trainer whose weights turn
+non-finite (an absurd learning rate) stops before publishing them."""
 
 from __future__ import annotations
 
@@ -91,6 +92,17 @@ def _finite_json(text: str) -> object:
     return json.loads(text, parse_constant=refuse)
 
 
+def _start(c: Cluster, ctx: zmq.Context, model: Path) -> tuple[subprocess.Popen[bytes], Rogue]:
+    """The controller, then the trainer and the rogue worker."""
+    ctl = c.controller()
+    deadline = time.monotonic() + 120
+    while not (c.run_dir / "controller.addr").exists():
+        assert ctl.poll() is None and time.monotonic() < deadline, c.log("controller.log")
+        time.sleep(0.05)
+    vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
+    return c.trainer(), Rogue(ctx, c.addr, vocab)
+
+
 @pytest.mark.timeout(600)  # a controller and a trainer on 2 shared cores
 def test_poisoned_results_are_refused_and_garbage_is_never_learned(tiny_model: Path, tmp_path: Path) -> None:
     overrides = (
@@ -102,16 +114,9 @@ def test_poisoned_results_are_refused_and_garbage_is_never_learned(tiny_model: P
         "controller.stall_warn_s=600",
         "controller.stall_fail_s=600",
     )
-    vocab = int(json.loads((tiny_model / "config.json").read_text())["vocab_size"])
     ctx = zmq.Context()
     with Cluster(tmp_path, tiny_model, 6, *overrides) as c:
-        ctl = c.controller()
-        deadline = time.monotonic() + 120
-        while not (c.run_dir / "controller.addr").exists():
-            assert ctl.poll() is None and time.monotonic() < deadline, c.log("controller.log")
-            time.sleep(0.05)
-        trainer = c.trainer()
-        rogue = Rogue(ctx, c.addr, vocab)
+        trainer, rogue = _start(c, ctx, tiny_model)
 
         # (b) huge finite rewards, (c) a sequence 400 times the model's max_position_embeddings: refused, with why
         huge = [m.Episode(sequences=[rogue.seq(reward=1.7e307)]) for _ in range(GROUP)]
@@ -177,3 +182,34 @@ def test_poisoned_results_are_refused_and_garbage_is_never_learned(tiny_model: P
     assert by_step[1]["trainer_batch_parts"] >= 2 and by_step[2]["trainer_batch_parts"] >= 2
     assert by_step[3]["trainer_skipped_step"] == 1.0 and "loss" not in by_step[3]
     assert by_step[2]["trainer_skipped_step"] == 0.0 and math.isfinite(by_step[2]["loss"])
+
+
+@pytest.mark.timeout(600)
+def test_weights_that_are_not_finite_are_never_published(tiny_model: Path, tmp_path: Path) -> None:
+    """A learning rate of 1e37 with a weight decay of 100 scales the weights by -1e39 on the first update
+    (to inf) while its loss and gradient norm are finite: the trainer stops with exit 1 before publishing them, and no version is recorded."""
+    ctx = zmq.Context()
+    with Cluster(
+        tmp_path,
+        tiny_model,
+        3,
+        f"policy.group_size={GROUP}",
+        "policy.batch_prompts=1",
+        "policy.optimizer.lr=1e37",
+        "policy.optimizer.weight_decay=100",
+    ) as c:
+        trainer, rogue = _start(c, ctx, tiny_model)
+        assert isinstance(rogue.send(rogue.group()), m.ResultAck)
+        deadline = time.monotonic() + 240
+        while trainer.poll() is None and time.monotonic() < deadline:
+            rogue.beat()
+            time.sleep(0.2)
+        assert trainer.wait(timeout=10) == 1, c.log("trainer.log")
+        assert rogue.version == 0
+        rogue.peer.close()
+    ctx.destroy(linger=0)
+    assert "the weights after step 1 are not finite" in c.log("trainer.log"), c.log("trainer.log")
+    with ro(c.run_dir) as db:
+        assert db.execute("SELECT COUNT(*) FROM versions").fetchone()[0] == 0
+        left = [d for k, d in db.execute("SELECT kind, detail FROM events") if k == "member_left"]
+    assert any("not finite" in d for d in left), left
