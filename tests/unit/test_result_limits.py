@@ -104,7 +104,7 @@ def _controller(model: Path, tmp_path: Path, part_bytes: int = 4096) -> Controll
 def test_limits_name_what_a_sequence_breaks(tiny_model: Path) -> None:
     lim = Limits.of(_recipe(tiny_model, max_abs_reward=10.0))
     assert lim.sequence(_seq(8, 10.0)) == ""
-    assert "max_seq_len (2048;" in lim.sequence(_seq(2049, 0.0))
+    assert "max_seq_len of policy 'main' (2048;" in lim.sequence(_seq(2049, 0.0))
     assert "max_abs_reward" in lim.sequence(_seq(8, -10.5))
     assert "below -1000" in lim.sequence(_seq(8, 0.0, logprob=-5000.0))
     small = Limits(max_seq_len={"main": None}, max_abs_reward={"main": 1.0}, part_bytes=seq_bytes(100))

@@ -104,7 +104,7 @@ class Limits:
         most = self.max_seq_len.get(s.policy)
         if most is not None and n > most:
             return (
-                f"{n} tokens, longer than policy {s.policy!r}'s max_seq_len ({most}; raise "
+                f"{n} tokens, longer than the max_seq_len of policy {s.policy!r} ({most}; raise "
                 "policy.max_seq_len or the engine's max_seq_len option if the workflow means it)"
             )
         if seq_bytes(n) > self.part_bytes:
@@ -114,7 +114,7 @@ class Limits:
             )
         bound = self.max_abs_reward.get(s.policy, 0.0)
         if not (math.isfinite(s.reward) and abs(s.reward) <= bound):
-            return f"reward {s.reward!r} is not finite or beyond policy {s.policy!r}'s max_abs_reward ({bound:g})"
+            return f"reward {s.reward!r} is not finite or beyond the max_abs_reward of policy {s.policy!r} ({bound:g})"
         lo = min(s.logprobs, default=0.0)
         if math.isfinite(lo) and lo < MIN_LOGPROB:
             return f"logprob {lo!r} below {MIN_LOGPROB:g}: no sampled token is that unlikely"
