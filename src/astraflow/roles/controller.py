@@ -26,7 +26,7 @@ from astraflow.dataflow.buffer import Buffer
 from astraflow.dataflow.control import RunControl
 from astraflow.dataflow.evaluation import Evaluator, without_held_out
 from astraflow.dataflow.ledger import Ledger, TaskRow
-from astraflow.dataflow.limits import RefusedResult
+from astraflow.dataflow.limits import RefusedResult, seq_bytes
 from astraflow.dataflow.pipeline import Pipeline
 from astraflow.dataflow.poisoned import drop_poisoned
 from astraflow.dataflow.source import PromptSource, workflow_epochs
@@ -604,7 +604,7 @@ class Controller:
             return m.BatchReply(rid=msg.rid, policy=msg.policy, step=msg.step, retry_after_s=RETRY_S)
         if batch.new:
             self.made_progress()
-        bounds = self._part_bounds([s.traj_id for s in batch.samples])
+        bounds = self._part_bounds([s.traj_id for s in batch.samples], [len(s.tokens) for s in batch.samples])
         return m.BatchReply(
             rid=msg.rid,
             policy=msg.policy,
@@ -614,10 +614,13 @@ class Controller:
             parts=len(bounds),
         )
 
-    def _part_bounds(self, ids: list[int]) -> list[tuple[int, int]]:
-        """Where a recorded batch of these trajectories splits into parts (dataflow/batch_parts.py)."""
-        sizes = self.buffer.sample_bytes(ids)
-        return part_bounds(sizes, self.recipe.controller.batch_part_bytes)
+    def _part_bounds(self, ids: list[int], lengths: list[int] | None = None) -> list[tuple[int, int]]:
+        """Where a recorded batch of these trajectories splits into parts (dataflow/batch_parts.py);
+        `lengths` (tokens per sample, when at hand) skip the size query for a batch that surely fits."""
+        budget = self.recipe.controller.batch_part_bytes
+        if lengths is not None and sum(seq_bytes(n) for n in lengths) <= budget:
+            return [(0, len(ids))]  # the exact sizes are smaller still: the same answer
+        return part_bounds(self.buffer.sample_bytes(ids), budget)
 
     def _batch_part(self, msg: m.BatchRequest) -> m.Msg:
         """Part `msg.part` (> 0) of a recorded batch."""
