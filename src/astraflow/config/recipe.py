@@ -140,6 +140,12 @@ class PolicyConfig(_Model):
     """Trainer ranks `astraflow up` starts for this policy (torchrun, FSDP2; one GPU each on CUDA)."""
     trainer_gpus: str = Field("", pattern=r"^(\d+(,\d+)*)?$")
     """GPUs of the trainer `astraflow up` starts for this policy, as CUDA_VISIBLE_DEVICES (e.g. "1"); empty = every GPU `up` sees."""
+    max_seq_len: int | None = Field(None, ge=2)
+    """Most tokens one sequence of this policy may carry (prompt and every turn); a result with a longer one is refused. None: the larger of the engine's `max_seq_len` option (the torch engine's default: 2048) and the model's max_position_embeddings."""
+    max_abs_reward: float = Field(1e6, gt=0, le=1e30)
+    """Largest absolute reward a result may claim for a sequence of this policy; a result with a larger one is refused (the cap keeps every sum and square of rewards finite)."""
+    max_nonfinite_steps: int = Field(3, ge=1)
+    """The trainer stops with exit 1 after this many steps in a row skipped for a non-finite loss or gradient norm."""
 
 
 class WorkflowConfig(_Model):
@@ -219,6 +225,8 @@ class ControllerConfig(_Model):
     """No policy made progress (no result, no step) for this long: log and show in status what each policy waits on."""
     stall_fail_s: float = Field(600.0, gt=0)
     """No progress for this long: the controller stops the run and `astraflow up` exits 1."""
+    batch_part_bytes: int = Field(16 << 20, ge=1024, le=32 << 20)
+    """Most bytes of samples in one BatchReply: a larger batch is sent in parts (at most half a member's 64 MiB message limit); a sequence larger than this is refused at ingest."""
 
 
 class SinkSpec(_Model):

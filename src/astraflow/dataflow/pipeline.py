@@ -23,8 +23,9 @@ from astraflow.data.base import (
     Stage,
 )
 from astraflow.data.turns import sequence_turns
-from astraflow.dataflow.advantages import group_advantages
+from astraflow.dataflow.advantages import group_advantages, nonfinite_advantage
 from astraflow.dataflow.buffer import Buffer, default_order
+from astraflow.dataflow.limits import RefusedResult
 from astraflow.errors import RecipeError
 from astraflow.log import get
 from astraflow.protocol.messages import Episode, Sequence
@@ -224,7 +225,6 @@ class Pipeline:
         skip = set(read_only)
         groups: dict[tuple[str, str, str], list[tuple[Sequence, dict[str, Any]]]] = {}
         for ep in episodes:
-            self._observe_info(ep, skip, task_id)
             for seq in ep.sequences:
                 if seq.policy not in self.policies:
                     log.warning("task %d: sequence of unknown policy %r ignored", task_id, seq.policy)
@@ -233,12 +233,21 @@ class Pipeline:
                     continue
                 role = seq.role if seq.policy in self.split_roles else ""
                 groups.setdefault((seq.policy, role, seq.group_key), []).append((seq, ep.info))
+        # every group's advantages first: a result with a non-finite one is refused before any state changes
+        planned: list[tuple[str, list[tuple[Sequence, dict[str, Any]]], list[float], list[float]]] = []
+        for (pol, _role, key), items in groups.items():
+            rewards = [float(s.reward) for s, _ in items]
+            advantages = group_advantages(rewards, self.recipe.get_policy(pol).advantage)
+            why = nonfinite_advantage(advantages)
+            if why:
+                raise RefusedResult(f"policy {pol!r} group {key!r}: {why} (rewards too far apart)")
+            planned.append((pol, items, rewards, advantages))
+        for ep in episodes:
+            self._observe_info(ep, skip, task_id)
         out: list[GroupOutcome] = []
-        for (pol, _role, _key), items in groups.items():
+        for pol, items, rewards, advantages in planned:
             ps = self.policies[pol]
             seqs = [s for s, _ in items]
-            rewards = [float(s.reward) for s in seqs]
-            advantages = group_advantages(rewards, self.recipe.get_policy(pol).advantage)
             max_new = self.recipe.get_policy(pol).sampling.max_new_tokens
             turns = [sequence_turns(s, max_new) for s in seqs]
             view = GroupView(

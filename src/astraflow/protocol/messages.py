@@ -271,10 +271,13 @@ class BatchRequest(Msg, kw_only=True):
     wait_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
     """When the batch is not ready, the controller may hold the request up to this long (capped) and
     answer as soon as it is (a long poll)."""
+    part: Annotated[int, msgspec.Meta(ge=0)] = 0
+    """Which part of the step's batch (a batch larger than one message comes in parts); a part
+    after the first is served only for a recorded step."""
 
 
 class BatchReply(Msg, kw_only=True):
-    """The recorded batch for a step, or not ready yet (retry), or done (budget reached)."""
+    """The recorded batch for a step (or one part of it), or not ready yet (retry), or done (budget reached)."""
 
     policy: str
     step: int
@@ -282,6 +285,10 @@ class BatchReply(Msg, kw_only=True):
     ready: bool = False
     done: bool = False
     retry_after_s: float = 0.0
+    part: int = 0
+    """Which part of the batch `samples` is."""
+    parts: int = 1
+    """How many parts the batch has: the trainer asks for parts 1 .. parts-1 of the same step next."""
 
 
 class VersionPublished(Msg, kw_only=True):
