@@ -226,7 +226,7 @@ class _Puller:
             if now >= resend_at:
                 self._send(req)
                 resend_at = now + self.retry_s
-            msg = self._recv(min(self.deadline, resend_at) - now)
+            msg = self._recv(min(self.deadline, resend_at, self.last_heard + self.idle_s) - now)
             if msg is None or msg.rid != req.rid:
                 continue
             self._check_error(msg, policy, version)
@@ -263,7 +263,7 @@ class _Puller:
                     del inflight[rid]
                     ask(index)
             next_resend = min((t for _, t in inflight.values()), default=self.deadline)
-            msg = self._recv(min(self.deadline, next_resend) - now)
+            msg = self._recv(min(self.deadline, next_resend, self.last_heard + self.idle_s) - now)
             if msg is None:
                 continue
             entry = inflight.pop(msg.rid, None)

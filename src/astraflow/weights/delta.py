@@ -202,9 +202,9 @@ def apply_delta(weights: dict[str, torch.Tensor], blob: bytes | memoryview) -> D
             raise DeltaError(f"{name}: delta shape {list(t.shape)}, weights {list(dst.shape)}")
         else:
             plan.append((dst, None, t))
-    for dst, idx, t in plan:
-        if idx is None:
-            dst.copy_(t)
+    for target, where, values in plan:
+        if where is None:
+            target.copy_(values)
         else:
-            _bits(dst)[idx.to(dst.device)] = _bits(t).to(dst.device)
+            _bits(target)[where.to(target.device)] = _bits(values).to(target.device)
     return header

@@ -13,6 +13,7 @@ version stays as it was) and the full snapshot is pulled instead: wrong weights 
 from __future__ import annotations
 
 import hashlib
+import logging
 import mmap
 import threading
 import time
@@ -109,7 +110,13 @@ def fetch_version(
     result is held in `held` (when given) as the base of the next delta. Raises the last source's
     error when no way worked.
     """
-    from astraflow.weights.client import DEFAULT_WINDOW, NotYetError, fetch_chain, fetch_weights
+    from astraflow.weights.client import (
+        DEFAULT_WINDOW,
+        NotYetError,
+        VersionUnavailableError,
+        fetch_chain,
+        fetch_weights,
+    )
     from astraflow.weights.snapshot import bytes_to_state_dict
 
     if not sources:
@@ -135,7 +142,9 @@ def fetch_version(
                     return None
                 time.sleep(0.1)
             except (AstraflowError, OSError, ValueError) as exc:
-                _log.info("pulling %s@%d from %s failed: %s", policy, version, src, exc)
+                # a delta not held (evicted, or bigger than a full version) is routine
+                level = logging.DEBUG if isinstance(exc, VersionUnavailableError) else logging.INFO
+                _log.log(level, "pulling %s@%d from %s failed: %s", policy, version, src, exc)
                 errors.append(exc)
                 return None
 
