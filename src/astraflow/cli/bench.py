@@ -448,6 +448,43 @@ def e2e(
         typer.echo(json.dumps(rep, indent=2))
 
 
+@app.command("delta")
+def delta(
+    recipe: Annotated[
+        Path, typer.Argument(help="Recipe to train through `astraflow up` with weights.mode=delta.")
+    ],
+    set_: Annotated[
+        list[str] | None,
+        typer.Option("--set", help="Override a recipe field: a.b=value (repeatable)."),
+    ] = None,
+    out: Annotated[
+        Path | None,
+        typer.Option("--out", help="Run directory (default runs/bench-delta-<time>/)."),
+    ] = None,
+    json_: Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout.")] = False,
+    timeout_s: Annotated[float, typer.Option("--timeout-s", help="Stop a run that takes longer.")] = 3600.0,
+) -> None:
+    """Train a recipe with weight deltas on; report each version's delta size as a share of the full version."""
+    import json
+    import signal
+
+    from astraflow import log
+    from astraflow.bench.data import run_recipe
+    from astraflow.bench.delta import DELTA_SETS, delta_report, format_delta_report
+    from astraflow.errors import AstraflowError
+
+    log.setup("bench")
+    signal.signal(signal.SIGTERM, _interrupt)
+    run_dir = out or Path("runs") / f"bench-delta-{time.strftime('%Y%m%d-%H%M%S')}"
+    res = run_recipe(recipe, "delta", run_dir, [*(set_ or []), *DELTA_SETS], timeout_s)
+    if not res.ok:
+        raise AstraflowError(f"the run failed: {res.error}", hint=f"see {run_dir}/up.log and {run_dir}/logs/")
+    rep = delta_report(run_dir)
+    typer.echo(format_delta_report(rep), err=json_)
+    if json_:
+        typer.echo(json.dumps(rep, indent=2))
+
+
 @app.command("trl")
 def trl(
     recipe: Annotated[
