@@ -115,3 +115,13 @@ def test_relay_directory_points_a_region_at_one_seed_then_at_holders() -> None:
     assert d.relays_for("c", "eu", "main", 2, now=10.0) == []
     d.update("b", "eu", "", {"main": 2}, now=10.0)
     assert d.relays_for("c", "eu", "main", 2, now=10.0) == []
+
+
+def test_changed_elements_are_found_in_unaligned_views_too() -> None:
+    from astraflow.weights.delta import _changed
+
+    a = torch.randn(4001).to(torch.bfloat16).view(torch.int16)
+    b = a.clone()
+    b[[0, 5, 6, 4000]] += 1
+    for x, y in ((a[:4000], b[:4000]), (a[1:], b[1:]), (a[3:3999], b[3:3999])):
+        assert torch.equal(_changed(x, y), (x != y).nonzero().reshape(-1))

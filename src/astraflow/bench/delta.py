@@ -69,3 +69,58 @@ def format_delta_report(rep: dict[str, Any]) -> str:
     )
     lines.append(f"worker pulls by way: {rep['pulls']}")
     return "\n".join(lines)
+
+
+def delta_speed(gb: float, changed: float = 0.01, seed: int = 0) -> dict[str, float]:
+    """Seconds to encode, copy-and-apply and hash a delta of a bf16 version of about `gb` GB in which a
+    share `changed` of the elements (at random places) differ, beside a plain copy of the version (the
+    baseline, measured in the same call). Sizes of random changes say nothing about real runs: see
+    `delta_report` for those."""
+    import hashlib
+    import mmap
+    import time
+
+    import torch
+
+    from astraflow.weights.delta import apply_delta, encode_delta
+    from astraflow.weights.snapshot import bytes_to_state_dict, state_dict_to_bytes
+
+    gen = torch.Generator().manual_seed(seed)
+    rows = max(1, int(gb * 1e9 / 2 / 1024 / 16))
+    base = {f"t{i}": torch.randn(rows, 1024, generator=gen).to(torch.bfloat16) for i in range(16)}
+    target = {}
+    for k, v in base.items():
+        t = v.clone()
+        t[torch.rand(v.shape, generator=gen) < changed] += 1.0
+        target[k] = t
+    base_blob, target_blob = state_dict_to_bytes(base), state_dict_to_bytes(target)
+    full = len(memoryview(target_blob))
+    t0 = time.perf_counter()
+    delta, stats = encode_delta(
+        bytes_to_state_dict(base_blob),
+        bytes_to_state_dict(target_blob),
+        base_version=0,
+        target_version=1,
+        base_sha256="",
+        target_sha256="",
+    )
+    t1 = time.perf_counter()
+    buf = mmap.mmap(-1, full)
+    view = memoryview(buf)[:full]
+    view[:] = memoryview(base_blob)
+    t2 = time.perf_counter()
+    apply_delta(bytes_to_state_dict(view), delta)
+    t3 = time.perf_counter()
+    digest = hashlib.sha256(view).hexdigest()
+    t4 = time.perf_counter()
+    if digest != hashlib.sha256(target_blob).hexdigest():
+        raise AssertionError("the patched version is not the target")
+    return {
+        "full_gb": full / 1e9,
+        "delta_fraction": stats.nbytes / full,
+        "encode_s": t1 - t0,
+        "copy_s": t2 - t1,
+        "apply_s": t3 - t2,
+        "sha256_s": t4 - t3,
+        "encode_vs_copy": (t1 - t0) / max(1e-9, t2 - t1),
+    }

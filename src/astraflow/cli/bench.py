@@ -463,10 +463,27 @@ def delta(
     ] = None,
     json_: Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout.")] = False,
     timeout_s: Annotated[float, typer.Option("--timeout-s", help="Stop a run that takes longer.")] = 3600.0,
+    speed_gb: Annotated[
+        float,
+        typer.Option(
+            "--speed-gb",
+            help="Instead of a run: time encode/apply/sha256 of a delta of a synthetic bf16 version of this many GB (1% changed) beside a plain copy.",
+        ),
+    ] = 0.0,
 ) -> None:
     """Train a recipe with weight deltas on; report each version's delta size as a share of the full version."""
     import json
     import signal
+
+    if speed_gb > 0:
+        import torch
+
+        from astraflow.bench.delta import delta_speed
+
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "0")) or torch.get_num_threads())
+        sp = delta_speed(speed_gb)
+        typer.echo(json.dumps(sp, indent=2) if json_ else "  ".join(f"{k} {v:.3g}" for k, v in sp.items()))
+        return
 
     from astraflow import log
     from astraflow.bench.data import run_recipe

@@ -61,6 +61,28 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).view(width)
 
 
+def _changed(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Sorted flat indices where two bit views differ.
+
+    Compared 8 bytes at a time first (a quarter of the comparisons and of the nonzero scan for bf16),
+    then lane by lane only inside the words that differ.
+    """
+    import torch
+
+    lanes = 8 // a.element_size()
+    if lanes > 1 and a.numel() % lanes == 0:
+        try:
+            wa, wb = a.view(torch.int64), b.view(torch.int64)
+        except RuntimeError:  # not 8-byte aligned in its blob: compare element by element
+            pass
+        else:
+            words = (wa != wb).nonzero().reshape(-1)
+            # the differing words' lanes (a 1-D gather of whole words, then a view as lanes)
+            pos = (wa[words].view(a.dtype) != wb[words].view(a.dtype)).nonzero().reshape(-1)
+            return words[pos // lanes] * lanes + pos % lanes
+    return (a != b).nonzero().reshape(-1)
+
+
 def _pack_indices(idx: torch.Tensor) -> bytes:
     import numpy as np
 
@@ -113,7 +135,7 @@ def encode_delta(
             raise DeltaError(f"{name}: {old.dtype}{list(old.shape)} vs {new.dtype}{list(new.shape)}")
         a, b = _bits(old), _bits(new.to(old.device))
         elements += a.numel()
-        idx = (a != b).nonzero().reshape(-1)
+        idx = _changed(a, b)
         n = idx.numel()
         changed += n
         if n == 0:
