@@ -451,8 +451,8 @@ def e2e(
 @app.command("delta")
 def delta(
     recipe: Annotated[
-        Path, typer.Argument(help="Recipe to train through `astraflow up` with weights.mode=delta.")
-    ],
+        Path | None, typer.Argument(help="Recipe to train through `astraflow up` with weights.mode=delta.")
+    ] = None,
     set_: Annotated[
         list[str] | None,
         typer.Option("--set", help="Override a recipe field: a.b=value (repeatable)."),
@@ -490,6 +490,10 @@ def delta(
     from astraflow.bench.delta import DELTA_SETS, delta_report, format_delta_report
     from astraflow.errors import AstraflowError
 
+    if recipe is None:
+        raise AstraflowError(
+            "bench delta needs a recipe (or --speed-gb)", hint="astraflow bench delta RECIPE.toml"
+        )
     log.setup("bench")
     signal.signal(signal.SIGTERM, _interrupt)
     run_dir = out or Path("runs") / f"bench-delta-{time.strftime('%Y%m%d-%H%M%S')}"
