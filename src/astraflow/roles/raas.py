@@ -454,7 +454,8 @@ class RaaS:
             name,
             info.version,
             expect_sha256=info.sha256,
-            held=held,
+            # full pulls without relays need no copy of the version beside the engine's
+            held=held if cfg.mode == "delta" or cfg.relays else None,
             delta=cfg.mode == "delta",
             max_chain=cfg.max_chain,
             relay_wait_s=cfg.relay_wait_s,

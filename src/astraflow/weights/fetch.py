@@ -80,9 +80,16 @@ class HeldWeights:
                 return
             self._held[policy] = _Entry(version, blob, sha256)
         if self.relay is not None:
-            for v, d in deltas:
-                self.relay.publish(policy, v, d, kind="delta")
-            self.relay.publish(policy, version, blob)
+            # checksumming for peers is off the pull's path: the engine gets the version first
+            threading.Thread(
+                target=self._relay, args=(policy, version, blob, deltas), daemon=True, name="relay-publish"
+            ).start()
+
+    def _relay(self, policy: str, version: int, blob: memoryview, deltas: list[Any]) -> None:
+        assert self.relay is not None
+        for v, d in deltas:
+            self.relay.publish(policy, v, d, kind="delta")
+        self.relay.publish(policy, version, blob)
 
     def drop(self, policy: str) -> None:
         """Forget what is held for a policy (its next pull is a full one)."""
