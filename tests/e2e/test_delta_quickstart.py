@@ -43,3 +43,6 @@ def test_quickstart_runs_with_deltas_and_relays(tiny_model: Path, tmp_path: Path
     ]
     print("weight pulls per worker:", pulls)
     assert len(pulls) == 2 and sum(p["delta"] for p in pulls) >= 1, pulls
+    # the controller pointed the second worker at the first one's relay (the region's seed) for at least
+    # one version: with 8 versions and heartbeats every 0.5 s, it knows both relays after the first
+    assert sum(p["relay"] for p in pulls) >= 1, pulls
