@@ -196,12 +196,23 @@ class RolloutConfig(_Model):
 class WeightsConfig(_Model):
     """How weights travel from trainers to RaaS workers."""
 
-    mode: Literal["full"] = "full"
-    """full: every version is a complete snapshot (sparse deltas come later)."""
+    mode: Literal["full", "delta"] = "full"
+    """full: workers pull every version whole; delta: trainers also serve each version's lossless delta
+    from the one before, and a worker patches the version it holds (full when new or too far behind)."""
     keep_versions: int = Field(4, ge=1)
-    """Versions a weight server keeps for pulling."""
+    """Full versions a weight server keeps for pulling."""
     chunk_bytes: int = Field(4 << 20, ge=1024)
     """Chunk size of the weight data plane."""
+    max_chain: int = Field(10, ge=1)
+    """delta mode: a worker at most this many versions behind pulls the chain of deltas (when together
+    smaller than the full version); further behind it pulls the full version. Also the most deltas a
+    weight server keeps per policy."""
+    relays: bool = False
+    """Each RaaS serves the versions it pulled (and their deltas) on its own weight server, and the
+    controller points a worker at a peer of its region that holds (or is fetching) a version, so a
+    region costs the trainer one upload per version."""
+    relay_wait_s: float = Field(10.0, ge=0)
+    """How long a worker waits for a relay still fetching a version before pulling from the trainer."""
 
 
 class ControllerConfig(_Model):

@@ -112,6 +112,9 @@ class VersionInfo(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     weights_addr: str
     """ZeroMQ endpoint of the weight server that serves this version ("" = initial weights on disk)."""
     sha256: str = ""
+    relays: list[str] = []
+    """Weight servers of peers in the receiver's region that hold this version or are fetching it
+    (`[weights] relays`): pull from them first, from `weights_addr` when they fail."""
 
 
 class Task(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -189,6 +192,8 @@ class Heartbeat(Msg, kw_only=True):
     """The member's newest failure it survived (e.g. weights it could not apply); logged by the controller."""
     waiting: Annotated[list[int], msgspec.Meta(max_length=256)] = []
     """rids of requests sent before this heartbeat, on this connection, still unanswered."""
+    relay_addr: Annotated[str, msgspec.Meta(max_length=1024)] = ""
+    """The member's relay weight server, which serves the versions it holds to peers ("" = none)."""
 
 
 class HeartbeatAck(Msg, kw_only=True):

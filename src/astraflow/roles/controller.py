@@ -180,6 +180,25 @@ class Controller:
             for member_id, (t, loaded, slots) in touches.items():
                 self.store.touch_member(member_id, t, loaded, slots)
 
+    def versions_for(self, member: dict[str, Any], beat: m.Heartbeat | None = None) -> list[m.VersionInfo]:
+        """The newest versions as `member` should pull them: with `[weights] relays`, each names the
+        relays of the member's region that hold it (a heartbeat first updates the directory)."""
+        infos = self.versions()
+        if not self.recipe.weights.relays:
+            return infos
+        from astraflow.weights.relay import RelayDirectory
+
+        now = time.time()
+        if not hasattr(self, "relay_dir"):
+            self.relay_dir = RelayDirectory(self.recipe.controller.member_timeout_s)
+        mid, region = str(member["id"]), str(member.get("region") or "")
+        if beat is not None:
+            self.relay_dir.update(mid, region, beat.relay_addr, dict(beat.loaded), now)
+        for info in infos:
+            if info.weights_addr:
+                info.relays = self.relay_dir.relays_for(mid, region, info.policy, info.version, now)
+        return infos
+
     # ----- periodic work ------------------------------------------------------------------------
 
     def tick(self, now: float | None = None) -> None:
@@ -403,7 +422,8 @@ class Controller:
         # heartbeat is answered (its reply is ahead of this one) or held; any other was never received.
         ident = str(member["id"]).encode()
         lost = [rid for rid in msg.waiting if not self.parked.holds(ident, rid)]
-        return m.HeartbeatAck(rid=msg.rid, versions=self.versions(), stop=self.stopping(), lost=lost)
+        versions = self.versions_for(member, msg)
+        return m.HeartbeatAck(rid=msg.rid, versions=versions, stop=self.stopping(), lost=lost)
 
     def on_bye(self, member: dict[str, Any], msg: m.Bye) -> m.Msg:
         """Return the member's leases at once and mark it left."""
@@ -489,7 +509,10 @@ class Controller:
             for t in leased
         ]
         return m.TaskGrant(
-            rid=msg.rid, tasks=tasks, versions=self.versions(), retry_after_s=0.0 if tasks else RETRY_S
+            rid=msg.rid,
+            tasks=tasks,
+            versions=self.versions_for(member),
+            retry_after_s=0.0 if tasks else RETRY_S,
         )
 
     def on_task_result(self, member: dict[str, Any], msg: m.TaskResult) -> m.Msg:

@@ -120,8 +120,6 @@ def run_trainer(
     import torch
 
     from astraflow.trainers.guard import NonFiniteError, SkipGuard, finite_metrics, nonfinite_weights
-    from astraflow.weights.publisher import BackgroundPublisher
-    from astraflow.weights.server import WeightServer
 
     torch.set_num_threads(pol.threads)
     stopping = {"sig": 0}
@@ -146,11 +144,7 @@ def run_trainer(
         _log.info("resumed %s from %s (step %d)", policy, last, trainer.step_count)
 
     host = advertise or advertise_host(controller)
-    server = WeightServer(
-        host, chunk_bytes=recipe.weights.chunk_bytes, keep_versions=recipe.weights.keep_versions
-    )
-
-    publisher = BackgroundPublisher(server, policy)
+    server, publisher = weight_publisher(recipe.weights, host, policy)
 
     def announce(block: bool, give_up_after_s: float = 600.0) -> float:
         """Announce the in-flight version once it is served (at once if not `block` and not ready);
@@ -336,3 +330,18 @@ def serve_until_done(client: Any, policy: str, budget: int, stopping: dict[str, 
         if not isinstance(reply, BatchReply) or reply.done:
             return
         time.sleep(max(0.05, reply.retry_after_s or 0.2))
+
+
+def weight_publisher(cfg: Any, host: str, policy: str) -> tuple[Any, Any]:
+    """The trainer's weight server and the publisher that fills it, as `[weights]` asks (deltas or not)."""
+    from astraflow.weights.publisher import BackgroundPublisher
+    from astraflow.weights.server import WeightServer
+
+    delta = cfg.mode == "delta"
+    server = WeightServer(
+        host,
+        chunk_bytes=cfg.chunk_bytes,
+        keep_versions=cfg.keep_versions,
+        keep_deltas=cfg.max_chain if delta else 0,
+    )
+    return server, BackgroundPublisher(server, policy, delta=delta)
