@@ -6,6 +6,8 @@ temperature, AdamW settings, clip range and steps (TRL: `loss_type="dapo"`, the 
 the batch that astraflow's grpo loss takes, `beta=0`, a constant learning rate). What differs is
 the system: astraflow's controller, RaaS workers and trainer (one torch thread each, asynchronous
 with the recipe's staleness bound) against TRL's single process (generate, score, step, in turn).
+With several seeds, one pair runs per seed and each side's steps to the reward target are summarised
+over them (mean, range, standard deviation): a single seed's figure moves by several steps either way.
 
 TRL is not a dependency: it is installed on first use into a cache directory (`pip install
 --target ... --no-deps` of exactly the packages pip says this environment lacks), and the TRL side
