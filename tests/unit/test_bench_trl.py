@@ -132,3 +132,39 @@ def test_seeds_run_one_pair_each_and_summarise(
     assert summary["seeds"] == [0, 1] and json.loads((out / "bench.json").read_text())["seeds"] == [0, 1]
     table = summary["table"]
     assert "steps to 0.8, seed 1" in table and "1.038x" in table and "seeds reaching it" in table
+
+
+def test_without_seeds_one_pair_runs_with_the_recipe_seed(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dirs: list[Path] = []
+
+    def fake_astraflow(
+        recipe: Path, overrides: list[str], run_dir: Path, timeout: float, workers: int
+    ) -> Side:
+        assert not any(o.startswith("run.seed=") for o in overrides)  # the recipe's own seed
+        dirs.append(run_dir)
+        return Side("astraflow", 5.0, 4.0, curve(30, 10), cpu_s=9.0)
+
+    def fake_trl(spec: dict[str, Any], path: Path, out_dir: Path, timeout: float) -> Side:
+        assert spec["seed"] == 0
+        dirs.append(out_dir)
+        return Side("trl", 4.0, 3.0, curve(30, 12), cpu_s=6.0)
+
+    monkeypatch.setattr(bench_trl, "astraflow_side", fake_astraflow)
+    monkeypatch.setattr(bench_trl, "run_trl", fake_trl)
+    (tmp_path / "trl-pkgs" / "trl").mkdir(parents=True)
+    out = tmp_path / "bench"
+    summary = run_bench(
+        ROOT / "recipes/quickstart/recipe.toml",
+        [f'policy.model="{tiny_model}"'],
+        out,
+        steps=30,
+        trl_version="1.16.0",
+        trl_path=tmp_path / "trl-pkgs",
+        trl_threads=1,
+        timeout_s=60,
+    )
+    assert dirs == [out / "astraflow", out / "trl"]
+    assert [s["step_reaching"] for s in summary["sides"]] == [14, 16]
+    assert "reward last tenth" in summary["table"] and "0.88x" in summary["table"]  # 14 / 16 steps
