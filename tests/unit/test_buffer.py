@@ -134,3 +134,17 @@ def test_replay_from_most_recent_consumed(tmp_path: Path) -> None:
     )  # replay is exempt from staleness (version 0 at 1, S=0)
     again = buf.next_batch("main", 2, 4, 0, 1)
     assert [(s.traj_id, s.replay) for s in again.samples] == [(s.traj_id, s.replay) for s in b2.samples]
+
+
+def test_batch_is_served_in_task_order_whatever_the_arrival(tmp_path: Path) -> None:
+    """The same groups arriving in another order give the same batch, row for row (the trainer's sums,
+    and so a seeded sync run, do not depend on which result came first)."""
+    served = []
+    for name, tasks in (("a", [3, 1, 2]), ("b", [2, 3, 1])):
+        buf = Buffer(Store.open(tmp_path / f"{name}.db"), order=lambda _p: EdfOrder())
+        ids = {t: _group(buf, t, 0, size=2) for t in tasks}
+        batch = buf.next_batch("main", 1, 6, 1, 0)
+        assert batch is not None
+        by_id = {i: (t, j) for t, group in ids.items() for j, i in enumerate(group)}
+        served.append([by_id[s.traj_id] for s in batch.samples])
+    assert served[0] == served[1] == [(1, 0), (1, 1), (2, 0), (2, 1), (3, 0), (3, 1)]

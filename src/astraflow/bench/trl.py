@@ -6,6 +6,8 @@ temperature, AdamW settings, clip range and steps (TRL: `loss_type="dapo"`, the 
 the batch that astraflow's grpo loss takes, `beta=0`, a constant learning rate). What differs is
 the system: astraflow's controller, RaaS workers and trainer (one torch thread each, asynchronous
 with the recipe's staleness bound) against TRL's single process (generate, score, step, in turn).
+With several seeds, one pair runs per seed and each side's steps to the reward target are summarised
+over them (mean, range, standard deviation): a single seed's figure moves by several steps either way.
 
 TRL is not a dependency: it is installed on first use into a cache directory (`pip install
 --target ... --no-deps` of exactly the packages pip says this environment lacks), and the TRL side
@@ -29,6 +31,8 @@ TRL_VERSION = "1.16.0"
 """The TRL release the bench installs by default (the one its numbers were recorded with)."""
 WINDOW = 5
 """Steps in the rolling reward means the summary reports."""
+TARGET = 0.8
+"""Default reward target: the bench reports the first step whose WINDOW-step mean reaches it."""
 
 
 def default_cache() -> Path:
@@ -99,8 +103,9 @@ class Side:
     shutdown_s: float | None = None
     """From the end of the last step to the side's process exit (final checkpoint, teardown)."""
 
-    def summary(self) -> dict[str, Any]:
-        """Wall and step times, first and last WINDOW-step reward means, the step the mean reaches 0.8."""
+    def summary(self, target: float = TARGET) -> dict[str, Any]:
+        """Wall and step times, first and last WINDOW-step reward means, the mean over the last tenth
+        of the steps, and the step the WINDOW-step mean first reaches `target`."""
         r = self.rewards
         head = sum(r[:WINDOW]) / len(r[:WINDOW]) if r else None
         tail = sum(r[-WINDOW:]) / len(r[-WINDOW:]) if r else None
@@ -109,8 +114,18 @@ class Side:
             "steps": len(r),
             "reward_first": head,
             "reward_last": tail,
-            "step_reaching_0.8": reaching(r, 0.8),
+            "reward_last_tenth": last_tenth(r),
+            "target": target,
+            "step_reaching": reaching(r, target),
         }
+
+
+def last_tenth(rewards: list[float]) -> float | None:
+    """Mean reward over the last tenth of the steps (at least one step)."""
+    if not rewards:
+        return None
+    tail = rewards[-max(1, len(rewards) // 10) :]
+    return sum(tail) / len(tail)
 
 
 def reaching(rewards: list[float], target: float, window: int = WINDOW) -> int | None:
@@ -230,16 +245,16 @@ def astraflow_side(
     )
 
 
-def format_table(sides: list[Side], load: tuple[str, str]) -> str:
-    """The comparison as text, with astraflow/TRL ratios of wall and step times."""
-    s = {x.name: x.summary() for x in sides}
-    lines = [f"{'':22}{'astraflow':>12}{'trl':>12}{'astraflow/trl':>16}"]
+def format_table(sides: list[Side], load: tuple[str, str], target: float = TARGET) -> str:
+    """The comparison of one seed as text, with astraflow/TRL ratios of wall and step times."""
+    s = {x.name: x.summary(target) for x in sides}
+    lines = [f"{'':26}{'astraflow':>12}{'trl':>12}{'astraflow/trl':>16}"]
 
     def row(label: str, key: str, fmt: str, ratio: bool) -> None:
         a, t = s["astraflow"][key], s["trl"][key]
         cell = lambda v: "-" if v is None else format(v, fmt)  # noqa: E731
         r = f"{a / t:.2f}x" if ratio and a is not None and t else ""
-        lines.append(f"{label:22}{cell(a):>12}{cell(t):>12}{r:>16}")
+        lines.append(f"{label:26}{cell(a):>12}{cell(t):>12}{r:>16}")
 
     row("wall s", "wall_s", ".1f", True)
     row("start->first step s", "startup_s", ".1f", True)
@@ -249,11 +264,120 @@ def format_table(sides: list[Side], load: tuple[str, str]) -> str:
     row("steps", "steps", "d", False)
     row(f"reward first {WINDOW}", "reward_first", ".3f", False)
     row(f"reward last {WINDOW}", "reward_last", ".3f", False)
-    row("step mean >= 0.8", "step_reaching_0.8", "d", False)
+    row("reward last tenth", "reward_last_tenth", ".3f", False)
+    row(f"step {WINDOW}-step mean >= {target:g}", "step_reaching", "d", True)
     lines.append("")
     for x in sides:
         lines.append(f"{x.name}: {x.note}")
     lines.append(f"load average before: {load[0]}; after: {load[1]}")
+    return "\n".join(lines)
+
+
+def spread(values: list[float]) -> dict[str, float] | None:
+    """Mean, smallest, largest and sample standard deviation (0 for one value) of `values`."""
+    if not values:
+        return None
+    mean = sum(values) / len(values)
+    var = sum((v - mean) ** 2 for v in values) / (len(values) - 1) if len(values) > 1 else 0.0
+    return {"mean": mean, "min": min(values), "max": max(values), "std": var**0.5}
+
+
+def aggregate(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """One side over several seeds (Side.summary dicts): steps to the target (spread over the seeds
+    that reached it, and how many did), reward over the last tenth, wall and CPU seconds."""
+    reached = [float(x["step_reaching"]) for x in summaries if x["step_reaching"] is not None]
+    return {
+        "seeds": len(summaries),
+        "reached": len(reached),
+        "steps_to_target": [x["step_reaching"] for x in summaries],
+        "step_reaching": spread(reached),
+        "reward_last_tenth": spread(
+            [float(x["reward_last_tenth"]) for x in summaries if x["reward_last_tenth"] is not None]
+        ),
+        "wall_s": spread([float(x["wall_s"]) for x in summaries]),
+        "train_s": spread([float(x["train_s"]) for x in summaries]),
+        "cpu_s": spread([float(x["cpu_s"]) for x in summaries if x.get("cpu_s") is not None]),
+    }
+
+
+def steps_ratio(ours: dict[str, Any], theirs: dict[str, Any]) -> float | None:
+    """astraflow's mean steps to the target over TRL's; None unless every seed of both sides reached it."""
+    if ours["reached"] < ours["seeds"] or theirs["reached"] < theirs["seeds"] or not ours["seeds"]:
+        return None
+    return float(ours["step_reaching"]["mean"] / theirs["step_reaching"]["mean"])
+
+
+def format_seeds_table(
+    seeds: list[int], agg: dict[str, dict[str, Any]], loads: list[tuple[str, str]], target: float
+) -> str:
+    """Several seeds as text: steps to the target per seed, their mean and spread per side, the
+    reward over the last tenth, mean times, and the astraflow/TRL ratio of the mean steps."""
+    ours, theirs = agg["astraflow"], agg["trl"]
+    lines = [
+        f"first step whose {WINDOW}-step mean reward >= {target:g}, seeds {', '.join(map(str, seeds))}",
+        f"{'':30}{'astraflow':>14}{'trl':>14}{'astraflow/trl':>16}",
+    ]
+
+    def line(label: str, a: str, t: str, r: str = "") -> None:
+        lines.append(f"{label:30}{a:>14}{t:>14}{r:>16}")
+
+    def cell(v: Any, fmt: str) -> str:
+        return "-" if v is None else format(v, fmt)
+
+    for i, seed in enumerate(seeds):
+        line(
+            f"steps to {target:g}, seed {seed}",
+            cell(ours["steps_to_target"][i], "d"),
+            cell(theirs["steps_to_target"][i], "d"),
+        )
+
+    def stat(side: dict[str, Any], key: str, what: str, fmt: str) -> str:
+        st = side[key]
+        if st is None:
+            return "-"
+        if what == "range":
+            return f"{st['min']:{fmt}}-{st['max']:{fmt}}"
+        return format(st[what], fmt)
+
+    ratio = steps_ratio(ours, theirs)
+    line(
+        f"steps to {target:g}, mean",
+        stat(ours, "step_reaching", "mean", ".1f"),
+        stat(theirs, "step_reaching", "mean", ".1f"),
+        "-" if ratio is None else f"{ratio:.3f}x",
+    )
+    line(
+        f"steps to {target:g}, min-max",
+        stat(ours, "step_reaching", "range", ".0f"),
+        stat(theirs, "step_reaching", "range", ".0f"),
+    )
+    line(
+        f"steps to {target:g}, std",
+        stat(ours, "step_reaching", "std", ".1f"),
+        stat(theirs, "step_reaching", "std", ".1f"),
+    )
+    line("seeds reaching it", f"{ours['reached']}/{ours['seeds']}", f"{theirs['reached']}/{theirs['seeds']}")
+    line(
+        "reward last tenth, mean",
+        stat(ours, "reward_last_tenth", "mean", ".3f"),
+        stat(theirs, "reward_last_tenth", "mean", ".3f"),
+    )
+    line(
+        "reward last tenth, min-max",
+        stat(ours, "reward_last_tenth", "range", ".3f"),
+        stat(theirs, "reward_last_tenth", "range", ".3f"),
+    )
+    for key, label in (
+        ("wall_s", "wall s, mean"),
+        ("train_s", "first->last step s, mean"),
+        ("cpu_s", "cpu s, mean"),
+    ):
+        a, t = ours[key], theirs[key]
+        r = f"{a['mean'] / t['mean']:.2f}x" if a and t and t["mean"] else ""
+        line(label, stat(ours, key, "mean", ".1f"), stat(theirs, key, "mean", ".1f"), r)
+    lines.append("")
+    for seed, (before, after) in zip(seeds, loads, strict=True):
+        lines.append(f"seed {seed}: load average before {before}; after {after}")
     return "\n".join(lines)
 
 
@@ -275,9 +399,13 @@ def run_bench(
     trl_path: Path | None,
     trl_threads: int,
     timeout_s: float,
+    seeds: list[int] | None = None,
+    target: float = TARGET,
     say: Any = print,
 ) -> dict[str, Any]:
-    """The whole bench: check the recipe, get TRL, run astraflow then TRL; returns the summary."""
+    """The whole bench: check the recipe, get TRL, then per seed run astraflow then TRL; returns the
+    summary. Without `seeds` one pair runs with the recipe's run.seed; with several, every pair gets its
+    own directory (seed-N/) and the summary adds each side's spread over the seeds."""
     from astraflow.config.load import load_recipe, validate_plugins
 
     if steps is not None:
@@ -296,8 +424,8 @@ def run_bench(
             f"no model at {pol.model!r}",
             hint=f"create it: astraflow model init --arch qwen3 --preset tiny --out {pol.model}",
         )
-    n_steps = recipe.budget(pol.name) if pol is not None else 0
-    spec = spec_of(recipe, str(model.resolve()), int(n_steps or recipe.run.steps), trl_threads, out / "trl")
+    n_steps = int((recipe.budget(pol.name) if pol is not None else 0) or recipe.run.steps)
+    spec = spec_of(recipe, str(model.resolve()), n_steps, trl_threads, out / "trl")
     if trl_path is not None:
         if not (trl_path / "trl").is_dir():
             raise AstraflowError(
@@ -307,27 +435,58 @@ def run_bench(
     else:
         path = ensure_trl(trl_version, default_cache())
     out.mkdir(parents=True, exist_ok=True)
-    before = load_average()
-    say(f"astraflow: astraflow up {recipe_path} ({spec['steps']} steps) ...")
-    ours = astraflow_side(recipe_path, overrides, out / "astraflow", timeout_s, recipe.rollout.local_workers)
-    say(f"astraflow: {ours.wall_s:.1f}s wall; trl: GRPOTrainer, same model, task and settings ...")
-    theirs = run_trl(spec, path, out / "trl", timeout_s)
-    say(f"trl: {theirs.wall_s:.1f}s wall")
-    after = load_average()
-    sides = [ours, theirs]
+    several = seeds is not None and len(seeds) > 1
+    runs: list[dict[str, Any]] = []
+    for seed in seeds or [recipe.run.seed]:
+        where = out / f"seed-{seed}" if several else out
+        seeded = [*overrides, f"run.seed={seed}"] if seeds else overrides
+        spec = {**spec, "seed": seed, "output_dir": str(where / "trl")}
+        before = load_average()
+        say(f"astraflow: astraflow up {recipe_path} (seed {seed}, {spec['steps']} steps) ...")
+        ours = astraflow_side(
+            recipe_path, seeded, where / "astraflow", timeout_s, recipe.rollout.local_workers
+        )
+        say(f"astraflow: {ours.wall_s:.1f}s wall; trl: GRPOTrainer, same model, task, seed and settings ...")
+        theirs = run_trl(spec, path, where / "trl", timeout_s)
+        say(f"trl: {theirs.wall_s:.1f}s wall")
+        after = load_average()
+        runs.append({"seed": seed, "sides": [ours, theirs], "load": (before, after)})
+    first = runs[0]["sides"]
     summary: dict[str, Any] = {
         "recipe": str(recipe_path),
         "overrides": overrides,
         "spec": spec,
-        "sides": [x.summary() for x in sides],
-        "ratio_wall": ours.wall_s / theirs.wall_s if theirs.wall_s else None,
-        "ratio_train": ours.train_s / theirs.train_s if theirs.train_s else None,
-        "ratio_cpu": ours.cpu_s / theirs.cpu_s if ours.cpu_s and theirs.cpu_s else None,
-        "load_before": before,
-        "load_after": after,
+        "target": target,
         "cpus": os.cpu_count(),
-        "table": format_table(sides, (before, after)),
         "out": str(out),
     }
+    if not several:
+        ours, theirs = first
+        before, after = runs[0]["load"]
+        summary.update(
+            sides=[x.summary(target) for x in first],
+            ratio_wall=ours.wall_s / theirs.wall_s if theirs.wall_s else None,
+            ratio_train=ours.train_s / theirs.train_s if theirs.train_s else None,
+            ratio_cpu=ours.cpu_s / theirs.cpu_s if ours.cpu_s and theirs.cpu_s else None,
+            load_before=before,
+            load_after=after,
+            table=format_table(first, (before, after), target),
+        )
+    else:
+        per_side = {
+            name: [r["sides"][i].summary(target) for r in runs] for i, name in enumerate(("astraflow", "trl"))
+        }
+        agg = {name: aggregate(items) for name, items in per_side.items()}
+        seed_list = [int(r["seed"]) for r in runs]
+        summary.update(
+            seeds=seed_list,
+            runs=[
+                {"seed": r["seed"], "sides": [x.summary(target) for x in r["sides"]], "load": list(r["load"])}
+                for r in runs
+            ],
+            aggregate=agg,
+            ratio_steps=steps_ratio(agg["astraflow"], agg["trl"]),
+            table=format_seeds_table(seed_list, agg, [r["load"] for r in runs], target),
+        )
     (out / "bench.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

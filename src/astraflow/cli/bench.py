@@ -506,6 +506,19 @@ def delta(
         typer.echo(json.dumps(rep, indent=2))
 
 
+def _seed_list(text: str | None) -> list[int] | None:
+    """--seeds "0,1,2" as [0, 1, 2]; None when not given; a clear error on anything else."""
+    if text is None:
+        return None
+    try:
+        seeds = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"--seeds takes comma-separated integers, got {text!r}") from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise typer.BadParameter(f"--seeds takes distinct comma-separated integers, got {text!r}")
+    return seeds
+
+
 @app.command("trl")
 def trl(
     recipe: Annotated[
@@ -540,8 +553,20 @@ def trl(
     timeout_s: Annotated[
         float, typer.Option("--timeout-s", help="Give up on a side that takes longer than this.")
     ] = 3600.0,
+    seeds: Annotated[
+        str | None,
+        typer.Option(
+            "--seeds",
+            help="Comma-separated run seeds (e.g. 0,1,2): one pair of runs per seed, then each side's mean "
+            "and spread of the steps to the reward target and of the reward over the last tenth.",
+        ),
+    ] = None,
+    target: Annotated[
+        float,
+        typer.Option("--target", help="Reward target: the first step whose 5-step mean reward reaches it."),
+    ] = 0.8,
 ) -> None:
-    """The quickstart through `astraflow up` and through TRL's GRPOTrainer (same model, task and
+    """The quickstart through `astraflow up` and through TRL's GRPOTrainer (same model, task, seed and
     settings), one after the other; prints wall and step times, reward curves and astraflow/TRL."""
     import json
     import signal
@@ -552,6 +577,7 @@ def trl(
     log.setup("bench")
     signal.signal(signal.SIGTERM, _interrupt)
     base = out or Path("runs") / f"bench-trl-{time.strftime('%Y%m%d-%H%M%S')}"
+    seed_list = _seed_list(seeds)
     summary = run_bench(
         recipe,
         set_ or [],
@@ -561,6 +587,8 @@ def trl(
         trl_path=trl_path,
         trl_threads=trl_threads,
         timeout_s=timeout_s,
+        seeds=seed_list,
+        target=target,
         say=lambda line: typer.echo(line, err=True),
     )
     typer.echo("", err=json_)

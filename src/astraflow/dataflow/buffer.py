@@ -300,9 +300,10 @@ class Buffer:
                 break
         if len(chosen) < n:
             chosen.extend([it for it in ranked if it.traj_id not in taken][: n - len(chosen)])
-        # Serve in the order's ranking so that a batch reads like the buffer's priority list.
-        rank = {it.traj_id: i for i, it in enumerate(ranked)}
-        return sorted(chosen, key=lambda it: rank[it.traj_id])
+        # The ranking decided what is taken; the batch is served in task order (each group in its own
+        # order), which does not depend on when results arrived: the trainer's sums over the batch, and
+        # so a seeded sync run, come out the same from run to run.
+        return sorted(chosen, key=lambda it: (it.task_id, it.arrival))
 
     def _samples(self, ids: list[int], flags: list[bool]) -> list[TrainSample]:
         if not ids:

@@ -4,6 +4,7 @@ and pulls new weights as versions appear, applying them between decode steps."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import signal
 import threading
@@ -63,6 +64,14 @@ class EnginePolicyClient:
         )
 
 
+def sample_seed(run_seed: int, task_id: int, role: str, call: int) -> int:
+    """The sampling seed of a task's `call`-th generate call for `role`: a 48-bit hash of the four, so
+    a task samples the same tokens from the same weights whichever worker runs it, whenever, and next
+    to whatever else (sample i of an n-sample call uses seed + i)."""
+    digest = hashlib.blake2b(f"{run_seed}:{task_id}:{role}:{call}".encode(), digest_size=6).digest()
+    return int.from_bytes(digest, "big")
+
+
 @dataclass
 class TaskPolicyClient:
     """One task's view of a policy: its group size in the task and the task's sampling overrides."""
@@ -72,6 +81,10 @@ class TaskPolicyClient:
     read_only: bool = False
     defaults: dict[str, Any] | None = None
     """Sampling overrides the task carries (an eval task's), under the workflow's own."""
+    seeds: tuple[int, int, str] | None = None
+    """(run seed, task id, role): each generate call without a seed of its own gets sample_seed of
+    them and its call index; None leaves the engine's own stream."""
+    calls: int = 0
 
     @property
     def policy(self) -> str:
@@ -89,8 +102,13 @@ class TaskPolicyClient:
         return self.base.sampling
 
     async def generate(self, prompt_ids: list[int], n: int = 1, **overrides: Any) -> list[Completion]:
-        """The engine client's generate, with the task's overrides under the workflow's own."""
-        return await self.base.generate(prompt_ids, n, **{**(self.defaults or {}), **overrides})
+        """The engine client's generate, with the task's overrides under the workflow's own and, without
+        a seed, the task's next one."""
+        merged = {**(self.defaults or {}), **overrides}
+        if self.seeds is not None and merged.get("seed") is None:
+            merged["seed"] = sample_seed(*self.seeds, self.calls)
+        self.calls += 1
+        return await self.base.generate(prompt_ids, n, **merged)
 
     def sampling_params(self, **overrides: Any) -> SamplingParams:
         """The settings a generate call with these overrides asks the engine for."""
@@ -337,6 +355,7 @@ class RaaS:
                     sizes[role],
                     pol in task.read_only,
                     dict(task.sampling),
+                    (self.recipe.run.seed, task.task_id, role),
                 )
                 for role, pol in task.roles.items()
             }
