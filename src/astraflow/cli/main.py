@@ -11,6 +11,7 @@ from astraflow.cli import (
     ctl,
     dash,
     keys,
+    launch,
     leave,
     logs,
     model,
@@ -49,6 +50,7 @@ app.add_typer(model.app, name="model")
 app.add_typer(bench.app, name="bench")
 app.add_typer(keys.app, name="keys")
 app.add_typer(ctl.app, name="ctl")
+app.add_typer(launch.app, name="launch")
 
 
 def main() -> None:
