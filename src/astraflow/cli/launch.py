@@ -99,3 +99,93 @@ def slurm(
     job = out.stdout.strip().split(";")[0]
     typer.echo(f"submitted job {job}: {path}")
     typer.echo(f"run directory {plan.run_dir}; follow it with: astraflow status --run-dir {plan.run_dir}")
+
+
+@app.command("k8s")
+def k8s(
+    recipe: Annotated[str, typer.Argument(help="Recipe TOML file.")],
+    out: Annotated[
+        Path, typer.Option("--out", help="Directory for the manifests (a kustomize base) and keys.")
+    ],
+    image: Annotated[str, typer.Option("--image", help="Container image with astraflow installed.")],
+    set_: SetOpt = None,
+    name: Annotated[
+        str, typer.Option("--name", help="Prefix of every object's name (default: the run's name).")
+    ] = "",
+    namespace: Annotated[str, typer.Option("--namespace", help="Namespace of every object.")] = "",
+    raas: Annotated[
+        int | None, typer.Option("--raas", min=1, help="RaaS replicas (default rollout.local_workers).")
+    ] = None,
+    raas_max: Annotated[
+        int | None,
+        typer.Option(
+            "--raas-max", min=1, help="Worker keys made: the most replicas `kubectl scale` may set."
+        ),
+    ] = None,
+    gpus_per_raas: Annotated[
+        int, typer.Option("--gpus-per-raas", min=0, help="nvidia.com/gpu per RaaS pod.")
+    ] = 0,
+    trainer_gpus: Annotated[
+        bool, typer.Option("--trainer-gpus", help="One nvidia.com/gpu per trainer rank.")
+    ] = False,
+    storage: Annotated[
+        str, typer.Option("--storage", help="Controller and checkpoint volume size.")
+    ] = "10Gi",
+    models_claim: Annotated[
+        str,
+        typer.Option(
+            "--models-claim",
+            help="PersistentVolumeClaim holding the models: mounted at /models, each policy's model read "
+            "from /models/<its directory name>. Without it the image must hold the recipe's model paths.",
+        ),
+    ] = "",
+    offline: Annotated[
+        bool, typer.Option("--offline", help="Set every library's offline switch in every pod.")
+    ] = False,
+) -> None:
+    """Write Kubernetes manifests for a run (apply with `kubectl apply -k OUT`) and the run's keys."""
+    import re
+
+    from astraflow.cluster.k8s import K8sOptions, write
+    from astraflow.cluster.plan import make_plan
+    from astraflow.config.load import dump_resolved, load_recipe, validate_plugins
+    from astraflow.errors import AstraflowError
+    from astraflow.launcher import throwaway_keys
+
+    r = load_recipe(recipe, set_ or [])
+    validate_plugins(r, torch_plugins=False)
+    prefix = name or f"af-{r.run.name}".lower().replace("_", "-")
+    if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?", prefix):
+        raise AstraflowError(
+            f"{prefix!r} is not a usable Kubernetes name prefix",
+            hint="pass --name with lowercase letters, digits and '-' (at most 40)",
+        )
+    if models_claim:
+        for pol in r.policy:
+            pol.model = f"/models/{Path(pol.model).name}"
+    plan = make_plan(r, out, raas)
+    keys_max = max(raas_max or 0, len(plan.raas))
+    raas_names = [f"raas-{i}" for i in range(keys_max)]
+    out.mkdir(parents=True, exist_ok=True)
+    dump_resolved(r, plan.resolved)
+    throwaway_keys(
+        plan.keys,
+        [(m.name, m.role, m.policy) for m in plan.trainers]
+        + [(n, "raas", None) for n in raas_names]
+        + [("observer", "observer", None), ("operator", "operator", None)],
+    )
+    opts = K8sOptions(
+        name=prefix,
+        image=image,
+        namespace=namespace,
+        gpus_per_raas=gpus_per_raas,
+        trainer_gpus=trainer_gpus,
+        storage=storage,
+        models_claim=models_claim,
+        offline=offline,
+    )
+    for path in write(plan, opts, plan.run_dir, raas_names):
+        typer.echo(f"wrote {path}")
+    typer.echo(
+        f"keys in {plan.keys} (secrets.yaml holds them: keep it private); apply: kubectl apply -k {out}"
+    )
