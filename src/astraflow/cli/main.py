@@ -10,6 +10,7 @@ from astraflow.cli import (
     bench,
     ctl,
     dash,
+    doctor,
     keys,
     launch,
     leave,
@@ -45,6 +46,7 @@ app.command("runs")(runs.runs)
 app.command("export")(report.export)
 app.command("plot")(report.plot)
 app.command("sft")(sft.sft)
+app.command("doctor")(doctor.doctor)
 app.add_typer(recipe.app, name="recipe")
 app.add_typer(model.app, name="model")
 app.add_typer(bench.app, name="bench")
