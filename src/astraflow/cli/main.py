@@ -16,6 +16,7 @@ from astraflow.cli import (
     leave,
     logs,
     model,
+    pack,
     plugins_cmd,
     recipe,
     report,
@@ -47,6 +48,7 @@ app.command("export")(report.export)
 app.command("plot")(report.plot)
 app.command("sft")(sft.sft)
 app.command("doctor")(doctor.doctor)
+app.command("pack")(pack.pack)
 app.add_typer(recipe.app, name="recipe")
 app.add_typer(model.app, name="model")
 app.add_typer(bench.app, name="bench")
