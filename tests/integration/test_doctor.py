@@ -95,6 +95,8 @@ def test_each_fault_is_a_fail_finding(tmp_path: Path) -> None:
     assert model.level == "fail" and "/nonexistent/model does not exist" in model.message
     dead = d.check_controller(f"tcp://127.0.0.1:{free_port()}", None, None, timeout_s=0.5)
     assert dead.level == "fail" and "did not answer" in dead.message
+    assert "math_verify" in d.imported_roots("astraflow.workflows.math_rl")  # via its process-pool target
+    assert d.extra_modules()["math_verify"] == "math"
     r = load_recipe(RECIPE, ['workflow.name="no-such-workflow"'])
     assert [f.level for f in d.check_plugins(r) if "no-such-workflow" in f.message] == ["fail"]
 

@@ -85,10 +85,69 @@ def recipe_plugins(recipe: Any) -> list[tuple[str, str]]:
     return sorted(set(named))
 
 
+def extra_modules(dist: str = "astraflow") -> dict[str, str]:
+    """Module name -> the extra of `dist` that installs it (from the distribution's metadata)."""
+    import importlib.metadata
+    import re
+
+    out: dict[str, str] = {}
+    try:
+        reqs = importlib.metadata.requires(dist) or []
+    except importlib.metadata.PackageNotFoundError:
+        return out
+    for req in reqs:
+        name = re.match(r"[A-Za-z0-9_.-]+", req)
+        extra = re.search(r"extra\s*==\s*[\"']([^\"']+)[\"']", req)
+        if name and extra and extra.group(1) != "dev":
+            out.setdefault(name.group(0).lower().replace("-", "_"), extra.group(1))
+    return out
+
+
+def imported_roots(module: str, package: str = "astraflow") -> set[str]:
+    """Top-level names of the modules `module` imports anywhere in its code (in functions too),
+    following imports within `package` and `package` modules named in strings ("pkg.mod:func", as
+    process-pool targets are given); read from the source, nothing imported."""
+    import ast
+
+    seen: set[str] = set()
+    roots: set[str] = set()
+    todo = [module]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            continue
+        if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+            continue
+        tree = ast.parse(Path(spec.origin).read_text())
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                ref = node.value.split(":")[0]
+                if ref.startswith(f"{package}.") and ref.replace(".", "").replace("_", "").isalnum():
+                    names = [ref]
+            for n in names:
+                if n.split(".")[0] == package:
+                    todo.append(n)
+                else:
+                    roots.add(n.split(".")[0])
+    return roots
+
+
 def check_plugins(recipe: Any) -> list[Finding]:
-    """Each plugin registered and its module findable, without importing it."""
+    """Each plugin registered and its module findable, and the packages of astraflow's extras that its
+    code imports installed; all without importing it."""
     from astraflow import plugins
 
+    extras = extra_modules()
     out = []
     for group, name in recipe_plugins(recipe):
         eps = {ep.name: ep for ep in plugins.group_entries(f"astraflow.{group}")}
@@ -101,10 +160,23 @@ def check_plugins(recipe: Any) -> list[Finding]:
             found = importlib.util.find_spec(module) is not None
         except (ImportError, ValueError):
             found = False
-        if found:
-            out.append(_ok("plugin", f"{group} {name} -> {ep.value}"))
-        else:
+        if not found:
             out.append(_fail("plugin", f"{group} plugin {name!r}: module {module} is not importable here"))
+            continue
+        missing = sorted(
+            (root, extra)
+            for root in imported_roots(module)
+            if (extra := extras.get(root.lower())) is not None and importlib.util.find_spec(root) is None
+        )
+        if missing:
+            needs = ", ".join(root for root, _ in missing)
+            pip = " ".join(sorted({f"'astraflow[{extra}]'" for _, extra in missing}))
+            # a warning: the code may import them only on a path the recipe does not take (LoRA, parquet)
+            out.append(
+                _warn("extra", f"{group} {name}'s code imports {needs}, not installed: pip install {pip}")
+            )
+        else:
+            out.append(_ok("plugin", f"{group} {name} -> {ep.value}"))
     return out
 
 
