@@ -10,10 +10,13 @@ from astraflow.cli import (
     bench,
     ctl,
     dash,
+    doctor,
     keys,
+    launch,
     leave,
     logs,
     model,
+    pack,
     plugins_cmd,
     recipe,
     report,
@@ -44,11 +47,14 @@ app.command("runs")(runs.runs)
 app.command("export")(report.export)
 app.command("plot")(report.plot)
 app.command("sft")(sft.sft)
+app.command("doctor")(doctor.doctor)
+app.command("pack")(pack.pack)
 app.add_typer(recipe.app, name="recipe")
 app.add_typer(model.app, name="model")
 app.add_typer(bench.app, name="bench")
 app.add_typer(keys.app, name="keys")
 app.add_typer(ctl.app, name="ctl")
+app.add_typer(launch.app, name="launch")
 
 
 def main() -> None:

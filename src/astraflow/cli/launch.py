@@ -1,0 +1,191 @@
+"""`astraflow launch slurm`: start a recipe's roles on a cluster engine with the keys made here."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(
+    help="Start a run on a cluster engine (Slurm today; Kubernetes manifests: `launch k8s`).",
+    no_args_is_help=True,
+)
+
+SetOpt = Annotated[
+    list[str] | None, typer.Option("--set", help="Override a recipe field: a.b=value (repeatable).")
+]
+RunDirOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--run-dir", help="Run directory, on a filesystem every node sees (default runs/<name>-<time>/)."
+    ),
+]
+
+
+@app.command("slurm")
+def slurm(
+    recipe: Annotated[str, typer.Argument(help="Recipe TOML file.")],
+    run_dir: RunDirOpt = None,
+    set_: SetOpt = None,
+    nodes: Annotated[
+        int | None,
+        typer.Option(
+            "--nodes", min=1, help="Nodes of the job (default: one per trainer and per RaaS worker)."
+        ),
+    ] = None,
+    raas: Annotated[
+        int | None, typer.Option("--raas", min=1, help="RaaS workers (default rollout.local_workers).")
+    ] = None,
+    gpus_per_node: Annotated[
+        int, typer.Option("--gpus-per-node", min=0, help="GPUs per node; 0 for a CPU job.")
+    ] = 0,
+    port: Annotated[int, typer.Option("--port", help="The controller's TCP port on the first node.")] = 7600,
+    time_limit: Annotated[str, typer.Option("--time", help="sbatch --time (e.g. 04:00:00).")] = "",
+    partition: Annotated[str, typer.Option("--partition", help="sbatch --partition.")] = "",
+    python: Annotated[
+        str | None,
+        typer.Option("--python", help="Python with astraflow installed on every node (default: this one)."),
+    ] = None,
+    offline: Annotated[
+        bool, typer.Option("--offline", help="Set every library's offline switch in every role.")
+    ] = False,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Print the sbatch script; write and submit nothing.")
+    ] = False,
+) -> None:
+    """Write the run directory, its keys and RUN/launch/slurm.sbatch, then submit it with sbatch.
+    Submitting the same script again (or this command with the same --run-dir) resumes the run."""
+    import shutil
+    import subprocess
+
+    from astraflow.cluster.plan import absolute_models, make_plan, prepare_run
+    from astraflow.cluster.slurm import SlurmOptions, render
+    from astraflow.config.load import load_recipe, validate_plugins
+    from astraflow.errors import AstraflowError
+    from astraflow.rundir import default_run_dir
+
+    r = load_recipe(recipe, set_ or [])
+    validate_plugins(r)
+    absolute_models(r, Path.cwd())
+    plan = make_plan(r, run_dir or default_run_dir(r), raas)
+    opts = SlurmOptions(
+        nodes=nodes or len(plan.trainers) + len(plan.raas),
+        python=python or sys.executable,
+        port=port,
+        gpus_per_node=gpus_per_node,
+        time=time_limit,
+        partition=partition,
+        offline=offline,
+    )
+    script = render(plan, opts)
+    if dry_run:
+        typer.echo(script, nl=False)
+        return
+    sbatch = shutil.which("sbatch")
+    if sbatch is None:
+        raise AstraflowError(
+            "sbatch is not on PATH: this is not a Slurm login node",
+            hint="run this on a node that submits jobs, or --dry-run to see the script",
+        )
+    prepare_run(r, plan)
+    path = plan.run_dir / "launch" / "slurm.sbatch"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(script)
+    out = subprocess.run([sbatch, "--parsable", str(path)], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise AstraflowError(f"sbatch refused {path}: {out.stderr.strip()}", hint="see the script above it")
+    job = out.stdout.strip().split(";")[0]
+    typer.echo(f"submitted job {job}: {path}")
+    typer.echo(f"run directory {plan.run_dir}; follow it with: astraflow status --run-dir {plan.run_dir}")
+
+
+@app.command("k8s")
+def k8s(
+    recipe: Annotated[str, typer.Argument(help="Recipe TOML file.")],
+    out: Annotated[
+        Path, typer.Option("--out", help="Directory for the manifests (a kustomize base) and keys.")
+    ],
+    image: Annotated[str, typer.Option("--image", help="Container image with astraflow installed.")],
+    set_: SetOpt = None,
+    name: Annotated[
+        str, typer.Option("--name", help="Prefix of every object's name (default: the run's name).")
+    ] = "",
+    namespace: Annotated[str, typer.Option("--namespace", help="Namespace of every object.")] = "",
+    raas: Annotated[
+        int | None, typer.Option("--raas", min=1, help="RaaS replicas (default rollout.local_workers).")
+    ] = None,
+    raas_max: Annotated[
+        int | None,
+        typer.Option(
+            "--raas-max", min=1, help="Worker keys made: the most replicas `kubectl scale` may set."
+        ),
+    ] = None,
+    gpus_per_raas: Annotated[
+        int, typer.Option("--gpus-per-raas", min=0, help="nvidia.com/gpu per RaaS pod.")
+    ] = 0,
+    trainer_gpus: Annotated[
+        bool, typer.Option("--trainer-gpus", help="One nvidia.com/gpu per trainer rank.")
+    ] = False,
+    storage: Annotated[
+        str, typer.Option("--storage", help="Controller and checkpoint volume size.")
+    ] = "10Gi",
+    models_claim: Annotated[
+        str,
+        typer.Option(
+            "--models-claim",
+            help="PersistentVolumeClaim holding the models: mounted at /models, each policy's model read "
+            "from /models/<its directory name>. Without it the image must hold the recipe's model paths.",
+        ),
+    ] = "",
+    offline: Annotated[
+        bool, typer.Option("--offline", help="Set every library's offline switch in every pod.")
+    ] = False,
+) -> None:
+    """Write Kubernetes manifests for a run (apply with `kubectl apply -k OUT`) and the run's keys."""
+    import re
+
+    from astraflow.cluster.k8s import K8sOptions, write
+    from astraflow.cluster.plan import make_plan
+    from astraflow.config.load import dump_resolved, load_recipe, validate_plugins
+    from astraflow.errors import AstraflowError
+    from astraflow.launcher import throwaway_keys
+
+    r = load_recipe(recipe, set_ or [])
+    validate_plugins(r, torch_plugins=False)
+    prefix = name or f"af-{r.run.name}".lower().replace("_", "-")
+    if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?", prefix):
+        raise AstraflowError(
+            f"{prefix!r} is not a usable Kubernetes name prefix",
+            hint="pass --name with lowercase letters, digits and '-' (at most 40)",
+        )
+    if models_claim:
+        for pol in r.policy:
+            pol.model = f"/models/{Path(pol.model).name}"
+    plan = make_plan(r, out, raas)
+    keys_max = max(raas_max or 0, len(plan.raas))
+    raas_names = [f"raas-{i}" for i in range(keys_max)]
+    out.mkdir(parents=True, exist_ok=True)
+    dump_resolved(r, plan.resolved)
+    throwaway_keys(
+        plan.keys,
+        [(m.name, m.role, m.policy) for m in plan.trainers]
+        + [(n, "raas", None) for n in raas_names]
+        + [("observer", "observer", None), ("operator", "operator", None)],
+    )
+    opts = K8sOptions(
+        name=prefix,
+        image=image,
+        namespace=namespace,
+        gpus_per_raas=gpus_per_raas,
+        trainer_gpus=trainer_gpus,
+        storage=storage,
+        models_claim=models_claim,
+        offline=offline,
+    )
+    for path in write(plan, opts, plan.run_dir, raas_names):
+        typer.echo(f"wrote {path}")
+    typer.echo(
+        f"keys in {plan.keys} (secrets.yaml holds them: keep it private); apply: kubectl apply -k {out}"
+    )
