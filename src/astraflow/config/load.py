@@ -171,6 +171,9 @@ def validate_plugins(recipe: Recipe, *, torch_plugins: bool = True) -> None:
         )
     for i, pol in enumerate(recipe.policy):
         validate_options("losses", pol.loss, pol.loss_options, f"policy.{i}.loss_options")
+        from astraflow.dataflow.estimators import make_estimator
+
+        make_estimator(pol.advantage, pol.advantage_options)
         for j, stage in enumerate(pol.data):
             validate_options("data", stage.name, stage.options, f"policy.{i}.data.{j}.options")
         # engines and trainers may import torch (seconds); the built-in ones register their options

@@ -12,6 +12,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from astraflow.config.recipe import PolicyConfig, Recipe
 from astraflow.data.base import (
     AdmissionStage,
@@ -23,11 +25,11 @@ from astraflow.data.base import (
     Stage,
 )
 from astraflow.data.turns import sequence_turns
-from astraflow.dataflow.advantages import group_advantages
 from astraflow.dataflow.buffer import Buffer, default_order
+from astraflow.dataflow.estimators import AdvantageEstimator, make_estimator
 from astraflow.errors import RecipeError
 from astraflow.log import get
-from astraflow.protocol.messages import Episode, Sequence
+from astraflow.protocol.messages import Episode, Sequence, TrainSample
 from astraflow.state.store import Store
 
 log = get("pipeline")
@@ -57,6 +59,7 @@ class PolicyStages:
     composers: list[BatchComposer] = field(default_factory=list)
     admissions: list[AdmissionStage] = field(default_factory=list)
     counters: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COUNTER_NAMES, 0.0))
+    estimator: AdvantageEstimator | None = None
 
 
 @dataclass
@@ -96,7 +99,7 @@ class Pipeline:
 
     def _build(self, pol: PolicyConfig) -> PolicyStages:
         """Fresh stages of one policy, as the recipe lists them."""
-        ps = PolicyStages(pol.name)
+        ps = PolicyStages(pol.name, estimator=make_estimator(pol.advantage, pol.advantage_options))
         for i, spec in enumerate(pol.data):
             cls = self._loader(spec.name)
             config_cls = getattr(cls, "Config", None)
@@ -238,7 +241,8 @@ class Pipeline:
             ps = self.policies[pol]
             seqs = [s for s, _ in items]
             rewards = [float(s.reward) for s in seqs]
-            advantages = group_advantages(rewards, self.recipe.get_policy(pol).advantage)
+            assert ps.estimator is not None
+            advantages = ps.estimator.group(rewards)
             max_new = self.recipe.get_policy(pol).sampling.max_new_tokens
             turns = [sequence_turns(s, max_new) for s in seqs]
             view = GroupView(
@@ -315,6 +319,14 @@ class Pipeline:
             fresh = min(batch_size, -(-(batch_size - n) // group) * group)
             n = batch_size - fresh
         return n
+
+    def batch_samples(self, policy: str, samples: list[TrainSample]) -> list[TrainSample]:
+        """A served batch with the estimator's batch stage applied (unchanged for group-only estimators)."""
+        est = self.policies[policy].estimator
+        if est is None or not est.batch_level or not samples:
+            return samples
+        advs = est.batch([s.advantage for s in samples])
+        return [msgspec.structs.replace(s, advantage=a) for s, a in zip(samples, advs, strict=True)]
 
     def on_batch(self, policy: str, replayed: int) -> None:
         """Tell the composers how many sequences a newly recorded batch replayed."""

@@ -623,7 +623,8 @@ class Controller:
             return m.BatchReply(rid=msg.rid, policy=msg.policy, step=msg.step, retry_after_s=RETRY_S)
         if batch.new:
             self.made_progress()
-        return m.BatchReply(rid=msg.rid, policy=msg.policy, step=msg.step, samples=batch.samples, ready=True)
+        samples = self.pipeline.batch_samples(msg.policy, batch.samples)
+        return m.BatchReply(rid=msg.rid, policy=msg.policy, step=msg.step, samples=samples, ready=True)
 
     def on_version(self, member: dict[str, Any], msg: m.VersionPublished) -> m.Msg:
         """Record the version and step, write the step's metrics, tell the curators; then ack."""
