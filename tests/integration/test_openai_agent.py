@@ -423,3 +423,48 @@ def test_a_seed_makes_the_engine_repeat_its_samples(model_dir: Path) -> None:
     # the same seed gives the same samples; choice i of n uses seed + i, so the two choices differ
     assert answers[0] == answers[1] and outs[:2] == outs[2:] and outs[0] != outs[1]
     assert sorted(_policy_turns(s)[0] for s in ep.sequences(1.0)) == sorted(outs)
+
+
+def test_per_role_rewards_and_info_reach_sequences_and_metrics(model_dir: Path, tmp_path: Path) -> None:
+    """An agent playing two roles through the real openai client returns per-role rewards and extra
+    info: each role's trajectories carry its reward and role, and the info reaches the step metrics."""
+    from astraflow.config.recipe import PolicyConfig, Recipe
+    from astraflow.dataflow.buffer import Buffer
+    from astraflow.dataflow.pipeline import Pipeline
+    from astraflow.state.store import Store
+
+    client, engine = _client(model_dir)
+    wf = _workflow()
+
+    def agent(ep: AgentEndpoint, task: dict[str, Any]) -> dict[str, Any]:
+        oai = ep.openai()
+        for role in ("proposer", "solver", "solver"):
+            msgs = [{"role": "user", "content": f"{role}: say the word apple."}]
+            oai.chat.completions.create(model=role, messages=msgs, max_tokens=3)
+        return {"reward": 0.0, "rewards": {"solver": 1.0}, "info": {"correct": True}, "steps": 3}
+
+    wf._fns["agent"] = agent
+
+    async def main() -> Any:
+        try:
+            return await wf.run_episode({}, {"proposer": client, "solver": client})
+        finally:
+            await wf.server.close()
+
+    try:
+        ep = asyncio.run(main())
+    finally:
+        engine.inner.close()
+    by_role = sorted((s.role, s.reward) for s in ep.sequences)
+    assert by_role == [("proposer", 0.0), ("solver", 1.0), ("solver", 1.0)]
+    assert ep.info["correct"] == 1.0 and ep.info["steps"] == 3.0
+    assert ep.info["trajectories"] == 3.0
+    # through the pipeline: numeric info per policy and per role, in the step metrics of its batch
+    store = Store.open(tmp_path / "s.db")
+    pipe = Pipeline(Recipe(policy=[PolicyConfig(model="m", group_size=3)]))  # type: ignore[arg-type]
+    pipe.ingest(Buffer(store), 7, "k", [ep])
+    got = pipe.take_info("main", [7])
+    assert (
+        got["info/steps"] == 3.0 and got["info/solver/steps"] == 3.0 and got["info/proposer/correct"] == 1.0
+    )
+    store.close()

@@ -144,7 +144,9 @@ def validate_plugins(recipe: Recipe, *, torch_plugins: bool = True) -> None:
 
     wf_cls = plugins.load("workflows", recipe.workflow.name)
     roles = tuple(getattr(wf_cls, "roles", ("actor",)))
-    if recipe.workflow.roles:
+    if recipe.workflow.roles and getattr(wf_cls, "any_roles", False):
+        pass  # the workflow serves whatever roles the recipe names
+    elif recipe.workflow.roles:
         optional = set(getattr(wf_cls, "optional_roles", ()))
         unknown = [r for r in recipe.workflow.roles if r not in roles and r not in optional]
         if unknown:

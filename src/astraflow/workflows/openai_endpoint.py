@@ -22,10 +22,14 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from astraflow.engines.base import Completion
+from astraflow.errors import AstraflowError
 from astraflow.protocol.messages import MIN_TEMPERATURE, Sequence
 from astraflow.workflows.base import PolicyClient
 from astraflow.workflows.loopback_http import EventStream, HttpError
@@ -118,7 +122,13 @@ def cut_at_stop(tokenizer: Any, c: Completion, stops: list[str]) -> tuple[Comple
 
 
 class EpisodeEndpoint:
-    """Serves one episode's requests against its policies and records the trajectories."""
+    """Serves one episode's requests against its policies and records the trajectories.
+
+    Public for workflows built on it (`openai_agent.serve_episode`): `trajectories` lists every
+    recorded Trajectory in request order (`role`: the role the request's model named; `transcript`:
+    its tokens, masks and turns; `superseded`: a later request extended it), `kept()` those that become
+    Sequences, `sequences(reward, rewards)` the Sequences with per-role rewards, `requests` the number
+    of requests served and `turns()` the policy turns of the kept trajectories."""
 
     def __init__(self, policies: dict[str, PolicyClient], *, max_tokens: int) -> None:
         """`policies`: role -> client (the model name is the role or its policy); `max_tokens`: context
@@ -417,13 +427,24 @@ class EpisodeEndpoint:
 
     # ----- the result --------------------------------------------------------------------------
 
-    def sequences(self, reward: float) -> list[Sequence]:
-        """One Sequence per trajectory nobody extended, all with the episode's reward."""
-        return [
-            t.transcript.sequence(reward)
-            for t in self.trajectories
-            if t.transcript.turns and not t.superseded
-        ]
+    def kept(self) -> list[Trajectory]:
+        """The trajectories that become Sequences: those with a policy turn that nobody extended."""
+        return [t for t in self.trajectories if t.transcript.turns and not t.superseded]
+
+    def sequences(self, reward: float | None, rewards: Mapping[str, float] | None = None) -> list[Sequence]:
+        """One Sequence per kept trajectory, tagged with its role: `rewards[role]` where given, else
+        `reward` (None: every kept trajectory's role must be in `rewards`)."""
+        rewards = rewards or {}
+        out = []
+        for t in self.kept():
+            r = rewards.get(t.role, reward)
+            if r is None:
+                raise AstraflowError(
+                    f"no reward for role {t.role!r}: the rewards name {sorted(rewards)}",
+                    hint="give a reward for every role the agent used, or a 'reward' for the others",
+                )
+            out.append(msgspec.structs.replace(t.transcript.sequence(float(r)), role=t.role))
+        return out
 
     def turns(self) -> int:
         """Policy turns across the kept trajectories."""
