@@ -10,6 +10,7 @@ when the action contains the value: reward 1.0 if the policy called `lookup` fir
 answered without it, 0.0 never.
 
     python -m astraflow.workflows.env_reference --port 8700 [--game lookup]
+    python -m astraflow.workflows.env_reference --sft-rows 64 > lookup-sft.jsonl   # warm-start data
 
 It prints `listening on http://127.0.0.1:PORT` once ready (port 0 picks a free one). It serves each
 request on its own thread with a listen backlog of BACKLOG connections, so hundreds of concurrent
@@ -146,6 +147,34 @@ class Game:
         return out
 
 
+def sft_rows(n: int) -> list[dict[str, Any]]:
+    """`n` SFT rows (astraflow sft's chat form) that solve the lookup game as a policy sees it: the
+    tools, the system and user messages of `reset`, an assistant tool call, the tool result, the answer."""
+    game = Game(tools=True)
+    rows = []
+    for i in range(n):
+        start = game.reset({"task": {"index": i}})
+        state = game.sessions.pop(start["session"])
+        call = {
+            "id": f"call_{i}",
+            "type": "function",
+            "function": {"name": "lookup", "arguments": json.dumps({"key": state["key"]})},
+        }
+        rows.append(
+            {
+                "tools": start["tools"],
+                "messages": [
+                    {"role": "system", "content": start["system"]},
+                    {"role": "user", "content": start["observation"]},
+                    {"role": "assistant", "content": None, "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": call["id"], "name": "lookup", "content": state["word"]},
+                    {"role": "assistant", "content": state["word"]},
+                ],
+            }
+        )
+    return rows
+
+
 class Server(ThreadingHTTPServer):
     """A thread per request, a large listen backlog, daemon threads (a stop never waits for a call)."""
 
@@ -187,7 +216,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--port", type=int, default=8700)
     parser.add_argument("--game", choices=("word", "lookup"), default="word")
+    parser.add_argument(
+        "--sft-rows", type=int, default=0, help="print this many lookup-game SFT rows and exit"
+    )
     args = parser.parse_args()
+    if args.sft_rows:
+        for row in sft_rows(args.sft_rows):
+            print(json.dumps(row))
+        return
     server = make_server(args.port, tools=args.game == "lookup")
     print(f"listening on http://127.0.0.1:{server.server_address[1]}", flush=True)
     try:
