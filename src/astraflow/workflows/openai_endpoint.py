@@ -38,6 +38,8 @@ from astraflow.workflows.openai_tools import (
     api_message,
     check_template,
     check_tools,
+    forced_ids,
+    forced_prefix,
     parse_tool_calls,
     template_message,
 )
@@ -246,15 +248,29 @@ class EpisodeEndpoint:
         ov, n, stops = self._sampling(body), self._n(body), _stops(body)
         base = self._chat_base(role, client, messages, tools, ov)
         prompt = base.transcript.prompt_ids()
-        max_new = self._max_new(body, base.transcript, client)
-        outs = await client.generate(prompt, n=n, max_new_tokens=max_new, **ov, **self._seed(body))
+        prefix = forced_prefix(body, tools) if parse else ""
+        forced = forced_ids(client.tokenizer, prefix) if prefix else []
+        max_new = self._max_new(body, base.transcript, client) - len(forced)
+        if max_new < 1:
+            raise HttpError(400, "no room left for a tool call under the context budget")
+        outs = await client.generate(prompt + forced, n=n, max_new_tokens=max_new, **ov, **self._seed(body))
         answers: list[Answer] = []
         for out in outs:
             c, cut_text = cut_at_stop(client.tokenizer, out, stops)
             tr = Trajectory(role, base.transcript.fork(), parent=base.parent, api=list(base.api or []))
+            if forced:
+                tr.transcript.force(forced)
             tr.transcript.add_completion(c, max_new_tokens=max_new, **ov)
             if cut_text is not None:  # the agent sends back what it got; match on that
-                tr.transcript.messages[-1]["content"] = cut_text
+                tr.transcript.messages[-1]["content"] = str(client.tokenizer.decode(forced)) + cut_text
+            if forced:  # the answer as the agent sees it starts with the forced text (logprob 0: certain)
+                c = Completion(
+                    forced + list(c.token_ids),
+                    [0.0] * len(forced) + list(c.logprobs),
+                    [-1] * len(forced) + list(c.versions),
+                    c.finish_reason,
+                    c.sampling,
+                )
             text = str(tr.transcript.messages[-1]["content"])
             content, calls = parse_tool_calls(text) if parse and c.finish_reason == "stop" else (text, [])
             message: dict[str, Any] = {"role": "assistant", "content": content}
