@@ -178,7 +178,9 @@ class EnvServerWorkflow(Workflow):
         done, steps, n_calls = False, 0, 0
         try:
             while not done and steps < cfg.max_turns:
-                pending = results + ([{"role": "user", "content": observation}] if observation else [])
+                pending = list(results)
+                if observation is not None and (observation or not results):  # as before without tools
+                    pending.append({"role": "user", "content": observation})
                 if cfg.chat:
                     if pending:
                         tr.add_messages(pending)
