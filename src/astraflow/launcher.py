@@ -238,6 +238,7 @@ def progress_line(rec: dict[str, Any], steps: int | dict[str, int]) -> str:
         f"[{rec.get('policy', '?')}] step {rec.get('step', '?')}/{steps}  version {rec.get('version', '?')}  "
         f"reward {f('reward_mean')}  samples/s {f('samples_per_s', '.1f')}  "
         f"staleness {f('staleness_mean', '.2f')}/{f('staleness_max', '.0f')}"
+        + ("  SKIPPED: non-finite loss or gradient norm" if rec.get("trainer_skipped_step") else "")
     )
 
 

@@ -448,6 +448,64 @@ def e2e(
         typer.echo(json.dumps(rep, indent=2))
 
 
+@app.command("delta")
+def delta(
+    recipe: Annotated[
+        Path | None, typer.Argument(help="Recipe to train through `astraflow up` with weights.mode=delta.")
+    ] = None,
+    set_: Annotated[
+        list[str] | None,
+        typer.Option("--set", help="Override a recipe field: a.b=value (repeatable)."),
+    ] = None,
+    out: Annotated[
+        Path | None,
+        typer.Option("--out", help="Run directory (default runs/bench-delta-<time>/)."),
+    ] = None,
+    json_: Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout.")] = False,
+    timeout_s: Annotated[float, typer.Option("--timeout-s", help="Stop a run that takes longer.")] = 3600.0,
+    speed_gb: Annotated[
+        float,
+        typer.Option(
+            "--speed-gb",
+            help="Instead of a run: time encode/apply/sha256 of a delta of a synthetic bf16 version of this many GB (1% changed) beside a plain copy.",
+        ),
+    ] = 0.0,
+) -> None:
+    """Train a recipe with weight deltas on; report each version's delta size as a share of the full version."""
+    import json
+    import signal
+
+    if speed_gb > 0:
+        import torch
+
+        from astraflow.bench.delta import delta_speed
+
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "0")) or torch.get_num_threads())
+        sp = delta_speed(speed_gb)
+        typer.echo(json.dumps(sp, indent=2) if json_ else "  ".join(f"{k} {v:.3g}" for k, v in sp.items()))
+        return
+
+    from astraflow import log
+    from astraflow.bench.data import run_recipe
+    from astraflow.bench.delta import DELTA_SETS, delta_report, format_delta_report
+    from astraflow.errors import AstraflowError
+
+    if recipe is None:
+        raise AstraflowError(
+            "bench delta needs a recipe (or --speed-gb)", hint="astraflow bench delta RECIPE.toml"
+        )
+    log.setup("bench")
+    signal.signal(signal.SIGTERM, _interrupt)
+    run_dir = out or Path("runs") / f"bench-delta-{time.strftime('%Y%m%d-%H%M%S')}"
+    res = run_recipe(recipe, "delta", run_dir, [*(set_ or []), *DELTA_SETS], timeout_s)
+    if not res.ok:
+        raise AstraflowError(f"the run failed: {res.error}", hint=f"see {run_dir}/up.log and {run_dir}/logs/")
+    rep = delta_report(run_dir)
+    typer.echo(format_delta_report(rep), err=json_)
+    if json_:
+        typer.echo(json.dumps(rep, indent=2))
+
+
 @app.command("trl")
 def trl(
     recipe: Annotated[

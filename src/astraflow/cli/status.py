@@ -75,6 +75,13 @@ def render(doc: dict[str, Any]) -> str:
             )
         else:
             lines.append(f"policy {p['name']}: frozen, version {p['version']}")
+        skipped = p.get("skipped_steps") or []
+        if skipped:
+            shown = ", ".join(str(k) for k in skipped[-5:])
+            n = len(skipped)
+            lines.append(
+                f"  {n} step{'s' if n != 1 else ''} skipped by the trainer (non-finite loss or gradient norm): {shown}"
+            )
     paused = doc.get("control", {}).get("paused", [])
     if paused:
         lines.append("admission paused: " + ("the whole run" if "*" in paused else ", ".join(paused)))

@@ -142,6 +142,12 @@ class PolicyConfig(_Model):
     """Trainer ranks `astraflow up` starts for this policy (torchrun, FSDP2; one GPU each on CUDA)."""
     trainer_gpus: str = Field("", pattern=r"^(\d+(,\d+)*)?$")
     """GPUs of the trainer `astraflow up` starts for this policy, as CUDA_VISIBLE_DEVICES (e.g. "1"); empty = every GPU `up` sees."""
+    max_seq_len: int | None = Field(None, ge=2)
+    """Most tokens one sequence of this policy may carry (prompt and every turn); a result with a longer one is refused. None: the larger of the engine's `max_seq_len` option (the torch engine's default: 2048) and the model's max_position_embeddings."""
+    max_abs_reward: float = Field(1e6, gt=0, le=1e30)
+    """Largest absolute reward a result may claim for a sequence of this policy; a result with a larger one is refused (the cap keeps every sum and square of rewards finite)."""
+    max_nonfinite_steps: int = Field(3, ge=1)
+    """The trainer stops with exit 1 after this many steps in a row skipped for a non-finite loss or gradient norm."""
 
 
 class WorkflowConfig(_Model):
@@ -192,12 +198,23 @@ class RolloutConfig(_Model):
 class WeightsConfig(_Model):
     """How weights travel from trainers to RaaS workers."""
 
-    mode: Literal["full"] = "full"
-    """full: every version is a complete snapshot (sparse deltas come later)."""
+    mode: Literal["full", "delta"] = "full"
+    """full: workers pull every version whole; delta: trainers also serve each version's lossless delta
+    from the one before, and a worker patches the version it holds (full when new or too far behind)."""
     keep_versions: int = Field(4, ge=1)
-    """Versions a weight server keeps for pulling."""
+    """Full versions a weight server keeps for pulling."""
     chunk_bytes: int = Field(4 << 20, ge=1024)
     """Chunk size of the weight data plane."""
+    max_chain: int = Field(10, ge=1)
+    """delta mode: a worker at most this many versions behind pulls the chain of deltas (when together
+    smaller than the full version); further behind it pulls the full version. Also the most deltas a
+    weight server keeps per policy."""
+    relays: bool = False
+    """Each RaaS serves the versions it pulled (and their deltas) on its own weight server, and the
+    controller points a worker at a peer of its region that holds (or is fetching) a version, so a
+    region costs the trainer one upload per version."""
+    relay_wait_s: float = Field(10.0, ge=0)
+    """How long a worker waits for a relay still fetching a version before pulling from the trainer."""
 
 
 class ControllerConfig(_Model):
@@ -221,6 +238,8 @@ class ControllerConfig(_Model):
     """No policy made progress (no result, no step) for this long: log and show in status what each policy waits on."""
     stall_fail_s: float = Field(600.0, gt=0)
     """No progress for this long: the controller stops the run and `astraflow up` exits 1."""
+    batch_part_bytes: int = Field(16 << 20, ge=1024, le=32 << 20)
+    """Most bytes of samples in one BatchReply: a larger batch is sent in parts (at most half a member's 64 MiB message limit); a sequence larger than this is refused at ingest."""
 
 
 class SinkSpec(_Model):

@@ -1,4 +1,10 @@
-"""Group statistics and advantages, in plain Python (the controller imports no torch)."""
+"""Group statistics and advantages, in plain Python (the controller imports no torch).
+
+Rewards are scaled by the group's largest |reward| before any sum or square, so no group of finite
+rewards overflows (16 rewards of 1.7e307 have a mean; their plain sum is inf). What can still be
+non-finite (drgrpo's r - mean of two rewards near the float limit) is refused at ingest
+(`nonfinite_advantage`), never stored.
+"""
 
 from __future__ import annotations
 
@@ -11,15 +17,30 @@ def group_advantages(rewards: list[float], kind: str = "grpo") -> list[float]:
     """Advantages of one group (same prompt, same policy).
 
     grpo: (r - mean) / (std + 1e-5) with the unbiased std (a singleton group uses std = 1);
-    drgrpo: r - mean (no std division).
+    drgrpo: r - mean (no std division). A group of equal rewards gets 0 everywhere.
     """
+    if kind not in ("grpo", "drgrpo"):
+        raise ValueError(f"unknown advantage kind {kind!r}")
     n = len(rewards)
     if n == 0:
         return []
-    mean = sum(rewards) / n
+    if min(rewards) == max(rewards):
+        return [0.0] * n  # also what the formula gives; exact, whatever the scale
+    scale = max(abs(r) for r in rewards)
+    if not math.isfinite(scale):
+        return [math.nan] * n  # refused at ingest (nonfinite_advantage)
+    # (r - mean) / (std + eps) = (r' - mean') / (std' + eps / scale) with r' = r / scale in [-1, 1]
+    scaled = [r / scale for r in rewards]
+    mean = math.fsum(scaled) / n
+    centered = [x - mean for x in scaled]
     if kind == "drgrpo":
-        return [r - mean for r in rewards]
-    if kind != "grpo":
-        raise ValueError(f"unknown advantage kind {kind!r}")
-    std = 1.0 if n == 1 else math.sqrt(sum((r - mean) ** 2 for r in rewards) / (n - 1))
-    return [(r - mean) / (std + EPS) for r in rewards]
+        return [c * scale for c in centered]
+    # n >= 2 here: a singleton group has equal rewards
+    denom = math.sqrt(math.fsum(c * c for c in centered) / (n - 1)) + EPS / scale
+    return [c / denom for c in centered] if denom > 0 else [0.0] * n
+
+
+def nonfinite_advantage(advantages: list[float]) -> str:
+    """Why a group's advantages cannot be stored ('' when every one is finite)."""
+    bad = [a for a in advantages if not math.isfinite(a)]
+    return f"{len(bad)} advantages are not finite ({bad[0]!r})" if bad else ""

@@ -17,6 +17,7 @@ import msgspec
 
 from astraflow.data.base import BufferItem, BufferOrder
 from astraflow.data.order import EdfOrder, FifoOrder
+from astraflow.dataflow.limits import RefusedResult, nonfinite_row
 from astraflow.protocol.messages import SamplingParams, Sequence, TrainSample
 from astraflow.state.store import Store
 
@@ -83,6 +84,10 @@ class Buffer:
         """Store one group's sequences (one policy) with their advantages; returns trajectory ids."""
         if not seqs:
             return []
+        for seq, adv in zip(seqs, advantages, strict=True):
+            why = nonfinite_row(seq.reward, adv)
+            if why:
+                raise RefusedResult(f"task {task_id}: {why} is not finite; not stored")
         with self.store.write() as c:
             # MAX of the rowid is an index lookup; ids only grow, so they make a cheap arrival counter.
             arrival = int(c.execute("SELECT COALESCE(MAX(id), 0) FROM trajectories").fetchone()[0])
@@ -177,6 +182,35 @@ class Buffer:
             out[f"role/{r['role']}/reward_mean"] = float(r["reward"])
             out[f"role/{r['role']}/sequences"] = float(r["n"])
         return out
+
+    def sample_bytes(self, ids: list[int]) -> list[int]:
+        """The stored bytes of each trajectory's per-token lists, in the order of `ids`: what they take
+        in a TrainSample (the same msgpack encoding), read without loading them."""
+        if not ids:
+            return []
+        marks = ",".join("?" for _ in ids)
+        rows = self.store.query(
+            "SELECT id, LENGTH(tokens) + LENGTH(loss_mask) + LENGTH(logprobs) + LENGTH(versions) AS n "
+            f"FROM trajectories WHERE id IN ({marks})",
+            tuple(ids),
+        )
+        by_id = {int(r["id"]): int(r["n"]) for r in rows}
+        return [by_id[i] for i in ids]
+
+    def advantages(self, ids: list[int]) -> list[float]:
+        """The stored advantage of each trajectory, in the order of `ids`, read without their tokens."""
+        if not ids:
+            return []
+        marks = ",".join("?" for _ in ids)
+        rows = self.store.query(
+            f"SELECT id, advantage FROM trajectories WHERE id IN ({marks})", tuple(set(ids))
+        )
+        by_id = {int(r["id"]): float(r["advantage"]) for r in rows}
+        return [by_id[i] for i in ids]
+
+    def samples(self, ids: list[int], flags: list[bool]) -> list[TrainSample]:
+        """The TrainSamples of these trajectories, in this order, with these replay flags."""
+        return self._samples(ids, flags)
 
     def last_step(self, policy: str) -> int:
         """The highest step with a recorded batch (0 when none)."""

@@ -25,8 +25,10 @@ from astraflow.data.base import (
     Stage,
 )
 from astraflow.data.turns import sequence_turns
+from astraflow.dataflow.advantages import nonfinite_advantage
 from astraflow.dataflow.buffer import Buffer, default_order
 from astraflow.dataflow.estimators import AdvantageEstimator, make_estimator
+from astraflow.dataflow.limits import RefusedResult
 from astraflow.errors import RecipeError
 from astraflow.log import get
 from astraflow.protocol.messages import Episode, Sequence, TrainSample
@@ -227,7 +229,6 @@ class Pipeline:
         skip = set(read_only)
         groups: dict[tuple[str, str, str], list[tuple[Sequence, dict[str, Any]]]] = {}
         for ep in episodes:
-            self._observe_info(ep, skip, task_id)
             for seq in ep.sequences:
                 if seq.policy not in self.policies:
                     log.warning("task %d: sequence of unknown policy %r ignored", task_id, seq.policy)
@@ -236,13 +237,26 @@ class Pipeline:
                     continue
                 role = seq.role if seq.policy in self.split_roles else ""
                 groups.setdefault((seq.policy, role, seq.group_key), []).append((seq, ep.info))
+        # every group's advantages first: a result with a non-finite one is refused before any state changes
+        planned: list[tuple[str, list[tuple[Sequence, dict[str, Any]]], list[float], list[float]]] = []
+        for (pol, _role, key), items in groups.items():
+            rewards = [float(s.reward) for s, _ in items]
+            estimator = self.policies[pol].estimator
+            assert estimator is not None
+            try:
+                advantages = estimator.group(rewards)
+            except ValueError as exc:  # an estimator's refusal (non-finite rewards, overflow)
+                raise RefusedResult(f"policy {pol!r} group {key!r}: {exc}") from None
+            why = nonfinite_advantage(advantages)
+            if why:
+                raise RefusedResult(f"policy {pol!r} group {key!r}: {why} (rewards too far apart)")
+            planned.append((pol, items, rewards, advantages))
+        for ep in episodes:
+            self._observe_info(ep, skip, task_id)
         out: list[GroupOutcome] = []
-        for (pol, _role, _key), items in groups.items():
+        for pol, items, rewards, advantages in planned:
             ps = self.policies[pol]
             seqs = [s for s, _ in items]
-            rewards = [float(s.reward) for s in seqs]
-            assert ps.estimator is not None
-            advantages = ps.estimator.group(rewards)
             max_new = self.recipe.get_policy(pol).sampling.max_new_tokens
             turns = [sequence_turns(s, max_new) for s in seqs]
             view = GroupView(
@@ -320,13 +334,24 @@ class Pipeline:
             n = batch_size - fresh
         return n
 
-    def batch_samples(self, policy: str, samples: list[TrainSample]) -> list[TrainSample]:
-        """A served batch with the estimator's batch stage applied (unchanged for group-only estimators)."""
+    def batch_level(self, policy: str) -> bool:
+        """Whether the policy's estimator changes advantages per served batch."""
+        est = self.policies[policy].estimator
+        return est is not None and est.batch_level
+
+    def batch_samples(
+        self, policy: str, samples: list[TrainSample], whole: list[float] | None = None, start: int = 0
+    ) -> list[TrainSample]:
+        """Served samples with the estimator's batch stage applied (unchanged for group-only estimators).
+        `whole`: the stored advantages of the whole batch when `samples` is its part from `start`."""
         est = self.policies[policy].estimator
         if est is None or not est.batch_level or not samples:
             return samples
-        advs = est.batch([s.advantage for s in samples])
-        return [msgspec.structs.replace(s, advantage=a) for s, a in zip(samples, advs, strict=True)]
+        advs = est.batch(whole if whole is not None else [s.advantage for s in samples])
+        return [
+            msgspec.structs.replace(s, advantage=a)
+            for s, a in zip(samples, advs[start : start + len(samples)], strict=True)
+        ]
 
     def on_batch(self, policy: str, replayed: int) -> None:
         """Tell the composers how many sequences a newly recorded batch replayed."""

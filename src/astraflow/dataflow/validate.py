@@ -5,8 +5,9 @@ relies on is checked here: each policy has the sequences the task asks of it (th
 of the task's per-policy group sizes; at most that many for a policy read-only in the task), every
 sequence belongs to a policy the workflow's roles map to, token ids are inside the policy's vocabulary, the per-token
 lists have one entry per token, versions exist, logprobs are finite and at most 0, rewards are
-finite, sampling settings are those the task allowed (dataflow/sampling_rule.py). A result that
-fails is a failed attempt with the reason (docs/protocol.md).
+finite, sampling settings are those the task allowed (dataflow/sampling_rule.py), each sequence keeps
+to the bounds of dataflow/limits.py (length, |reward|, lowest logprob, bytes) and episode info numbers
+are finite. A result that fails is a failed attempt with the reason (docs/protocol.md).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 from astraflow import log
 from astraflow.config.recipe import Recipe
 from astraflow.data.turns import turns_problem
+from astraflow.dataflow.limits import Limits, info_problem
 from astraflow.dataflow.sampling_rule import sampling_problem
 from astraflow.protocol.messages import Episode, Sequence
 
@@ -44,8 +46,12 @@ class ResultChecker:
 
     recipe: Recipe
     vocab: dict[str, int | None] = field(default_factory=dict)
+    limits: Limits | None = None
+    """Length, reward, logprob and size bounds per policy (dataflow/limits.py); None: from the recipe."""
 
     def __post_init__(self) -> None:
+        if self.limits is None:
+            self.limits = Limits.of(self.recipe)
         for p in self.recipe.policy:
             if p.name not in self.vocab:
                 self.vocab[p.name] = vocab_size(p.model)
@@ -81,8 +87,13 @@ class ResultChecker:
                 return f"episode {i} has {len(ep.sequences)} sequences (at most {MAX_SEQUENCES_PER_EPISODE})"
             for j, s in enumerate(ep.sequences):
                 why = self._sequence(s, allowed, latest, task_sampling or {})
+                if not why and self.limits is not None:
+                    why = self.limits.sequence(s)
                 if why:
                     return f"episode {i} sequence {j}: {why}"
+        why = info_problem(episodes)
+        if why:
+            return why
         got: dict[str, int] = {}
         for ep in episodes:
             for s in ep.sequences:

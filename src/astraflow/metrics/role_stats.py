@@ -31,6 +31,8 @@ class PullStats:
         self.by_policy: dict[str, dict[str, float]] = {}
         """policy -> pulls, fetch_s (transfer from the trainer's weight server with the digest check),
         load_s (bytes to tensors, the engine's shape check and staging), bytes."""
+        self.ways: dict[str, int] = {}
+        """Pulls by way (weights/fetch.py HeldWeights.counts: full, delta, held, relay, fallback)."""
 
     def add(self, policy: str, fetch_s: float, load_s: float, nbytes: int) -> None:
         """One version of `policy` pulled and staged."""
@@ -77,7 +79,7 @@ def raas_snapshot(
         stats = getattr(eng, "stats", None)
         per[name] = {"version": eng.version, **(stats() if callable(stats) else {})}
         per[name]["pulls"] = pulls.by_policy.get(name, {})
-    return {"member": member_id, "started": started, "engines": per}
+    return {"member": member_id, "started": started, "engines": per, "weight_pulls": dict(pulls.ways)}
 
 
 def read_stats(path: Path) -> list[dict[str, Any]]:

@@ -112,6 +112,9 @@ class VersionInfo(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     weights_addr: str
     """ZeroMQ endpoint of the weight server that serves this version ("" = initial weights on disk)."""
     sha256: str = ""
+    relays: list[str] = []
+    """Weight servers of peers in the receiver's region that hold this version or are fetching it
+    (`[weights] relays`): pull from them first, from `weights_addr` when they fail."""
 
 
 class Task(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -189,6 +192,8 @@ class Heartbeat(Msg, kw_only=True):
     """The member's newest failure it survived (e.g. weights it could not apply); logged by the controller."""
     waiting: Annotated[list[int], msgspec.Meta(max_length=256)] = []
     """rids of requests sent before this heartbeat, on this connection, still unanswered."""
+    relay_addr: Annotated[str, msgspec.Meta(max_length=1024)] = ""
+    """The member's relay weight server, which serves the versions it holds to peers ("" = none)."""
 
 
 class HeartbeatAck(Msg, kw_only=True):
@@ -271,10 +276,13 @@ class BatchRequest(Msg, kw_only=True):
     wait_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
     """When the batch is not ready, the controller may hold the request up to this long (capped) and
     answer as soon as it is (a long poll)."""
+    part: Annotated[int, msgspec.Meta(ge=0)] = 0
+    """Which part of the step's batch (a batch larger than one message comes in parts); a part
+    after the first is served only for a recorded step."""
 
 
 class BatchReply(Msg, kw_only=True):
-    """The recorded batch for a step, or not ready yet (retry), or done (budget reached)."""
+    """The recorded batch for a step (or one part of it), or not ready yet (retry), or done (budget reached)."""
 
     policy: str
     step: int
@@ -282,6 +290,10 @@ class BatchReply(Msg, kw_only=True):
     ready: bool = False
     done: bool = False
     retry_after_s: float = 0.0
+    part: int = 0
+    """Which part of the batch `samples` is."""
+    parts: int = 1
+    """How many parts the batch has: the trainer asks for parts 1 .. parts-1 of the same step next."""
 
 
 class VersionPublished(Msg, kw_only=True):

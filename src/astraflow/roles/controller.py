@@ -8,6 +8,7 @@ work (liveness, lease expiry, refilling the task queue) runs between polls.
 from __future__ import annotations
 
 import json
+import math
 import signal
 import time
 from collections import deque
@@ -20,11 +21,14 @@ from astraflow.config.load import role_map
 from astraflow.config.recipe import Recipe
 from astraflow.dataflow import failures
 from astraflow.dataflow.admission import admission_for
+from astraflow.dataflow.batch_parts import part_bounds
 from astraflow.dataflow.buffer import Buffer
 from astraflow.dataflow.control import RunControl
 from astraflow.dataflow.evaluation import Evaluator, without_held_out
 from astraflow.dataflow.ledger import Ledger, TaskRow
+from astraflow.dataflow.limits import RefusedResult, seq_bytes
 from astraflow.dataflow.pipeline import Pipeline
+from astraflow.dataflow.poisoned import drop_poisoned
 from astraflow.dataflow.source import PromptSource, workflow_epochs
 from astraflow.dataflow.stall import Progress, stall_report
 from astraflow.dataflow.validate import ResultChecker
@@ -125,6 +129,9 @@ class Controller:
             # After a restart, members get one timeout to show up again before their leases go back.
             c.execute("UPDATE members SET last_seen = ? WHERE status = 'alive'", (time.time(),))
             self.store.add_event("start" if fresh else "restart", self.recipe.run.name)
+            repaired = drop_poisoned(self.store)
+            if repaired:
+                _log.warning("state.db held values stored as NULL: %s", repaired)
             if self.evals is not None:
                 self.evals.on_start()
         if not fresh:
@@ -172,6 +179,25 @@ class Controller:
         with self.store.write():
             for member_id, (t, loaded, slots) in touches.items():
                 self.store.touch_member(member_id, t, loaded, slots)
+
+    def versions_for(self, member: dict[str, Any], beat: m.Heartbeat | None = None) -> list[m.VersionInfo]:
+        """The newest versions as `member` should pull them: with `[weights] relays`, each names the
+        relays of the member's region that hold it (a heartbeat first updates the directory)."""
+        infos = self.versions()
+        if not self.recipe.weights.relays:
+            return infos
+        from astraflow.weights.relay import RelayDirectory
+
+        now = time.time()
+        if not hasattr(self, "relay_dir"):
+            self.relay_dir = RelayDirectory(self.recipe.controller.member_timeout_s)
+        mid, region = str(member["id"]), str(member.get("region") or "")
+        if beat is not None:
+            self.relay_dir.update(mid, region, beat.relay_addr, dict(beat.loaded), now)
+        for info in infos:
+            if info.weights_addr:
+                info.relays = self.relay_dir.relays_for(mid, region, info.policy, info.version, now)
+        return infos
 
     # ----- periodic work ------------------------------------------------------------------------
 
@@ -396,14 +422,15 @@ class Controller:
         # heartbeat is answered (its reply is ahead of this one) or held; any other was never received.
         ident = str(member["id"]).encode()
         lost = [rid for rid in msg.waiting if not self.parked.holds(ident, rid)]
-        return m.HeartbeatAck(rid=msg.rid, versions=self.versions(), stop=self.stopping(), lost=lost)
+        versions = self.versions_for(member, msg)
+        return m.HeartbeatAck(rid=msg.rid, versions=versions, stop=self.stopping(), lost=lost)
 
     def on_bye(self, member: dict[str, Any], msg: m.Bye) -> m.Msg:
         """Return the member's leases at once and mark it left."""
         with self.store.write():
             n = self.ledger.release_member(member["id"])
             self.store.set_member_status(member["id"], "left")
-            self.store.add_event("member_left", f"{member['id']} ({msg.reason[:200]}); {n} leases back")
+            self.store.add_event("member_left", f"{member['id']} ({msg.reason[:500]}); {n} leases back")
         self.parked.drop(str(member["id"]).encode())
         self.draining.discard(member["id"])
         _log.info("member %s left (%s); %d tasks requeued", member["id"], msg.reason[:200] or "-", n)
@@ -482,7 +509,10 @@ class Controller:
             for t in leased
         ]
         return m.TaskGrant(
-            rid=msg.rid, tasks=tasks, versions=self.versions(), retry_after_s=0.0 if tasks else RETRY_S
+            rid=msg.rid,
+            tasks=tasks,
+            versions=self.versions_for(member),
+            retry_after_s=0.0 if tasks else RETRY_S,
         )
 
     def on_task_result(self, member: dict[str, Any], msg: m.TaskResult) -> m.Msg:
@@ -511,6 +541,16 @@ class Controller:
                 return m.Error(
                     rid=msg.rid, code="bad_result", message=f"task {msg.task_id}: {bad} ({status})"
                 )
+        try:
+            status = self._store_result(member, msg, task)
+        except RefusedResult as exc:
+            # rolled back: nothing of the result is kept (advantages that do not fit a float)
+            status = self.fail_attempt(member["id"], msg.task_id, msg.epoch, f"invalid result: {exc}")
+            return m.Error(rid=msg.rid, code="bad_result", message=f"task {msg.task_id}: {exc} ({status})")
+        return m.ResultAck(rid=msg.rid, task_id=msg.task_id, status=status)
+
+    def _store_result(self, member: dict[str, Any], msg: m.TaskResult, task: TaskRow | None) -> str:
+        """Complete the task's lease and store what the result brings, in one transaction; the status."""
         with self.store.write():
             status = self.ledger.complete(msg.task_id, msg.epoch, member["id"])
             if status == "accepted" and self._is_eval(msg.task_id):
@@ -532,7 +572,7 @@ class Controller:
                 for pol in task.policies:
                     self.pipeline.save(pol)
                 self.made_progress()
-        return m.ResultAck(rid=msg.rid, task_id=msg.task_id, status=status)
+        return status
 
     def _is_eval(self, task_id: int) -> bool:
         return self.evals is not None and self.evals.is_eval(task_id)
@@ -608,6 +648,8 @@ class Controller:
         refused = authz.batch_refusal(self.store, msg.policy, msg.step)
         if refused is not None:
             return m.Error(rid=msg.rid, code=refused[0], message=refused[1])
+        if msg.part > 0:
+            return self._batch_part(msg)
         # a trainer one step ahead holds version step-1 (still being announced): staleness counts from it
         version = max(int(self.store.policy(msg.policy)["version"]), msg.step - 1)
         with self.store.write():
@@ -623,8 +665,48 @@ class Controller:
             return m.BatchReply(rid=msg.rid, policy=msg.policy, step=msg.step, retry_after_s=RETRY_S)
         if batch.new:
             self.made_progress()
-        samples = self.pipeline.batch_samples(msg.policy, batch.samples)
-        return m.BatchReply(rid=msg.rid, policy=msg.policy, step=msg.step, samples=samples, ready=True)
+        bounds = self._part_bounds([s.traj_id for s in batch.samples], [len(s.tokens) for s in batch.samples])
+        served = self.pipeline.batch_samples(msg.policy, batch.samples)  # the estimator's batch stage
+        return m.BatchReply(
+            rid=msg.rid,
+            policy=msg.policy,
+            step=msg.step,
+            samples=served[: bounds[0][1]],
+            ready=True,
+            parts=len(bounds),
+        )
+
+    def _part_bounds(self, ids: list[int], lengths: list[int] | None = None) -> list[tuple[int, int]]:
+        """Where a recorded batch of these trajectories splits into parts (dataflow/batch_parts.py);
+        `lengths` (tokens per sample, when at hand) skip the size query for a batch that surely fits."""
+        budget = self.recipe.controller.batch_part_bytes
+        if lengths is not None and sum(seq_bytes(n) for n in lengths) <= budget:
+            return [(0, len(ids))]  # the exact sizes are smaller still: the same answer
+        return part_bounds(self.buffer.sample_bytes(ids), budget)
+
+    def _batch_part(self, msg: m.BatchRequest) -> m.Msg:
+        """Part `msg.part` (> 0) of a recorded batch."""
+        rec = self.buffer.recorded_ids(msg.policy, msg.step)
+        bounds = self._part_bounds(rec[0]) if rec is not None else []
+        if rec is None or msg.part >= len(bounds):
+            return m.Error(
+                rid=msg.rid,
+                code="bad_request",
+                message=f"step {msg.step} of {msg.policy!r} has no recorded part {msg.part} ({len(bounds)} parts)",
+            )
+        a, b = bounds[msg.part]
+        samples = self.buffer.samples(rec[0][a:b], rec[1][a:b])
+        if self.pipeline.batch_level(msg.policy):  # normalised over the whole batch, not this part
+            samples = self.pipeline.batch_samples(msg.policy, samples, self.buffer.advantages(rec[0]), a)
+        return m.BatchReply(
+            rid=msg.rid,
+            policy=msg.policy,
+            step=msg.step,
+            samples=samples,
+            ready=True,
+            part=msg.part,
+            parts=len(bounds),
+        )
 
     def on_version(self, member: dict[str, Any], msg: m.VersionPublished) -> m.Msg:
         """Record the version and step, write the step's metrics, tell the curators; then ack."""
@@ -651,12 +733,27 @@ class Controller:
                     msg.policy, msg.step, {k: v for k, v in row.items() if isinstance(v, int | float)}, now
                 )
                 self.pipeline.on_version(msg.policy, msg.version)
+                self._note_skipped(msg)
                 if self.evals is not None:
                     self.evals.on_version(msg.policy, msg.version, msg.step)
                 self.made_progress(now)
         if row is not None:
             self.emit(row)
         return m.Ack(rid=msg.rid, detail="recorded" if new else "known")
+
+    def _note_skipped(self, msg: m.VersionPublished) -> None:
+        """A step the trainer skipped (non-finite loss or gradient norm) becomes a `step_skipped` event."""
+        if not msg.metrics.get("trainer_skipped_step"):
+            return
+        in_a_row = int(msg.metrics.get("trainer_skipped_in_a_row", 1))
+        detail = {"policy": msg.policy, "step": msg.step, "in_a_row": in_a_row}
+        self.store.add_event("step_skipped", json.dumps(detail, sort_keys=True))
+        _log.warning(
+            "policy %s step %d was skipped by its trainer: non-finite loss or gradient norm (%d in a row)",
+            msg.policy,
+            msg.step,
+            in_a_row,
+        )
 
     def step_metrics(self, msg: m.VersionPublished, now: float) -> dict[str, Any]:
         """The metrics row of a finished step: batch reward and staleness, pipeline counters, trainer metrics."""
@@ -702,7 +799,8 @@ class Controller:
                 **{f"tasks_{k}": v for k, v in tasks.items()},
             }
         )
-        return with_trainer_metrics(row, msg.metrics)
+        # a peer's NaN would be stored as NULL or as text no JSON reader takes
+        return with_trainer_metrics(row, {k: float(v) for k, v in msg.metrics.items() if math.isfinite(v)})
 
     # ----- metrics sinks ------------------------------------------------------------------------
 

@@ -395,21 +395,16 @@ class RaaS:
 
     async def _pull(self, name: str, info: Any) -> None:
         """Fetch, verify and schedule one version's weights (the engine applies them between decode steps)."""
-        from astraflow.weights.client import fetch_weights
-        from astraflow.weights.snapshot import bytes_to_state_dict
-
         mine = (info.version, info.weights_addr)
         try:
             t0 = time.perf_counter()
-            blob = await in_daemon_thread(
-                partial(fetch_weights, info.weights_addr, name, info.version, expect_sha256=info.sha256)
-            )
+            fetched = await in_daemon_thread(partial(self._fetch, name, info))
             t1 = time.perf_counter()
-            sd = await in_daemon_thread(bytes_to_state_dict, blob)
+            sd = fetched.state_dict
             if info.version > max(self.engines[name].version, self.scheduled.get(name, -1)):
                 try:
                     self.engines[name].load_weights(info.version, sd)
-                    self.pull_stats.add(name, t1 - t0, time.perf_counter() - t1, len(blob))
+                    self.pull_stats.add(name, t1 - t0, time.perf_counter() - t1, fetched.nbytes)
                 except Exception as exc:
                     # weights that do not fit the model: keep decoding the old version, report, never retry it
                     self.rejected[name] = mine
@@ -419,7 +414,9 @@ class RaaS:
                     _log.error("%s; keeping version %d", self.last_error, self.engines[name].version)
                     return
                 self.scheduled[name] = info.version
-                _log.debug("scheduled %s version %d (%d bytes)", name, info.version, len(blob))
+                _log.debug(
+                    "scheduled %s version %d (%s, %d bytes)", name, info.version, fetched.kind, fetched.nbytes
+                )
         except Exception as exc:
             if self.pulling.get(name) == mine:
                 _log.warning("pulling %s version %d failed: %s; will retry", name, info.version, exc)
@@ -427,6 +424,34 @@ class RaaS:
         finally:
             if self.pulling.get(name) == mine:
                 del self.pulling[name]
+
+    def _fetch(self, name: str, info: Any) -> Any:
+        """Pull one version as `[weights]` says: delta chain or full, relays of the region first."""
+        from astraflow.weights.fetch import HeldWeights, fetch_version
+
+        cfg = self.recipe.weights
+        held = getattr(self, "held_weights", None)
+        if held is None:
+            relay = None
+            if cfg.relays:
+                from astraflow.roles.member import advertise_host
+                from astraflow.weights.relay import relay_server
+
+                relay = relay_server(cfg, advertise_host(self.client.controller))
+                self.client.relay_addr = relay.address
+            held = self.held_weights = HeldWeights(relay)
+            self.pull_stats.ways = held.counts
+        return fetch_version(
+            [*info.relays, info.weights_addr],
+            name,
+            info.version,
+            expect_sha256=info.sha256,
+            # full pulls without relays need no copy of the version beside the engine's
+            held=held if cfg.mode == "delta" or cfg.relays else None,
+            delta=cfg.mode == "delta",
+            max_chain=cfg.max_chain,
+            relay_wait_s=cfg.relay_wait_s,
+        )
 
 
 def engine_alive(engine: Any) -> bool:

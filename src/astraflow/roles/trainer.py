@@ -68,7 +68,7 @@ def run_trainer(
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from astraflow import plugins
     from astraflow.config.load import validate_recipe
-    from astraflow.protocol.messages import BatchReply, BatchRequest, Error, VersionPublished
+    from astraflow.protocol.messages import BatchReply, BatchRequest, Error, TrainSample, VersionPublished
     from astraflow.roles.member import (
         advertise_host,
         connect_retrying,
@@ -119,8 +119,7 @@ def run_trainer(
         dist.broadcast(welcome.recipe)
     import torch
 
-    from astraflow.weights.publisher import BackgroundPublisher
-    from astraflow.weights.server import WeightServer
+    from astraflow.trainers.guard import NonFiniteError, SkipGuard, finite_metrics, nonfinite_weights
 
     torch.set_num_threads(pol.threads)
     stopping = {"sig": 0}
@@ -145,11 +144,7 @@ def run_trainer(
         _log.info("resumed %s from %s (step %d)", policy, last, trainer.step_count)
 
     host = advertise or advertise_host(controller)
-    server = WeightServer(
-        host, chunk_bytes=recipe.weights.chunk_bytes, keep_versions=recipe.weights.keep_versions
-    )
-
-    publisher = BackgroundPublisher(server, policy)
+    server, publisher = weight_publisher(recipe.weights, host, policy)
 
     def announce(block: bool, give_up_after_s: float = 600.0) -> float:
         """Announce the in-flight version once it is served (at once if not `block` and not ready);
@@ -181,6 +176,13 @@ def run_trainer(
         waited = announce(block=True)
         t0 = time.monotonic()
         weights = snapshot()
+        bad = nonfinite_weights(weights)
+        if bad:
+            raise NonFiniteError(
+                f"the weights after step {trainer.step_count} are not finite ({len(bad)} tensors, e.g. "
+                f"{bad[0]}); they are not published",
+                hint="lower optimizer.lr, or look for extreme values in the results (the controller's events)",
+            )
         if metrics:
             # the trainer's own share: the wait above + the weights' copy; serialisation and digest
             # run beside the next step (trainer_publish_bg_s)
@@ -192,13 +194,16 @@ def run_trainer(
         take = getattr(trainer, "weights_snapshot", None)
         return dict(take() if take is not None else trainer.export_weights())
 
+    guard = SkipGuard(policy, pol.max_nonfinite_steps)
+    bye = "done"
     try:
         if trainer.step_count > 0:
             publish({})
         while trainer.step_count < budget and not stopping["sig"]:
             step = trainer.step_count + 1
             t_wait = time.monotonic()
-            batch: BatchReply | None = None
+            batch: list[TrainSample] | None = None
+            parts = 1
             while not stopping["sig"]:
                 client.tick()
                 announce(block=False)  # the previous version, as soon as it is served
@@ -213,7 +218,8 @@ def run_trainer(
                     timeout_s=15.0 + wait if wait > 0 else 60.0,
                 )
                 if isinstance(reply, BatchReply) and reply.ready:
-                    batch = reply
+                    parts = reply.parts
+                    batch = fetch_parts(client, reply)
                     break
                 if isinstance(reply, BatchReply) and reply.done:
                     break
@@ -231,11 +237,12 @@ def run_trainer(
             wait_s = time.monotonic() - t_wait
             client.tick()
             t_step = time.monotonic()
-            metrics = dict(trainer.step(batch.samples))
+            metrics = dict(trainer.step(batch))
             dev = getattr(trainer, "device", None)
             if isinstance(dev, torch.device) and dev.type == "cuda":
                 torch.cuda.synchronize(dev)  # the optimizer's kernels may still run: count them here
             compute_s = time.monotonic() - t_step
+            guard.after_step(trainer.step_count, metrics)  # reports a skipped step; raises at the limit
             if pol.trainer_sleep_s > 0:
                 time.sleep(pol.trainer_sleep_s)  # the benchmarking knob: a costlier policy's step
             step_s = time.monotonic() - t_step
@@ -252,10 +259,11 @@ def run_trainer(
                     # wall clock at the step's end: its version may be announced a step later
                     "trainer_done_at": time.time(),
                     "trainer_checkpoint_s": time.monotonic() - t_ckpt,
-                    "batch_size": float(len(batch.samples)),
+                    "batch_size": float(len(batch)),
+                    "trainer_batch_parts": float(parts),
                 }
             )
-            publish({k: float(v) for k, v in metrics.items()})
+            publish(finite_metrics({k: float(v) for k, v in metrics.items()}))
         announce(block=True)
         if not stopping["sig"] and 0 < trainer.step_count < budget:
             # the controller ended the run early (an operator's stop): keep the last step
@@ -271,6 +279,13 @@ def run_trainer(
         if isinstance(trainer, Leader):
             trainer.stop()
         return 0
+    except NonFiniteError as exc:
+        bye = f"failed: {exc}"  # the controller records why this trainer left
+        _log.error("%s\n  hint: %s", exc.message, exc.hint)
+        return 1
+    except AstraflowError as exc:
+        bye = f"failed: {exc}"
+        raise
     finally:
         if publisher.busy:
             # a stop (signal, error) mid-publish: finish and announce the version if the controller
@@ -280,7 +295,27 @@ def run_trainer(
             except (AstraflowError, OSError) as exc:
                 _log.warning("version in flight at stop not announced: %s", exc)
         server.close()
-        client.close("done")
+        client.close(bye[:1000])
+
+
+def fetch_parts(client: Any, first: Any) -> list[Any] | None:
+    """The samples of a ready batch: `first`'s, then those of its other parts (a batch larger than one
+    message comes in parts); None when the controller says the run is done meanwhile."""
+    from astraflow.protocol.messages import BatchReply, BatchRequest
+    from astraflow.roles.member import request_retrying
+
+    samples = list(first.samples)
+    for part in range(1, first.parts):
+        reply = request_retrying(
+            client, BatchRequest(policy=first.policy, step=first.step, part=part), timeout_s=60.0
+        )
+        if isinstance(reply, BatchReply) and reply.done:
+            return None
+        if not (isinstance(reply, BatchReply) and reply.ready and reply.part == part):
+            detail = f"{reply.code} {reply.message}" if hasattr(reply, "code") else type(reply).__name__
+            raise AstraflowError(f"controller refused part {part} of batch {first.step}: {detail}")
+        samples += reply.samples
+    return samples
 
 
 def serve_until_done(client: Any, policy: str, budget: int, stopping: dict[str, int]) -> None:
@@ -295,3 +330,18 @@ def serve_until_done(client: Any, policy: str, budget: int, stopping: dict[str, 
         if not isinstance(reply, BatchReply) or reply.done:
             return
         time.sleep(max(0.05, reply.retry_after_s or 0.2))
+
+
+def weight_publisher(cfg: Any, host: str, policy: str) -> tuple[Any, Any]:
+    """The trainer's weight server and the publisher that fills it, as `[weights]` asks (deltas or not)."""
+    from astraflow.weights.publisher import BackgroundPublisher
+    from astraflow.weights.server import WeightServer
+
+    delta = cfg.mode == "delta"
+    server = WeightServer(
+        host,
+        chunk_bytes=cfg.chunk_bytes,
+        keep_versions=cfg.keep_versions,
+        keep_deltas=cfg.max_chain if delta else 0,
+    )
+    return server, BackgroundPublisher(server, policy, delta=delta)

@@ -7,7 +7,7 @@ import sqlite3
 from typing import Any
 
 from astraflow.dataflow import control, failures
-from astraflow.state.store import Store
+from astraflow.state.store import Store, skipped_steps
 
 SCHEMA_VERSION = 1
 
@@ -20,6 +20,7 @@ def build_status(store: Store) -> dict[str, Any]:
     configs = {p.get("name"): p for p in recipe.get("policy", [])} if recipe else {}
     policies = []
     buffers: dict[str, dict[str, int]] = {}
+    skipped = skipped_steps(store)
     for p in store.policies():
         m = store.last_metrics(p["name"]) or {}
         reward = m.get("reward_mean")
@@ -40,6 +41,7 @@ def build_status(store: Store) -> dict[str, Any]:
                 "max_staleness": int(p["max_staleness"]),
                 "staleness_max": None if stale is None else float(stale),
                 "eval": _latest_eval(store, p["name"]),
+                "skipped_steps": skipped.get(p["name"], []),
             }
         )
         counts = {"buffered": 0, "consumed": 0, "expired": 0, "dropped": 0}

@@ -322,6 +322,15 @@ class Store:
         return [dict(r) for r in reversed(rows)]
 
 
+def skipped_steps(store: Store) -> dict[str, list[int]]:
+    """Policy -> the steps its trainer skipped (non-finite loss or gradient norm), from the events."""
+    out: dict[str, list[int]] = {}
+    for r in store.query("SELECT detail FROM events WHERE kind = 'step_skipped' ORDER BY id"):
+        d = json.loads(r["detail"])
+        out.setdefault(str(d["policy"]), []).append(int(d["step"]))
+    return out
+
+
 def _member(row: sqlite3.Row) -> dict[str, Any]:
     d = dict(row)
     d["policies"] = json.loads(d["policies"] or "[]")

@@ -2,7 +2,9 @@
 
 A batch is split into `policy.minibatches` optimizer updates; each update accumulates gradients
 over micro-batches of `micro_batch` sequences, and every micro-batch loss is divided by the trained
-tokens of its whole update, so the update's gradient is that of one token-mean. Logprobs are
+tokens of its whole update, so the update's gradient is that of one token-mean. An update whose loss
+or gradient norm is not finite (on any rank) is skipped: gradients zeroed, no optimizer step
+(`skipped_updates` in the step's metrics; the trainer role counts such steps). Logprobs are
 taken under each sequence's own sampling settings (temperature, top-p, top-k), like the engine's
 behaviour logprobs, from hidden states a chunk of tokens at a time (trainers/logprobs.py). Micro-batches
 are padded or packed (trainers/packing.py); under torchrun the model is sharded with FSDP2
@@ -310,11 +312,17 @@ class TorchTrainer(Trainer):
             for m in ms
             if has_prox and m.sequences > 0
         ]
+        skipped = 0
         for u, (part, micros) in enumerate(updates):
             self.optimizer.zero_grad(set_to_none=True)
             first = mm_dev if u == 0 and not has_prox else None
             losses_dev.append(self._accumulate(part, micros, extras, acc, first))
             norms_dev.append(dist.grad_norm(self._params, self.policy.optimizer.grad_clip))
+            if not self._finite(losses_dev[-1], norms_dev[-1]):
+                # a NaN or inf would reach every weight through the optimizer: this update is skipped
+                self.optimizer.zero_grad(set_to_none=True)
+                skipped += 1
+                continue
             self.optimizer.step()
         self._step += 1
         # Host-side metrics first: they overlap the device's last kernels.
@@ -346,6 +354,7 @@ class TorchTrainer(Trainer):
             grad_norm=sum(grad_norms) / len(grad_norms),
             entropy=ent_sum / max(ent_tokens, 1.0),
             lr=lr,
+            skipped_updates=float(skipped),
         )
         out.update(mismatch.metrics(mm_host))
         return out
@@ -355,6 +364,11 @@ class TorchTrainer(Trainer):
         step - 1 until this step's optimizer updates end."""
         assert m.versions is not None
         return mismatch.token_sums(logp, m.behaviour, m.mask, m.versions, self._step)
+
+    def _finite(self, loss: torch.Tensor, norm: torch.Tensor) -> bool:
+        """Whether an update's loss and gradient norm are finite on every rank (one host sync)."""
+        bad = float((~torch.isfinite(loss.detach()) | ~torch.isfinite(norm.detach())).any())
+        return dist.all_sum([bad], self.device)[0] == 0.0
 
     def batch_gradients(self, batch: list[TrainSample]) -> tuple[float, dict[str, torch.Tensor]]:
         """(loss, gradients) of `batch` taken as one update at the current parameters, without stepping;

@@ -92,6 +92,8 @@ class MemberClient:
         self._lock = threading.Lock()
         self._load: tuple[dict[str, int], int, int] = ({}, 0, 0)
         self._progress: tuple[list[int], str] = ([], "")
+        self.relay_addr = ""
+        """The member's relay weight server, sent in every Heartbeat ("" = none)."""
         """Task ids in progress and the newest survived error, for the next Heartbeat."""
         self._last_tick = time.monotonic()
         self._inbox: queue.SimpleQueue[Pending] = queue.SimpleQueue()

@@ -170,6 +170,7 @@ class MemberLoop:
             active=active,
             error=error,
             waiting=waiting,
+            relay_addr=c.relay_addr,
         )
         # a heartbeat that cannot go out now is worthless later: replace any queued one
         self.outbox = deque(m for m in self.outbox if not isinstance(m, Heartbeat))
@@ -333,6 +334,7 @@ class MemberLoop:
             if v.policy not in current
             or v.version > current[v.policy].version
             or (v.version == current[v.policy].version and v.weights_addr != current[v.policy].weights_addr)
+            or (v.version == current[v.policy].version and v.relays != current[v.policy].relays)
         }
         if not newer:
             return

@@ -27,6 +27,10 @@ class VersionUnavailableError(AstraflowError):
     """The weight server no longer (or never) held the requested version; pull a newer one."""
 
 
+class NotYetError(VersionUnavailableError):
+    """A relay is still fetching the requested version: ask it again shortly, or pull elsewhere."""
+
+
 def fetch_manifest(
     addr: str, policy: str, version: int, *, kind: str = "full", timeout_s: float = 10.0
 ) -> WeightManifest:
@@ -45,35 +49,75 @@ def fetch_weights(
     expect_sha256: str = "",
     window: int = DEFAULT_WINDOW,
     max_chunk_bytes: int = 64 << 20,
+    idle_timeout_s: float | None = None,
 ) -> memoryview:
     """Download and verify a version's blob (a writable buffer); WeightIntegrityError on any
     checksum mismatch.
 
     Raises ConnectError when the server does not answer within timeout_s (for the whole pull) and
-    VersionUnavailableError when it does not hold the version.
+    VersionUnavailableError when it does not hold the version; with idle_timeout_s, ConnectError as
+    soon as the server was silent that long.
     """
-    with _Puller(addr, timeout_s, max_chunk_bytes) as puller:
+    with _Puller(addr, timeout_s, max_chunk_bytes, idle_timeout_s) as puller:
         manifest = puller.manifest(policy, version, kind)
         if expect_sha256 and manifest.sha256 != expect_sha256:
             raise WeightIntegrityError(
                 f"{policy}@{version} from {addr} has sha256 {manifest.sha256[:12]}…, expected {expect_sha256[:12]}…",
                 hint="the server holds different bytes for this version; pull from the trainer instead",
             )
-        problem = check_manifest(manifest, max_chunk_bytes)
-        if problem:
-            raise ProtocolError(f"bad manifest for {policy}@{version} from {addr}: {problem}", hint="")
-        # chunks land in place in one buffer (anonymous mmap: no zeroing pass), while a second thread
-        # hashes the whole blob as its prefix fills, so the digest is ready when the last chunk is
-        blob = mmap.mmap(-1, max(1, manifest.nbytes))
-        view = memoryview(blob)[: manifest.nbytes]
-        digest = _PrefixHasher(view)
-        try:
-            puller.chunks(manifest, kind, max(1, window), view, digest)
-        finally:
-            whole = digest.finish()
+        return _pull_blob(puller, manifest, kind, window, max_chunk_bytes)
+
+
+def fetch_chain(
+    addr: str,
+    policy: str,
+    base: int,
+    version: int,
+    *,
+    max_bytes: int,
+    timeout_s: float = 60,
+    window: int = DEFAULT_WINDOW,
+    max_chunk_bytes: int = 64 << 20,
+    idle_timeout_s: float | None = None,
+) -> list[memoryview]:
+    """Download and verify the deltas base+1 .. version (each from the version before), in order.
+
+    Raises VersionUnavailableError when the server lacks one of them, or when together they exceed
+    max_bytes (a full snapshot is then the cheaper pull); ConnectError and WeightIntegrityError as
+    fetch_weights.
+    """
+    if version <= base:
+        raise ValueError(f"no chain from {base} to {version}")
+    with _Puller(addr, timeout_s, max_chunk_bytes, idle_timeout_s) as puller:
+        manifests = [puller.manifest(policy, v, "delta") for v in range(base + 1, version + 1)]
+        total = sum(m.nbytes for m in manifests)
+        if total > max_bytes:
+            raise VersionUnavailableError(
+                f"the deltas {policy}@{base}..{version} at {addr} total {total} bytes, over {max_bytes}",
+                hint="pull the full version",
+            )
+        return [_pull_blob(puller, m, "delta", window, max_chunk_bytes) for m in manifests]
+
+
+def _pull_blob(
+    puller: _Puller, manifest: WeightManifest, kind: str, window: int, max_chunk_bytes: int
+) -> memoryview:
+    policy, version, addr = manifest.policy, manifest.version, puller.addr
+    problem = check_manifest(manifest, max_chunk_bytes)
+    if problem:
+        raise ProtocolError(f"bad manifest for {policy}@{version} from {addr}: {problem}", hint="")
+    # chunks land in place in one buffer (anonymous mmap: no zeroing pass), while a second thread
+    # hashes the whole blob as its prefix fills, so the digest is ready when the last chunk is
+    blob = mmap.mmap(-1, max(1, manifest.nbytes))
+    view = memoryview(blob)[: manifest.nbytes]
+    digest = _PrefixHasher(view)
+    try:
+        puller.chunks(manifest, kind, max(1, window), view, digest)
+    finally:
+        whole = digest.finish()
     if whole != manifest.sha256:
         raise WeightIntegrityError(
-            f"{policy}@{version} from {addr}: whole-blob sha256 mismatch", hint="retry the pull"
+            f"{kind} {policy}@{version} from {addr}: whole-blob sha256 mismatch", hint="retry the pull"
         )
     return view
 
@@ -99,10 +143,15 @@ def split_address(addr: str) -> tuple[str, bytes | None]:
 class _Puller:
     """One DEALER to one weight server, with a deadline shared by every request of a pull."""
 
-    def __init__(self, addr: str, timeout_s: float, max_chunk_bytes: int) -> None:
+    def __init__(
+        self, addr: str, timeout_s: float, max_chunk_bytes: int, idle_timeout_s: float | None = None
+    ) -> None:
         self.addr = addr
         self.timeout_s = timeout_s
         self.deadline = time.monotonic() + timeout_s
+        self.idle_s = idle_timeout_s or timeout_s
+        """Give up when the server sent nothing for this long (a relay that died mid-transfer)."""
+        self.last_heard = time.monotonic()
         # a lost request (server restarted, peer dropped) is asked again after this long
         self.retry_s = max(0.5, min(5.0, timeout_s / 6))
         self.rids = itertools.count(1)
@@ -139,6 +188,7 @@ class _Puller:
         if not self.sock.poll(max(0, int(wait_s * 1000))):
             return None
         frames = self.sock.recv_multipart()
+        self.last_heard = time.monotonic()
         if len(frames) != 1:
             raise ProtocolError(f"weight server {self.addr} sent {len(frames)} frames", hint="")
         try:
@@ -156,6 +206,8 @@ class _Puller:
 
     def _check_error(self, msg: Msg, policy: str, version: int) -> None:
         if isinstance(msg, Error):
+            if msg.code == "not_yet":
+                raise NotYetError(f"relay at {self.addr}: {msg.message}", hint="ask again shortly")
             if msg.code == "unknown_version":
                 raise VersionUnavailableError(
                     f"weight server at {self.addr} does not hold {policy}@{version}: {msg.message}",
@@ -169,12 +221,12 @@ class _Puller:
         resend_at = time.monotonic() + self.retry_s
         while True:
             now = time.monotonic()
-            if now >= self.deadline:
+            if now >= min(self.deadline, self.last_heard + self.idle_s):
                 raise self._timeout(f"the manifest of {policy}@{version}")
             if now >= resend_at:
                 self._send(req)
                 resend_at = now + self.retry_s
-            msg = self._recv(min(self.deadline, resend_at) - now)
+            msg = self._recv(min(self.deadline, resend_at, self.last_heard + self.idle_s) - now)
             if msg is None or msg.rid != req.rid:
                 continue
             self._check_error(msg, policy, version)
@@ -204,14 +256,14 @@ class _Puller:
             ask(index)
         while remaining:
             now = time.monotonic()
-            if now >= self.deadline:
+            if now >= min(self.deadline, self.last_heard + self.idle_s):
                 raise self._timeout(f"all {n} chunks of {manifest.policy}@{manifest.version}")
             for rid, (index, resend_at) in list(inflight.items()):
                 if now >= resend_at:
                     del inflight[rid]
                     ask(index)
             next_resend = min((t for _, t in inflight.values()), default=self.deadline)
-            msg = self._recv(min(self.deadline, next_resend) - now)
+            msg = self._recv(min(self.deadline, next_resend, self.last_heard + self.idle_s) - now)
             if msg is None:
                 continue
             entry = inflight.pop(msg.rid, None)

@@ -29,10 +29,12 @@ class Published:
 class BackgroundPublisher:
     """One worker thread per version; `busy` while a version waits to be announced."""
 
-    def __init__(self, server: WeightServer, policy: str) -> None:
-        """Publish `policy`'s versions into `server`."""
+    def __init__(self, server: WeightServer, policy: str, *, delta: bool = False) -> None:
+        """Publish `policy`'s versions into `server`; with `delta`, also each version's delta from the
+        version before (when the server still holds it)."""
         self.server = server
         self.policy = policy
+        self.delta = delta
         self._thread: threading.Thread | None = None
         self._result: Published | None = None
         self._error: BaseException | None = None
@@ -73,6 +75,8 @@ class BackgroundPublisher:
                     blob = _to_bytes_on_side_stream(weights, ready)
                 manifest = self.server.publish(self.policy, version, blob)
                 out = dict(metrics)
+                if self.delta:
+                    out.update(publish_delta(self.server, self.policy, version, blob, manifest))
                 if out:
                     # serialisation + digest, overlapped with the trainer's next step
                     out["trainer_publish_bg_s"] = time.monotonic() - t0
@@ -95,6 +99,33 @@ class BackgroundPublisher:
             raise self._error
         assert self._result is not None
         return self._result
+
+
+def publish_delta(
+    server: WeightServer, policy: str, version: int, blob: Any, manifest: WeightManifest
+) -> dict[str, float]:
+    """Encode and hold the delta from version - 1 (if the server holds it); its size and time as metrics."""
+    from astraflow.weights.delta import encode_delta
+    from astraflow.weights.snapshot import bytes_to_state_dict
+
+    prev, prev_manifest = server.blob(policy, version - 1), server.manifest(policy, version - 1)
+    if prev is None or prev_manifest is None:
+        return {}
+    t0 = time.monotonic()
+    delta, stats = encode_delta(
+        bytes_to_state_dict(prev),
+        bytes_to_state_dict(blob),
+        base_version=version - 1,
+        target_version=version,
+        base_sha256=prev_manifest.sha256,
+        target_sha256=manifest.sha256,
+    )
+    server.publish(policy, version, delta, kind="delta")
+    return {
+        "weights_delta_changed": stats.changed / max(1, stats.elements),
+        "weights_delta_bytes": stats.nbytes / max(1, manifest.nbytes),
+        "weights_delta_encode_s": time.monotonic() - t0,
+    }
 
 
 def _device_event(weights: dict[str, Any]) -> Any:

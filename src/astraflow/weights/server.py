@@ -56,16 +56,24 @@ class WeightServer:
         *,
         chunk_bytes: int = 4 << 20,
         keep_versions: int = 2,
+        keep_deltas: int = 0,
+        relay: bool = False,
         port: int = 0,
         advertise_host: str | None = None,
         keypair: KeyPair | None = None,
         pull_keys: KeyStore | None = None,
     ) -> None:
         """Bind on bind_host (port 0 = a free one) and start serving; `address` is what peers dial."""
-        if chunk_bytes <= 0 or keep_versions <= 0:
-            raise ValueError("chunk_bytes and keep_versions must be positive")
+        if chunk_bytes <= 0 or keep_versions <= 0 or keep_deltas < 0:
+            raise ValueError("chunk_bytes and keep_versions must be positive, keep_deltas not negative")
         self.chunk_bytes = chunk_bytes
         self.keep_versions = keep_versions
+        self.keep_deltas = keep_deltas
+        """Deltas held per policy at most (each from the version before); also no more, together,
+        than the newest full version's size: a longer chain would cost a puller more than a full."""
+        self.relay = relay
+        """A worker's relay: a request for a version newer than any it holds is answered `not_yet`
+        (it pulls every new version, so the asker may wait for it) rather than `unknown_version`."""
         self._blobs: dict[tuple[str, int, str], tuple[WeightManifest, memoryview]] = {}
         self._lock = threading.Lock()
         self._ctx = zmq.Context()
@@ -106,20 +114,52 @@ class WeightServer:
     def publish(
         self, policy: str, version: int, blob: bytes | memoryview, *, kind: str = "full"
     ) -> WeightManifest:
-        """Checksum and hold a blob, evicting versions older than the newest keep_versions."""
+        """Checksum and hold a blob (kind "full", or "delta" from version - 1), evicting full versions
+        older than the newest keep_versions and deltas past keep_deltas or the newest full's size."""
+        if kind not in ("full", "delta"):
+            raise ValueError(f"unknown blob kind {kind!r}")
         manifest = build_manifest(policy, version, blob, self.chunk_bytes, kind=kind)
         with self._lock:
             self._blobs[(policy, version, kind)] = (manifest, memoryview(blob).cast("B"))
-            held = sorted({v for (p, v, _) in self._blobs if p == policy}, reverse=True)
-            drop = set(held[self.keep_versions :])
-            for key in [k for k in self._blobs if k[0] == policy and k[1] in drop]:
-                del self._blobs[key]
+            self._evict(policy)
         return manifest
 
-    def held(self, policy: str) -> list[int]:
-        """Versions of a policy this server can serve now, oldest first."""
+    def _evict(self, policy: str) -> None:
+        fulls = sorted((v for (p, v, k) in self._blobs if p == policy and k == "full"), reverse=True)
+        drop = [(policy, v, "full") for v in fulls[self.keep_versions :]]
+        budget = self._blobs[(policy, fulls[0], "full")][0].nbytes if fulls else 0
+        kept = 0
+        deltas = sorted((v for (p, v, k) in self._blobs if p == policy and k == "delta"), reverse=True)
+        for i, v in enumerate(deltas):
+            size = self._blobs[(policy, v, "delta")][0].nbytes
+            if i >= self.keep_deltas or kept + size > budget:
+                drop += [(policy, old, "delta") for old in deltas[i:]]
+                break
+            kept += size
+        for key in drop:
+            del self._blobs[key]
+
+    def blob(self, policy: str, version: int, kind: str = "full") -> memoryview | None:
+        """The bytes held for (policy, version, kind), or None."""
         with self._lock:
-            return sorted({v for (p, v, _) in self._blobs if p == policy})
+            entry = self._blobs.get((policy, version, kind))
+        return None if entry is None else entry[1]
+
+    def manifest(self, policy: str, version: int, kind: str = "full") -> WeightManifest | None:
+        """The manifest held for (policy, version, kind), or None."""
+        with self._lock:
+            entry = self._blobs.get((policy, version, kind))
+        return None if entry is None else entry[0]
+
+    def deltas(self, policy: str) -> list[int]:
+        """Versions of a policy whose delta (from the version before) this server holds, oldest first."""
+        with self._lock:
+            return sorted(v for (p, v, k) in self._blobs if p == policy and k == "delta")
+
+    def held(self, policy: str) -> list[int]:
+        """Full versions of a policy this server can serve now, oldest first."""
+        with self._lock:
+            return sorted(v for (p, v, k) in self._blobs if p == policy and k == "full")
 
     def close(self) -> None:
         """Stop serving and release the port."""
@@ -173,7 +213,13 @@ class WeightServer:
             return Error(rid=req.rid, code="unknown_type", message=f"a weight server does not answer {what}")
         with self._lock:
             entry = self._blobs.get((req.policy, req.version, req.kind))
-            held = sorted({v for (p, v, _) in self._blobs if p == req.policy})
+            held = sorted(v for (p, v, k) in self._blobs if p == req.policy and k == "full")
+        if entry is None and self.relay and (not held or req.version > held[-1]):
+            return Error(
+                rid=req.rid,
+                code="not_yet",
+                message=f"this relay is still fetching {req.policy}@{req.version} (held: {held})",
+            )
         if entry is None:
             return Error(
                 rid=req.rid,
