@@ -9,9 +9,10 @@ again is normalised again from the same values, so it reaches the trainer unchan
 Built in: `grpo` and `drgrpo` (dataflow/advantages.py), `rloo` and `reinforce_pp`. PPO with GAE and a
 value model is not built yet.
 
-Large rewards: every estimator here scales a group (or batch) by a power of two before summing, which
-is exact, so the result is finite whenever the true advantage is a finite float; non-finite rewards
-are refused with a ValueError.
+Large rewards: rloo and reinforce_pp scale a group (or batch) by a power of two before summing, which
+is exact, so the result is finite whenever the true advantage is a finite float; otherwise, and for
+non-finite rewards, they raise ValueError, which the pipeline turns into a refused result (grpo and
+drgrpo come from dataflow/advantages.py, whose non-finite results are refused the same way).
 """
 
 from __future__ import annotations
