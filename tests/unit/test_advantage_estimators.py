@@ -165,3 +165,16 @@ def test_rloo_through_the_pipeline_and_a_plugin_subclass(tmp_path: Path) -> None
             return [1.0] * len(rewards)
 
     assert Const().group([0.0, 5.0]) == [1.0, 1.0] and isinstance(ReinforcePPConfig(), ReinforcePPConfig)
+
+
+def test_a_group_the_estimator_refuses_is_refused_whole(tmp_path: Path) -> None:
+    from astraflow.dataflow.limits import RefusedResult
+
+    store = Store.open(tmp_path / "s.db")
+    rec = Recipe(policy=[PolicyConfig(model="m", group_size=2, advantage="rloo")])  # type: ignore[arg-type]
+    pipe = Pipeline(rec, store)
+    buf = Buffer(store, order=pipe.order)
+    with pytest.raises(RefusedResult, match="non-finite"):
+        pipe.ingest(buf, 1, "a", _episodes([1.0, math.inf]))
+    assert buf.counts("main") == {"buffered": 0, "consumed": 0, "expired": 0, "dropped": 0}
+    store.close()
