@@ -17,6 +17,7 @@ GROUPS: tuple[str, ...] = (
     "astraflow.workflows",
     "astraflow.data",
     "astraflow.losses",
+    "astraflow.advantages",
     "astraflow.metric_sinks",
 )
 

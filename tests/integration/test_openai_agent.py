@@ -24,6 +24,7 @@ from astraflow.errors import AstraflowError
 from astraflow.models.init import init_model
 from astraflow.workflows.env_protocol import EnvServerConfig, EnvServerWorkflow
 from astraflow.workflows.openai_agent import AgentEndpoint, OpenAIAgentConfig, OpenAIAgentWorkflow
+from astraflow.workflows.openai_tools import forced_ids
 
 openai = pytest.importorskip("openai")
 torch.set_num_threads(1)
@@ -132,7 +133,7 @@ def test_openai_client_agent_records_the_engines_exact_tokens(model_dir: Path) -
                 model=ep.model,
                 messages=msgs,
                 tools=[{"type": "function", "function": {"name": "f"}}],
-                tool_choice="required",
+                tool_choice={"type": "function", "function": {"name": "g"}},
             )
         return 0.5
 
@@ -406,6 +407,51 @@ def test_tool_calls_round_trip_through_the_real_engine(tool_model_dir: Path) -> 
     assert [c.choices[0].finish_reason for c in got["chunks"]][-1] == "tool_calls"
 
 
+def test_tool_choice_forces_the_call_opening(tool_model_dir: Path) -> None:
+    """A named tool_choice prompts the engine with the opening of that tool's call; the forced tokens
+    are context in the trajectory (mask 0), the sampled rest is trained, and the call is parsed."""
+    client, engine = _client(tool_model_dir)
+    tok = client.tokenizer
+    got: dict[str, Any] = {}
+
+    def agent(ep: AgentEndpoint, task: dict[str, Any]) -> float:
+        oai = ep.openai()
+        msgs: list[Any] = [{"role": "user", "content": "What is 2 plus 2?"}]
+        named = {"type": "function", "function": {"name": "add"}}
+        got["named"] = oai.chat.completions.create(
+            model=ep.model, messages=msgs, tools=TOOLS, tool_choice=named, temperature=0.2, max_tokens=40
+        )
+        got["required"] = oai.chat.completions.create(
+            model=ep.model, messages=msgs, tools=TOOLS, tool_choice="required", temperature=0.2, max_tokens=40
+        )
+        return 1.0
+
+    ep = _run_agent(client, engine, agent)
+    (p1, out1), (p2, out2) = engine.calls
+    first_prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 2 plus 2?"}],
+        tools=TOOLS,
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    base = tok.encode(first_prompt, add_special_tokens=False)
+    # forced: the call's opening up to `"arguments":` (the trailing space would merge with what follows)
+    assert tok.decode(p1[len(base) :]) == '<tool_call>{"name": "add", "arguments":'
+    assert tok.decode(p2[len(base) :]) in ('<tool_call>{"name": "', '<tool_call>{"name":')
+    # the fine-tuned model completes the forced opening into the call it learnt
+    (call,) = got["named"].choices[0].message.tool_calls
+    assert call.function.name == "add" and json.loads(call.function.arguments) == {"a": 2, "b": 2}
+    assert got["named"].choices[0].finish_reason == "tool_calls"
+    seq = next(s for s in ep.sequences(1.0) if s.tokens[: len(p1)] == p1)
+    assert seq.tokens == p1 + out1.token_ids
+    assert seq.loss_mask == [0] * len(p1) + [1] * len(out1.token_ids)
+    assert tok.decode(seq.tokens[len(base) :]) == TOOL_CALL_TEXT + "<eos>"
+    # the forced ids are exactly the leading ids of the whole call's own tokenization
+    whole = tok.encode(TOOL_CALL_TEXT, add_special_tokens=False)
+    forced = forced_ids(tok, '<tool_call>{"name": "add", "arguments": ')
+    assert whole[: len(forced)] == forced == p1[len(base) :]
+
+
 def test_a_seed_makes_the_engine_repeat_its_samples(model_dir: Path) -> None:
     client, engine = _client(model_dir)
     answers: list[list[str]] = []
@@ -423,3 +469,48 @@ def test_a_seed_makes_the_engine_repeat_its_samples(model_dir: Path) -> None:
     # the same seed gives the same samples; choice i of n uses seed + i, so the two choices differ
     assert answers[0] == answers[1] and outs[:2] == outs[2:] and outs[0] != outs[1]
     assert sorted(_policy_turns(s)[0] for s in ep.sequences(1.0)) == sorted(outs)
+
+
+def test_per_role_rewards_and_info_reach_sequences_and_metrics(model_dir: Path, tmp_path: Path) -> None:
+    """An agent playing two roles through the real openai client returns per-role rewards and extra
+    info: each role's trajectories carry its reward and role, and the info reaches the step metrics."""
+    from astraflow.config.recipe import PolicyConfig, Recipe
+    from astraflow.dataflow.buffer import Buffer
+    from astraflow.dataflow.pipeline import Pipeline
+    from astraflow.state.store import Store
+
+    client, engine = _client(model_dir)
+    wf = _workflow()
+
+    def agent(ep: AgentEndpoint, task: dict[str, Any]) -> dict[str, Any]:
+        oai = ep.openai()
+        for role in ("proposer", "solver", "solver"):
+            msgs = [{"role": "user", "content": f"{role}: say the word apple."}]
+            oai.chat.completions.create(model=role, messages=msgs, max_tokens=3)
+        return {"reward": 0.0, "rewards": {"solver": 1.0}, "info": {"correct": True}, "steps": 3}
+
+    wf._fns["agent"] = agent
+
+    async def main() -> Any:
+        try:
+            return await wf.run_episode({}, {"proposer": client, "solver": client})
+        finally:
+            await wf.server.close()
+
+    try:
+        ep = asyncio.run(main())
+    finally:
+        engine.inner.close()
+    by_role = sorted((s.role, s.reward) for s in ep.sequences)
+    assert by_role == [("proposer", 0.0), ("solver", 1.0), ("solver", 1.0)]
+    assert ep.info["correct"] == 1.0 and ep.info["steps"] == 3.0
+    assert ep.info["trajectories"] == 3.0
+    # through the pipeline: numeric info per policy and per role, in the step metrics of its batch
+    store = Store.open(tmp_path / "s.db")
+    pipe = Pipeline(Recipe(policy=[PolicyConfig(model="m", group_size=3)]))  # type: ignore[arg-type]
+    pipe.ingest(Buffer(store), 7, "k", [ep])
+    got = pipe.take_info("main", [7])
+    assert (
+        got["info/steps"] == 3.0 and got["info/solver/steps"] == 3.0 and got["info/proposer/correct"] == 1.0
+    )
+    store.close()

@@ -20,6 +20,7 @@ from astraflow.workflows.openai_tools import (
     api_message,
     check_template,
     check_tools,
+    forced_prefix,
     parse_tool_calls,
     template_message,
 )
@@ -86,9 +87,15 @@ def test_tool_options_and_a_template_that_ignores_tools_are_refused(tok: Any) ->
     assert check_tools({"tools": TOOLS}) == (TOOLS, True)
     assert check_tools({"tools": TOOLS, "tool_choice": "none"}) == (TOOLS, False)
     assert check_tools({}) == (None, False)
+    # required and named functions: the forced opening of the call
+    named = {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "add"}}}
+    assert check_tools(named) == (TOOLS, True)
+    assert forced_prefix(named, TOOLS) == '<tool_call>{"name": "add", "arguments": '
+    assert forced_prefix({"tool_choice": "required"}, TOOLS) == '<tool_call>{"name": "'
+    assert forced_prefix({"tool_choice": "auto"}, TOOLS) == ""
     for body, why in (
-        ({"tools": TOOLS, "tool_choice": "required"}, "constrained decoding"),
-        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "add"}}}, "constrained"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "sub"}}}, "not among"),
+        ({"tools": TOOLS, "tool_choice": "always"}, "tool_choice must be"),
         ({"tools": TOOLS, "parallel_tool_calls": False}, "parallel_tool_calls"),
         ({"tools": [{"type": "code_interpreter"}]}, "tools must be"),
     ):

@@ -92,6 +92,31 @@ def test_extends_merges_tables_and_policies(tmp_path: Path) -> None:
     assert (r.policy[0].model, r.policy[0].group_size, r.policy[0].batch_prompts) == ("m", 4, 2)
 
 
+def test_unset_removes_keys_of_the_base(tmp_path: Path) -> None:
+    (tmp_path / "base.toml").write_text(
+        '[run]\nname = "b"\nsteps = 5\n\n[[policy]]\nmodel = "m"\ngroup_size = 4\n'
+        'loss_options = { tau = 0.1 }\n\n[[policy.data]]\nname = "dynamic_sampling"\n'
+    )
+    (tmp_path / "v.toml").write_text(
+        'extends = "base.toml"\nunset = ["run.name", "policy.0.data", "policy.0.loss_options.tau"]\n'
+        "[[policy]]\nbatch_prompts = 2\n"
+    )
+    r = load_recipe(tmp_path / "v.toml")
+    assert r.run.name != "b" and r.run.steps == 5
+    assert r.policy[0].data == [] and r.policy[0].loss_options == {} and r.policy[0].batch_prompts == 2
+    for bad, match in [
+        ('unset = ["run.nope"]', "no 'nope'"),
+        ('unset = ["policy.3.data"]', "no '3'"),
+        ('unset = "run"', "list of dotted keys"),
+    ]:
+        (tmp_path / "w.toml").write_text(f'extends = "base.toml"\n{bad}\n')
+        with pytest.raises(RecipeError, match=match):
+            load_recipe(tmp_path / "w.toml")
+    (tmp_path / "x.toml").write_text('unset = ["run"]\n')
+    with pytest.raises(RecipeError, match="has no `extends`"):
+        load_recipe(tmp_path / "x.toml")
+
+
 def test_extends_cycle_and_missing_base_are_errors(tmp_path: Path) -> None:
     (tmp_path / "a.toml").write_text('extends = "b.toml"\n')
     (tmp_path / "b.toml").write_text('extends = "a.toml"\n')

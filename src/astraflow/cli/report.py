@@ -17,11 +17,18 @@ def export(
     out: Annotated[
         Path | None, typer.Option("--out", help="Output file (default RUN_DIR/<what>.<format>).")
     ] = None,
+    text: Annotated[
+        bool,
+        typer.Option(
+            "--text/--no-text",
+            help="Trajectories: also decode them with each policy's tokenizer (text, generated columns).",
+        ),
+    ] = True,
 ) -> None:
     """Write a run's metrics or trajectories as CSV or Parquet."""
     from astraflow.metrics.export import export as do_export
 
-    path, n = do_export(run_dir, what, fmt, out)
+    path, n = do_export(run_dir, what, fmt, out, text=text)
     typer.echo(f"wrote {n} rows to {path}")
 
 

@@ -10,7 +10,7 @@ import typer
 
 def sft(
     model: Annotated[Path, typer.Argument(help="Model directory to start from (e.g. from `model init`).")],
-    data: Annotated[Path, typer.Argument(help="JSONL of {prompt, completion} or {messages} rows.")],
+    data: Annotated[Path, typer.Argument(help="JSONL of {prompt, completion} or {messages, tools?} rows.")],
     out: Annotated[Path, typer.Option("--out", help="New model directory to write.")],
     epochs: Annotated[int, typer.Option("--epochs", min=1, help="Passes over the data.")] = 3,
     lr: Annotated[float, typer.Option("--lr", min=0.0, help="AdamW learning rate.")] = 1e-3,
@@ -27,7 +27,8 @@ def sft(
         ),
     ] = 0.0,
 ) -> None:
-    """Fine-tune MODEL on DATA (loss on completion tokens only) and write OUT for a recipe's policy.model."""
+    """Fine-tune MODEL on DATA (loss on completion / assistant tokens only, tool calls included; tool
+    results are context) and write OUT for a recipe's policy.model."""
     import os
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -91,14 +91,44 @@ def read_recipe_data(p: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
         kind = "JSON" if p.suffix == ".json" else "TOML"
         raise RecipeError(f"{p}: not valid {kind}: {exc}", hint="check the line named above") from exc
     base_name = data.pop("extends", None)
+    unset = data.pop("unset", None)
     if base_name is None:
+        if unset is not None:
+            raise RecipeError(f"{p}: `unset` removes keys of the base recipe; this recipe has no `extends`")
         return data
     base = (p.parent / str(base_name)).resolve()
     if base in _seen or base == p.resolve():
         raise RecipeError(f"{p}: `extends` forms a cycle through {base}")
     if not base.is_file():
         raise RecipeError(f"{p}: extends {base_name!r}, which does not exist", hint=f"looked for {base}")
-    return deep_merge(read_recipe_data(base, (*_seen, p.resolve())), data)
+    merged = read_recipe_data(base, (*_seen, p.resolve()))
+    if unset is not None:
+        if not isinstance(unset, list) or not all(isinstance(k, str) and k for k in unset):
+            raise RecipeError(f'{p}: `unset` must be a list of dotted keys, e.g. ["eval", "policy.0.data"]')
+        for key in unset:
+            remove_key(merged, key, f"{p}: unset {key!r}")
+    return deep_merge(merged, data)
+
+
+def remove_key(data: dict[str, Any], dotted: str, where: str) -> None:
+    """Delete `a.b.c` (a digit addresses a [[policy]] element by index) from a recipe dict; a key the
+    base does not have is an error, so a misspelt key is not silently ignored."""
+    parts = dotted.split(".")
+    node: Any = data
+    for part in parts[:-1]:
+        if isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        elif isinstance(node, dict) and part in node:
+            node = node[part]
+        else:
+            raise RecipeError(f"{where}: the base recipe has no {part!r} there")
+    last = parts[-1]
+    if isinstance(node, dict) and last in node:
+        del node[last]
+    elif isinstance(node, list) and last.isdigit() and int(last) < len(node):
+        del node[int(last)]
+    else:
+        raise RecipeError(f"{where}: the base recipe has no {last!r} there")
 
 
 def validate_recipe(data: dict[str, Any], source: str = "recipe") -> Recipe:
@@ -144,7 +174,9 @@ def validate_plugins(recipe: Recipe, *, torch_plugins: bool = True) -> None:
 
     wf_cls = plugins.load("workflows", recipe.workflow.name)
     roles = tuple(getattr(wf_cls, "roles", ("actor",)))
-    if recipe.workflow.roles:
+    if recipe.workflow.roles and getattr(wf_cls, "any_roles", False):
+        pass  # the workflow serves whatever roles the recipe names
+    elif recipe.workflow.roles:
         optional = set(getattr(wf_cls, "optional_roles", ()))
         unknown = [r for r in recipe.workflow.roles if r not in roles and r not in optional]
         if unknown:
@@ -171,6 +203,9 @@ def validate_plugins(recipe: Recipe, *, torch_plugins: bool = True) -> None:
         )
     for i, pol in enumerate(recipe.policy):
         validate_options("losses", pol.loss, pol.loss_options, f"policy.{i}.loss_options")
+        from astraflow.dataflow.estimators import make_estimator
+
+        make_estimator(pol.advantage, pol.advantage_options)
         for j, stage in enumerate(pol.data):
             validate_options("data", stage.name, stage.options, f"policy.{i}.data.{j}.options")
         # engines and trainers may import torch (seconds); the built-in ones register their options

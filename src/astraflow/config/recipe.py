@@ -112,8 +112,10 @@ class PolicyConfig(_Model):
     """Objective plugin (astraflow.losses)."""
     loss_options: dict[str, Any] = {}
     """Options validated by the objective's Config model."""
-    advantage: Literal["grpo", "drgrpo"] = "grpo"
-    """Group advantage: grpo = (r - mean) / (std + 1e-5); drgrpo = r - mean."""
+    advantage: str = "grpo"
+    """Advantage estimator (astraflow.advantages): grpo, drgrpo, rloo, reinforce_pp; docs/losses.md."""
+    advantage_options: dict[str, Any] = {}
+    """Options validated by the advantage estimator's Config model."""
     optimizer: OptimizerConfig = OptimizerConfig()
     """Optimizer of this policy's trainer."""
     sampling: SamplingConfig = SamplingConfig()

@@ -197,6 +197,17 @@ class Buffer:
         by_id = {int(r["id"]): int(r["n"]) for r in rows}
         return [by_id[i] for i in ids]
 
+    def advantages(self, ids: list[int]) -> list[float]:
+        """The stored advantage of each trajectory, in the order of `ids`, read without their tokens."""
+        if not ids:
+            return []
+        marks = ",".join("?" for _ in ids)
+        rows = self.store.query(
+            f"SELECT id, advantage FROM trajectories WHERE id IN ({marks})", tuple(set(ids))
+        )
+        by_id = {int(r["id"]): float(r["advantage"]) for r in rows}
+        return [by_id[i] for i in ids]
+
     def samples(self, ids: list[int], flags: list[bool]) -> list[TrainSample]:
         """The TrainSamples of these trajectories, in this order, with these replay flags."""
         return self._samples(ids, flags)

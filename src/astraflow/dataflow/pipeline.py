@@ -12,6 +12,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from astraflow.config.recipe import PolicyConfig, Recipe
 from astraflow.data.base import (
     AdmissionStage,
@@ -23,12 +25,13 @@ from astraflow.data.base import (
     Stage,
 )
 from astraflow.data.turns import sequence_turns
-from astraflow.dataflow.advantages import group_advantages, nonfinite_advantage
+from astraflow.dataflow.advantages import nonfinite_advantage
 from astraflow.dataflow.buffer import Buffer, default_order
+from astraflow.dataflow.estimators import AdvantageEstimator, make_estimator
 from astraflow.dataflow.limits import RefusedResult
 from astraflow.errors import RecipeError
 from astraflow.log import get
-from astraflow.protocol.messages import Episode, Sequence
+from astraflow.protocol.messages import Episode, Sequence, TrainSample
 from astraflow.state.store import Store
 
 log = get("pipeline")
@@ -58,6 +61,7 @@ class PolicyStages:
     composers: list[BatchComposer] = field(default_factory=list)
     admissions: list[AdmissionStage] = field(default_factory=list)
     counters: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COUNTER_NAMES, 0.0))
+    estimator: AdvantageEstimator | None = None
 
 
 @dataclass
@@ -97,7 +101,7 @@ class Pipeline:
 
     def _build(self, pol: PolicyConfig) -> PolicyStages:
         """Fresh stages of one policy, as the recipe lists them."""
-        ps = PolicyStages(pol.name)
+        ps = PolicyStages(pol.name, estimator=make_estimator(pol.advantage, pol.advantage_options))
         for i, spec in enumerate(pol.data):
             cls = self._loader(spec.name)
             config_cls = getattr(cls, "Config", None)
@@ -237,7 +241,12 @@ class Pipeline:
         planned: list[tuple[str, list[tuple[Sequence, dict[str, Any]]], list[float], list[float]]] = []
         for (pol, _role, key), items in groups.items():
             rewards = [float(s.reward) for s, _ in items]
-            advantages = group_advantages(rewards, self.recipe.get_policy(pol).advantage)
+            estimator = self.policies[pol].estimator
+            assert estimator is not None
+            try:
+                advantages = estimator.group(rewards)
+            except ValueError as exc:  # an estimator's refusal (non-finite rewards, overflow)
+                raise RefusedResult(f"policy {pol!r} group {key!r}: {exc}") from None
             why = nonfinite_advantage(advantages)
             if why:
                 raise RefusedResult(f"policy {pol!r} group {key!r}: {why} (rewards too far apart)")
@@ -324,6 +333,25 @@ class Pipeline:
             fresh = min(batch_size, -(-(batch_size - n) // group) * group)
             n = batch_size - fresh
         return n
+
+    def batch_level(self, policy: str) -> bool:
+        """Whether the policy's estimator changes advantages per served batch."""
+        est = self.policies[policy].estimator
+        return est is not None and est.batch_level
+
+    def batch_samples(
+        self, policy: str, samples: list[TrainSample], whole: list[float] | None = None, start: int = 0
+    ) -> list[TrainSample]:
+        """Served samples with the estimator's batch stage applied (unchanged for group-only estimators).
+        `whole`: the stored advantages of the whole batch when `samples` is its part from `start`."""
+        est = self.policies[policy].estimator
+        if est is None or not est.batch_level or not samples:
+            return samples
+        advs = est.batch(whole if whole is not None else [s.advantage for s in samples])
+        return [
+            msgspec.structs.replace(s, advantage=a)
+            for s, a in zip(samples, advs[start : start + len(samples)], strict=True)
+        ]
 
     def on_batch(self, policy: str, replayed: int) -> None:
         """Tell the composers how many sequences a newly recorded batch replayed."""

@@ -24,10 +24,13 @@ def metric_rows(run_dir: Path) -> list[dict[str, Any]]:
     return read_all(path)
 
 
-def trajectory_rows(run_dir: Path, page: int = 5000) -> Iterator[dict[str, Any]]:
-    """Every stored trajectory, oldest first, with token lists as JSON text (read in pages)."""
+def trajectory_rows(run_dir: Path, page: int = 5000, *, text: bool = True) -> Iterator[dict[str, Any]]:
+    """Every stored trajectory, oldest first, with token lists as JSON text (read in pages); with
+    `text`, also decoded by its policy's tokenizer: `text` (the whole sequence, special tokens kept)
+    and `generated` (a JSON list of the policy's turns: each run of trained tokens, decoded)."""
     from astraflow.state.views import all_samples, open_for_reading
 
+    decoders = _Decoders(run_dir) if text else None
     store = open_for_reading(run_dir / "state.db", busy_timeout_s=5.0)
     try:
         after = 0
@@ -36,7 +39,7 @@ def trajectory_rows(run_dir: Path, page: int = 5000) -> Iterator[dict[str, Any]]
             if not batch:
                 return
             for s in batch:
-                yield {
+                row: dict[str, Any] = {
                     "id": s.id,
                     "task_id": s.task_id,
                     "policy": s.policy,
@@ -50,9 +53,56 @@ def trajectory_rows(run_dir: Path, page: int = 5000) -> Iterator[dict[str, Any]]
                     "versions": json.dumps(s.versions),
                     "logprobs": json.dumps(s.logprobs),
                 }
+                if decoders is not None:
+                    tok = decoders.get(s.policy)
+                    row["text"] = str(tok.decode(s.tokens))
+                    row["generated"] = json.dumps(
+                        [str(tok.decode(run)) for run in _trained_runs(s.tokens, s.loss_mask)]
+                    )
+                yield row
             after = batch[-1].id
     finally:
         store.close()
+
+
+def _trained_runs(tokens: list[int], mask: list[int]) -> list[list[int]]:
+    """The maximal runs of tokens with loss mask 1 (the policy's turns), in order."""
+    runs: list[list[int]] = []
+    prev = 0
+    for t, m in zip(tokens, mask, strict=False):
+        if m:
+            if not prev:
+                runs.append([])
+            runs[-1].append(t)
+        prev = m
+    return runs
+
+
+class _Decoders:
+    """Each policy's tokenizer, from the model directory the run's resolved recipe names (loaded once)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        resolved = run_dir / "recipe.resolved.json"
+        self.models: dict[str, str] = {}
+        if resolved.is_file():
+            recipe = json.loads(resolved.read_text())
+            self.models = {str(p.get("name")): str(p.get("model", "")) for p in recipe.get("policy", [])}
+        self.loaded: dict[str, Any] = {}
+
+    def get(self, policy: str) -> Any:
+        if policy not in self.loaded:
+            model = self.models.get(policy, "")
+            try:
+                from transformers import AutoTokenizer
+
+                self.loaded[policy] = AutoTokenizer.from_pretrained(model)
+            except Exception as exc:
+                raise AstraflowError(
+                    f"cannot load the tokenizer of policy {policy!r} (model {model or '?'}) to decode its "
+                    f"trajectories: {type(exc).__name__}: {exc}",
+                    hint="export without decoded text: --no-text",
+                ) from None
+        return self.loaded[policy]
 
 
 def columns(rows: list[dict[str, Any]]) -> list[str]:
@@ -86,8 +136,9 @@ def write_parquet(rows: list[dict[str, Any]], out: Path) -> int:
     return len(rows)
 
 
-def export(run_dir: Path, what: str, fmt: str, out: Path | None) -> tuple[Path, int]:
-    """Export `what` (metrics | trajectories) of a run as `fmt` (csv | parquet); returns (file, rows)."""
+def export(run_dir: Path, what: str, fmt: str, out: Path | None, *, text: bool = True) -> tuple[Path, int]:
+    """Export `what` (metrics | trajectories) of a run as `fmt` (csv | parquet); returns (file, rows).
+    `text`: trajectories also decoded by their policies' tokenizers."""
     if fmt not in ("csv", "parquet"):
         raise AstraflowError(f"unknown format {fmt!r}", hint="use --format csv or --format parquet")
     if what == "metrics":
@@ -95,7 +146,7 @@ def export(run_dir: Path, what: str, fmt: str, out: Path | None) -> tuple[Path, 
     elif what == "trajectories":
         if not (run_dir / "state.db").is_file():
             raise AstraflowError(f"no state.db in {run_dir}", hint="pass the run directory of a run")
-        rows = list(trajectory_rows(run_dir))
+        rows = list(trajectory_rows(run_dir, text=text))
     else:
         raise AstraflowError(f"cannot export {what!r}", hint="use --what metrics or --what trajectories")
     target = out or run_dir / f"{what}.{fmt}"

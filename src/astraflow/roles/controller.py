@@ -666,11 +666,12 @@ class Controller:
         if batch.new:
             self.made_progress()
         bounds = self._part_bounds([s.traj_id for s in batch.samples], [len(s.tokens) for s in batch.samples])
+        served = self.pipeline.batch_samples(msg.policy, batch.samples)  # the estimator's batch stage
         return m.BatchReply(
             rid=msg.rid,
             policy=msg.policy,
             step=msg.step,
-            samples=batch.samples[: bounds[0][1]],
+            samples=served[: bounds[0][1]],
             ready=True,
             parts=len(bounds),
         )
@@ -695,6 +696,8 @@ class Controller:
             )
         a, b = bounds[msg.part]
         samples = self.buffer.samples(rec[0][a:b], rec[1][a:b])
+        if self.pipeline.batch_level(msg.policy):  # normalised over the whole batch, not this part
+            samples = self.pipeline.batch_samples(msg.policy, samples, self.buffer.advantages(rec[0]), a)
         return m.BatchReply(
             rid=msg.rid,
             policy=msg.policy,

@@ -2,9 +2,13 @@
 completion tokens only, written as a model directory a recipe's `policy.model` then names.
 
 Rows are either {"prompt": str, "completion": str} (raw text: the prompt tokenized as the raw-mode
-workflows tokenize it, the completion after it, then <eos>) or {"messages": [{"role", "content"}, ...]}
-(the tokenizer's chat template; every assistant message is trained, rendered as the multi-turn
-Transcript renders it: each template delta tokenized on its own).
+workflows tokenize it, the completion after it, then <eos>) or {"messages": [...], "tools"?: [...]}
+(the tokenizer's chat template, given `tools=`; every assistant message is trained, its tool calls
+included, rendered as the multi-turn Transcript renders it: each template delta tokenized on its own;
+everything else, tool results included, is context). Messages are OpenAI chat messages: `role`,
+`content` (a string, or null on an assistant message with `tool_calls`), `tool_calls` on assistant
+messages (`{"id"?, "type": "function", "function": {"name", "arguments": JSON string or object}}`),
+`tool_call_id` / `name` on tool messages.
 """
 
 from __future__ import annotations
@@ -60,18 +64,11 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
             raise SFTError(f"{path}:{n}: not valid JSON: {exc}", hint="one JSON object per line") from None
-        ok = isinstance(row, dict) and (
-            (isinstance(row.get("prompt"), str) and isinstance(row.get("completion"), str))
-            or (
-                isinstance(row.get("messages"), list)
-                and all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in row["messages"])
-                and any(m["role"] == "assistant" for m in row["messages"])
-            )
-        )
-        if not ok:
+        problem = _row_problem(row)
+        if problem:
             raise SFTError(
-                f"{path}:{n}: expected {{'prompt', 'completion'}} strings or 'messages' with an assistant turn",
-                hint='e.g. {"prompt": "Q: 1 + 1?\\nA: ", "completion": "2"}',
+                f"{path}:{n}: {problem}",
+                hint='e.g. {"prompt": "Q: 1 + 1?\\nA: ", "completion": "2"} or {"messages": [...], "tools": [...]}',
             )
         rows.append(row)
     if not rows:
@@ -79,10 +76,81 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def _row_problem(row: Any) -> str:
+    """What is wrong with one row ("" when nothing)."""
+    if not isinstance(row, dict):
+        return "expected a JSON object"
+    if "messages" not in row:
+        if isinstance(row.get("prompt"), str) and isinstance(row.get("completion"), str):
+            return ""
+        return "expected {'prompt', 'completion'} strings or 'messages' with an assistant turn"
+    msgs = row["messages"]
+    if not isinstance(msgs, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) for m in msgs
+    ):
+        return "'messages' must be a list of objects with a 'role'"
+    if not any(m["role"] == "assistant" for m in msgs):
+        return "'messages' has no assistant turn to train"
+    for i, m in enumerate(msgs):
+        calls = m.get("tool_calls")
+        content = m.get("content")
+        if not (isinstance(content, str) or (content is None and calls and m["role"] == "assistant")):
+            return f"message {i}: 'content' must be a string (null only beside assistant tool_calls)"
+        if calls is not None:
+            if m["role"] != "assistant" or not isinstance(calls, list):
+                return f"message {i}: 'tool_calls' must be a list, on assistant messages only"
+            for c in calls:
+                fn = c.get("function") if isinstance(c, dict) else None
+                if not (
+                    isinstance(fn, dict)
+                    and isinstance(fn.get("name"), str)
+                    and isinstance(fn.get("arguments", {}), str | dict)
+                ):
+                    return f"message {i}: each tool call needs function {{name, arguments}}"
+    tools = row.get("tools")
+    if tools is not None and not (
+        isinstance(tools, list)
+        and all(isinstance(t, dict) and isinstance((t.get("function") or {}).get("name"), str) for t in tools)
+    ):
+        return "'tools' must be a list of {type: 'function', function: {name, ...}}"
+    return ""
+
+
+def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages in the form chat templates expect (transformers' convention): tool-call arguments as
+    objects (a JSON string is parsed), each call with a type and an id."""
+    out = []
+    for i, m in enumerate(messages):
+        m = dict(m)
+        if m.get("content") is None:
+            m["content"] = ""
+        if m.get("tool_calls"):
+            calls = []
+            for j, c in enumerate(m["tool_calls"]):
+                fn = c["function"]
+                args: Any = fn.get("arguments", {})
+                if isinstance(args, str):
+                    try:
+                        parsed = json.loads(args) if args else {}
+                        args = parsed if isinstance(parsed, dict) else args
+                    except ValueError:
+                        pass  # not JSON: the template gets the string
+                calls.append(
+                    {
+                        "id": str(c.get("id") or f"call_{i}_{j}"),
+                        "type": "function",
+                        "function": {"name": fn["name"], "arguments": args},
+                    }
+                )
+            m["tool_calls"] = calls
+        out.append(m)
+    return out
+
+
 def encode_row(tokenizer: Any, row: dict[str, Any], max_length: int) -> Example:
     """Token ids and loss mask of one row (truncated to max_length)."""
     if "messages" in row:
-        ex = _encode_chat(tokenizer, row["messages"])
+        ex = _encode_chat(tokenizer, chat_messages(row["messages"]), row.get("tools") or None)
     else:
         prompt = list(tokenizer.encode(row["prompt"], add_special_tokens=True))
         completion = list(tokenizer.encode(row["completion"], add_special_tokens=False))
@@ -92,15 +160,20 @@ def encode_row(tokenizer: Any, row: dict[str, Any], max_length: int) -> Example:
     return Example(ex.ids[:max_length], ex.mask[:max_length])
 
 
-def _encode_chat(tokenizer: Any, messages: list[dict[str, str]]) -> Example:
-    """Each template delta tokenized alone, as Transcript does; assistant turns trained."""
+def _encode_chat(
+    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+) -> Example:
+    """Each template delta tokenized alone, as Transcript does; assistant turns trained up to and
+    including their last <eos> (what follows it in the delta, e.g. a newline, is context, as in a
+    rollout where the policy stops at <eos> and the template adds the rest)."""
     if not getattr(tokenizer, "chat_template", None):
         raise SFTError("the model's tokenizer has no chat template", hint="use prompt/completion rows")
     ids: list[int] = []
     mask: list[int] = []
     text = ""
+    eos = tokenizer.eos_token_id
 
-    def extend(rendered: str, trained: int) -> None:
+    def extend(rendered: str, trained: bool) -> None:
         nonlocal text
         if not rendered.startswith(text):
             raise SFTError(
@@ -108,17 +181,33 @@ def _encode_chat(tokenizer: Any, messages: list[dict[str, str]]) -> Example:
                 hint="use prompt/completion rows with this tokenizer",
             )
         new = list(tokenizer.encode(rendered[len(text) :], add_special_tokens=False))
+        end = len(new)
+        if trained and eos is not None and eos in new:
+            end = len(new) - new[::-1].index(eos)
         ids.extend(new)
-        mask.extend([trained] * len(new))
+        mask.extend([1 if trained and k < end else 0 for k in range(len(new))])
         text = rendered
 
-    def render(msgs: list[dict[str, str]], gen: bool) -> str:
-        return str(tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen))
+    kw: dict[str, Any] = {"tools": tools} if tools else {}
 
+    def render(msgs: list[dict[str, Any]], gen: bool) -> str:
+        try:
+            out = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen, **kw)
+        except Exception as exc:  # the template's own error (e.g. jinja's raise_exception)
+            raise SFTError(f"the model's chat template cannot render this row: {exc}") from None
+        return str(out)
+
+    if tools and render(messages, False) == str(
+        tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+    ):
+        raise SFTError(
+            "the model's chat template does not render tools",
+            hint="use a template that does (`astraflow model init --tokenizer bpe` writes one)",
+        )
     for i, msg in enumerate(messages):
         if msg["role"] == "assistant":
-            extend(render(messages[:i], True), 0)
-            extend(render(messages[: i + 1], False), 1)
+            extend(render(messages[:i], True), False)
+            extend(render(messages[: i + 1], False), True)
     return Example(ids, mask)
 
 

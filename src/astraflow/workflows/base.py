@@ -46,6 +46,8 @@ class Workflow(ABC):
     """Roles this workflow calls; the recipe maps each to a policy."""
     optional_roles: tuple[str, ...] = ()
     """Roles the recipe may leave unmapped; the workflow sees only the mapped ones."""
+    any_roles: bool = False
+    """True: `workflow.roles` may map any role names (at least one); `roles` is then only the default."""
     baseline_per_role: bool = True
     """One policy in several roles (self-play): True gives each role its own group and baseline."""
 

@@ -2,11 +2,20 @@
 
 The game: the server names a word and the policy must say it. `reset` picks the word from the task's
 index; each `step` answers "done" when the action contains the word, else asks again; `reward` is 1.0
-for the word on the first turn, 0.5 later, 0.0 never. Run it with
+for the word on the first turn, 0.5 later, 0.0 never.
 
-    python -m astraflow.workflows.env_reference --port 8700
+`--game lookup` is a tool game: `reset` offers one tool, `lookup(key)`, and asks for the value of a key;
+a step's tool calls are answered as tool results (the value, or an error text), and the episode is done
+when the action contains the value: reward 1.0 if the policy called `lookup` first, 0.5 if it
+answered without it, 0.0 never.
 
-It prints `listening on http://127.0.0.1:PORT` once ready (port 0 picks a free one).
+    python -m astraflow.workflows.env_reference --port 8700 [--game lookup]
+    python -m astraflow.workflows.env_reference --sft-rows 64 > lookup-sft.jsonl   # warm-start data
+
+It prints `listening on http://127.0.0.1:PORT` once ready (port 0 picks a free one). It serves each
+request on its own thread with a listen backlog of BACKLOG connections, so hundreds of concurrent
+episodes queue instead of being reset. `reward` is idempotent: a session it scored answers the same
+again (the last SCORED_KEPT scored sessions are kept).
 """
 
 from __future__ import annotations
@@ -15,17 +24,32 @@ import argparse
 import json
 import secrets
 import threading
+from collections import OrderedDict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 WORDS = ("apple", "river", "stone", "cloud", "seven", "green", "music", "table")
+BACKLOG = 1024
+"""Listen backlog (the kernel caps it at net.core.somaxconn)."""
+SCORED_KEPT = 4096
+"""Scored sessions remembered so that a repeated `reward` answers the same."""
+LOOKUP_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "description": "The value stored under a key.",
+        "parameters": {"type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]},
+    },
+}
 
 
 class Game:
-    """The sessions of the word game."""
+    """The sessions of the word game (or, with tools=True, the lookup game)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tools: bool = False) -> None:
+        self.tools = tools
         self.sessions: dict[str, dict[str, Any]] = {}
+        self.scored: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self.lock = threading.Lock()
 
     def reset(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -33,10 +57,26 @@ class Game:
         task = body.get("task")
         if not isinstance(task, dict):
             raise ValueError("reset needs a 'task' object")
-        word = WORDS[int(task.get("index", 0)) % len(WORDS)]
+        index = int(task.get("index", 0))
+        word = WORDS[index % len(WORDS)]
         session = secrets.token_hex(8)
+        key = f"k{index % len(WORDS)}"
         with self.lock:
-            self.sessions[session] = {"word": word, "turns": 0, "said": 0}
+            self.sessions[session] = {
+                "word": word,
+                "key": key,
+                "turns": 0,
+                "said": 0,
+                "looked": 0,
+                "calls": 0,
+            }
+        if self.tools:
+            return {
+                "session": session,
+                "observation": f"What is the value of {key}? Use the lookup tool, then say the value.",
+                "system": "Answer with the value.",
+                "tools": [LOOKUP_TOOL],
+            }
         return {"session": session, "observation": f"Say the word {word}.", "system": "Repeat words."}
 
     def _get(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -46,32 +86,105 @@ class Game:
         return state
 
     def step(self, body: dict[str, Any]) -> dict[str, Any]:
-        """One action."""
+        """One action (with its tool calls, in the lookup game)."""
         action = body.get("action")
         if not isinstance(action, str):
             raise ValueError("step needs an 'action' string")
+        calls = body.get("tool_calls") or []
+        if not isinstance(calls, list):
+            raise ValueError("'tool_calls' must be a list")
+        results = []
         with self.lock:
             state = self._get(body)
             state["turns"] += 1
-            if state["word"] in action.lower() and not state["said"]:
+            for call in calls:
+                fn = call.get("function") if isinstance(call, dict) else None
+                if not isinstance(fn, dict) or not isinstance(call.get("id"), str):
+                    raise ValueError("each tool call needs an 'id' and a 'function'")
+                state["calls"] += 1
+                try:
+                    args = json.loads(fn.get("arguments") or "{}")
+                except ValueError:
+                    args = None
+                if fn.get("name") != "lookup" or not isinstance(args, dict):
+                    content = f"error: no tool {fn.get('name')!r}, or its arguments are not a JSON object"
+                elif args.get("key") == state["key"]:
+                    state["looked"] = state["looked"] or state["turns"]
+                    content = state["word"]
+                else:
+                    content = f"error: no key {args.get('key')!r}"
+                results.append({"tool_call_id": call["id"], "content": content})
+            if state["word"] in action.lower() and not calls and not state["said"]:
                 state["said"] = state["turns"]
         if state["said"]:
             return {"observation": "Well done.", "done": True}
-        return {"observation": f"No. Say the word {state['word']}.", "done": False}
+        if results:
+            return {"tool_results": results, "done": False}
+        ask = (
+            f"No. What is the value of {state['key']}?"
+            if self.tools
+            else f"No. Say the word {state['word']}."
+        )
+        return {"observation": ask, "done": False}
 
     def reward(self, body: dict[str, Any]) -> dict[str, Any]:
-        """The episode's reward; ends the session."""
+        """The episode's reward; ends the session (a repeated call answers the same)."""
+        session = str(body.get("session"))
         with self.lock:
+            if session in self.scored:
+                return self.scored[session]
             state = self._get(body)
-            del self.sessions[str(body.get("session"))]
-        said = state["said"]
-        value = 0.0 if not said else (1.0 if said == 1 else 0.5)
-        return {"reward": value, "info": {"turns": state["turns"]}}
+            del self.sessions[session]
+            said = state["said"]
+            if self.tools:
+                value = 0.0 if not said else (1.0 if state["looked"] and state["looked"] < said else 0.5)
+            else:
+                value = 0.0 if not said else (1.0 if said == 1 else 0.5)
+            out = {"reward": value, "info": {"turns": state["turns"], "tool_calls": state["calls"]}}
+            self.scored[session] = out
+            while len(self.scored) > SCORED_KEPT:
+                self.scored.popitem(last=False)
+        return out
 
 
-def make_server(port: int = 0) -> ThreadingHTTPServer:
-    """The reference server bound to 127.0.0.1:port (not yet serving)."""
-    game = Game()
+def sft_rows(n: int) -> list[dict[str, Any]]:
+    """`n` SFT rows (astraflow sft's chat form) that solve the lookup game as a policy sees it: the
+    tools, the system and user messages of `reset`, an assistant tool call, the tool result, the answer."""
+    game = Game(tools=True)
+    rows = []
+    for i in range(n):
+        start = game.reset({"task": {"index": i}})
+        state = game.sessions.pop(start["session"])
+        call = {
+            "id": f"call_{i}",
+            "type": "function",
+            "function": {"name": "lookup", "arguments": json.dumps({"key": state["key"]})},
+        }
+        rows.append(
+            {
+                "tools": start["tools"],
+                "messages": [
+                    {"role": "system", "content": start["system"]},
+                    {"role": "user", "content": start["observation"]},
+                    {"role": "assistant", "content": None, "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": call["id"], "name": "lookup", "content": state["word"]},
+                    {"role": "assistant", "content": state["word"]},
+                ],
+            }
+        )
+    return rows
+
+
+class Server(ThreadingHTTPServer):
+    """A thread per request, a large listen backlog, daemon threads (a stop never waits for a call)."""
+
+    request_queue_size = BACKLOG
+    daemon_threads = True
+
+
+def make_server(port: int = 0, *, tools: bool = False) -> ThreadingHTTPServer:
+    """The reference server bound to 127.0.0.1:port (not yet serving); tools=True: the lookup game."""
+    game = Game(tools)
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
@@ -95,15 +208,23 @@ def make_server(port: int = 0) -> ThreadingHTTPServer:
         def log_message(self, format: str, *args: Any) -> None:  # quiet: one line per call is noise
             return
 
-    return ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    return Server(("127.0.0.1", port), Handler)
 
 
 def main() -> None:
     """Serve until interrupted."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--port", type=int, default=8700)
+    parser.add_argument("--game", choices=("word", "lookup"), default="word")
+    parser.add_argument(
+        "--sft-rows", type=int, default=0, help="print this many lookup-game SFT rows and exit"
+    )
     args = parser.parse_args()
-    server = make_server(args.port)
+    if args.sft_rows:
+        for row in sft_rows(args.sft_rows):
+            print(json.dumps(row))
+        return
+    server = make_server(args.port, tools=args.game == "lookup")
     print(f"listening on http://127.0.0.1:{server.server_address[1]}", flush=True)
     try:
         server.serve_forever()

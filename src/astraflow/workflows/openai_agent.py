@@ -3,7 +3,8 @@ against the policy, and train on exactly what the engine generated for it.
 
 Each episode gets its own endpoint on loopback (`AgentEndpoint`: base_url + a per-episode api key);
 the recipe names the agent callable, `agent(endpoint, task) -> reward | answer`, and optionally a
-`reward(task, answer) -> float` to score what it returns. A plain (sync) agent runs in a thread pool
+`reward(task, answer)` to score what it returns. A reward is a number or a dict with per-role rewards
+and episode info (`agent_result`). A plain (sync) agent runs in a thread pool
 (a daemon thread of its own) so it may block on HTTP; an `async def` agent is awaited on the event loop.
 """
 
@@ -13,6 +14,7 @@ import asyncio
 import importlib
 import importlib.util
 import inspect
+import math
 import re
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -130,6 +132,8 @@ class OpenAIAgentWorkflow(Workflow):
 
     Config = OpenAIAgentConfig
     roles = ("actor",)
+    any_roles = True
+    """workflow.roles may name any roles: the agent asks for each by its name as the `model`."""
 
     def __init__(self, config: OpenAIAgentConfig) -> None:
         super().__init__(config)
@@ -172,20 +176,12 @@ class OpenAIAgentWorkflow(Workflow):
         )
 
     async def run_episode(self, sample: dict[str, Any], policies: dict[str, PolicyClient]) -> Episode:
-        """Run the agent on one task; every trajectory it generated gets the episode's reward."""
+        """Run the agent on one task; its trajectories get the rewards of `agent_result`."""
         ep, answer = await self.run_agent(sample, policies, self._fn("agent"))
-        if self.config.reward:
-            reward = await self._call(self._fn("reward"), sample, answer)
-        elif isinstance(answer, dict) and "reward" in answer:
-            reward = answer["reward"]
-        else:
-            reward = answer
-        if isinstance(reward, bool) or not isinstance(reward, int | float):
-            raise AstraflowError(
-                f"the agent's reward is {type(reward).__name__}, not a number",
-                hint="return a float from the agent, or set workflow.options.reward to score its answer",
-            )
-        sequences = ep.sequences(float(reward))
+        value = await self._call(self._fn("reward"), sample, answer) if self.config.reward else answer
+        what = "reward function" if self.config.reward else "agent"
+        result = agent_result(value, tuple(policies), what)
+        sequences = ep.sequences(result.reward, result.rewards)
         if not sequences:
             raise AstraflowError("the agent made no completion request to its endpoint")
         info: dict[str, Scalar] = {
@@ -193,4 +189,84 @@ class OpenAIAgentWorkflow(Workflow):
             "trajectories": float(len(sequences)),
             "turns": float(ep.turns()),
         }
+        info.update(result.info)
         return Episode(sequences=sequences, info=info)
+
+
+RESERVED_INFO = frozenset({"requests", "trajectories", "turns"})
+"""Episode info names the openai_agent workflow sets itself."""
+MAX_INFO = 200
+"""Info entries an agent may return (an episode carries at most 256)."""
+
+
+@dataclass(frozen=True)
+class AgentResult:
+    """What an agent (or its reward function) returned, checked."""
+
+    reward: float | None
+    """Reward of every trajectory whose role `rewards` does not name (None: `rewards` names them all)."""
+    rewards: dict[str, float]
+    """Per-role rewards: role -> reward of that role's trajectories."""
+    info: dict[str, Scalar]
+    """Episode info, floats: metrics `info/<name>` and `info/<role>/<name>`."""
+
+
+def _number(value: Any, where: str, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        kind = "not finite" if isinstance(value, float) else "not a number"
+        raise AstraflowError(
+            f"the {what}'s {where} is {value!r} ({type(value).__name__}), {kind}",
+            hint="return a float, or a dict {'reward': float, 'rewards': {role: float}, 'info': {...}}",
+        )
+    return float(value)
+
+
+def agent_result(value: Any, roles: tuple[str, ...], what: str = "agent") -> AgentResult:
+    """Check what an agent (or reward function) returned: a number (the reward of every trajectory), or a
+    dict with `reward` (a number), `rewards` ({role: number}, overriding `reward` for that role's
+    trajectories), `info` ({name: number | bool}) and further top-level numbers or booleans, which join
+    `info` (booleans as 0.0 / 1.0).
+    Anything else is an error naming it: nothing the agent returns is dropped silently."""
+    if not isinstance(value, dict):
+        return AgentResult(_number(value, "reward", what), {}, {})
+    reward = None if value.get("reward") is None else _number(value["reward"], "'reward'", what)
+    raw = value.get("rewards") or {}
+    if not isinstance(raw, dict):
+        raise AstraflowError(f"the {what}'s 'rewards' must be a dict {{role: reward}}, got {raw!r}")
+    unknown = sorted(str(r) for r in raw if r not in roles)
+    if unknown:
+        raise AstraflowError(
+            f"the {what}'s 'rewards' name roles {unknown} that this workflow does not have",
+            hint=f"its roles: {', '.join(roles)}",
+        )
+    rewards = {str(r): _number(v, f"reward of role {r!r}", what) for r, v in raw.items()}
+    if reward is None and not rewards:
+        raise AstraflowError(
+            f"the {what} returned a dict without 'reward' or 'rewards' (keys: {sorted(map(str, value))})",
+            hint="add 'reward': float, or set workflow.options.reward to score its answer",
+        )
+    extra = value.get("info") or {}
+    if not isinstance(extra, dict):
+        raise AstraflowError(f"the {what}'s 'info' must be a dict {{name: number}}, got {extra!r}")
+    loose = {k: v for k, v in value.items() if k not in ("reward", "rewards", "info")}
+    info: dict[str, Scalar] = {}
+    for name, v in [*extra.items(), *loose.items()]:
+        if not isinstance(name, str) or not 0 < len(name) <= 255:
+            raise AstraflowError(f"the {what}'s info name {name!r} is not a string of 1-255 characters")
+        if name in RESERVED_INFO or name in info:
+            raise AstraflowError(
+                f"the {what}'s info name {name!r} is taken",
+                hint=f"{', '.join(sorted(RESERVED_INFO))} are the workflow's own; give each name once",
+            )
+        if isinstance(v, bool):
+            info[name] = float(v)  # metrics are numbers: a flag becomes its rate
+        elif isinstance(v, int | float) and math.isfinite(v):
+            info[name] = float(v)
+        else:
+            raise AstraflowError(
+                f"the {what} returned {name!r} = {v!r}: info values are finite numbers or booleans "
+                "(they become metrics)"
+            )
+    if len(info) > MAX_INFO:
+        raise AstraflowError(f"the {what} returned {len(info)} info entries; at most {MAX_INFO}")
+    return AgentResult(reward, rewards, info)

@@ -22,10 +22,14 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from astraflow.engines.base import Completion
+from astraflow.errors import AstraflowError
 from astraflow.protocol.messages import MIN_TEMPERATURE, Sequence
 from astraflow.workflows.base import PolicyClient
 from astraflow.workflows.loopback_http import EventStream, HttpError
@@ -34,6 +38,8 @@ from astraflow.workflows.openai_tools import (
     api_message,
     check_template,
     check_tools,
+    forced_ids,
+    forced_prefix,
     parse_tool_calls,
     template_message,
 )
@@ -118,7 +124,13 @@ def cut_at_stop(tokenizer: Any, c: Completion, stops: list[str]) -> tuple[Comple
 
 
 class EpisodeEndpoint:
-    """Serves one episode's requests against its policies and records the trajectories."""
+    """Serves one episode's requests against its policies and records the trajectories.
+
+    Public for workflows built on it (`openai_agent.serve_episode`): `trajectories` lists every
+    recorded Trajectory in request order (`role`: the role the request's model named; `transcript`:
+    its tokens, masks and turns; `superseded`: a later request extended it), `kept()` those that become
+    Sequences, `sequences(reward, rewards)` the Sequences with per-role rewards, `requests` the number
+    of requests served and `turns()` the policy turns of the kept trajectories."""
 
     def __init__(self, policies: dict[str, PolicyClient], *, max_tokens: int) -> None:
         """`policies`: role -> client (the model name is the role or its policy); `max_tokens`: context
@@ -236,15 +248,29 @@ class EpisodeEndpoint:
         ov, n, stops = self._sampling(body), self._n(body), _stops(body)
         base = self._chat_base(role, client, messages, tools, ov)
         prompt = base.transcript.prompt_ids()
-        max_new = self._max_new(body, base.transcript, client)
-        outs = await client.generate(prompt, n=n, max_new_tokens=max_new, **ov, **self._seed(body))
+        prefix = forced_prefix(body, tools) if parse else ""
+        forced = forced_ids(client.tokenizer, prefix) if prefix else []
+        max_new = self._max_new(body, base.transcript, client) - len(forced)
+        if max_new < 1:
+            raise HttpError(400, "no room left for a tool call under the context budget")
+        outs = await client.generate(prompt + forced, n=n, max_new_tokens=max_new, **ov, **self._seed(body))
         answers: list[Answer] = []
         for out in outs:
             c, cut_text = cut_at_stop(client.tokenizer, out, stops)
             tr = Trajectory(role, base.transcript.fork(), parent=base.parent, api=list(base.api or []))
+            if forced:
+                tr.transcript.force(forced)
             tr.transcript.add_completion(c, max_new_tokens=max_new, **ov)
             if cut_text is not None:  # the agent sends back what it got; match on that
-                tr.transcript.messages[-1]["content"] = cut_text
+                tr.transcript.messages[-1]["content"] = str(client.tokenizer.decode(forced)) + cut_text
+            if forced:  # the answer as the agent sees it starts with the forced text (logprob 0: certain)
+                c = Completion(
+                    forced + list(c.token_ids),
+                    [0.0] * len(forced) + list(c.logprobs),
+                    [-1] * len(forced) + list(c.versions),
+                    c.finish_reason,
+                    c.sampling,
+                )
             text = str(tr.transcript.messages[-1]["content"])
             content, calls = parse_tool_calls(text) if parse and c.finish_reason == "stop" else (text, [])
             message: dict[str, Any] = {"role": "assistant", "content": content}
@@ -417,13 +443,24 @@ class EpisodeEndpoint:
 
     # ----- the result --------------------------------------------------------------------------
 
-    def sequences(self, reward: float) -> list[Sequence]:
-        """One Sequence per trajectory nobody extended, all with the episode's reward."""
-        return [
-            t.transcript.sequence(reward)
-            for t in self.trajectories
-            if t.transcript.turns and not t.superseded
-        ]
+    def kept(self) -> list[Trajectory]:
+        """The trajectories that become Sequences: those with a policy turn that nobody extended."""
+        return [t for t in self.trajectories if t.transcript.turns and not t.superseded]
+
+    def sequences(self, reward: float | None, rewards: Mapping[str, float] | None = None) -> list[Sequence]:
+        """One Sequence per kept trajectory, tagged with its role: `rewards[role]` where given, else
+        `reward` (None: every kept trajectory's role must be in `rewards`)."""
+        rewards = rewards or {}
+        out = []
+        for t in self.kept():
+            r = rewards.get(t.role, reward)
+            if r is None:
+                raise AstraflowError(
+                    f"no reward for role {t.role!r}: the rewards name {sorted(rewards)}",
+                    hint="give a reward for every role the agent used, or a 'reward' for the others",
+                )
+            out.append(msgspec.structs.replace(t.transcript.sequence(float(r)), role=t.role))
+        return out
 
     def turns(self) -> int:
         """Policy turns across the kept trajectories."""

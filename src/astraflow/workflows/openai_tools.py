@@ -1,6 +1,12 @@
 """Tool calling for the OpenAI-compatible endpoint: request messages, the chat template, and the one
 tool-call format parsed out of generated text.
 
+`tool_choice` "required" or a named function forces the start of the answer (`forced_prefix`): the
+engine is prompted with that text's tokens after the assistant header (`forced_ids`: only tokens the
+following text cannot re-tokenize, so a trailing space is left to the policy), and they are context in
+the trajectory (mask 0), not trained; the rest of the call is sampled freely (no grammar), so an
+answer that does not complete a parseable call is returned as content.
+
 The parsed format (Hermes / Qwen style): a tool call is a block
 
     <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>
@@ -112,15 +118,55 @@ def check_tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, bool
         for t in tools
     ):
         raise HttpError(400, "tools must be a list of {type: 'function', function: {name, ...}}")
-    if choice not in (None, "auto", "none"):
-        raise HttpError(
-            400,
-            "tool_choice 'required' or a named function is not supported (it needs constrained decoding); "
-            "use 'auto' or 'none'",
-        )
+    forced_prefix(body, tools)  # refuses a malformed choice or an unknown tool name
     if body.get("parallel_tool_calls") is False:
         raise HttpError(400, "parallel_tool_calls=false is not supported: every parsed call is returned")
     return tools, choice != "none"
+
+
+TOOL_CALL_OPEN = '<tool_call>{"name": '
+"""The start of every tool-call block as the parsed format (and the tokenizer of `model init`) write it."""
+
+
+def forced_prefix(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> str:
+    """The text the policy's answer is forced to start with for the request's tool_choice ("" for
+    none / auto): "required" forces the opening of a tool-call block up to the name's opening quote,
+    a named function the block up to `"arguments": `. The rest is sampled freely (no grammar)."""
+    choice = body.get("tool_choice")
+    if choice in (None, "auto", "none"):
+        return ""
+    names = [t["function"]["name"] for t in tools or []]
+    if choice == "required":
+        return TOOL_CALL_OPEN + '"'
+    fn = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise HttpError(
+            400, "tool_choice must be 'none', 'auto', 'required' or {type: 'function', function: {name}}"
+        )
+    if fn["name"] not in names:
+        raise HttpError(
+            400, f"tool_choice names {fn['name']!r}, which is not among the request's tools {names}"
+        )
+    return TOOL_CALL_OPEN + json.dumps(fn["name"]) + ', "arguments": '
+
+
+_PROBES = ("{", "[", '"', " ", "a", "Z", "0", "}", "_", "\n")
+"""Texts that may follow a forced prefix: the tokens no probe changes are safe to force."""
+
+
+def forced_ids(tokenizer: Any, prefix: str) -> list[int]:
+    """The tokens of `prefix` that whatever follows cannot re-tokenize: a token at the end (e.g. a
+    trailing space that merges with the next character) is left for the policy to sample, so the
+    forced ids are the ones the tokenizer would give the whole call text."""
+    ids = list(tokenizer.encode(prefix, add_special_tokens=False))
+    keep = len(ids)
+    for probe in _PROBES:
+        other = list(tokenizer.encode(prefix + probe, add_special_tokens=False))
+        k = 0
+        while k < min(keep, len(other)) and ids[k] == other[k]:
+            k += 1
+        keep = k
+    return ids[:keep]
 
 
 def check_template(

@@ -80,6 +80,8 @@ class Transcript:
         self._sampling: SamplingParams | None = None
         """The settings of the first policy turn, as its engine reported them; later turns must match."""
         self._header_open = False
+        self._forced: list[int] = []
+        """Forced tokens of the open assistant turn (force()), masked, decoded with the turn's text."""
         if chat and not getattr(self.tokenizer, "chat_template", None):
             raise TranscriptError("the tokenizer has no chat template; use Transcript(chat=False)")
 
@@ -139,6 +141,7 @@ class Transcript:
         other.tokens, other.loss_mask = list(self.tokens), list(self.loss_mask)
         other.logprobs, other.versions = list(self.logprobs), list(self.versions)
         other.turns, other.messages = list(self.turns), [dict(m) for m in self.messages]
+        other._forced = list(self._forced)
         return other
 
     def prompt_ids(self) -> list[int]:
@@ -174,6 +177,14 @@ class Transcript:
         completion = (await self.client.generate(prompt, n=1, **overrides))[0]
         return self.add_completion(completion, **overrides)
 
+    def force(self, ids: list[int]) -> None:
+        """Chat mode, after prompt_ids(): tokens the next policy turn is forced to start with (e.g. a
+        tool-call opening); masked, and part of that assistant message's text."""
+        if not self.chat or not self._header_open:
+            raise TranscriptError("force() comes after prompt_ids() and before the policy's turn")
+        self.add_ids(list(ids))
+        self._forced += [int(t) for t in ids]
+
     def add_completion(self, completion: Completion, **overrides: Any) -> PolicyTurn:
         """Append a completion the policy generated for this transcript (`overrides`: those of its call;
         only stop_ids is read, to cut the turn's text). Its sampling settings are the completion's own."""
@@ -201,8 +212,9 @@ class Transcript:
                     "in chat mode, generate from prompt_ids() (it opens the assistant turn)"
                 )
             self._header_open = False
-            self.messages.append({"role": "assistant", "content": str(self.tokenizer.decode(body))})
-            self._text += str(self.tokenizer.decode(ids))
+            forced, self._forced = self._forced, []
+            self.messages.append({"role": "assistant", "content": str(self.tokenizer.decode(forced + body))})
+            self._text += str(self.tokenizer.decode(forced + ids))
         return turn
 
     def accepts(self, sampling: SamplingParams) -> bool:
