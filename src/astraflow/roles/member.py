@@ -74,6 +74,7 @@ def request_retrying(
         except ConnectError:
             if time.monotonic() > deadline:
                 raise
+            client.check_reachable()  # a revoked key or a wrong address: waiting will not help
             if not warned:
                 log.get("member").warning("controller not answering; retrying until it is back")
                 warned = True
