@@ -126,3 +126,22 @@ def test_member_without_the_model_directory(tmp_path: Path) -> None:
 
 def test_ctl_without_a_live_run(tmp_path: Path) -> None:
     assert_clean_error(run_cli("ctl", "stop", "--run-dir", str(tmp_path)), "no live controller")
+
+
+def test_version() -> None:
+    from astraflow import __version__
+
+    out = run_cli("--version")
+    assert out.returncode == 0 and out.stdout.strip() == f"astraflow {__version__}"
+
+
+def test_controller_run_dir_that_cannot_be_written(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    out = run_cli("controller", "recipes/quickstart/recipe.toml", "--run-dir", str(blocker / "run"))
+    assert_clean_error(out, "cannot write the run directory")
+
+
+def test_join_with_an_address_without_scheme() -> None:
+    out = run_cli("join", "--role", "raas", "--controller", "127.0.0.1:7600")
+    assert_clean_error(out, "has no scheme", "tcp://127.0.0.1:7600")
