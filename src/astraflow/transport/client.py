@@ -32,6 +32,9 @@ _log = log.get("transport.client")
 PROBE_AFTER_S = 2.0
 """Seconds without a Welcome after which connect() probes why (transport/probe.py)."""
 
+GIVE_UP_ABSENT_S = 600.0
+"""A joined member whose controller address has had nothing listening this long exits (check_reachable)."""
+
 _HINT = "is `astraflow controller` running? check the address/port"
 _HINT_KEY = (
     "is `astraflow controller` running there, is --controller-key its public key, and is this "
@@ -107,6 +110,8 @@ class MemberClient:
         self._stopping = threading.Event()
         self._closed = False
         self._hello_future: concurrent.futures.Future[Msg] | None = None
+        self._absent_since: float | None = None
+        """time.monotonic() since which probes found nothing listening at the controller's address."""
 
     # ----- owner API ------------------------------------------------------------------------
 
@@ -153,15 +158,24 @@ class MemberClient:
         """Probe the controller (transport/probe.py); raise what the probe found if waiting cannot fix it.
 
         A refused key, a wrong controller key or a bad address always raise; nothing listening at the
-        address (or a silent host) raises only with absent_is_fatal (a controller may be restarting)."""
+        address (or a silent host) raises with absent_is_fatal, else once it has lasted GIVE_UP_ABSENT_S
+        (a controller may be restarting; a run that ended has none)."""
         from astraflow.transport.probe import ControllerAbsent, probe
 
         err = probe(self.controller, self.credentials)
+        if not isinstance(err, ControllerAbsent):
+            self._absent_since = None
         if err is None:
             return
         if isinstance(err, ControllerAbsent) and not absent_is_fatal:
-            _log.warning("%s", err.message)
-            return
+            now = time.monotonic()
+            self._absent_since = self._absent_since or now
+            if now - self._absent_since < GIVE_UP_ABSENT_S:
+                _log.warning("%s", err.message)
+                return
+            err.message += (
+                f" for {GIVE_UP_ABSENT_S:.0f}s: giving up (the run has ended, or its controller is gone)"
+            )
         raise err
 
     def submit(self, msg: Msg, timeout_s: float = 30.0) -> concurrent.futures.Future[Msg]:
