@@ -118,3 +118,30 @@ def test_status_with_a_revoked_key_says_so(keyed: Keyed) -> None:
         timeout=120,
     )
     _assert_error(out, time.monotonic() - t0, "it is revoked")
+
+
+def test_a_member_revoked_while_joined_stops_with_the_reason(keyed: Keyed) -> None:
+    from astraflow.protocol.messages import PROTOCOL_VERSION, Hello, StatusRequest
+    from astraflow.roles.member import request_retrying
+    from astraflow.transport.client import MemberClient
+    from astraflow.transport.probe import ControllerUnreachable
+    from astraflow.transport.security import MemberCredentials
+
+    _, secret = new_key_files(keyed.tmp / "member-keys", "raas-5")
+    pair = load_keypair(secret)
+    KeyStore(keyed.tmp / "keys").add("raas-5", pair.public, "raas")
+    controller_public = KeyStore(keyed.tmp / "keys").controller_keypair().public
+    hello = Hello(member_id="raas-5", role="raas", protocol=PROTOCOL_VERSION, policies=["main"], slots=1)
+    client = MemberClient(
+        keyed.addr, hello, connect_timeout_s=30, credentials=MemberCredentials(pair, controller_public)
+    )
+    try:
+        client.connect()
+        KeyStore(keyed.tmp / "keys").revoke("raas-5")
+        # its frames are dropped from now on: the next unanswered request probes and names the cause
+        deadline = time.monotonic() + 60
+        with pytest.raises(ControllerUnreachable, match="it is revoked"):
+            while time.monotonic() < deadline:  # answered until the controller has re-read its registry
+                request_retrying(client, StatusRequest(), timeout_s=2.0, give_up_after_s=120.0)
+    finally:
+        client.close()
