@@ -5,7 +5,9 @@ Substituted, and only this: `astraflow` runs as `python -m astraflow` (this chec
 temporary directory (so `~/.astraflow` is fresh) and the working directory another; `recipe.toml` is the
 quickstart recipe; port 7600 is a free port and `0.0.0.0`/`CTL` are 127.0.0.1. The copies the prose asks
 for (public `.key` files to the controller host, `controller.key` to the members) are made by the test,
-and the revocation bullet revokes `ops` (the observer whose status it then asks) instead of `raas-gpu1`.
+and the revocation bullet revokes `ops` (the observer whose status it then asks) instead of `raas-gpu1`;
+`ctl` runs in the remote form its section's prose gives (`--controller ADDR --key admin.key_secret
+--controller-key controller.key` for `--run-dir RUN`), without the optional `[--policy main]`.
 `join` lines are not run here (they need a model and a whole run: tests/e2e covers those roles).
 """
 
@@ -108,6 +110,14 @@ def test_secure_cluster_walkthrough_runs_as_written(tmp_path: Path) -> None:
         assert out.returncode != 0 and "it is revoked" in out.stderr and "Traceback" not in out.stderr, (
             out.stderr
         )
+
+        # "Pausing and stopping a run", with the remote form its prose gives for a controller elsewhere
+        remote = f"--controller tcp://127.0.0.1:{port} --key ~/.astraflow/admin.key_secret --controller-key controller.key"
+        for cmd in _commands(_blocks(_section("Pausing and stopping a run: `astraflow ctl`"))[0]):
+            cmd = re.sub(r" \[--policy main\]", "", cmd).replace("--run-dir RUN", remote)
+            out = _bash(_substitute(cmd, port), work, env)
+            assert out.returncode == 0, (cmd, out.stderr)
+        assert ctl.wait(timeout=60) == 0  # the stop ends the run: the controller exits 0
     finally:
         ctl.kill()
         ctl.wait()
