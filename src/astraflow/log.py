@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from pathlib import Path
 
 _CONFIGURED = False
 
@@ -22,6 +23,22 @@ def setup(role: str = "astraflow", level: str | None = None) -> logging.Logger:
         _CONFIGURED = True
     logger.setLevel(level or os.environ.get("ASTRAFLOW_LOG_LEVEL", "INFO"))
     return logger
+
+
+def add_file(path: Path) -> None:
+    """Also write the log to path (a hand-started role's logs/<role>.log), unless stderr already goes there
+    (`astraflow up` sends each child's stderr to that file)."""
+    logger = logging.getLogger("astraflow")
+    try:
+        if path.exists() and os.path.samestat(os.fstat(sys.stderr.fileno()), path.stat()):
+            return
+    except (OSError, ValueError):
+        pass  # stderr without a file descriptor (captured): write the file as well
+    handler = logging.FileHandler(path, encoding="utf-8")
+    stream = next((h for h in logger.handlers if isinstance(h, logging.StreamHandler)), None)
+    if stream is not None and stream.formatter is not None:
+        handler.setFormatter(stream.formatter)
+    logger.addHandler(handler)
 
 
 def get(name: str) -> logging.Logger:

@@ -10,6 +10,7 @@ from pathlib import Path
 from astraflow import __version__
 from astraflow.config.load import dump_resolved
 from astraflow.config.recipe import Recipe
+from astraflow.errors import AstraflowError
 
 
 def default_run_dir(recipe: Recipe) -> Path:
@@ -30,13 +31,25 @@ def git_sha() -> str:
 
 
 def prepare(run_dir: Path, recipe: Recipe) -> Path:
-    """Create the run directory layout and record the resolved recipe, versions and git SHA."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "logs").mkdir(exist_ok=True)
-    (run_dir / "checkpoints").mkdir(exist_ok=True)
-    dump_resolved(recipe, run_dir / "recipe.resolved.json")
-    meta_path = run_dir / "meta.json"
-    if not meta_path.exists():  # `up` and then its controller both prepare: one `git` call is enough
-        meta = {"astraflow": __version__, "git_sha": git_sha(), "created": time.time()}
-        meta_path.write_text(json.dumps(meta, indent=2) + "\n")
+    """Create the run directory layout and record the resolved recipe, versions and git SHA.
+
+    RunDirError (one line and a hint) when the directory cannot be written."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "logs").mkdir(exist_ok=True)
+        (run_dir / "checkpoints").mkdir(exist_ok=True)
+        dump_resolved(recipe, run_dir / "recipe.resolved.json")
+        meta_path = run_dir / "meta.json"
+        if not meta_path.exists():  # `up` and then its controller both prepare: one `git` call is enough
+            meta = {"astraflow": __version__, "git_sha": git_sha(), "created": time.time()}
+            meta_path.write_text(json.dumps(meta, indent=2) + "\n")
+    except OSError as exc:
+        raise RunDirError(
+            f"cannot write the run directory {run_dir}: {exc.strerror or exc}",
+            hint="pass --run-dir DIR on a writable file system (a path this user may create)",
+        ) from None
     return run_dir
+
+
+class RunDirError(AstraflowError):
+    """The run directory cannot be created or written."""

@@ -22,7 +22,8 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float = 90) -> subproc
 def assert_clean_error(out: subprocess.CompletedProcess[str], *needles: str) -> None:
     assert out.returncode != 0
     assert "Traceback" not in out.stderr and "Traceback" not in out.stdout
-    assert out.stderr.startswith("error: "), out.stderr
+    # log lines (a member's "joined ...") may come first; the error is one line starting "error: "
+    assert "\nerror: " in "\n" + out.stderr, out.stderr
     assert "hint:" in out.stderr
     for n in needles:
         assert n in out.stderr, out.stderr
@@ -126,3 +127,38 @@ def test_member_without_the_model_directory(tmp_path: Path) -> None:
 
 def test_ctl_without_a_live_run(tmp_path: Path) -> None:
     assert_clean_error(run_cli("ctl", "stop", "--run-dir", str(tmp_path)), "no live controller")
+
+
+def test_version() -> None:
+    from astraflow import __version__
+
+    out = run_cli("--version")
+    assert out.returncode == 0 and out.stdout.strip() == f"astraflow {__version__}"
+
+
+def test_controller_run_dir_that_cannot_be_written(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    out = run_cli("controller", "recipes/quickstart/recipe.toml", "--run-dir", str(blocker / "run"))
+    assert_clean_error(out, "cannot write the run directory")
+
+
+def test_join_with_an_address_without_scheme() -> None:
+    out = run_cli("join", "--role", "raas", "--controller", "127.0.0.1:7600")
+    assert_clean_error(out, "has no scheme", "tcp://127.0.0.1:7600")
+
+
+def test_keys_add_refuses_a_key_file_under_another_name(tmp_path: Path) -> None:
+    assert run_cli("keys", "init", "--keys", str(tmp_path / "keys")).returncode == 0
+    assert run_cli("keys", "new", "observer-ops", "--dir", str(tmp_path)).returncode == 0
+    out = run_cli(
+        "keys",
+        "add",
+        "ops",
+        str(tmp_path / "observer-ops.key"),
+        "--keys",
+        str(tmp_path / "keys"),
+        "--role",
+        "observer",
+    )
+    assert_clean_error(out, "is the key of 'observer-ops'", "astraflow keys add observer-ops")

@@ -97,14 +97,14 @@ def test_control_keys_on_a_live_run(tiny_model: Path, tmp_path: Path) -> None:
             for call in (lambda c: c.pause(), lambda c: c.stop(), lambda c: c.drain("raas-0")):
                 with pytest.raises(AstraflowError, match="not_authorized"):
                     call(key_client(run_dir, name))
-        # the operator's name, but a key the run never registered: the CURVE handshake fails, no answer
+        # the operator's name, but a key the run never registered: the CURVE handshake fails, and says so
         new_key_files(tmp_path / "rogue", "operator")
         rogue = key_client(run_dir, "operator", timeout_s=3.0)
         rogue.credentials = MemberCredentials(
             keypair=load_keypair(tmp_path / "rogue" / "operator.key_secret"),
             controller_public=rogue.credentials.controller_public,
         )
-        with pytest.raises(AstraflowError, match="did not answer"):
+        with pytest.raises(AstraflowError, match="does not know key 'operator'"):
             rogue.stop()
         doc = status(run_dir)
         assert doc["control"] == {"paused": []} and up.poll() is None

@@ -289,6 +289,22 @@ def test_dashboard_on_a_live_controller(tiny_model: Path, tmp_path: Path) -> Non
         app = Dashboard(ControllerSource(addr), interval_s=0.5)
         progress, status, title = drive(app, script)
         assert "step 0/120" in progress and status == "" and "quickstart" in title
+        assert "need --run-dir" in app.sub_title  # the panels the wire cannot fill say so
+        # a control's outcome stays on the status line across polls
+        app = Dashboard(ControllerSource(addr), interval_s=0.2)
+
+        async def said(pilot: Any) -> tuple[str, str, str]:
+            from textual.widgets import Static
+
+            await pilot.pause(0.3)
+            app.say("pause: done")
+            polls = app.polls
+            while app.polls < polls + 3:
+                await pilot.pause(0.1)
+            return ("", str(app.query_one("#status-line", Static).render()), "")
+
+        _, status, _ = drive(app, said)
+        assert status == "pause: done"
         app = Dashboard(RunDirSource(run_dir), interval_s=0.5)
         progress, status, _ = drive(app, script)
         assert "step 0/120" in progress and status == ""
@@ -297,8 +313,16 @@ def test_dashboard_on_a_live_controller(tiny_model: Path, tmp_path: Path) -> Non
         ctl.wait(timeout=30)
     # the controller is gone: the dashboard says so instead of hanging
     app = Dashboard(ControllerSource(addr, timeout_s=1.0), interval_s=0.5)
-    _, status, _ = drive(app, script)
-    assert "did not answer" in status
+
+    async def lost(pilot: Any) -> tuple[str, str, str]:
+        while app.unreachable_since is None:
+            await pilot.pause(0.1)
+        await pilot.pause(0.1)
+        return await script(pilot)
+
+    progress, status, _ = drive(app, lost)
+    assert "CONTROLLER UNREACHABLE" in status and "nothing listens" in status
+    assert "no answer for" in progress
 
 
 def cli(*args: str) -> SimpleNamespace:

@@ -45,7 +45,7 @@ def dash(
     except ImportError as exc:
         raise AstraflowError(
             f"the dashboard needs textual and textual-plotext ({exc.name} is missing)",
-            hint="pip install 'astraflow[dash]'",
+            hint="textual is a dependency of astraflow: reinstall it (pip install 'textual>=0.60' textual-plotext)",
         ) from None
     from astraflow.cli.ctl import client_for
     from astraflow.tui.app import Dashboard

@@ -69,9 +69,38 @@ def add(
 
     if role == "trainer" and not policy:
         raise AstraflowError("a trainer key needs --policy", hint="a trainer trains exactly one policy")
+    made_as = _key_file_name(public_key)
+    if made_as and made_as != name:
+        raise AstraflowError(
+            f"{public_key} is the key of {made_as!r} (astraflow keys new {made_as}), not of {name!r}: "
+            f"its holder connects as {made_as!r}, so the controller would refuse it under {name!r}",
+            hint=f"add it under its own name: astraflow keys add {made_as} {public_key} --keys {keys} "
+            f"--role {role}{' --policy ' + policy if policy else ''}; or make a key named {name}: "
+            f"astraflow keys new {name}",
+        )
     store = KeyStore(keys)
     store.add(name, load_public(public_key), role, policy)
     typer.echo(f"added {name} ({role}{', policy ' + policy if policy else ''})")
+
+
+def _key_file_name(spec: str) -> str:
+    """The name a NAME.key file was made with (the member id its holder uses), or "" when unknown."""
+    from pathlib import Path
+
+    path = Path(spec)
+    if not path.is_file():
+        return ""  # a Z85 key given as text carries no name
+    for line in path.read_text(errors="replace").splitlines():
+        key, sep, value = line.strip().partition("=")
+        if sep and key.strip() == "name":
+            return value.strip().strip("\"'")
+    # `keys new NAME` writes NAME.key; its NAME.key_secret carries the name the member connects as
+    secret = path.with_name(path.name + "_secret")
+    if secret.is_file():
+        from astraflow.transport.keys import load_keypair
+
+        return load_keypair(secret).name
+    return path.name.removesuffix(".key") if path.name.endswith(".key") else ""
 
 
 @app.command("revoke")

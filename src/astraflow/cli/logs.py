@@ -1,7 +1,8 @@
-"""`astraflow logs`: every role's log of a run in one stream, each line prefixed with its role."""
+"""`astraflow logs`: every role's log of a run merged by time into one stream, each line prefixed with its role."""
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from pathlib import Path
@@ -10,6 +11,9 @@ from typing import IO, Annotated
 import typer
 
 from astraflow.errors import AstraflowError
+
+_STAMP = re.compile(r"\d\d:\d\d:\d\d ")
+"""The time every log line starts with (log.setup's format)."""
 
 
 class LogFollower:
@@ -28,8 +32,8 @@ class LogFollower:
         return found
 
     def read(self) -> list[tuple[str, str]]:
-        """(log name, line) for every complete line written since the last call."""
-        out: list[tuple[str, str]] = []
+        """(log name, line) for every complete line written since the last call, merged by time."""
+        out: list[tuple[str, str, str]] = []
         for path in self.files():
             start = self.offsets.get(path, 0)
             try:
@@ -40,9 +44,13 @@ class LogFollower:
                 continue
             end = data.rfind(b"\n") + 1
             self.offsets[path] = start + end
+            stamp = ""
             for line in data[:end].decode("utf-8", "replace").splitlines():
-                out.append((path.stem, line))
-        return out
+                # a line without its own time (a traceback's) stays after the line it belongs to
+                stamp = line[:8] if _STAMP.match(line) else stamp
+                out.append((stamp, path.stem, line))
+        out.sort(key=lambda row: row[0])  # stable: one file's lines of one second keep their order
+        return [(name, line) for _, name, line in out]
 
 
 def write_lines(lines: list[tuple[str, str]], out: IO[str], width: int) -> None:

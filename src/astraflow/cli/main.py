@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import sys
+from typing import Annotated
 
 import typer
 
@@ -35,6 +37,26 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+
+
+def _version(value: bool) -> None:
+    if value:
+        from astraflow import __version__
+
+        typer.echo(f"astraflow {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit."),
+    ] = False,
+) -> None:
+    """Dataflow-oriented RL for LLM agents: controller, rollout workers (raas) and trainers."""
+
+
 app.command("up")(up.up)
 app.command("controller")(roles.controller)
 app.command("join")(roles.join)
@@ -65,6 +87,21 @@ def main() -> None:
         typer.secho(f"error: {exc.message}", fg="red", err=True)
         if exc.hint:
             typer.echo(f"  hint: {exc.hint}", err=True)
+        sys.exit(2)
+    except PermissionError as exc:
+        # a read-only run directory, key store or output path: say which, not a traceback
+        typer.secho(f"error: cannot write {exc.filename or 'a file'}: {exc.strerror}", fg="red", err=True)
+        typer.echo(
+            "  hint: pass a directory this user can write (--run-dir DIR) or fix its permissions", err=True
+        )
+        sys.exit(2)
+    except OSError as exc:
+        if exc.errno != errno.EROFS:
+            raise
+        typer.secho(
+            f"error: cannot write {exc.filename or 'a file'}: read-only file system", fg="red", err=True
+        )
+        typer.echo("  hint: pass a directory on a writable file system (--run-dir DIR)", err=True)
         sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)

@@ -9,7 +9,11 @@ import typer
 
 
 def export(
-    run_dir: Annotated[Path, typer.Argument(help="Run directory.")],
+    run_dir_arg: Annotated[
+        Path | None,
+        typer.Argument(metavar="[RUN_DIR]", help="Run directory (or --run-dir).", show_default=False),
+    ] = None,
+    run_dir_opt: Annotated[Path | None, typer.Option("--run-dir", help="Run directory.")] = None,
     fmt: Annotated[str, typer.Option("--format", help="csv, or parquet (needs pyarrow).")] = "csv",
     what: Annotated[
         str, typer.Option("--what", help="metrics (metrics.jsonl) or trajectories (state.db).")
@@ -26,8 +30,13 @@ def export(
     ] = True,
 ) -> None:
     """Write a run's metrics or trajectories as CSV or Parquet."""
+    from astraflow.errors import AstraflowError
     from astraflow.metrics.export import export as do_export
 
+    if (run_dir_arg is None) == (run_dir_opt is None):
+        raise AstraflowError("give the run directory once", hint="astraflow export --run-dir runs/<name>")
+    run_dir = run_dir_opt or run_dir_arg
+    assert run_dir is not None
     path, n = do_export(run_dir, what, fmt, out, text=text)
     typer.echo(f"wrote {n} rows to {path}")
 

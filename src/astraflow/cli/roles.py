@@ -60,6 +60,7 @@ def controller(
     # before prepare() rewrites recipe.resolved.json: a refused recipe must leave the run as it was
     check_run_recipe(run_dir, r, allow=allow_recipe_change)
     prepare(run_dir, r)
+    log.add_file(run_dir / "logs" / "controller.log")  # `astraflow logs` reads it, started by hand or by up
     exit_process(run_controller(r, run_dir, bind=bind, allow_recipe_change=allow_recipe_change))
 
 

@@ -64,7 +64,9 @@ def wants_dashboard() -> bool:
     import importlib.util
 
     if importlib.util.find_spec("textual") is None or importlib.util.find_spec("textual_plotext") is None:
-        sys.stderr.write("the dashboard needs `pip install 'astraflow[dash]'`; showing plain lines\n")
+        sys.stderr.write(
+            "the dashboard needs textual (a dependency of astraflow: reinstall it); showing plain lines\n"
+        )
         return False
     return True
 

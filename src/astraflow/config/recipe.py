@@ -89,6 +89,30 @@ class StageSpec(_Model):
     """Options validated by the stage's own Config model."""
 
 
+class ModelInitConfig(_Model):
+    """How `astraflow up` builds a policy's missing model directory (`astraflow model init`'s options)."""
+
+    arch: str = "qwen3"
+    """Architecture (qwen3)."""
+    preset: str = "tiny"
+    """Size preset (tiny, small, ...)."""
+    seed: int = 0
+    """Initialisation seed."""
+    tokenizer: Literal["words", "bpe"] = "words"
+    """words (the quickstart's digits) or bpe (byte-level, trained on `corpus`)."""
+    corpus: str | None = None
+    """UTF-8 text file the bpe tokenizer is trained on (relative to the working directory)."""
+    vocab_size: int = Field(4096, ge=2)
+    """Tokens of the bpe tokenizer."""
+
+    def command(self, out: str) -> str:
+        """The `astraflow model init` command that builds this model at out."""
+        cmd = f"astraflow model init --arch {self.arch} --preset {self.preset} --seed {self.seed}"
+        if self.tokenizer == "bpe":
+            cmd += f" --tokenizer bpe --corpus {self.corpus} --vocab-size {self.vocab_size}"
+        return f"{cmd} --out {out}"
+
+
 class PolicyConfig(_Model):
     """One policy: its model, engine, trainer, objective, data pipeline and pace."""
 
@@ -96,6 +120,8 @@ class PolicyConfig(_Model):
     """Policy name; workflows address policies through roles mapped to these names."""
     model: str
     """Path of a transformers model directory (config, weights, tokenizer) on every machine."""
+    model_init: ModelInitConfig | None = None
+    """How to make `model` when it is missing (random init, offline): `astraflow up` builds it; None: never."""
     trainable: bool = True
     """False: a frozen policy, served by RaaS at version 0 from `model`, with no trainer, no buffer and no budget."""
     steps: int | None = Field(None, ge=1)

@@ -74,6 +74,7 @@ def request_retrying(
         except ConnectError:
             if time.monotonic() > deadline:
                 raise
+            client.check_reachable()  # a revoked key or a wrong address: waiting will not help
             if not warned:
                 log.get("member").warning("controller not answering; retrying until it is back")
                 warned = True
@@ -113,7 +114,14 @@ def connect_retrying(client: Any, give_up_after_s: float = 120.0) -> Any:
     deadline = time.monotonic() + give_up_after_s
     while True:
         try:
-            return client.connect()
+            welcome = client.connect()
+            log.get("member").info(
+                "joined the controller at %s as %s (%s)",
+                client.controller,
+                client.hello.member_id,
+                client.hello.role,
+            )
+            return welcome
         except ProtocolError as exc:
             if not any(f": {code}:" in exc.message for code in RETRY_JOIN_CODES):
                 raise

@@ -232,6 +232,8 @@ class RaaS:
                     reply = await self._ask(TaskRequest(n=free, loaded=self.loaded(), wait_s=wait), stop)
                 except ConnectError:
                     _log.warning("controller not answering; asking again until it is back")
+                    # a revoked key or a wrong address: exit with the reason instead of asking forever
+                    await asyncio.to_thread(self.client.check_reachable)
                     await asyncio.sleep(1.0)
                     continue
                 if reply is None:

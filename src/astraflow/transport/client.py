@@ -29,6 +29,12 @@ from astraflow.transport.server import DEFAULT_MAX_MESSAGE_BYTES, HEARTBEAT_IVL_
 
 _log = log.get("transport.client")
 
+PROBE_AFTER_S = 2.0
+"""Seconds without a Welcome after which connect() probes why (transport/probe.py)."""
+
+GIVE_UP_ABSENT_S = 600.0
+"""A joined member whose controller address has had nothing listening this long exits (check_reachable)."""
+
 _HINT = "is `astraflow controller` running? check the address/port"
 _HINT_KEY = (
     "is `astraflow controller` running there, is --controller-key its public key, and is this "
@@ -67,6 +73,9 @@ class MemberClient:
                 f"member id {hello.member_id!r} cannot be a socket identity",
                 hint="use 1 to 255 bytes of text, e.g. raas-<host>-<n>",
             )
+        from astraflow.transport.probe import parse_endpoint
+
+        parse_endpoint(controller)  # a bad address is an error now, not a transport thread's crash
         self.controller = controller
         """The controller endpoint this client connects to."""
         self.hello = hello
@@ -103,6 +112,8 @@ class MemberClient:
         self._stopping = threading.Event()
         self._closed = False
         self._hello_future: concurrent.futures.Future[Msg] | None = None
+        self._absent_since: float | None = None
+        """time.monotonic() since which probes found nothing listening at the controller's address."""
 
     # ----- owner API ------------------------------------------------------------------------
 
@@ -117,7 +128,7 @@ class MemberClient:
             self._hello_future = fut
         self._wake()
         try:
-            reply = fut.result(self.connect_timeout_s)
+            reply = self._await_welcome(fut)
         except concurrent.futures.TimeoutError:
             raise ConnectError(
                 f"controller at {self.controller} did not answer within {self.connect_timeout_s:g}s",
@@ -132,6 +143,42 @@ class MemberClient:
             )
         assert isinstance(reply, Welcome)
         return reply
+
+    def _await_welcome(self, fut: concurrent.futures.Future[Msg]) -> Msg:
+        """The Hello's reply; when it is late, a probe names a cause waiting will not fix (bad address,
+        nothing listening, a refused key) and that is raised at once instead of the timeout."""
+        first = min(PROBE_AFTER_S, self.connect_timeout_s)
+        try:
+            return fut.result(first)
+        except concurrent.futures.TimeoutError:
+            if first >= self.connect_timeout_s:
+                raise
+        self.check_reachable(absent_is_fatal=True)
+        return fut.result(max(0.0, self.connect_timeout_s - first))
+
+    def check_reachable(self, *, absent_is_fatal: bool = False) -> None:
+        """Probe the controller (transport/probe.py); raise what the probe found if waiting cannot fix it.
+
+        A refused key, a wrong controller key or a bad address always raise; nothing listening at the
+        address (or a silent host) raises with absent_is_fatal, else once it has lasted GIVE_UP_ABSENT_S
+        (a controller may be restarting; a run that ended has none)."""
+        from astraflow.transport.probe import ControllerAbsent, probe
+
+        err = probe(self.controller, self.credentials)
+        if not isinstance(err, ControllerAbsent):
+            self._absent_since = None
+        if err is None:
+            return
+        if isinstance(err, ControllerAbsent) and not absent_is_fatal:
+            now = time.monotonic()
+            self._absent_since = self._absent_since or now
+            if now - self._absent_since < GIVE_UP_ABSENT_S:
+                _log.warning("%s", err.message)
+                return
+            err.message += (
+                f" for {GIVE_UP_ABSENT_S:.0f}s: giving up (the run has ended, or its controller is gone)"
+            )
+        raise err
 
     def submit(self, msg: Msg, timeout_s: float = 30.0) -> concurrent.futures.Future[Msg]:
         """Queue a request (assigns its rid); the future resolves with the rid-matched reply.
@@ -250,7 +297,8 @@ def request_once(
     to 5 s apart): the controller's ROUTER ignores a connection whose identity a previous connection
     still holds until it has seen that one close (two `ctl` calls in a row under one key's name), and
     it never delivers from the ignored one. Only idempotent requests may use this (status, pause,
-    resume, stop, leave); the first answer wins.
+    resume, stop, leave); the first answer wins. When the first attempt goes unanswered, a probe
+    (transport/probe.py) raises the cause it finds (nothing listening, a refused key, a bad address).
     """
     from astraflow.protocol.codec import decode, encode
 
@@ -279,4 +327,10 @@ def request_once(
             sock.close()
         if time.monotonic() >= deadline:
             return None
+        if wait_s == 0.5:  # the first attempt went unanswered: a refused key or a bad address says why now
+            from astraflow.transport.probe import probe
+
+            err = probe(controller, credentials, timeout_s=min(3.0, max(0.5, deadline - time.monotonic())))
+            if err is not None:
+                raise err
         wait_s = min(wait_s * 2, 5.0)

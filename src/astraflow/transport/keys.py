@@ -250,6 +250,16 @@ class KeyStore:
         """The member a (non-revoked) public key belongs to, or None."""
         return self._by_key.get(public_z85)
 
+    def revoked(self, public_z85: bytes) -> bool:
+        """Whether this public key was registered and is revoked (not merely unknown)."""
+        try:
+            members = _read_members(self.directory)
+        except Exception:
+            return False
+        key = public_z85.decode()
+        rows = [row for row in members.values() if row.get("public_key") == key]
+        return bool(rows) and all(row.get("revoked") for row in rows)
+
 
 def write_member_keys(store: KeyStore, directory: Path, members: list[tuple[str, str, str | None]]) -> None:
     """Make a key pair file for each (name, role, policy) in `directory` and register them all in one

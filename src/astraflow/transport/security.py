@@ -62,17 +62,45 @@ def curve_client(sock: zmq.Socket, keypair: KeyPair, server_public: bytes) -> No
     sock.setsockopt(zmq.CURVE_SERVERKEY, server_public)
 
 
+REVOKED_STATUS = 500
+"""The ZAP status a revoked key's handshake is refused with (400 for an unknown key; 300 would drop the
+connection without telling the client). libzmq passes
+only the status code (200/300/400/500) to the client, which sees it as the value of its
+EVENT_HANDSHAKE_FAILED_AUTH event: that is how a member tells "revoked" from "unknown"."""
+
+
 class _Provider:
     """The ZAP callback object pyzmq's authenticator asks about each new connection."""
 
-    def __init__(self, allow: Callable[[bytes], bool]) -> None:
+    def __init__(self, allow: Callable[[bytes], bool], revoked: Callable[[bytes], bool] | None) -> None:
         self.allow = allow
+        self.revoked = revoked
+        self.last_revoked = False
+        """Whether the key refused last was a revoked one (read by _Authenticator's reply)."""
 
     def callback(self, domain: str, key: bytes) -> bool:
+        self.last_revoked = False
         try:
-            return bool(self.allow(key))
+            ok = bool(self.allow(key))
+            if not ok and self.revoked is not None:
+                self.last_revoked = bool(self.revoked(key))
+            return ok
         except Exception:  # a failing check admits nobody
             return False
+
+
+class _Authenticator(ThreadAuthenticator):
+    """pyzmq's authenticator, answering a revoked key with REVOKED_STATUS instead of 400."""
+
+    provider: _Provider | None = None
+
+    def _send_zap_reply(
+        self, request_id: bytes, status_code: bytes, status_text: bytes, user_id: str = "anonymous"
+    ) -> None:
+        if status_code == b"400" and self.provider is not None and self.provider.last_revoked:
+            status_code, status_text = str(REVOKED_STATUS).encode(), b"key revoked"
+            self.provider.last_revoked = False
+        super()._send_zap_reply(request_id, status_code, status_text, user_id)
 
 
 def curve_server(
@@ -82,12 +110,15 @@ def curve_server(
 
     Returns the running authenticator; stop() it before terminating the context.
     """
-    auth = ThreadAuthenticator(ctx)
+    auth = _Authenticator(ctx)
     auth.start()
     if allow is None:
         auth.configure_curve(domain=ZAP_DOMAIN, location=zmq.auth.CURVE_ALLOW_ANY)
     else:
-        auth.configure_curve_callback(domain=ZAP_DOMAIN, credentials_provider=_Provider(allow))
+        # a key store's admits() comes with its revoked(): a revoked key gets its own refusal
+        store = getattr(allow, "__self__", None)
+        auth.provider = _Provider(allow, store.revoked if isinstance(store, KeyStore) else None)
+        auth.configure_curve_callback(domain=ZAP_DOMAIN, credentials_provider=auth.provider)
     sock.setsockopt(zmq.CURVE_SERVER, 1)
     sock.setsockopt(zmq.CURVE_PUBLICKEY, keypair.public)
     sock.setsockopt(zmq.CURVE_SECRETKEY, keypair.secret)

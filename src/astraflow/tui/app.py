@@ -29,6 +29,8 @@ CURVES: tuple[tuple[str, str], ...] = (
     ("samples/s", "samples_per_s"),
 )
 """(plot id, metric) of the overview's curves; the KL metric depends on the objective."""
+SAY_S = 8.0
+"""Seconds a control's outcome stays on the status line before a poll may clear it."""
 
 
 class Dashboard(App[int]):
@@ -69,6 +71,10 @@ class Dashboard(App[int]):
         self.control_log: list[str] = []
         """What each control request got back (newest last), also shown on the status line."""
         self.stop_sent = False
+        self.said_at = float("-inf")
+        """time.monotonic() of the last say(); polls leave the status line alone for SAY_S after it."""
+        self.unreachable_since: float | None = None
+        """time.time() of the first failed poll in a row (None: the last poll answered)."""
         self.interval_s = interval_s
         self.series: dict[str, Series] = {}
         self.evals: dict[str, dict[str, Any]] = {}
@@ -202,17 +208,26 @@ class Dashboard(App[int]):
         curves_changed = bool(snap.new_rows) or self.polls == 1
         status = self.query_one("#status-line", Static)
         if snap.error:
-            status.update(f"{self.source.kind}: {snap.error}")
-            if not self.snap.policies:
-                self.render_overview()
+            if self.unreachable_since is None:
+                self.unreachable_since = snap.taken
+            if self.source.kind == "controller":
+                since = time.strftime("%H:%M:%S", time.localtime(self.unreachable_since))
+                status.update(f"CONTROLLER UNREACHABLE since {since}: {snap.error}")
+            else:
+                status.update(f"{self.source.kind}: {snap.error}")
+            self.render_overview()  # its first line says the numbers are the last ones seen
             return
-        status.update("")
+        self.unreachable_since = None
+        if time.monotonic() - self.said_at > SAY_S:  # a control's outcome stays readable a while
+            status.update("")
         new_events = snap.new_events
         self.snap = snap
         if not self.policy and snap.policies:
             self.policy = snap.policies[0]["name"]
         self.title = f"astraflow · {snap.run_name or '?'}"
         self.sub_title = f"{self.source.kind} · policy {self.policy or '-'}"
+        if self.source.kind == "controller":
+            self.sub_title += " · loss/KL/entropy curves, Events and Samples need --run-dir"
         self.render_overview(curves=curves_changed)
         self.render_members()
         self.render_events(new_events)
@@ -222,6 +237,11 @@ class Dashboard(App[int]):
     def progress_text(self) -> Text:
         """One line per policy: step against the budget, version, ETA, newest numbers."""
         out = Text()
+        if self.unreachable_since is not None:
+            out.append(
+                f"no answer for {time.time() - self.unreachable_since:.0f}s: the numbers below are the last seen\n",
+                style="bold red",
+            )
         paused = set(self.snap.paused)
         if "*" in paused:
             out.append("admission paused for the whole run (A resumes)\n", style="bold yellow")
@@ -445,7 +465,8 @@ class Dashboard(App[int]):
         return False
 
     def say(self, text: str) -> None:
-        """Show a control's outcome on the status line (and keep it for tests and the log)."""
+        """Show a control's outcome on the status line for SAY_S at least (and keep it for tests and the log)."""
+        self.said_at = time.monotonic()
         self.control_log.append(text)
         self.query_one("#status-line", Static).update(text)
 

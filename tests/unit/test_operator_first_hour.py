@@ -1,0 +1,85 @@
+"""The first hour: a recipe's model_init builds a missing model, a directory that is no model is refused
+up front, `astraflow logs` merges roles by time, hand-started roles log into the run directory."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from astraflow.cli.logs import LogFollower
+from astraflow.config.recipe import ModelInitConfig
+from astraflow.errors import RecipeError
+from astraflow.launcher import check_models
+
+
+class _Policy:
+    def __init__(self, model: Path, model_init: ModelInitConfig | None) -> None:
+        self.name, self.model, self.model_init = "main", str(model), model_init
+
+
+class _Recipe:
+    def __init__(self, *policies: _Policy) -> None:
+        self.policy = list(policies)
+
+
+def test_model_init_builds_a_missing_model(tmp_path: Path) -> None:
+    out = tmp_path / "models" / "tiny"
+    check_models(_Recipe(_Policy(out, ModelInitConfig(preset="tiny", seed=3))))
+    assert (out / "config.json").is_file()
+    assert any(out.glob("*.safetensors"))
+
+
+def test_missing_model_without_model_init_names_both_ways(tmp_path: Path) -> None:
+    with pytest.raises(RecipeError) as exc:
+        check_models(_Recipe(_Policy(tmp_path / "nope", None)))
+    assert "model_init" in exc.value.hint and "astraflow model init" in exc.value.hint
+
+
+def test_a_directory_that_is_not_a_model_is_refused_up_front(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(RecipeError, match="not a model directory"):
+        check_models(_Recipe(_Policy(tmp_path / "empty", ModelInitConfig())))
+
+
+def test_model_init_command_is_the_cli_command() -> None:
+    cmd = ModelInitConfig(tokenizer="bpe", corpus="c.txt", vocab_size=320).command("models/x")
+    assert cmd == (
+        "astraflow model init --arch qwen3 --preset tiny --seed 0 --tokenizer bpe --corpus c.txt "
+        "--vocab-size 320 --out models/x"
+    )
+
+
+def test_logs_merge_roles_by_time(tmp_path: Path) -> None:
+    (tmp_path / "controller.log").write_text(
+        "10:00:01 controller I a\n10:00:03 controller I c\nTraceback line of c\n"
+    )
+    (tmp_path / "raas-0.log").write_text("10:00:02 raas-0 I b\n10:00:04 raas-0 I d\n")
+    lines = [line for _, line in LogFollower(tmp_path).read()]
+    assert lines == [
+        "10:00:01 controller I a",
+        "10:00:02 raas-0 I b",
+        "10:00:03 controller I c",
+        "Traceback line of c",
+        "10:00:04 raas-0 I d",
+    ]
+
+
+def test_add_file_writes_the_role_log(tmp_path: Path) -> None:
+    from astraflow import log
+
+    log.setup("controller")
+    path = tmp_path / "controller.log"
+    logger = logging.getLogger("astraflow")
+    before = list(logger.handlers)
+    try:
+        log.add_file(path)
+        log.get("test").warning("hello file")
+        for h in logger.handlers:
+            h.flush()
+        assert "hello file" in path.read_text()
+    finally:
+        for h in logger.handlers[len(before) :]:
+            logger.removeHandler(h)
+            h.close()
