@@ -171,6 +171,22 @@ class WeightsConfig(_Model):
     """Versions a weight server keeps for pulling."""
     chunk_bytes: int = Field(4 << 20, ge=1024)
     """Chunk size of the weight data plane."""
+    transports: list[Literal["ipc", "broadcast", "zmq"]] = ["ipc", "broadcast", "zmq"]
+    """Paths a version may take, fastest first as a worker tries them: ipc (same host: shared memory, or
+    CUDA IPC of the trainer's GPU buffer), broadcast (torch.distributed groups; trusted networks only),
+    zmq (the authenticated pull, the fallback: required)."""
+    shared_slots: int = Field(2, ge=2, le=8)
+    """ipc: packed buffers a trainer reuses in turn (2 = double buffering)."""
+    bucket_bytes: int = Field(256 << 20, ge=1 << 16)
+    """broadcast: bytes sent per collective call."""
+    broadcast_timeout_s: float = Field(30.0, gt=0)
+    """broadcast: a collective that takes longer fails; its group is dropped and its workers join again."""
+
+    @model_validator(mode="after")
+    def _zmq_fallback(self) -> WeightsConfig:
+        if "zmq" not in self.transports:
+            raise ValueError('weights.transports must include "zmq" (the fallback every worker can use)')
+        return self
 
 
 class ControllerConfig(_Model):

@@ -93,6 +93,9 @@ class Controller:
         self.sinks = Sinks.from_specs([(s.name, s.options) for s in recipe.metrics.sinks], run_dir)
         self.parked = ParkedRequests()
         """Long polls (roles/parked.py): requests answered when an event may change their answer."""
+        self.offers: dict[str, tuple[int, list[m.WeightOffer]]] = {}
+        """Policy -> (version, the faster weight paths its trainer offered for it); in memory only: after a
+        restart workers pull the current version from the weight server until the next one."""
 
     # ----- start and stop -----------------------------------------------------------------------
 
@@ -139,9 +142,14 @@ class Controller:
                 version=v["version"],
                 weights_addr=v["weights_addr"] or "",
                 sha256=v["sha256"] or "",
+                offers=self._offers_for(v["policy"], v["version"]),
             )
             for v in self.store.latest_versions()
         ]
+
+    def _offers_for(self, policy: str, version: int) -> list[m.WeightOffer]:
+        held = self.offers.get(policy)
+        return held[1] if held is not None and held[0] == version else []
 
     # ----- periodic work ------------------------------------------------------------------------
 
@@ -600,6 +608,8 @@ class Controller:
             )
             return m.Error(rid=msg.rid, code=refused[0], message=refused[1])
         now = time.time()
+        if msg.offers and msg.version >= self.offers.get(msg.policy, (-1, []))[0]:
+            self.offers[msg.policy] = (msg.version, list(msg.offers))
         with self.store.write():
             new = self.store.record_version(
                 msg.policy, msg.version, msg.step, msg.weights_addr, msg.sha256, msg.nbytes
