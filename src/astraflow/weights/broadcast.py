@@ -124,8 +124,8 @@ class BroadcastHub:
 
     def publish(self, version: int, weights: dict[str, Any]) -> str:
         """Pack `version` (on the hub's device) and queue it for the sender thread; returns its digest
-        ("" when no worker has joined: nothing is packed, and joiners get the next version)."""
-        if not self.members and int(self.store.add(f"{self.token}/njoin", 0)) <= self._seen_joins:
+        ("" while no worker ever joined: nothing is packed, and the first joiners get the next version)."""
+        if not self.generation and int(self.store.add(f"{self.token}/njoin", 0)) <= self._seen_joins:
             return ""
         layout = packed.plan(weights)
         buf = torch.empty(layout.nbytes, dtype=torch.uint8, device=self.device)

@@ -100,9 +100,14 @@ def plan(weights: dict[str, Any]) -> Layout:
 
 def pack(weights: dict[str, Any], layout: Layout, buf: torch.Tensor) -> None:
     """Copy every tensor into its place in `buf` (uint8, any device): one copy per tensor, no host trip
-    when `buf` is on the tensors' device."""
+    when `buf` is on the tensors' device; the alignment gaps are zeroed, so equal weights pack to equal
+    bytes (and digests)."""
+    end = 0
     with torch.no_grad():
         for e in layout.entries:
+            if e.offset > end:
+                buf[end : e.offset].zero_()
+            end = max(end, e.offset + e.nbytes)
             if e.nbytes:
                 src = weights[e.name].detach().contiguous().reshape(-1).view(torch.uint8)
                 buf[e.offset : e.offset + e.nbytes].copy_(src, non_blocking=True)

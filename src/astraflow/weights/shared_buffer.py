@@ -211,7 +211,7 @@ class SharedImporter:
             _lock_shared(fd)
             key = (path, ipc)
             if key not in self._maps:
-                self._maps[key] = self._map(fd, kind, ipc)
+                self._maps[key] = self._map(path, kind, ipc)
             data, layout, mapping = self._maps[key]
             _magic, have, _t, _o, _n = _HEAD.unpack_from(mapping, 0)
             if have != version:
@@ -229,9 +229,14 @@ class SharedImporter:
             if fd >= 0:
                 os.close(fd)
 
-    def _map(self, fd: int, kind: str, ipc: bytes) -> tuple[torch.Tensor, packed.Layout, mmap.mmap]:
-        size = os.fstat(fd).st_size
-        mapping = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+    def _map(self, path: str, kind: str, ipc: bytes) -> tuple[torch.Tensor, packed.Layout, mmap.mmap]:
+        # a descriptor of its own: mmap keeps a duplicate of it, which must not share the lock's
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            mapping = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
         magic, _v, tlen, data_off, nbytes = _HEAD.unpack_from(mapping, 0)
         if magic != _MAGIC:
             raise WeightIntegrityError("not an astraflow weight slot", hint="")
