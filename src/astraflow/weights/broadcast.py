@@ -268,6 +268,11 @@ class BroadcastMember:
                 self._session(store)
             except Exception as exc:  # the generation failed or timed out: register again
                 self.error = str(exc)[:500]
+                try:
+                    store.add(f"{self.token}/njoin", 0)
+                except Exception:  # noqa: BLE001 - the hub is gone (its trainer stopped): leave
+                    _log.info("broadcast store at %s gone; leaving", self.address)
+                    return
                 _log.info("broadcast group left (%s); joining again", self.error)
                 time.sleep(0.05)
 
