@@ -337,6 +337,8 @@ def _serve(device: str) -> None:
     )
     params: dict[str, Any] = {}
     offer = None
+    ctx = zmq.Context()
+    pulls: dict[str, Any] = {}
 
     def apply(tensors: dict[str, Any]) -> None:
         for k, v in tensors.items():
@@ -372,14 +374,12 @@ def _serve(device: str) -> None:
                 assert p is not None and m.layout is not None and packed.digest(p.buf) == p.digest
                 apply(packed.views(p.buf, m.layout))
             elif op == "raw":
-                ctx = zmq.Context()
-                s = ctx.socket(zmq.PULL)
-                s.connect(cmd["address"])
+                if cmd["address"] not in pulls:  # one connection for every round: none loses frames
+                    pulls[cmd["address"]] = ctx.socket(zmq.PULL)
+                    pulls[cmd["address"]].connect(cmd["address"])
                 n = 0
                 while n < cmd["nbytes"]:
-                    n += len(s.recv(copy=False))
-                s.close(0)
-                ctx.term()
+                    n += len(pulls[cmd["address"]].recv(copy=False))
             elif op == "zmq":
                 blob = fetch_weights(cmd["address"], "bench", cmd["version"], expect_sha256=cmd["sha256"])
                 apply(bytes_to_state_dict(blob))
