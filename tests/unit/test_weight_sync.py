@@ -125,3 +125,21 @@ def test_pipeline_falls_back_and_a_mismatch_keeps_the_old_weights() -> None:
     finally:
         trainer.close()
         server.close()
+
+
+def test_choose_orders_paths_and_a_same_host_worker_never_joins_the_broadcast() -> None:
+    from astraflow.weights.shared_buffer import host_id
+    from astraflow.weights.transport import BroadcastTransport, SharedTransport, ZmqTransport, choose
+
+    cpu = torch.device("cpu")
+    bc = BroadcastTransport(cpu, member_id="w1")
+    ts = {"shm": SharedTransport(cpu), "broadcast": bc, "zmq": ZmqTransport()}
+    shm = WeightOffer(kind="shm", host=host_id(), path="/dev/shm/x", digest="d")
+    other = WeightOffer(kind="shm", host="elsewhere/boot", path="/dev/shm/x", digest="d")
+    ipc = WeightOffer(kind="cuda_ipc", host=host_id(), path="/dev/shm/x", digest="d")
+    cast = WeightOffer(kind="broadcast", address="127.0.0.1:1", token="t", digest="d")
+    got = choose(info(1, offers=[cast, ipc, shm]), ts, ["ipc", "broadcast", "zmq"])
+    assert [(t.kind, o.kind if o else None) for t, o in got] == [("shm", "shm"), ("zmq", None)]
+    assert not bc._members  # the CPU engine cannot take cuda_ipc; shm wins; no group joined
+    assert [t.kind for t, _ in choose(info(1, offers=[other]), ts, ["ipc", "zmq"])] == ["zmq"]
+    assert choose(info(1, sha="", offers=[shm]), ts, ["zmq"]) == []  # blob not served yet

@@ -146,6 +146,7 @@ class WeightSync:
             try:
                 got = await in_daemon_thread(transport.receive, info, offer)
                 self.paths[ps.policy] = transport.kind if offer is None else offer.kind
+                _log.debug("%s version %d by %s", ps.policy, info.version, self.paths[ps.policy])
                 break
             except Exception as exc:  # this path failed: the next one (last: the ZeroMQ pull)
                 _log.warning(

@@ -121,8 +121,12 @@ class BroadcastTransport(WeightTransport):
         return WeightOffer(kind="broadcast", address=self.hub.address, token=self.hub.token, digest=digest)
 
     def usable(self, offer: WeightOffer) -> bool:
-        """Any broadcast offer (joining the group is how a worker finds out whether it can reach it)."""
-        return offer.kind == "broadcast" and bool(self.member_id)
+        """A broadcast offer with a digest; asking joins the offer's group (joining is how a worker
+        finds out whether it can reach the trainer), so the next versions come this way."""
+        if offer.kind != "broadcast" or not self.member_id:
+            return False
+        self.member(offer)
+        return bool(offer.digest)
 
     def member(self, offer: WeightOffer) -> Any:
         """This worker's membership of the offer's group, joined on first use."""
@@ -187,6 +191,8 @@ def choose(
         t = transports.get("shm" if kind == "cuda_ipc" else kind)
         if t is None or _family(kind) not in allowed:
             continue
+        if kind == "broadcast" and out:
+            continue  # a same-host path is usable: never join the broadcast (joining costs the trainer)
         out += [(t, o) for o in info.offers if o.kind == kind and t.usable(o)]
     # a version announced before its blob is served (sha256 still "") is pulled once it is announced again
     if "zmq" in transports and "zmq" in allowed and info.weights_addr and (info.sha256 or not info.offers):
