@@ -106,6 +106,7 @@ class SharedExporter:
         self.layout: packed.Layout | None = None
         self._slots: list[_Slot] = []
         self._tag = f"astraflow-{os.getpid()}-{secrets.token_hex(8)}"
+        sweep_dead_slots()
 
     @property
     def kind(self) -> str:
@@ -175,6 +176,20 @@ class SharedExporter:
         raw = digest.encode()[:_DIGEST_BYTES].ljust(_DIGEST_BYTES, b"\0")
         slot.mapping[_HEAD.size : _HEAD.size + _DIGEST_BYTES] = raw
         struct.pack_into("<q", slot.mapping, 8, version)
+
+
+def sweep_dead_slots() -> None:
+    """Remove slot files of trainers that died without closing them (killed: tmpfs keeps them)."""
+    for f in SHM_DIR.glob("astraflow-*-*"):
+        pid = f.name.split("-")[1]
+        try:
+            if not pid.isdigit() or f.stat().st_uid != os.getuid():
+                continue
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            f.unlink(missing_ok=True)
+        except OSError:
+            pass  # gone already, or alive under another user
 
 
 @dataclass
