@@ -288,7 +288,10 @@ def _share_cuda(buf: torch.Tensor) -> IpcHandle:
     from torch.multiprocessing.reductions import reduce_tensor
 
     _fn, args = reduce_tensor(buf)
-    device, handle, sbytes, soff, ref_h, ref_off, ev_h, ev_sync = args[6:]
+    # (cls, size, stride, offset, storage cls, dtype, device, handle, storage bytes, storage offset,
+    #  requires_grad, ref counter handle, ref counter offset, event handle, event sync required)
+    device, handle, sbytes, soff = args[6:10]
+    ref_h, ref_off, ev_h, ev_sync = args[11:15]
     return IpcHandle(
         int(device),
         bytes(handle),
