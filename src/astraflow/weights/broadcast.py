@@ -54,6 +54,10 @@ def _group(store: Any, prefix: str, rank: int, size: int, device: torch.device, 
     timeout = datetime.timedelta(seconds=timeout_s)
     scoped = dist.PrefixStore(prefix, store)
     if device.type == "cuda":  # pragma: no cover - needs GPUs
+        import os
+
+        # a timed-out collective must fail in its wait, not tear the trainer's process down (the default)
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
         return dist.ProcessGroupNCCL(scoped, rank, size, opts)
