@@ -20,6 +20,8 @@ def test_quickstart_runs_with_deltas_and_relays(tiny_model: Path, tmp_path: Path
         f'policy.model="{tiny_model}"',
         "run.steps=8",
         'weights.mode="delta"',
+        # on one host the shared-memory path would carry every version: deltas travel on the ZeroMQ pull
+        'weights.transports=["zmq"]',
         "weights.relays=true",
         "rollout.local_workers=2",
         # bf16 parameters without an fp32 copy and a fine-tuning learning rate: most elements keep

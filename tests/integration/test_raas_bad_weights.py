@@ -15,6 +15,7 @@ def test_unfit_weights_are_reported_and_survived(tiny_model: Path) -> None:
     import torch
 
     from astraflow.roles.raas import RaaS, engine_alive
+    from astraflow.roles.weight_sync import State
     from astraflow.weights.server import WeightServer
     from astraflow.weights.snapshot import state_dict_to_bytes
 
@@ -29,10 +30,12 @@ def test_unfit_weights_are_reported_and_survived(tiny_model: Path) -> None:
         info = VersionInfo(policy="main", version=1, weights_addr=server.address, sha256=manifest.sha256)
 
         async def go() -> list[int]:
-            await raas._pull("main", info)
             client.versions = {"main": info}
+            raas._maybe_pull_weights()
+            await raas.weights.until_settled(30.0)
+            assert raas.weights.policies["main"].state is State.REJECTED
             raas._maybe_pull_weights()  # the refused version is not pulled again
-            assert "main" not in raas.pulling
+            assert not raas.weights.pending()
             done = await raas.clients["main"].generate([1, 2, 3], n=1, max_new_tokens=2)
             return done[0].versions
 
@@ -41,7 +44,7 @@ def test_unfit_weights_are_reported_and_survived(tiny_model: Path) -> None:
         server.close()
         for e in raas.engines.values():
             e.close()
-    assert raas.rejected["main"] == (1, server.address)
+    assert raas.weights.policies["main"].rejected == {(1, server.address)}
     assert "could not apply main version 1" in raas.last_error
     assert versions and set(versions) == {0}  # still decoding with the initial weights
     assert raas.engines["main"].version == 0

@@ -310,6 +310,40 @@ def wire(
         typer.echo(f"dispatch {k:16} {tp[k]:8d} round trips/s  ratio to plain zmq {ratio[k]:.3f}")
 
 
+@app.command("weights")
+def weights(
+    model: Annotated[
+        Path,
+        typer.Option("--model", help="Model directory (e.g. `astraflow model init --preset 0.6b-shape`)."),
+    ],
+    device: Annotated[
+        str, typer.Option("--device", help="cpu, cuda or cuda:N: where the trainer's weights live.")
+    ] = "cpu",
+    repeats: Annotated[
+        int, typer.Option("--repeats", min=1, help="Versions sent on each path (the median counts).")
+    ] = 5,
+    json_: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
+) -> None:
+    """Seconds per version and GB/s on each weight path, beside the copy limit measured in the same run."""
+    import json
+
+    from astraflow.bench.weights import format_lines, run
+
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            from astraflow.errors import AstraflowError
+
+            raise AstraflowError("--device cuda but no CUDA device is visible", hint="use --device cpu")
+    res = run(model, device, repeats)
+    if json_:
+        typer.echo(json.dumps(res, indent=2))
+        return
+    for line in format_lines(res):
+        typer.echo(line)
+
+
 @app.command("pipeline")
 def pipeline(
     recipe: Annotated[Path, typer.Argument(help="Recipe to run in sync mode, then in async mode.")],

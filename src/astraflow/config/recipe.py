@@ -241,6 +241,23 @@ class WeightsConfig(_Model):
     region costs the trainer one upload per version."""
     relay_wait_s: float = Field(10.0, ge=0)
     """How long a worker waits for a relay still fetching a version before pulling from the trainer."""
+    transports: list[Literal["ipc", "broadcast", "zmq"]] = ["ipc", "zmq"]
+    """Paths a version may take, fastest first as a worker tries them: ipc (same host: shared memory, or
+    CUDA IPC of the trainer's GPU buffer), broadcast (torch.distributed groups, weights in the clear:
+    opt in on trusted networks only, docs/protocol.md), zmq (the authenticated pull, the fallback:
+    required)."""
+    shared_slots: int = Field(2, ge=2, le=8)
+    """ipc: packed buffers a trainer reuses in turn (2 = double buffering)."""
+    bucket_bytes: int = Field(256 << 20, ge=1 << 16)
+    """broadcast: bytes sent per collective call."""
+    broadcast_timeout_s: float = Field(30.0, gt=0)
+    """broadcast: a collective that takes longer fails; its group is dropped and its workers join again."""
+
+    @model_validator(mode="after")
+    def _zmq_fallback(self) -> WeightsConfig:
+        if "zmq" not in self.transports:
+            raise ValueError('weights.transports must include "zmq" (the fallback every worker can use)')
+        return self
 
 
 class ControllerConfig(_Model):

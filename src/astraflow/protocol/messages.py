@@ -104,6 +104,26 @@ class Episode(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Free-form numbers a workflow reports (e.g. correctness, turns); scalars only."""
 
 
+class WeightOffer(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A faster path than the weight server by which a trainer offers one version (weights/transport.py);
+    a worker takes the first offer it can use and falls back to the ZeroMQ pull."""
+
+    kind: Annotated[str, msgspec.Meta(max_length=16)]
+    """shm (shared memory on the trainer's host) | cuda_ipc (the trainer's GPU buffer) | broadcast."""
+    host: Name = ""
+    """shm, cuda_ipc: the trainer's host id (host name and boot id); other hosts cannot use the offer."""
+    path: Annotated[str, msgspec.Meta(max_length=1024)] = ""
+    """shm, cuda_ipc: the slot file in /dev/shm (header, layout table, and on a CPU the bytes)."""
+    ipc: Annotated[bytes, msgspec.Meta(max_length=4096)] = b""
+    """cuda_ipc: the packed device buffer's CUDA IPC handle."""
+    address: Name = ""
+    """broadcast: host:port of the trainer's rendezvous store."""
+    token: Name = ""
+    """broadcast: the secret key prefix a worker needs to join the trainer's broadcast groups."""
+    digest: Annotated[str, msgspec.Meta(max_length=128)] = ""
+    """The packed buffer's checksum (weights/packed.py `digest`), checked before the weights apply."""
+
+
 class VersionInfo(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The newest published version of a policy and where to pull it."""
 
@@ -115,6 +135,8 @@ class VersionInfo(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     relays: list[str] = []
     """Weight servers of peers in the receiver's region that hold this version or are fetching it
     (`[weights] relays`): pull from them first, from `weights_addr` when they fail."""
+    offers: Annotated[list[WeightOffer], msgspec.Meta(max_length=8)] = []
+    """Faster paths for this version, fastest first ([] = the weight server only)."""
 
 
 class Task(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -306,6 +328,8 @@ class VersionPublished(Msg, kw_only=True):
     sha256: Annotated[str, msgspec.Meta(max_length=64)] = ""
     nbytes: int = 0
     metrics: Annotated[dict[Name, float], msgspec.Meta(max_length=1024)] = {}
+    offers: Annotated[list[WeightOffer], msgspec.Meta(max_length=8)] = []
+    """Faster paths for this version (VersionInfo.offers); the controller relays them unchanged."""
 
 
 class Ack(Msg, kw_only=True):

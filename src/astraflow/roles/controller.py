@@ -16,6 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
+import msgspec
+
 from astraflow import log
 from astraflow.config.load import role_map
 from astraflow.config.recipe import Recipe
@@ -106,6 +108,9 @@ class Controller:
         self._touches: dict[str, tuple[float, dict[str, int] | None, int | None]] = {}
         """Heartbeats seen since the last tick: member -> (time, loaded, slots), written in one
         transaction before the liveness check (a heartbeat then costs no write of its own)."""
+        self.offers: dict[str, tuple[int, list[m.WeightOffer]]] = {}
+        """Policy -> (version, the faster weight paths its trainer offered for it); in memory only: after a
+        restart workers pull the current version from the weight server until the next one."""
 
     # ----- start and stop -----------------------------------------------------------------------
 
@@ -161,6 +166,7 @@ class Controller:
                     version=v["version"],
                     weights_addr=v["weights_addr"] or "",
                     sha256=v["sha256"] or "",
+                    offers=self._offers_for(v["policy"], v["version"]),
                 )
                 for v in self.store.latest_versions()
             ]
@@ -194,10 +200,19 @@ class Controller:
         mid, region = str(member["id"]), str(member.get("region") or "")
         if beat is not None:
             self.relay_dir.update(mid, region, beat.relay_addr, dict(beat.loaded), now)
-        for info in infos:
-            if info.weights_addr:
-                info.relays = self.relay_dir.relays_for(mid, region, info.policy, info.version, now)
-        return infos
+        # the cached infos are shared by every member: each gets copies naming its own region's relays
+        return [
+            msgspec.structs.replace(
+                info, relays=self.relay_dir.relays_for(mid, region, info.policy, info.version, now)
+            )
+            if info.weights_addr
+            else info
+            for info in infos
+        ]
+
+    def _offers_for(self, policy: str, version: int) -> list[m.WeightOffer]:
+        held = self.offers.get(policy)
+        return held[1] if held is not None and held[0] == version else []
 
     # ----- periodic work ------------------------------------------------------------------------
 
@@ -721,6 +736,8 @@ class Controller:
             )
             return m.Error(rid=msg.rid, code=refused[0], message=refused[1])
         now = time.time()
+        if msg.offers and msg.version >= self.offers.get(msg.policy, (-1, []))[0]:
+            self.offers[msg.policy] = (msg.version, list(msg.offers))
         with self.store.write():
             new = self.store.record_version(
                 msg.policy, msg.version, msg.step, msg.weights_addr, msg.sha256, msg.nbytes

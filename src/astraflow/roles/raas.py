@@ -12,7 +12,6 @@ import time
 import traceback
 import zlib
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 from astraflow import log
@@ -166,14 +165,9 @@ class RaaS:
             self.engines[name] = engine
             self.clients[name] = EnginePolicyClient(name, tok, engine, pol.sampling, stop)
         self.busy = 0
-        self.pulling: dict[str, tuple[int, str]] = {}
-        """Policy -> (version, address) of the pull in flight."""
-        self.scheduled: dict[str, int] = {}
         self.tasks_done = 0
         self.active: set[int] = set()
         """Task ids running now: the heartbeat reports progress on these (only they are renewed)."""
-        self.rejected: dict[str, tuple[int, str]] = {}
-        """Policy -> (version, address) of weights the engine refused: not pulled again."""
         self.last_error = ""
         """The newest failure this worker survived, reported in heartbeats."""
         self.fatal = ""
@@ -185,6 +179,9 @@ class RaaS:
         self.stats_writer = StatsWriter()
         self.started = time.time()
         self.member_id = member_id
+        self._held_lock = threading.Lock()
+        self.weights = make_weight_sync(self.engines, recipe, member_id, self.pull_stats, self._fetch)
+        """The per-policy weight pipeline (roles/weight_sync.py)."""
 
     def loaded(self) -> dict[str, int]:
         """Policy -> version each engine decodes with now."""
@@ -283,6 +280,8 @@ class RaaS:
             self._write_stats(force=True)
             for e in self.engines.values():
                 e.close()
+            for t in self.weights.transports.values():
+                t.close()
         if self.fatal:
             _log.error("stopping: %s", self.fatal)
             return 1
@@ -290,16 +289,13 @@ class RaaS:
         return 0
 
     def _pull_pending(self) -> bool:
-        """Weights of some policy are being pulled, or pulled and not yet applied by its engine."""
-        return bool(self.pulling) or any(
-            self.scheduled.get(name, -1) > eng.version for name, eng in self.engines.items()
-        )
+        """Weights of some policy are being fetched, or fetched and not yet applied by its engine."""
+        return self.weights.pending()
 
     async def _until_loaded(self, stop: asyncio.Event, timeout: float) -> None:
-        """Wait (polling briefly) until no pull is pending, the worker stops, or `timeout` passes."""
-        deadline = time.monotonic() + timeout
-        while self._pull_pending() and not stop.is_set() and time.monotonic() < deadline:
-            await asyncio.sleep(0.005)
+        """Wait until no weights are pending, the worker stops, or `timeout` passes."""
+        if not stop.is_set():
+            await self.weights.until_settled(timeout)
 
     async def _ask(self, msg: Any, stop: asyncio.Event) -> Any:
         """Send a request and await its reply, or None as soon as the worker is told to stop."""
@@ -399,56 +395,14 @@ class RaaS:
             self.active.discard(task.task_id)
 
     def _maybe_pull_weights(self) -> None:
-        """Start pulling every policy whose published version is newer than what its engine holds.
+        """Hand the announced versions to the weight pipeline; it fetches what is newer."""
+        self.weights.poll(self.client.versions)
+        if self.weights.last_error:
+            self.last_error, self.weights.last_error = self.weights.last_error, ""
 
-        A pull in flight for another version or from another address (its trainer restarted) is
-        abandoned for the new one; whichever finishes applies only if it is still newer."""
-        for name, info in list(self.client.versions.items()):
-            eng = self.engines.get(name)
-            if eng is None or not info.weights_addr:
-                continue
-            have = max(eng.version, self.scheduled.get(name, -1))
-            want = (info.version, info.weights_addr)
-            if info.version <= have or self.pulling.get(name) == want or self.rejected.get(name) == want:
-                continue
-            self.pulling[name] = want
-            asyncio.get_running_loop().create_task(self._pull(name, info))
-
-    async def _pull(self, name: str, info: Any) -> None:
-        """Fetch, verify and schedule one version's weights (the engine applies them between decode steps)."""
-        mine = (info.version, info.weights_addr)
-        try:
-            t0 = time.perf_counter()
-            fetched = await in_daemon_thread(partial(self._fetch, name, info))
-            t1 = time.perf_counter()
-            sd = fetched.state_dict
-            if info.version > max(self.engines[name].version, self.scheduled.get(name, -1)):
-                try:
-                    self.engines[name].load_weights(info.version, sd)
-                    self.pull_stats.add(name, t1 - t0, time.perf_counter() - t1, fetched.nbytes)
-                except Exception as exc:
-                    # weights that do not fit the model: keep decoding the old version, report, never retry it
-                    self.rejected[name] = mine
-                    self.last_error = (
-                        f"could not apply {name} version {info.version}: {type(exc).__name__}: {exc}"
-                    )[:2000]
-                    _log.error("%s; keeping version %d", self.last_error, self.engines[name].version)
-                    return
-                self.scheduled[name] = info.version
-                _log.debug(
-                    "scheduled %s version %d (%s, %d bytes)", name, info.version, fetched.kind, fetched.nbytes
-                )
-        except Exception as exc:
-            if self.pulling.get(name) == mine:
-                _log.warning("pulling %s version %d failed: %s; will retry", name, info.version, exc)
-                await asyncio.sleep(0.5)
-        finally:
-            if self.pulling.get(name) == mine:
-                del self.pulling[name]
-
-    def _fetch(self, name: str, info: Any) -> Any:
-        """Pull one version as `[weights]` says: delta chain or full, relays of the region first."""
-        from astraflow.weights.fetch import HeldWeights, fetch_version
+    def _held_weights(self) -> Any:
+        """The versions this worker keeps for deltas and serves as a relay (made on the first pull)."""
+        from astraflow.weights.fetch import HeldWeights
 
         cfg = self.recipe.weights
         held = getattr(self, "held_weights", None)
@@ -462,9 +416,19 @@ class RaaS:
                 self.client.relay_addr = relay.address
             held = self.held_weights = HeldWeights(relay)
             self.pull_stats.ways = held.counts
-        return fetch_version(
+        return held
+
+    def _fetch(self, info: Any) -> tuple[dict[str, Any], int]:
+        """The ZeroMQ path of one version as `[weights]` says: delta chain or full, relays of the
+        region first (weights/fetch.py); (state dict, bytes received)."""
+        from astraflow.weights.fetch import fetch_version
+
+        cfg = self.recipe.weights
+        with self._held_lock:  # two policies' pulls run on their own threads
+            held = self._held_weights()
+        fetched = fetch_version(
             [*info.relays, info.weights_addr],
-            name,
+            info.policy,
             info.version,
             expect_sha256=info.sha256,
             # full pulls without relays need no copy of the version beside the engine's
@@ -473,6 +437,29 @@ class RaaS:
             max_chain=cfg.max_chain,
             relay_wait_s=cfg.relay_wait_s,
         )
+        return fetched.state_dict, fetched.nbytes
+
+
+def make_weight_sync(
+    engines: dict[str, RolloutEngine], recipe: Any, member_id: str, stats: Any, fetch: Any = None
+) -> Any:
+    """The worker side of every weight transport the recipe allows, driven per policy."""
+    import torch
+
+    from astraflow.roles.weight_sync import WeightSync
+    from astraflow.weights.transport import BroadcastTransport, SharedTransport, ZmqTransport
+
+    devices = [getattr(e, "device", None) for e in engines.values()]
+    device = next((d for d in devices if isinstance(d, torch.device)), torch.device("cpu"))
+    w = recipe.weights
+    transports: dict[str, Any] = {"zmq": ZmqTransport(fetch)}
+    if "ipc" in w.transports:
+        transports["shm"] = SharedTransport(device)
+    if "broadcast" in w.transports:
+        transports["broadcast"] = BroadcastTransport(
+            device, member_id=member_id, timeout_s=w.broadcast_timeout_s
+        )
+    return WeightSync(engines, transports, list(w.transports), stats)
 
 
 def engine_alive(engine: Any) -> bool:

@@ -68,7 +68,7 @@ def run_trainer(
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from astraflow import plugins
     from astraflow.config.load import validate_recipe
-    from astraflow.protocol.messages import BatchReply, BatchRequest, Error, TrainSample, VersionPublished
+    from astraflow.protocol.messages import BatchReply, BatchRequest, Error, TrainSample
     from astraflow.roles.member import (
         advertise_host,
         connect_retrying,
@@ -119,6 +119,7 @@ def run_trainer(
         dist.broadcast(welcome.recipe)
     import torch
 
+    from astraflow.roles.trainer_publish import VersionAnnouncer, trainer_transports
     from astraflow.trainers.guard import NonFiniteError, SkipGuard, finite_metrics, nonfinite_weights
 
     torch.set_num_threads(pol.threads)
@@ -144,36 +145,18 @@ def run_trainer(
         _log.info("resumed %s from %s (step %d)", policy, last, trainer.step_count)
 
     host = advertise or advertise_host(controller)
-    server, publisher = weight_publisher(recipe.weights, host, policy)
+    server, background = weight_publisher(recipe.weights, host, policy)
+    dev = getattr(trainer, "device", None)
+    fast = trainer_transports(
+        recipe, policy, dev if isinstance(dev, torch.device) else torch.device("cpu"), host
+    )
+    publisher = VersionAnnouncer(client, policy, server, fast, background)
 
     def announce(block: bool, give_up_after_s: float = 600.0) -> float:
-        """Announce the in-flight version once it is served (at once if not `block` and not ready);
-        returns the seconds spent waiting for it. Only this thread talks to the controller."""
-        if not publisher.busy or (not block and not publisher.ready()):
-            return 0.0
-        t0 = time.monotonic()
-        done = publisher.result()
-        waited = time.monotonic() - t0
-        reply = request_retrying(
-            client,
-            VersionPublished(
-                policy=policy,
-                version=done.version,
-                step=done.version,
-                weights_addr=server.address,
-                sha256=done.manifest.sha256,
-                nbytes=done.manifest.nbytes,
-                metrics=done.metrics,
-            ),
-            give_up_after_s=give_up_after_s,
-        )
-        if isinstance(reply, Error):
-            raise AstraflowError(f"controller refused version {done.version}: {reply.code} {reply.message}")
-        return waited
+        """Announce the version whose blob is in flight once it is served (VersionAnnouncer.flush)."""
+        return publisher.flush(block, give_up_after_s)
 
     def publish(metrics: dict[str, float]) -> None:
-        # versions are announced in order: the previous one first (the wait is publish time too)
-        waited = announce(block=True)
         t0 = time.monotonic()
         weights = snapshot()
         bad = nonfinite_weights(weights)
@@ -183,12 +166,8 @@ def run_trainer(
                 f"{bad[0]}); they are not published",
                 hint="lower optimizer.lr, or look for extreme values in the results (the controller's events)",
             )
-        if metrics:
-            # the trainer's own share: the wait above + the weights' copy; serialisation and digest
-            # run beside the next step (trainer_publish_bg_s)
-            metrics["trainer_publish_wait_s"] = waited
-            metrics["trainer_publish_s"] = waited + time.monotonic() - t0
-        publisher.start(trainer.step_count, weights, metrics)
+        # trainer_publish_s counts the weights' copy too (the trainer's own share of publishing)
+        publisher.publish(trainer.step_count, weights, metrics, started=t0)
 
     def snapshot() -> dict[str, Any]:
         take = getattr(trainer, "weights_snapshot", None)
@@ -294,6 +273,7 @@ def run_trainer(
                 announce(block=True, give_up_after_s=10.0)
             except (AstraflowError, OSError) as exc:
                 _log.warning("version in flight at stop not announced: %s", exc)
+        publisher.close()
         server.close()
         client.close(bye[:1000])
 

@@ -1,0 +1,411 @@
+"""`astraflow bench weights`: seconds per version and GB/s on every weight path this machine has,
+beside the physical limit measured in the same run.
+
+A version counts as arrived when the receiving process holds it in its own parameters (the copy an
+engine makes between two decode steps) after checking it. The receiver is a second process
+(`python -m astraflow.bench.weights --peer`), as a RaaS is; the sender is this process, as a trainer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPEATS = 5
+
+
+def load_model(model_dir: Path, device: str) -> dict[str, Any]:
+    """The model's tensors (safetensors files of a model directory) on `device`."""
+    from safetensors.torch import load_file
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        from astraflow.errors import AstraflowError
+
+        raise AstraflowError(
+            f"no *.safetensors in {model_dir}",
+            hint="create one with `astraflow model init --arch qwen3 --preset 0.6b-shape --out DIR`",
+        )
+    sd: dict[str, Any] = {}
+    for f in files:
+        sd.update(load_file(str(f), device=device))
+    return sd
+
+
+def _sync(device: Any) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Peer:
+    """The receiving process: one JSON command per line in, one JSON answer per line out."""
+
+    def __init__(self, device: str) -> None:
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "astraflow.bench.weights", "--peer", device],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+
+    def ask(self, **cmd: Any) -> dict[str, Any]:
+        """Send one command; its answer."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"bench peer exited with {self.proc.wait()}")
+        out = dict(json.loads(line))
+        if "error" in out:
+            raise RuntimeError(f"bench peer: {out['error']}")
+        return out
+
+    def close(self) -> None:
+        """Stop the process."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _row(name: str, seconds: list[float], nbytes: int, limit_s: float | None) -> dict[str, Any]:
+    s = statistics.median(seconds)
+    return {
+        "path": name,
+        "seconds": s,
+        "gb_per_s": nbytes / s / 1e9 if s > 0 else None,
+        "vs_limit": (limit_s / s) if limit_s and s > 0 else None,
+    }
+
+
+def run(model_dir: Path, device: str, repeats: int = REPEATS) -> dict[str, Any]:
+    """Measure every path; the result is what `--json` prints."""
+    import torch
+
+    torch.set_num_threads(1 if device == "cpu" else 4)  # on a CPU the receiver needs a core too
+    dev = torch.device(device)
+    sd = load_model(model_dir, device)
+    from astraflow.weights import packed
+
+    layout = packed.plan(sd)
+    nbytes = layout.nbytes
+    out: dict[str, Any] = {"device": _device_name(dev), "model": str(model_dir), "bytes": nbytes, "paths": []}
+    versions = [{k: v + (i % 2) if v.is_floating_point() else v for k, v in sd.items()} for i in range(2)]
+
+    # the physical limit: one copy of the same bytes on the device
+    src = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    packed.pack(sd, layout, src)
+    dst = torch.empty_like(src)
+    limit = []
+    for _ in range(repeats):
+        _sync(dev)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        _sync(dev)
+        limit.append(time.perf_counter() - t0)
+    limit_s = statistics.median(limit)
+    out["paths"].append(
+        _row(
+            "limit: copy on " + ("the GPU" if dev.type == "cuda" else "the CPU (memcpy)"),
+            limit,
+            nbytes,
+            limit_s,
+        )
+    )
+    del dst
+
+    peer = Peer(device)
+    try:
+        out["paths"].append(_shared(peer, dev, versions, repeats, nbytes, limit_s))
+        if dev.type == "cuda" and torch.cuda.device_count() >= 2:  # pragma: no cover - needs 2 GPUs
+            out["paths"] += _two_gpus(versions, repeats, nbytes, layout)
+        out["paths"].append(_broadcast(peer, versions, repeats, nbytes, limit_s))
+        zmq_rows = _zmq(peer, versions[0], repeats, nbytes)
+        out["paths"] += zmq_rows
+    finally:
+        peer.close()
+    out["delta"] = _delta_fraction(versions[0])
+    return out
+
+
+def _shared(
+    peer: Peer, dev: Any, versions: list[dict[str, Any]], repeats: int, nbytes: int, limit_s: float
+) -> dict[str, Any]:
+    """Same device: the trainer packs into a slot, the worker maps, checks and copies it."""
+    from astraflow.weights.transport import SharedTransport
+
+    t = SharedTransport(dev, policy="bench")
+    times = []
+    try:
+        for v in range(1, repeats + 2):
+            t0 = time.time()
+            offer = t.publish(v, versions[v % 2])
+            assert offer is not None
+            got = peer.ask(
+                op="shared",
+                kind=offer.kind,
+                path=offer.path,
+                ipc=offer.ipc.hex(),
+                version=v,
+                digest=offer.digest,
+            )
+            if v > 1:  # the first one maps the slot and allocates the receiver's parameters
+                times.append(got["done"] - t0)
+    finally:
+        t.close()
+    name = "same GPU: CUDA IPC" if dev.type == "cuda" else "same host: shared memory"
+    return _row(name, times, nbytes, limit_s)
+
+
+def _broadcast(
+    peer: Peer, versions: list[dict[str, Any]], repeats: int, nbytes: int, limit_s: float
+) -> dict[str, Any]:
+    """Other hosts' path on loopback: gloo broadcast of CPU tensors (NCCL needs a GPU per rank)."""
+    import torch
+
+    from astraflow.weights.broadcast import BroadcastHub
+
+    cpu = [{k: v.cpu() for k, v in w.items()} for w in versions]
+    hub = BroadcastHub("127.0.0.1", "127.0.0.1", torch.device("cpu"), timeout_s=60.0)
+    times = []
+    try:
+        peer.ask(op="join", address=hub.address, token=hub.token)
+        while not hub.members:
+            hub.publish(0, cpu[0])
+            time.sleep(0.05)
+        for v in range(1, repeats + 1):
+            t0 = time.time()
+            hub.publish(v, cpu[v % 2])
+            times.append(peer.ask(op="bcast", version=v)["done"] - t0)
+        peer.ask(op="leave")
+    finally:
+        hub.close()
+    return _row("host to host: gloo broadcast (loopback, CPU tensors)", times, nbytes, None)
+
+
+def _zmq(peer: Peer, weights: dict[str, Any], repeats: int, nbytes: int) -> list[dict[str, Any]]:
+    """The ZeroMQ pull over loopback, plain and CURVE, beside raw ZeroMQ throughput of the same bytes."""
+    import zmq
+
+    from astraflow.transport.keys import KeyPair
+    from astraflow.weights.server import WeightServer
+    from astraflow.weights.snapshot import state_dict_to_bytes
+
+    blob = state_dict_to_bytes({k: v.cpu() for k, v in weights.items()})
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    raw = []
+    for _ in range(repeats):
+        t0 = time.time()
+        assert peer.proc.stdin is not None
+        peer.proc.stdin.write(
+            json.dumps({"op": "raw", "address": f"tcp://127.0.0.1:{port}", "nbytes": len(blob)}) + "\n"
+        )
+        peer.proc.stdin.flush()
+        view = memoryview(blob)
+        for i in range(0, len(blob), 4 << 20):
+            sock.send(view[i : i + (4 << 20)], copy=False)
+        assert peer.proc.stdout is not None
+        raw.append(json.loads(peer.proc.stdout.readline())["done"] - t0)
+    sock.close(0)
+    ctx.term()
+    link_s = statistics.median(raw)
+    rows = [_row("limit: raw ZeroMQ TCP, loopback", raw, len(blob), link_s)]
+    for curve in (False, True):
+        keypair = KeyPair(*zmq.curve_keypair()) if curve else None
+        server = WeightServer("127.0.0.1", keypair=keypair)
+        times = []
+        try:
+            for v in range(1, repeats + 1):
+                t0 = time.time()
+                m = server.publish("bench", v, blob)
+                times.append(
+                    peer.ask(op="zmq", address=server.address, version=v, sha256=m.sha256)["done"] - t0
+                )
+        finally:
+            server.close()
+        rows.append(
+            _row(
+                f"host to host: ZeroMQ pull {'with' if curve else 'without'} CURVE, loopback",
+                times,
+                len(blob),
+                link_s,
+            )
+        )
+    _ = nbytes
+    return rows
+
+
+def _two_gpus(
+    versions: list[dict[str, Any]], repeats: int, nbytes: int, layout: Any
+) -> list[dict[str, Any]]:  # pragma: no cover
+    """GPU to GPU on one host: CUDA IPC from cuda:0 mapped and copied on cuda:1, beside a peer copy."""
+    import torch
+
+    from astraflow.weights import packed
+
+    d0, d1 = torch.device("cuda:0"), torch.device("cuda:1")
+    src = torch.empty(nbytes, dtype=torch.uint8, device=d0)
+    packed.pack(versions[0], layout, src)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=d1)
+    limit = []
+    for _ in range(repeats):
+        torch.cuda.synchronize(d0)
+        torch.cuda.synchronize(d1)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize(d1)
+        limit.append(time.perf_counter() - t0)
+    limit_s = statistics.median(limit)
+    del dst, src
+    peer = Peer("cuda:1")
+    try:
+        on0 = [{k: v.to(d0) for k, v in w.items()} for w in versions]
+        row = _shared(peer, d0, on0, repeats, nbytes, limit_s)
+        row["path"] = "GPU to GPU, one host: CUDA IPC"
+    finally:
+        peer.close()
+    return [_row("limit: GPU-to-GPU peer copy", limit, nbytes, limit_s), row]
+
+
+def _delta_fraction(prev: dict[str, Any]) -> dict[str, Any]:
+    """The lossless delta (weights/delta.py) of a version against a copy with every 100th element
+    changed, as a fraction of the full version, and its encode time on the host: the encoder's cost at
+    about a real bf16 run's sparsity. Sizes on consecutive versions of a real run: `astraflow bench
+    delta`."""
+    import time as _time
+
+    from astraflow.weights.delta import encode_delta
+
+    base = {k: v.detach().cpu() for k, v in prev.items()}
+    target = {}
+    for k, v in base.items():
+        t = v.clone()
+        if t.is_floating_point() and t.numel():
+            t.view(-1)[::100] += 1
+        target[k] = t
+    full = sum(v.numel() * v.element_size() for v in base.values())
+    t0 = _time.perf_counter()
+    blob, _stats = encode_delta(
+        base, target, base_version=0, target_version=1, base_sha256="", target_sha256=""
+    )
+    return {
+        "fraction": round(len(blob) / full, 4),
+        "encode_s": round(_time.perf_counter() - t0, 3),
+        "note": "every 100th element changed; real runs: astraflow bench delta",
+    }
+
+
+def _device_name(dev: Any) -> str:
+    import platform
+
+    import torch
+
+    if dev.type == "cuda":
+        return f"{torch.cuda.get_device_name(dev)} x{torch.cuda.device_count()}"
+    return f"CPU {platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
+
+
+def format_lines(res: dict[str, Any]) -> list[str]:
+    """The human-readable report."""
+    lines = [f"weights bench on {res['device']}: {res['bytes'] / 1e6:.1f} MB a version ({res['model']})"]
+    for r in res["paths"]:
+        gbs = f"{r['gb_per_s']:8.2f} GB/s" if r["gb_per_s"] is not None else " " * 13
+        vs = f"  {100 * r['vs_limit']:5.1f}% of its limit" if r["vs_limit"] is not None else ""
+        lines.append(f"  {r['path']:58} {1000 * r['seconds']:10.2f} ms  {gbs}{vs}")
+    d = res["delta"]
+    lines.append(f"  delta vs full: {d['fraction'] if d['fraction'] is not None else '-'} ({d['note']})")
+    return lines
+
+
+def _serve(device: str) -> None:
+    """The receiving side (a RaaS's role): answers the bench's commands."""
+    import torch
+    import zmq
+
+    from astraflow.protocol.messages import VersionInfo, WeightOffer
+    from astraflow.weights import packed
+    from astraflow.weights.client import fetch_weights
+    from astraflow.weights.snapshot import bytes_to_state_dict
+    from astraflow.weights.transport import BroadcastTransport, SharedTransport
+
+    torch.set_num_threads(1)
+    dev = torch.device(device)
+    shared = SharedTransport(dev)
+    bcast = BroadcastTransport(
+        dev if dev.type != "cuda" else torch.device("cpu"),
+        member_id="bench-peer",
+        timeout_s=60.0,
+        wait_s=120.0,
+    )
+    params: dict[str, Any] = {}
+    offer = None
+    ctx = zmq.Context()
+    pulls: dict[str, Any] = {}
+
+    def apply(tensors: dict[str, Any]) -> None:
+        for k, v in tensors.items():
+            if k not in params:
+                params[k] = torch.empty(v.shape, dtype=v.dtype, device=dev)
+            params[k].copy_(v, non_blocking=True)
+        _sync(dev)
+
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        try:
+            op = cmd["op"]
+            if op == "shared":
+                o = WeightOffer(
+                    kind=cmd["kind"],
+                    host=shared.host,
+                    path=cmd["path"],
+                    ipc=bytes.fromhex(cmd["ipc"]),
+                    digest=cmd["digest"],
+                )
+                got = shared.receive(VersionInfo(policy="bench", version=cmd["version"], weights_addr=""), o)
+                apply(got.tensors)
+                got.release()
+            elif op == "join":
+                offer = WeightOffer(kind="broadcast", address=cmd["address"], token=cmd["token"])
+                bcast.member(offer)
+            elif op == "leave":
+                bcast.close()
+            elif op == "bcast":
+                assert offer is not None
+                m = bcast.member(offer)
+                p = m.wait_for(cmd["version"], 120.0)
+                assert p is not None and m.layout is not None and packed.digest(p.buf) == p.digest
+                apply(packed.views(p.buf, m.layout))
+            elif op == "raw":
+                if cmd["address"] not in pulls:  # one connection for every round: none loses frames
+                    pulls[cmd["address"]] = ctx.socket(zmq.PULL)
+                    pulls[cmd["address"]].connect(cmd["address"])
+                n = 0
+                while n < cmd["nbytes"]:
+                    n += len(pulls[cmd["address"]].recv(copy=False))
+            elif op == "zmq":
+                blob = fetch_weights(cmd["address"], "bench", cmd["version"], expect_sha256=cmd["sha256"])
+                apply(bytes_to_state_dict(blob))
+            print(json.dumps({"done": time.time()}), flush=True)
+        except Exception as exc:
+            print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}), flush=True)
+
+
+if __name__ == "__main__":
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1)  # a stuck peer shows where on `kill -USR1`
+    if sys.argv[1:2] == ["--peer"]:
+        _serve(sys.argv[2])

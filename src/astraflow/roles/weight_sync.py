@@ -1,0 +1,197 @@
+"""A RaaS's weight pipeline, one explicit state machine per policy:
+
+    idle -> fetching -> staged -> applied
+                 \\-> idle (failed: retried)   \\-> rejected (the engine refused it: never retried)
+
+`PolicySync` is the pure core (no sockets, no threads: unit-tested as is); `WeightSync` drives it for
+a worker: it fetches each announced version by the fastest transport the pair shares
+(weights/transport.py), falling back path by path, hands the tensors to the engine (which applies
+them between decode steps) and releases a shared slot once its engine has copied it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from astraflow import log
+from astraflow.protocol.messages import VersionInfo
+
+_log = log.get("raas.weights")
+RETRY_S = 0.5
+"""A failed fetch of a version is tried again after this long (a newer version is fetched at once)."""
+
+
+class State(Enum):
+    """Where a policy's newest wanted version is."""
+
+    IDLE = "idle"
+    FETCHING = "fetching"
+    STAGED = "staged"
+    APPLIED = "applied"
+    REJECTED = "rejected"
+
+
+@dataclass
+class PolicySync:
+    """The state of one policy's weights on one worker."""
+
+    policy: str
+    engine_version: int = 0
+    state: State = State.IDLE
+    target: VersionInfo | None = None
+    """The version being fetched, staged or last applied/rejected."""
+    rejected: set[tuple[int, str]] = field(default_factory=set)
+    """(version, address) the engine refused: never fetched again."""
+    retry_at: float = 0.0
+
+    def on_announce(self, info: VersionInfo, now: float) -> bool:
+        """A version was announced; True when it should be fetched now (state -> fetching)."""
+        staged = self.target.version if self.state is State.STAGED and self.target else -1
+        if info.version <= max(self.engine_version, staged) or not (info.weights_addr or info.offers):
+            return False
+        key = (info.version, info.weights_addr)
+        if key in self.rejected:
+            return False
+        same = self.target is not None and (self.target.version, self.target.weights_addr) == key
+        if same and (self.state is State.FETCHING or now < self.retry_at):
+            return False
+        self.state, self.target = State.FETCHING, info
+        return True
+
+    def on_fetched(self, info: VersionInfo) -> bool:
+        """A fetch finished; True when it should be staged (it was not superseded meanwhile)."""
+        if self.state is not State.FETCHING or self.target is not info:
+            return False
+        self.state = State.STAGED
+        return True
+
+    def on_failed(self, info: VersionInfo, now: float) -> None:
+        """A fetch failed on every path: back to idle, asked again after RETRY_S."""
+        if self.target is info and self.state is State.FETCHING:
+            self.state, self.retry_at = State.IDLE, now + RETRY_S
+
+    def on_rejected(self, info: VersionInfo) -> None:
+        """The engine refused the weights: the old ones stay; this version is never fetched again."""
+        self.rejected.add((info.version, info.weights_addr))
+        if self.target is info:
+            self.state = State.REJECTED
+
+    def on_engine(self, version: int) -> None:
+        """The engine decodes with `version` now."""
+        self.engine_version = version
+        if self.state is State.STAGED and self.target is not None and version >= self.target.version:
+            self.state = State.APPLIED
+
+    @property
+    def pending(self) -> bool:
+        """Weights are on their way (fetching) or waiting for the engine (staged)."""
+        return self.state in (State.FETCHING, State.STAGED)
+
+
+class WeightSync:
+    """Drives one PolicySync per engine for a worker (call `poll` from its event loop)."""
+
+    def __init__(
+        self, engines: dict[str, Any], transports: dict[str, Any], allowed: list[str], stats: Any
+    ) -> None:
+        """`transports`: kind -> WeightTransport (worker side); `allowed`: the recipe's weights.transports."""
+        self.engines = engines
+        self.transports = transports
+        self.allowed = allowed
+        self.stats = stats
+        self.policies = {name: PolicySync(name, e.version) for name, e in engines.items()}
+        self.last_error = ""
+        self.paths: dict[str, str] = {}
+        """Policy -> the transport its newest version came by (for logs and stats)."""
+        self.changed = asyncio.Event()
+
+    def poll(self, versions: dict[str, VersionInfo]) -> None:
+        """Start fetching every policy whose announced version is newer than what it holds."""
+        now = time.monotonic()
+        for name, ps in self.policies.items():
+            ps.on_engine(self.engines[name].version)
+            info = versions.get(name)
+            if info is not None and ps.on_announce(info, now):
+                asyncio.get_running_loop().create_task(self._fetch(ps, info))
+
+    def pending(self) -> bool:
+        """Some policy's weights are being fetched or wait to be applied."""
+        for name, ps in self.policies.items():
+            ps.on_engine(self.engines[name].version)
+        return any(ps.pending for ps in self.policies.values())
+
+    async def until_settled(self, timeout: float) -> None:
+        """Wait until nothing is pending, or `timeout` passes (woken by each transition)."""
+        deadline = time.monotonic() + timeout
+        while self.pending() and (left := deadline - time.monotonic()) > 0:
+            self.changed.clear()
+            try:
+                await asyncio.wait_for(self.changed.wait(), timeout=min(left, 0.05))
+            except TimeoutError:
+                pass  # an engine applies in its own thread; look at its version again
+
+    async def _fetch(self, ps: PolicySync, info: VersionInfo) -> None:
+        from astraflow.roles.raas import in_daemon_thread
+        from astraflow.weights.transport import choose
+
+        engine = self.engines[ps.policy]
+        got = None
+        t0 = time.perf_counter()
+        for transport, offer in choose(info, self.transports, self.allowed):
+            try:
+                got = await in_daemon_thread(transport.receive, info, offer)
+                self.paths[ps.policy] = transport.kind if offer is None else offer.kind
+                _log.debug("%s version %d by %s", ps.policy, info.version, self.paths[ps.policy])
+                break
+            except Exception as exc:  # this path failed: the next one (last: the ZeroMQ pull)
+                _log.warning(
+                    "%s version %d by %s failed: %s",
+                    ps.policy,
+                    info.version,
+                    getattr(offer, "kind", "zmq"),
+                    exc,
+                )
+        t1 = time.perf_counter()
+        if got is None:
+            ps.on_failed(info, time.monotonic())
+            self.changed.set()
+            return
+        if not ps.on_fetched(info):
+            got.release()
+            return
+        try:
+            tensors = got.tensors
+            if got._fd >= 0 and not hasattr(engine, "wait_version"):
+                tensors = {k: v.clone() for k, v in tensors.items()}  # this engine cannot say when it copied
+                got.release()
+            engine.load_weights(info.version, tensors)
+        except Exception as exc:  # weights that do not fit: keep the old ones, report, never retry
+            got.release()
+            ps.on_rejected(info)
+            self.last_error = (
+                f"could not apply {ps.policy} version {info.version}: {type(exc).__name__}: {exc}"[:2000]
+            )
+            _log.error("%s; keeping version %d", self.last_error, engine.version)
+            self.changed.set()
+            return
+        self.stats.add(ps.policy, t1 - t0, time.perf_counter() - t1, got.nbytes)
+        if got._fd >= 0:
+            _release_when_applied(engine, info.version, got)
+        self.changed.set()
+
+
+def _release_when_applied(engine: Any, version: int, got: Any) -> None:
+    """Release a shared slot once the engine copied it (applied this version or a newer one)."""
+
+    def wait() -> None:
+        while not engine.wait_version(version, timeout=1.0):
+            if not getattr(engine, "healthy", lambda: True)():
+                break  # a dead engine reads nothing more
+        got.release()
+
+    threading.Thread(target=wait, name=f"release-{version}", daemon=True).start()

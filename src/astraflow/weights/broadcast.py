@@ -1,0 +1,328 @@
+"""Cross-host weight broadcast over torch.distributed (NCCL on GPUs, gloo on CPUs).
+
+The trainer runs a `BroadcastHub`: a TCPStore it owns and, per *generation*, one process group of
+itself (rank 0) and the workers that joined. Workers are elastic, so membership is by generation:
+
+- a worker that wants the broadcast registers in the store (under the group's secret prefix, which it
+  got through the authenticated control plane) and waits for its rank in the next generation;
+- when joiners are waiting, the hub tells the current group to regroup, opens generation g+1 with the
+  old members and the joiners, and broadcasts the current version again (a late joiner gets it);
+- every collective has a timeout; when one fails (a worker died mid-broadcast), the hub drops that
+  generation and its members register again. The trainer's thread never waits on any of it: `publish`
+  only hands the newest version to the hub's thread, which skips versions it had no time to send.
+
+Each version is one packed buffer (weights/packed.py), sent in buckets, preceded by a small header
+(operation, version, size) and the digest; the worker checks the digest against the one the control
+plane announced before anything is applied. NCCL and gloo authenticate nothing: see docs/protocol.md.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from astraflow import log
+from astraflow.weights import packed
+
+_log = log.get("weights.broadcast")
+_VERSION, _KEEPALIVE, _REGROUP = 1, 2, 3
+_HEADER = 4
+_DIGEST = 64
+JOIN_POLL_S = 0.5
+"""How often the hub's thread looks for joiners between versions."""
+
+
+@dataclass
+class Payload:
+    """One packed version."""
+
+    version: int
+    buf: torch.Tensor
+    digest: str
+
+
+def _group(store: Any, prefix: str, rank: int, size: int, device: torch.device, timeout_s: float) -> Any:
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    scoped = dist.PrefixStore(prefix, store)
+    if device.type == "cuda":  # pragma: no cover - needs GPUs
+        import os
+
+        # a timed-out collective must fail in its wait, not tear the trainer's process down (the default)
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(scoped, rank, size, opts)
+    return dist.ProcessGroupGloo(scoped, rank, size, timeout)
+
+
+def _bcast(pg: Any, t: torch.Tensor) -> None:
+    import torch.distributed as dist
+
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    pg.broadcast([t], opts).wait()
+
+
+def _send_header(
+    pg: Any, device: torch.device, op: int, version: int, nbytes: int, arg: int, digest: str = ""
+) -> None:
+    head = torch.tensor([op, version, nbytes, arg], dtype=torch.int64, device=device)
+    _bcast(pg, head)
+    if op == _VERSION:
+        raw = torch.zeros(_DIGEST, dtype=torch.uint8)
+        enc = digest.encode()[:_DIGEST]
+        raw[: len(enc)] = torch.tensor(list(enc), dtype=torch.uint8)
+        _bcast(pg, raw.to(device))
+
+
+class BroadcastHub:
+    """The trainer's side of the broadcast: owns the store, the generations and a sender thread."""
+
+    def __init__(
+        self,
+        bind_host: str,
+        advertise_host: str,
+        device: torch.device,
+        *,
+        bucket_bytes: int = 256 << 20,
+        timeout_s: float = 30.0,
+    ) -> None:
+        """Start the store (a free port) and the sender thread."""
+        import torch.distributed as dist
+
+        self.device = device
+        self.bucket_bytes = bucket_bytes
+        self.timeout_s = timeout_s
+        self.store = dist.TCPStore(
+            bind_host,
+            0,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        self.address = f"{advertise_host}:{self.store.port}"
+        self.token = secrets.token_hex(16)
+        """The secret prefix of every store key: only members given it by the control plane can join."""
+        self.generation = 0
+        self.members: list[str] = []
+        self.sent: dict[int, int] = {}
+        """Version -> workers it reached (for the bench and the logs)."""
+        self._seen_joins = 0
+        self._pg: Any = None
+        self._latest: Payload | None = None
+        self._pending = False
+        self._layout_set = False
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="astraflow-broadcast", daemon=True)
+        self._thread.start()
+
+    def publish(self, version: int, weights: dict[str, Any]) -> str:
+        """Pack `version` (on the hub's device) and queue it for the sender thread; returns its digest
+        ("" while no worker ever joined: nothing is packed, and the first joiners get the next version)."""
+        if not self.generation and int(self.store.add(f"{self.token}/njoin", 0)) <= self._seen_joins:
+            return ""
+        layout = packed.plan(weights)
+        buf = torch.empty(layout.nbytes, dtype=torch.uint8, device=self.device)
+        packed.pack(weights, layout, buf)
+        digest = packed.digest(buf)
+        if not self._layout_set:
+            self.store.set(f"{self.token}/bucket", str(self.bucket_bytes))
+            self.store.set(f"{self.token}/layout", layout.to_json().decode())
+            self._layout_set = True
+        with self._cond:
+            self._latest = Payload(version, buf, digest)
+            self._pending = True
+            self._cond.notify()
+        return digest
+
+    def close(self) -> None:
+        """Stop sending; the members see their group fail and fall back to other paths."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(self.timeout_s + 5)
+        self._pg = None
+
+    def _run(self) -> None:
+        keepalive_at = time.monotonic() + self.timeout_s / 3
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._closed or self._pending, timeout=JOIN_POLL_S)
+                if self._closed:
+                    return
+                payload, send = self._latest, self._pending
+                self._pending = False
+            try:
+                joined = self._regroup_if_joined(payload is not None)
+                if self._pg is None:
+                    continue
+                if payload is not None and (send or joined):
+                    self._send(payload)
+                elif time.monotonic() >= keepalive_at:
+                    _send_header(self._pg, self.device, _KEEPALIVE, -1, 0, self.generation)
+                else:
+                    continue
+                keepalive_at = time.monotonic() + self.timeout_s / 3
+            except Exception as exc:  # a member died or hung: drop the generation, members re-register
+                _log.warning(
+                    "broadcast generation %d failed (%s); members must join again", self.generation, exc
+                )
+                self._pg = None
+                self.members = []
+
+    def _joiners(self) -> list[str]:
+        count = int(self.store.add(f"{self.token}/njoin", 0))
+        out = []
+        for i in range(self._seen_joins + 1, count + 1):
+            out.append(self.store.get(f"{self.token}/join/{i}").decode())
+        self._seen_joins = count
+        return out
+
+    def _regroup_if_joined(self, have_layout: bool) -> bool:
+        if not have_layout:
+            return False  # joiners wait for the first packed version (it writes the layout)
+        joiners = self._joiners()
+        if not joiners:
+            return False
+        g = self.generation + 1
+        if self._pg is not None:
+            _send_header(self._pg, self.device, _REGROUP, -1, 0, g)
+        tickets = self.members + joiners
+        self.store.set(f"{self.token}/g{g}/members", json.dumps(tickets))
+        for t in joiners:
+            self.store.set(f"{self.token}/assign/{t}", str(g))
+        self.generation, self._pg = g, None
+        # members keep their tickets ("member#join number") across generations
+        self.members = tickets
+        self._pg = _group(self.store, f"{self.token}/g{g}/", 0, len(tickets) + 1, self.device, self.timeout_s)
+        _log.info("broadcast generation %d: %d members", g, len(tickets))
+        return True
+
+    def _send(self, p: Payload) -> None:
+        n = p.buf.numel()
+        _send_header(self._pg, self.device, _VERSION, p.version, n, self.generation, p.digest)
+        for start in range(0, n, self.bucket_bytes):
+            _bcast(self._pg, p.buf[start : start + self.bucket_bytes])
+        self.sent[p.version] = len(self.members)
+
+
+class BroadcastMember:
+    """A worker's side: joins the hub's groups on a thread and keeps the newest version received."""
+
+    def __init__(
+        self, address: str, token: str, member_id: str, device: torch.device, *, timeout_s: float = 30.0
+    ) -> None:
+        """Register with the hub at `address` (host:port) under `token`; returns at once."""
+        self.address, self.token, self.member_id = address, token, member_id
+        self.device = device
+        self.timeout_s = timeout_s
+        self.latest: Payload | None = None
+        self.layout: packed.Layout | None = None
+        self.error = ""
+        self._bucket_bytes = 0
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="astraflow-broadcast-member", daemon=True)
+        self._thread.start()
+
+    def wait_for(self, version: int, timeout_s: float) -> Payload | None:
+        """The received payload of `version` (or newer), or None after `timeout_s`."""
+        with self._cond:
+            self._cond.wait_for(
+                lambda: self._closed or (self.latest is not None and self.latest.version >= version),
+                timeout_s,
+            )
+            return self.latest if self.latest is not None and self.latest.version >= version else None
+
+    def close(self) -> None:
+        """Stop receiving (the thread exits at its next timeout or failure)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    @property
+    def alive(self) -> bool:
+        """Whether the receiving thread still runs."""
+        return self._thread.is_alive()
+
+    def _run(self) -> None:
+        import torch.distributed as dist
+
+        host, _, port = self.address.rpartition(":")
+        try:
+            store = dist.TCPStore(
+                host, int(port), is_master=False, timeout=datetime.timedelta(seconds=self.timeout_s)
+            )
+        except Exception as exc:
+            self.error = f"cannot reach the broadcast store at {self.address}: {exc}"
+            _log.warning("%s", self.error)
+            return
+        while not self._closed:
+            try:
+                self._session(store)
+            except Exception as exc:  # the generation failed or timed out: register again
+                self.error = str(exc)[:500]
+                try:
+                    store.add(f"{self.token}/njoin", 0)
+                except Exception:  # noqa: BLE001 - the hub is gone (its trainer stopped): leave
+                    _log.info("broadcast store at %s gone; leaving", self.address)
+                    return
+                _log.info("broadcast group left (%s); joining again", self.error)
+                time.sleep(0.05)
+
+    def _session(self, store: Any) -> None:
+        n = int(store.add(f"{self.token}/njoin", 1))
+        ticket = f"{self.member_id}#{n}"
+        store.set(f"{self.token}/join/{n}", ticket)
+        key = f"{self.token}/assign/{ticket}"
+        while not self._closed:
+            try:
+                store.wait([key], datetime.timedelta(seconds=1))
+                break
+            except Exception:  # noqa: BLE001 - a timeout: check whether we are closed, then wait on
+                continue
+        if self._closed:
+            return
+        g = int(store.get(key))
+        while not self._closed:
+            tickets = json.loads(store.get(f"{self.token}/g{g}/members"))
+            rank = tickets.index(ticket) + 1
+            if self.layout is None:
+                self.layout = packed.Layout.from_json(store.get(f"{self.token}/layout"))
+                self._bucket_bytes = int(store.get(f"{self.token}/bucket"))
+            pg = _group(store, f"{self.token}/g{g}/", rank, len(tickets) + 1, self.device, self.timeout_s)
+            g = self._receive(pg)
+            if g < 0:
+                return
+
+    def _receive(self, pg: Any) -> int:
+        """Receive versions until the hub regroups (returns the next generation) or we close (-1)."""
+        while not self._closed:
+            head = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
+            _bcast(pg, head)
+            op, version, nbytes, arg = (int(x) for x in head.tolist())
+            if op == _REGROUP:
+                return arg
+            if op != _VERSION:
+                continue
+            raw = torch.zeros(_DIGEST, dtype=torch.uint8, device=self.device)
+            _bcast(pg, raw)
+            digest = bytes(raw.cpu().tolist()).rstrip(b"\0").decode()
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            bucket = max(1, self._bucket_bytes)
+            for start in range(0, nbytes, bucket):
+                _bcast(pg, buf[start : start + bucket])
+            with self._cond:
+                self.latest = Payload(version, buf, digest)
+                self._cond.notify_all()
+        return -1
