@@ -188,6 +188,12 @@ class ControllerConfig(_Model):
     """Dead or departed members are deleted from the state this long after they were last seen."""
     max_member_slots: int = Field(64, ge=1)
     """Most tasks one worker may hold at once, whatever slots it declares."""
+    max_member_share: float = Field(0.5, gt=0, le=1)
+    """While another healthy worker is alive, one worker may hold at most this share of the open tasks."""
+    quarantine_after: int = Field(8, ge=1)
+    """Failed attempts (errors, invalid results, lapsed leases) among a worker's last 32 before it may be quarantined."""
+    quarantine_s: float = Field(600.0, gt=0)
+    """How long a quarantined worker gets no leases (while a healthy peer is alive)."""
     synchronous: Literal["normal", "full"] = "normal"
     """state.db durability: normal survives the controller being killed; full also an OS crash (fsync per commit)."""
     stall_warn_s: float = Field(60.0, gt=0)

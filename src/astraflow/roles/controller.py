@@ -32,8 +32,10 @@ from astraflow.metrics.sinks import Sinks
 from astraflow.protocol import messages as m
 from astraflow.protocol.codec import DecodeError
 from astraflow.roles import authz
+from astraflow.roles.member_accounting import MemberAccounting
 from astraflow.roles.parked import Parked, ParkedRequests, immediate, may_park
 from astraflow.roles.run_control import on_control
+from astraflow.state.member_health import Kind
 from astraflow.state.status import build_status
 from astraflow.state.store import Store
 from astraflow.transport.principal import Principal
@@ -93,6 +95,8 @@ class Controller:
         self.sinks = Sinks.from_specs([(s.name, s.options) for s in recipe.metrics.sinks], run_dir)
         self.parked = ParkedRequests()
         """Long polls (roles/parked.py): requests answered when an event may change their answer."""
+        self.accounting = MemberAccounting(store, recipe)
+        """Per-member failures, quarantine, lease share and heartbeat rate (roles/member_accounting.py)."""
 
     # ----- start and stop -----------------------------------------------------------------------
 
@@ -163,6 +167,7 @@ class Controller:
                     f"{mem['id']} silent {t - (mem['last_seen'] or 0):.1f}s; {n} leases back",
                 )
                 _log.warning("member %s is dead (silent > %.1fs); %d tasks requeued", mem["id"], timeout, n)
+            self.accounting.lapsed(t)
             expired = self.ledger.expire(t)
             if expired:
                 failures.record(self.store, "lease expired", expired)
@@ -341,6 +346,9 @@ class Controller:
     def on_heartbeat(self, member: dict[str, Any], msg: m.Heartbeat) -> m.Msg:
         """Touch the member, renew its leases, tell it the versions and whether to stop."""
         now = time.time()
+        if not self.accounting.heartbeat_allowed(member["id"], now):
+            return m.Error(rid=msg.rid, code="rate_limited", message="heartbeats too fast: nothing recorded")
+        new_error = bool(msg.error) and self.accounting.new_error(member["id"], msg.error)
         with self.store.write():
             slots = msg.busy + msg.free
             self.store.touch_member(
@@ -351,9 +359,9 @@ class Controller:
             self.ledger.renew_tasks(
                 member["id"], msg.active, now, max_age_s=rc.task_timeout_s + rc.lease_timeout_s
             )
-            if msg.error:
+            if new_error:
                 self.store.add_event("member_error", f"{member['id']}: {msg.error[:500]}")
-        if msg.error:
+        if new_error:
             _log.warning("member %s reports: %s", member["id"], msg.error[:500])
         # Requests are handled in the order they arrive, so every request the member sent before this
         # heartbeat is answered (its reply is ahead of this one) or held; any other was never received.
@@ -393,6 +401,8 @@ class Controller:
             return m.Error(
                 rid=msg.rid, code="draining", message="asked to leave: finish your tasks and say Bye"
             )
+        if not self.accounting.may_lease(member):
+            return m.TaskGrant(rid=msg.rid, versions=self.versions(), retry_after_s=RETRY_S)
         now = time.time()
         serves = set(member["policies"])
         loaded = dict(msg.loaded)
@@ -424,7 +434,7 @@ class Controller:
         self.refill()
         with self.store.write():
             self.store.touch_member(member["id"], now, loaded or None)
-            n = authz.task_quota(self.store, self.recipe, member, msg.n)
+            n = self.accounting.quota(member, authz.task_quota(self.store, self.recipe, member, msg.n))
             leased = self.ledger.lease(member["id"], n, now, accept)
             for t in leased:
                 # what the worker is told not to keep is what its result is stored by (see on_task_result)
@@ -451,7 +461,7 @@ class Controller:
     def on_task_result(self, member: dict[str, Any], msg: m.TaskResult) -> m.Msg:
         """Validate the lease; store trajectories, advantages and filter outcomes durably; then ack."""
         if msg.error:
-            status = self.fail_attempt(member["id"], msg.task_id, msg.epoch, msg.error[:8000])
+            status = self.member_failed(member, msg.task_id, msg.epoch, msg.error[:8000], "failures")
             return m.ResultAck(
                 rid=msg.rid,
                 task_id=msg.task_id,
@@ -469,12 +479,16 @@ class Controller:
                 latest=latest,
             )
             if bad:
-                status = self.fail_attempt(member["id"], msg.task_id, msg.epoch, f"invalid result: {bad}")
+                status = self.member_failed(
+                    member, msg.task_id, msg.epoch, f"invalid result: {bad}", "invalid"
+                )
                 return m.Error(
                     rid=msg.rid, code="bad_result", message=f"task {msg.task_id}: {bad} ({status})"
                 )
         with self.store.write():
             status = self.ledger.complete(msg.task_id, msg.epoch, member["id"])
+            if status == "accepted":
+                self.accounting.succeeded(member["id"])
             if status == "accepted" and self._is_eval(msg.task_id):
                 assert self.evals is not None
                 self.evals.record(msg.task_id, msg.episodes)
@@ -510,6 +524,15 @@ class Controller:
         if self.evals is not None and self.evals.is_eval(task.id):
             return self.evals.cfg.sampling.overrides()
         return {}
+
+    def member_failed(self, member: dict[str, Any], task_id: int, epoch: int, error: str, kind: Kind) -> str:
+        """A member's attempt failed: charge the member; the task too unless a healthy peer does far better."""
+        task = self.ledger.get(task_id)
+        if task is None or task.status != "leased" or task.epoch != epoch or task.owner != member["id"]:
+            return self.fail_attempt(member["id"], task_id, epoch, error)  # not a live attempt of its own
+        if self.accounting.failed(member, kind) or not self.ledger.give_back(task_id, epoch, member["id"]):
+            return self.fail_attempt(member["id"], task_id, epoch, error)
+        return "requeued"
 
     def fail_attempt(self, member_id: str, task_id: int, epoch: int, error: str) -> str:
         """End a leased attempt with an error: count it by reason and end the run after too many failed tasks."""

@@ -24,7 +24,7 @@ from astraflow.protocol.messages import (
     Welcome,
 )
 from astraflow.transport.member_loop import MemberLoop, Pending
-from astraflow.transport.security import MemberCredentials, curve_client, member_credentials
+from astraflow.transport.security import MemberCredentials, curve_client, member_credentials, routing_id
 from astraflow.transport.server import DEFAULT_MAX_MESSAGE_BYTES, HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS
 
 _log = log.get("transport.client")
@@ -210,7 +210,7 @@ class MemberClient:
         """A new DEALER connected to the controller (CURVE when the client has credentials)."""
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.ROUTING_ID, self.hello.member_id.encode())
+        sock.setsockopt(zmq.ROUTING_ID, routing_id(self.hello.member_id, self.credentials))
         sock.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes)
         # queue only to a live connection: nothing stale piles up while the controller is away
         sock.setsockopt(zmq.IMMEDIATE, 1)
@@ -263,7 +263,7 @@ def request_once(
         sock.setsockopt(zmq.LINGER, 0)
         if credentials is not None:
             curve_client(sock, credentials.keypair, credentials.controller_public)
-        sock.setsockopt(zmq.IDENTITY, ident.encode())
+        sock.setsockopt(zmq.ROUTING_ID, routing_id(ident, credentials))
         try:
             sock.connect(controller)
             try:

@@ -39,10 +39,13 @@ class RouterServer:
 
     With a key store the socket is a CURVE server: only registered, non-revoked keys connect, each
     frame's sender is looked up in the store as it is now (a revoked key's frames are dropped at
-    once, even on a connection opened before), and a frame whose routing id is not its key's name
-    is answered `bad_identity` and never delivered. ROUTER_HANDOVER is off: a second connection
-    that claims a live member's routing id is ignored by the ROUTER (nothing of it is delivered)
-    until the first one is gone; ZMTP heartbeats free the id of a dead connection within seconds.
+    once, even on a connection opened before), and the identity poll() yields is the key's member
+    name, never the routing id the peer chose: members dial with a random routing id
+    (security.routing_id), so no other key can hold or pre-empt the connection a member's replies
+    take, and a revoked key's connection, though libzmq keeps it open, routes nothing.
+    Without keys the routing id is the member id. ROUTER_HANDOVER is off: a second connection that
+    claims a live routing id is ignored by the ROUTER until the first one is gone; ZMTP heartbeats
+    free the id of a dead connection within seconds.
     """
 
     def __init__(
@@ -86,6 +89,8 @@ class RouterServer:
         self._poller.register(self._sock, zmq.POLLIN)
         self._closed = False
         self.refused = 0
+        self._routes: dict[bytes, bytes] = {}
+        """Member name -> routing id of the connection its key last spoke on (one entry per key)."""
         """Frames refused by the transport itself (unknown or revoked key, wrong identity or role)."""
 
     def poll(self, timeout_ms: int) -> list[Polled]:
@@ -111,9 +116,11 @@ class RouterServer:
                 if principal is None:
                     self.refused += 1  # a key revoked while its connection was open: deliver nothing
                     continue
-                if identity != principal.name.encode():
-                    self._refuse(identity, frames, "bad_identity", f"this key belongs to {principal.name!r}")
-                    continue
+                # the key, not the routing id the peer chose, names the sender; replies go back on
+                # the connection this key spoke on last
+                name = principal.name.encode()
+                self._routes[name] = identity
+                identity = name
             if len(frames) != 2:
                 out.append((identity, principal, DecodeError(f"expected 2 frames, got {len(frames)}")))
                 continue
@@ -124,7 +131,7 @@ class RouterServer:
             if principal is not None and isinstance(msg, Hello):
                 why = _hello_mismatch(msg, principal)
                 if why:
-                    self._refuse(identity, frames, "bad_identity", why)
+                    self._refuse(self._routes.get(identity, identity), frames, "bad_identity", why)
                     continue
             out.append((identity, principal, msg))
         return out
@@ -152,8 +159,9 @@ class RouterServer:
         """Send to one peer; dropped silently if the peer is unknown or not reading."""
         if self._closed:
             return
+        route = self._routes.get(identity, identity)
         try:
-            self._sock.send_multipart([identity, encode(msg)], zmq.NOBLOCK, copy=False)
+            self._sock.send_multipart([route, encode(msg)], zmq.NOBLOCK, copy=False)
         except zmq.Again:
             _log.debug("dropped %s to %r: peer not reading", type(msg).__name__, identity)
         except zmq.ZMQError as exc:

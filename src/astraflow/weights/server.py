@@ -47,7 +47,7 @@ class WeightServer:
     Used by trainers for their own versions. With a key pair (default: this process's member
     credentials) it is a CURVE server and `address` ends in '#curve=<hex public key>', so a puller
     that got the address from the controller also knows which key the server must prove; with
-    pull_keys only those key store's non-revoked member keys may connect (default: any CURVE key).
+    pull_keys only that key store's non-revoked raas and trainer keys may connect (default: any CURVE key).
     """
 
     def __init__(
@@ -81,7 +81,7 @@ class WeightServer:
         pull_keys = pull_keys or _pull_keys
         self._auth = None
         if keypair is not None:
-            allow = None if pull_keys is None else pull_keys.admits
+            allow = None if pull_keys is None else pull_keys.admits_puller
             self._auth = curve_server(self._ctx, sock, keypair, allow)
         try:
             if port:
