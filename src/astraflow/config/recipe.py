@@ -14,11 +14,15 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
 
 
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+"""Run and policy names: they become directory and file names, so no '/', no '..', no leading '.'."""
+
+
 class RunConfig(_Model):
     """What the run is called, how it is seeded and how long it lasts."""
 
-    name: str = "run"
-    """Run name; default run directories are runs/<name>-<time>/."""
+    name: str = Field("run", pattern=NAME_PATTERN)
+    """Run name (letters, digits, '.', '_', '-'); default run directories are runs/<name>-<time>/."""
     seed: int = 0
     """Seed of every random choice: prompts, sampling, initialisation."""
     steps: int = Field(100, ge=1)
@@ -67,8 +71,8 @@ class StageSpec(_Model):
 class PolicyConfig(_Model):
     """One policy: its model, engine, trainer, objective, data pipeline and pace."""
 
-    name: str = "main"
-    """Policy name; workflows address policies through roles mapped to these names."""
+    name: str = Field("main", pattern=NAME_PATTERN)
+    """Policy name (letters, digits, '.', '_', '-'); workflows address policies through roles mapped to these names."""
     model: str
     """Path of a transformers model directory (config, weights, tokenizer) on every machine."""
     trainable: bool = True
