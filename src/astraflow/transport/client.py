@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
+import logging
 import os
 import queue
 import threading
@@ -43,6 +44,9 @@ class MemberClient:
     Heartbeats stop when the owner stops calling tick() for hang_timeout_s, so a hung process
     looks dead to the controller and its leases expire.
     """
+
+    exit_on_failure: bool = True
+    """A failed transport thread ends the process with exit 1 (its member can no longer talk)."""
 
     def __init__(
         self,
@@ -112,6 +116,10 @@ class MemberClient:
             self._thread.start()
         fut: concurrent.futures.Future[Msg] = concurrent.futures.Future()
         with self._lock:
+            if self._closed:
+                raise ConnectError(
+                    "member client is closed (its transport thread failed)", hint="see the log above"
+                )
             self._hello_future = fut
         self._wake()
         try:
@@ -230,7 +238,13 @@ class MemberClient:
         try:
             loop.run()
         except Exception:  # a crashed transport thread would otherwise look like a silent hang
-            _log.exception("member transport thread failed")
+            with self._lock:
+                self._closed = True  # new requests fail at once
+            loop.fail_all("member transport thread failed")  # also those queued while it died
+            _log.exception("member transport thread failed; this member cannot reach the controller")
+            if self.exit_on_failure:
+                logging.shutdown()
+                os._exit(1)  # a supervisor (`astraflow up`) restarts a member that exits 1
         finally:
             loop.sock.close(0)
             ctx.term()
