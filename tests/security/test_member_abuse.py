@@ -2,7 +2,8 @@
 trainer processes on loopback; the rogues are raw sockets in this process. An error storm burns no
 task and gets its member quarantined, a hoarder holds at most its share of the open tasks while it
 heartbeats them, a heartbeat flood with one repeated error writes one event; the run finishes with
-every step trained and no task failed."""
+every step trained and no task failed. The trainer announces its weight server under --advertise
+(a name it cannot bind) on a fixed --weights-port."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 import zmq
 
 from astraflow.protocol import messages as m
-from tests.chaos.cluster import Cluster, ro
+from tests.chaos.cluster import Cluster, free_port, ro
 from tests.security.peers import Peer
 
 
@@ -52,7 +53,20 @@ def test_error_storm_hoarding_and_flood_do_not_stop_the_run(tiny_model: Path, tm
             time.sleep(0.05)
         watcher = Peer(ctx, c.addr, "watcher")
         worker = c.raas(0)
-        trainer = c.trainer()
+        # announced as a name (as behind NAT), bound on a fixed port of a local address
+        wport = free_port()
+        trainer = c.start(
+            ["join", "--role", "trainer", "--controller", c.addr, "--policy", "main"]
+            + [
+                "--checkpoint-dir",
+                str(c.checkpoints),
+                "--advertise",
+                "localhost",
+                "--weights-port",
+                str(wport),
+            ],
+            "trainer.log",
+        )
         while _status(watcher).get("raas-0", {}).get("status") != "alive":
             assert worker.poll() is None, c.log("raas-0.log")
             time.sleep(0.1)
@@ -106,6 +120,7 @@ def test_error_storm_hoarding_and_flood_do_not_stop_the_run(tiny_model: Path, tm
 
     with ro(c.run_dir) as db:
         versions = [r[0] for r in db.execute("SELECT version FROM versions ORDER BY version")]
+        addrs = {r[0] for r in db.execute("SELECT weights_addr FROM versions")}
         failed = db.execute("SELECT COUNT(*) FROM tasks WHERE status = 'failed'").fetchone()[0]
         row = db.execute("SELECT failures, quarantined FROM members WHERE id = 'storm'").fetchone()
         kinds = [r[0] for r in db.execute("SELECT kind FROM events WHERE detail LIKE 'storm%'")]
@@ -115,6 +130,7 @@ def test_error_storm_hoarding_and_flood_do_not_stop_the_run(tiny_model: Path, tm
         ).fetchone()[0]
         ids = [i for (r,) in db.execute("SELECT traj_ids FROM batches") for i in json.loads(r)]
     assert versions == list(range(1, steps + 1))
+    assert addrs == {f"tcp://localhost:{wport}"}, addrs
     assert len(ids) == len(set(ids)) == steps * 32
     assert failed == 0, "the storm's errors failed tasks"
     assert row is not None and row[0] == errors and row[1], row

@@ -63,6 +63,8 @@ def run_trainer(
     region: str = "",
     advertise: str | None = None,
     connect_timeout_s: float = 30.0,
+    weights_bind: str | None = None,
+    weights_port: int = 0,
 ) -> int:
     """Train `policy` until the run's step budget; returns the process exit code."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -144,9 +146,14 @@ def run_trainer(
         trainer.load_checkpoint(last)
         _log.info("resumed %s from %s (step %d)", policy, last, trainer.step_count)
 
-    host = advertise or advertise_host(controller)
+    # bound on a local address (the one that reaches the controller unless told); announced under
+    # --advertise when workers reach this host by another name (NAT, a load balancer)
     server = WeightServer(
-        host, chunk_bytes=recipe.weights.chunk_bytes, keep_versions=recipe.weights.keep_versions
+        weights_bind or advertise_host(controller),
+        chunk_bytes=recipe.weights.chunk_bytes,
+        keep_versions=recipe.weights.keep_versions,
+        port=weights_port,
+        advertise_host=advertise or advertise_host(controller),
     )
 
     publisher = BackgroundPublisher(server, policy)
