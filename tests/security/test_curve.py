@@ -28,6 +28,7 @@ from astraflow.protocol.messages import (
     StatusRequest,
     TaskGrant,
     TaskRequest,
+    WeightRequest,
     Welcome,
 )
 from astraflow.transport.client import MemberClient
@@ -308,4 +309,46 @@ def test_weight_server_admits_only_member_keys(tmp_path: Path) -> None:
         finally:
             security.set_member_credentials(None)
     finally:
+        server.close()
+
+
+def test_weight_server_serves_few_connections_of_one_key(tmp_path: Path) -> None:
+    from astraflow.transport import security
+    from astraflow.weights.pull_limit import PER_KEY
+
+    store = KeyStore.init(tmp_path / "keys")
+    pairs = {}
+    for name, role in (("trainer-main", "trainer"), ("raas-1", "raas"), ("raas-2", "raas")):
+        _, secret = new_key_files(tmp_path / "m", name)
+        pairs[name] = load_keypair(secret)
+        store.add(name, pairs[name].public, role, "main" if role == "trainer" else None)
+    server = WeightServer(chunk_bytes=1 << 16, keypair=pairs["trainer-main"], pull_keys=store)
+    blob = os.urandom(200_000)
+    addr = server.address.split("#", 1)[0]
+    flood = [
+        Raw(addr, pairs["raas-1"], pairs["trainer-main"].public, f"flood-{i}") for i in range(3 * PER_KEY)
+    ]
+    try:
+        server.publish("main", 1, blob)
+        for i, raw in enumerate(flood):  # each asks for the manifest, then only one read is attempted
+            raw.sock.send(encode(WeightRequest(rid=i + 1, policy="main", version=1)))
+        answered: set[int] = set()
+        deadline = time.monotonic() + 60
+        quiet_since = time.monotonic()
+        while time.monotonic() < deadline and (len(answered) < PER_KEY or time.monotonic() - quiet_since < 2):
+            for i, raw in enumerate(flood):
+                if i not in answered and raw.sock.poll(10):
+                    raw.sock.recv()
+                    answered.add(i)
+                    quiet_since = time.monotonic()
+        assert len(answered) == PER_KEY, f"{len(answered)} connections of one key served"
+        # another key still pulls at once
+        security.set_member_credentials(MemberCredentials(pairs["raas-2"], b""))
+        try:
+            assert fetch_weights(server.address, "main", 1, timeout_s=20) == blob
+        finally:
+            security.set_member_credentials(None)
+    finally:
+        for raw in flood:
+            raw.close()
         server.close()
