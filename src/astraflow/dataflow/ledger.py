@@ -194,6 +194,16 @@ class Ledger:
             )
             return cur.rowcount > 0
 
+    def give_back_lapsed(self, member_id: str, now: float) -> int:
+        """Requeue a member's leases past their expiry without counting an attempt; returns how many."""
+        with self.store.write() as c:
+            cur = c.execute(
+                "UPDATE tasks SET status = 'queued', lease_expiry = 0, updated = ? "
+                "WHERE status = 'leased' AND owner = ? AND lease_expiry < ?",
+                (now, member_id, now),
+            )
+            return cur.rowcount
+
     def release_member(self, member_id: str) -> int:
         """Return every task leased to a member (dead or left) to the queue at once; returns how many."""
         now = self.clock()

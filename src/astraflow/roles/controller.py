@@ -167,7 +167,8 @@ class Controller:
                     f"{mem['id']} silent {t - (mem['last_seen'] or 0):.1f}s; {n} leases back",
                 )
                 _log.warning("member %s is dead (silent > %.1fs); %d tasks requeued", mem["id"], timeout, n)
-            self.accounting.lapsed(t)
+            for owner in self.accounting.lapsed(t):
+                self.ledger.give_back_lapsed(owner, t)  # its lapses are its own, not its tasks'
             expired = self.ledger.expire(t)
             if expired:
                 failures.record(self.store, "lease expired", expired)

@@ -96,11 +96,22 @@ class MemberAccounting:
             _log.warning("member %s quarantined for %.0fs: %s", mid, self.cfg.quarantine_s, reason)
         return False
 
-    def lapsed(self, now: float) -> None:
-        """Charge the leases about to lapse now to their owners (call before the ledger expires them)."""
+    def lapsed(self, now: float) -> list[str]:
+        """Charge the leases about to lapse now to their owners (call before the ledger expires them);
+        returns the owners whose lapses are their own (their leases go back uncounted)."""
+        spared: list[str] = []
         for owner, n in member_health.expiring_owners(self.store, now).items():
-            member_health.count(self.store, owner, "expiries", n)
-            self.recent.setdefault(owner, deque(maxlen=WINDOW)).extend([True] * min(n, WINDOW))
+            member = self.store.member(owner)
+            if member is None:
+                continue
+            counts = True
+            for _ in range(min(n, WINDOW)):
+                counts = self.failed(member, "expiries", now)
+            if n > WINDOW:
+                member_health.count(self.store, owner, "expiries", n - WINDOW)
+            if not counts:
+                spared.append(owner)
+        return spared
 
     def may_lease(self, member: dict[str, Any], now: float | None = None) -> bool:
         """False while the member is quarantined and a healthy peer of its role is alive."""
