@@ -131,7 +131,7 @@ class RouterServer:
             if principal is not None and isinstance(msg, Hello):
                 why = _hello_mismatch(msg, principal)
                 if why:
-                    self._refuse(self._routes.get(identity, identity), frames, "bad_identity", why)
+                    self._refuse(frames[0], frames, "bad_identity", why)
                     continue
             out.append((identity, principal, msg))
         return out
@@ -150,22 +150,32 @@ class RouterServer:
             found = self.keys.principal(key)
         return found
 
-    def _refuse(self, identity: bytes, frames: list[bytes], code: str, why: str) -> None:
+    def _refuse(self, route: bytes, frames: list[bytes], code: str, why: str) -> None:
+        """Answer the connection a refused frame came on (its routing id, never a member's route)."""
         self.refused += 1
         rid = peek_rid(frames[1]) if len(frames) == 2 else 0
-        self.send(identity, Error(rid=rid, code=code, message=why))
+        self._send_to(route, Error(rid=rid, code=code, message=why))
 
     def send(self, identity: bytes, msg: Msg) -> None:
-        """Send to one peer; dropped silently if the peer is unknown or not reading."""
+        """Send to one peer; dropped silently if the peer is unknown or not reading.
+
+        With keys `identity` is a member name: the reply goes on the connection its key spoke on last
+        (nothing is sent to a name whose key never spoke)."""
+        route = identity if self.keys is None else self._routes.get(identity)
+        if route is None:
+            _log.debug("dropped %s to %r: its key has no connection", type(msg).__name__, identity)
+            return
+        self._send_to(route, msg)
+
+    def _send_to(self, route: bytes, msg: Msg) -> None:
         if self._closed:
             return
-        route = self._routes.get(identity, identity)
         try:
             self._sock.send_multipart([route, encode(msg)], zmq.NOBLOCK, copy=False)
         except zmq.Again:
-            _log.debug("dropped %s to %r: peer not reading", type(msg).__name__, identity)
+            _log.debug("dropped %s to %r: peer not reading", type(msg).__name__, route)
         except zmq.ZMQError as exc:
-            _log.warning("dropped %s to %r: %s", type(msg).__name__, identity, exc)
+            _log.warning("dropped %s to %r: %s", type(msg).__name__, route, exc)
 
     def reply_error(self, identity: bytes, err: DecodeError) -> None:
         """Answer a DecodeError from poll() with an Error message carrying its code and rid."""
