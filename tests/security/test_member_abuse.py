@@ -42,6 +42,8 @@ def test_error_storm_hoarding_and_flood_do_not_stop_the_run(tiny_model: Path, tm
         "rollout.slots=8",
         "controller.max_member_slots=64",
         "controller.quarantine_after=6",
+        "rollout.lease_max_age_s=12",
+        "rollout.lease_timeout_s=4",
     )
     ctx = zmq.Context()
     stop = threading.Event()
@@ -88,9 +90,12 @@ def test_error_storm_hoarding_and_flood_do_not_stop_the_run(tiny_model: Path, tm
         # error storm: every lease answered `error` as fast as it comes, until no more come
         storm = Peer(ctx, c.addr, "storm")
         assert isinstance(storm.hello("raas", slots=64), m.Welcome)
-        errors = 0
+        errors, beat = 0, 0.0
         while not _status(watcher)["storm"]["quarantined"]:
             assert time.monotonic() < deadline + 300 and ctl.poll() is None, c.log("controller.log")
+            if time.monotonic() - beat > 0.5:  # it stays a live member, as a real one would
+                assert isinstance(storm.ask(m.Heartbeat(loaded={"main": 0})), m.HeartbeatAck)
+                beat = time.monotonic()
             g = storm.ask(m.TaskRequest(n=64, loaded={"main": 0}))
             assert isinstance(g, m.TaskGrant)
             for t in g.tasks:
@@ -101,6 +106,15 @@ def test_error_storm_hoarding_and_flood_do_not_stop_the_run(tiny_model: Path, tm
                 time.sleep(0.1)
         g = storm.ask(m.TaskRequest(n=64, loaded={"main": 0}))
         assert isinstance(g, m.TaskGrant) and g.tasks == [], "a quarantined member was leased tasks"
+
+        # the hoarded leases, heartbeated as in progress, lapse at rollout.lease_max_age_s all the same
+        while True:
+            with ro(c.run_dir) as db:
+                q = "SELECT COUNT(*) FROM tasks WHERE owner = 'hoarder' AND status = 'leased'"
+                if db.execute(q).fetchone()[0] == 0:
+                    break
+            assert ctl.poll() is None, "the run ended while the hoarder still held its leases"
+            time.sleep(0.2)
 
         # heartbeat flood with one 60 KB error again and again: rate-limited, written once
         limited = 0
@@ -123,6 +137,10 @@ def test_error_storm_hoarding_and_flood_do_not_stop_the_run(tiny_model: Path, tm
         addrs = {r[0] for r in db.execute("SELECT weights_addr FROM versions")}
         failed = db.execute("SELECT COUNT(*) FROM tasks WHERE status = 'failed'").fetchone()[0]
         row = db.execute("SELECT failures, quarantined FROM members WHERE id = 'storm'").fetchone()
+        hoarded = db.execute(
+            "SELECT COUNT(*) FROM tasks WHERE owner = 'hoarder' AND status = 'leased'"
+        ).fetchone()[0]
+        lapsed = db.execute("SELECT expiries FROM members WHERE id = 'hoarder'").fetchone()[0]
         kinds = [r[0] for r in db.execute("SELECT kind FROM events WHERE detail LIKE 'storm%'")]
         dead = db.execute(
             "SELECT COUNT(*) FROM events WHERE kind = 'member_dead' AND detail NOT LIKE 'storm %' "
@@ -133,6 +151,7 @@ def test_error_storm_hoarding_and_flood_do_not_stop_the_run(tiny_model: Path, tm
     assert addrs == {f"tcp://localhost:{wport}"}, addrs
     assert len(ids) == len(set(ids)) == steps * 32
     assert failed == 0, "the storm's errors failed tasks"
+    assert hoarded == 0 and lapsed == len(held), "heartbeats kept hoarded leases past rollout.lease_max_age_s"
     assert row is not None and row[0] == errors and row[1], row
     assert kinds.count("member_quarantined") == 1
     assert kinds.count("member_error") == 1, kinds

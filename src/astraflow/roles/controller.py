@@ -357,9 +357,8 @@ class Controller:
             )
             # only leases the worker reports working on are renewed, and none past the task timeout
             rc = self.recipe.rollout
-            self.ledger.renew_tasks(
-                member["id"], msg.active, now, max_age_s=rc.task_timeout_s + rc.lease_timeout_s
-            )
+            max_age = rc.lease_max_age_s or rc.task_timeout_s + rc.lease_timeout_s
+            self.ledger.renew_tasks(member["id"], msg.active, now, max_age_s=max_age)
             if new_error:
                 self.store.add_event("member_error", f"{member['id']}: {msg.error[:500]}")
         if new_error:
@@ -403,6 +402,8 @@ class Controller:
                 rid=msg.rid, code="draining", message="asked to leave: finish your tasks and say Bye"
             )
         if not self.accounting.may_lease(member):
+            with self.store.write():
+                self.store.touch_member(member["id"], time.time(), dict(msg.loaded) or None)
             return m.TaskGrant(rid=msg.rid, versions=self.versions(), retry_after_s=RETRY_S)
         now = time.time()
         serves = set(member["policies"])
