@@ -51,6 +51,9 @@ class MemberAccounting:
         """Member -> its last WINDOW outcomes (True: failed)."""
         self.beats: dict[str, tuple[float, float]] = {}
         """Member -> (heartbeat tokens left, when counted): the rate limit."""
+        interval = recipe.controller.heartbeat_interval_s
+        self.beats_per_s = max(HEARTBEATS_PER_S, 4.0 / interval if interval > 0 else 0.0)
+        """Sustained heartbeats allowed per member: 5 a second, or 4 per interval if the recipe's is shorter."""
         self.last_error: dict[str, int] = {}
         """Member -> checksum of the last error it reported (repeats are not written again)."""
 
@@ -140,9 +143,9 @@ class MemberAccounting:
         return max(0, min(n, cap - held))
 
     def heartbeat_allowed(self, member_id: str, now: float) -> bool:
-        """A token bucket per member: HEARTBEAT_BURST at once, HEARTBEATS_PER_S sustained."""
+        """A token bucket per member: HEARTBEAT_BURST at once, beats_per_s sustained."""
         tokens, last = self.beats.get(member_id, (float(HEARTBEAT_BURST), now))
-        tokens = min(float(HEARTBEAT_BURST), tokens + (now - last) * HEARTBEATS_PER_S)
+        tokens = min(float(HEARTBEAT_BURST), tokens + (now - last) * self.beats_per_s)
         ok = tokens >= 1.0
         self.beats[member_id] = (tokens - 1.0 if ok else tokens, now)
         return ok
