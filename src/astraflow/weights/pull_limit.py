@@ -8,9 +8,9 @@ for them) and a real puller retries. Plain (no CURVE) servers are not limited: t
 
 from __future__ import annotations
 
-PER_KEY = 4
-"""Connections of one key served at once (a RaaS pulls over one at a time per policy)."""
-IDLE_S = 10.0
+PER_KEY = 8
+"""Connections of one key served at once (a RaaS pulls over one connection per pull, one pull at a time per policy)."""
+IDLE_S = 2.0
 """A connection that asked nothing for this long no longer counts against its key."""
 
 
