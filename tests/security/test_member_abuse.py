@@ -123,11 +123,11 @@ def test_error_storm_hoarding_and_flood_do_not_stop_the_run(tiny_model: Path, tm
                     break
             assert ctl.poll() is None, "the run ended while the hoarder still held its leases"
             time.sleep(0.2)
+        stop.set()
+        beats.join(timeout=30)
 
         assert trainer.wait(timeout=400) == 0, c.log("trainer.log")
         assert ctl.wait(timeout=60) == 0, c.log("controller.log")
-        stop.set()
-        beats.join(timeout=30)
         assert worker.wait(timeout=60) == 0, c.log("raas-0.log")
         for p in (watcher, hoarder, storm):
             p.close()
