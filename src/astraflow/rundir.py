@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -36,8 +37,10 @@ def prepare(run_dir: Path, recipe: Recipe) -> Path:
     RunDirError (one line and a hint) when the directory cannot be written."""
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "logs").mkdir(exist_ok=True)
-        (run_dir / "checkpoints").mkdir(exist_ok=True)
+        # the run's state, logs and checkpoints are its owner's alone, whatever the umask
+        os.chmod(run_dir, 0o700)
+        (run_dir / "logs").mkdir(mode=0o700, exist_ok=True)
+        (run_dir / "checkpoints").mkdir(mode=0o700, exist_ok=True)
         dump_resolved(recipe, run_dir / "recipe.resolved.json")
         meta_path = run_dir / "meta.json"
         if not meta_path.exists():  # `up` and then its controller both prepare: one `git` call is enough

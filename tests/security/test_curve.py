@@ -28,6 +28,7 @@ from astraflow.protocol.messages import (
     StatusRequest,
     TaskGrant,
     TaskRequest,
+    WeightRequest,
     Welcome,
 )
 from astraflow.transport.client import MemberClient
@@ -187,15 +188,12 @@ def test_a_key_acts_only_under_its_own_id_and_role(cluster: Cluster) -> None:
         reply = raw.ask(_hello("raas-1", role="trainer", rid=12), wait_s=10)
         assert isinstance(reply, Error) and reply.code == "bad_identity"
         raw.close()
-        # raas-1's key under routing id raas-9 (nobody's): every frame refused
-        raw = Raw(cluster.addr, cluster.pairs["raas-1"], cluster.controller_public, "raas-9")
-        reply = raw.ask(Heartbeat(rid=13), wait_s=10)
-        assert isinstance(reply, Error) and reply.code == "bad_identity"
-        raw.close()
-        # raas-1's key under raas-2's live routing id: the ROUTER ignores the connection altogether
-        raw = Raw(cluster.addr, cluster.pairs["raas-1"], cluster.controller_public, "raas-2")
-        assert raw.ask(Heartbeat(rid=14)) is None
-        raw.close()
+        # raas-1's key under routing id raas-9 or raas-2: its frames are raas-1's, whatever the routing id
+        for ident in ("raas-9", "raas-2"):
+            raw = Raw(cluster.addr, cluster.pairs["raas-1"], cluster.controller_public, ident)
+            reply = raw.ask(Heartbeat(rid=13), wait_s=10)
+            assert isinstance(reply, Error) and reply.code == "unknown_member" and "'raas-1'" in reply.message
+            raw.close()
         # the real raas-2 is untouched: it still gets its own answers
         assert isinstance(victim.request(TaskRequest(n=1), timeout_s=10), TaskGrant)
         members = cluster.members()
@@ -203,6 +201,29 @@ def test_a_key_acts_only_under_its_own_id_and_role(cluster: Cluster) -> None:
         assert all(not name.startswith("trainer") for name in members)
     finally:
         victim.close()
+
+
+def test_a_squatted_routing_id_does_not_keep_the_member_out(cluster: Cluster) -> None:
+    # an observer key connects first under the trainer's member id and claims it: refused
+    squatter = Raw(cluster.addr, cluster.pairs["obs"], cluster.controller_public, "trainer-main")
+    try:
+        reply = squatter.ask(_hello("trainer-main", role="trainer", rid=21), wait_s=10)
+        assert isinstance(reply, Error) and reply.code == "bad_identity" and reply.rid == 21
+        # while its connection stays open, the real trainer joins at once, and it alone is answered
+        hello = Hello(member_id="trainer-main", role="trainer", protocol=PROTOCOL_VERSION, policies=["main"])
+        trainer = MemberClient(
+            cluster.addr, hello, connect_timeout_s=15, credentials=cluster.creds("trainer-main")
+        )
+        try:
+            assert isinstance(trainer.connect(), Welcome)
+            assert cluster.members().get("trainer-main") == "alive"
+            # the squatter's frames still speak for its own key only
+            reply = squatter.ask(Heartbeat(rid=22), wait_s=10)
+            assert isinstance(reply, Error) and reply.code == "unknown_member" and "'obs'" in reply.message
+        finally:
+            trainer.close()
+    finally:
+        squatter.close()
 
 
 def test_observer_key_reads_status_over_the_cli(cluster: Cluster) -> None:
@@ -261,11 +282,12 @@ def test_open_bind_without_keys_is_refused(tmp_path: Path) -> None:
 def test_weight_server_admits_only_member_keys(tmp_path: Path) -> None:
     store = KeyStore.init(tmp_path / "keys")
     pairs = {}
-    for name in ("trainer-main", "raas-1", "stranger"):
+    for name in ("trainer-main", "raas-1", "stranger", "obs"):
         _, secret = new_key_files(tmp_path / "m", name)
         pairs[name] = load_keypair(secret)
     store.add("trainer-main", pairs["trainer-main"].public, "trainer", "main")
     store.add("raas-1", pairs["raas-1"].public, "raas")
+    store.add("obs", pairs["obs"].public, "observer")
     server = WeightServer(chunk_bytes=1 << 16, keypair=pairs["trainer-main"], pull_keys=store)
     blob = os.urandom(300_000)
     try:
@@ -276,9 +298,10 @@ def test_weight_server_admits_only_member_keys(tmp_path: Path) -> None:
         security.set_member_credentials(MemberCredentials(pairs["raas-1"], b""))
         try:
             assert fetch_weights(server.address, "main", 1, timeout_s=20) == blob
-            security.set_member_credentials(MemberCredentials(pairs["stranger"], b""))
-            with pytest.raises(ConnectError):
-                fetch_weights(server.address, "main", 1, timeout_s=2)
+            for who in ("stranger", "obs"):  # an observer key is registered, but may not pull weights
+                security.set_member_credentials(MemberCredentials(pairs[who], b""))
+                with pytest.raises(ConnectError):
+                    fetch_weights(server.address, "main", 1, timeout_s=2)
             store.revoke("raas-1")
             security.set_member_credentials(MemberCredentials(pairs["raas-1"], b""))
             with pytest.raises(ConnectError):
@@ -286,4 +309,46 @@ def test_weight_server_admits_only_member_keys(tmp_path: Path) -> None:
         finally:
             security.set_member_credentials(None)
     finally:
+        server.close()
+
+
+def test_weight_server_serves_few_connections_of_one_key(tmp_path: Path) -> None:
+    from astraflow.transport import security
+    from astraflow.weights.pull_limit import PER_KEY
+
+    store = KeyStore.init(tmp_path / "keys")
+    pairs = {}
+    for name, role in (("trainer-main", "trainer"), ("raas-1", "raas"), ("raas-2", "raas")):
+        _, secret = new_key_files(tmp_path / "m", name)
+        pairs[name] = load_keypair(secret)
+        store.add(name, pairs[name].public, role, "main" if role == "trainer" else None)
+    server = WeightServer(chunk_bytes=1 << 16, keypair=pairs["trainer-main"], pull_keys=store)
+    blob = os.urandom(200_000)
+    addr = server.address.split("#", 1)[0]
+    flood = [
+        Raw(addr, pairs["raas-1"], pairs["trainer-main"].public, f"flood-{i}") for i in range(3 * PER_KEY)
+    ]
+    try:
+        server.publish("main", 1, blob)
+        for i, raw in enumerate(flood):  # each asks for the manifest, then only one read is attempted
+            raw.sock.send(encode(WeightRequest(rid=i + 1, policy="main", version=1)))
+        answered: set[int] = set()
+        deadline = time.monotonic() + 60
+        quiet_since = time.monotonic()
+        while time.monotonic() < deadline and (len(answered) < PER_KEY or time.monotonic() - quiet_since < 2):
+            for i, raw in enumerate(flood):
+                if i not in answered and raw.sock.poll(10):
+                    raw.sock.recv()
+                    answered.add(i)
+                    quiet_since = time.monotonic()
+        assert len(answered) == PER_KEY, f"{len(answered)} connections of one key served"
+        # another key still pulls at once
+        security.set_member_credentials(MemberCredentials(pairs["raas-2"], b""))
+        try:
+            assert fetch_weights(server.address, "main", 1, timeout_s=20) == blob
+        finally:
+            security.set_member_credentials(None)
+    finally:
+        for raw in flood:
+            raw.close()
         server.close()

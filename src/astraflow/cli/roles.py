@@ -146,8 +146,24 @@ def join(
     ] = None,
     advertise: Annotated[
         str | None,
-        typer.Option("--advertise", help="Host RaaS workers use to reach this trainer's weight server."),
+        typer.Option(
+            "--advertise",
+            help="Host RaaS workers use to reach this trainer's weight server (announced, never bound).",
+        ),
     ] = None,
+    weights_bind: Annotated[
+        str | None,
+        typer.Option(
+            "--weights-bind",
+            help="Trainer: local address the weight server binds (default: the one that reaches the controller; 0.0.0.0 for all).",
+        ),
+    ] = None,
+    weights_port: Annotated[
+        int,
+        typer.Option(
+            "--weights-port", help="Trainer: fixed weight-server port, for firewalls (default: a free one)."
+        ),
+    ] = 0,
     connect_timeout: Annotated[
         float, typer.Option("--connect-timeout", help="Seconds to wait for the controller's Welcome.")
     ] = 30.0,
@@ -235,5 +251,7 @@ def join(
                 region=region,
                 advertise=advertise,
                 connect_timeout_s=connect_timeout,
+                weights_bind=weights_bind,
+                weights_port=weights_port,
             )
         )

@@ -16,11 +16,15 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
 
 
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+"""Run and policy names: they become directory and file names, so no '/', no '..', no leading '.'."""
+
+
 class RunConfig(_Model):
     """What the run is called, how it is seeded and how long it lasts."""
 
-    name: str = "run"
-    """Run name; default run directories are runs/<name>-<time>/."""
+    name: str = Field("run", pattern=NAME_PATTERN)
+    """Run name (letters, digits, '.', '_', '-'); default run directories are runs/<name>-<time>/."""
     seed: int = 0
     """Seed of every random choice: prompts, sampling, initialisation."""
     steps: int = Field(100, ge=1)
@@ -116,8 +120,8 @@ class ModelInitConfig(_Model):
 class PolicyConfig(_Model):
     """One policy: its model, engine, trainer, objective, data pipeline and pace."""
 
-    name: str = "main"
-    """Policy name; workflows address policies through roles mapped to these names."""
+    name: str = Field("main", pattern=NAME_PATTERN)
+    """Policy name (letters, digits, '.', '_', '-'); workflows address policies through roles mapped to these names."""
     model: str
     """Path of a transformers model directory (config, weights, tokenizer) on every machine."""
     model_init: ModelInitConfig | None = None
@@ -211,6 +215,8 @@ class RolloutConfig(_Model):
     """A lease its owner's heartbeats have not renewed for this long returns its task to the queue."""
     task_timeout_s: float = Field(900.0, gt=0)
     """A RaaS gives up a task whose episodes run longer than this and reports it failed (it is requeued)."""
+    lease_max_age_s: float = Field(0.0, ge=0)
+    """Longest a lease lives however its worker heartbeats it (0: task_timeout_s + lease_timeout_s); a few times the expected episode time revokes hoarded leases sooner."""
     max_attempts: int = Field(5, ge=1)
     """A task that fails this many times is marked failed."""
     max_failed_tasks: int = Field(20, ge=0)
@@ -275,6 +281,12 @@ class ControllerConfig(_Model):
     """Dead or departed members are deleted from the state this long after they were last seen."""
     max_member_slots: int = Field(64, ge=1)
     """Most tasks one worker may hold at once, whatever slots it declares."""
+    max_member_share: float = Field(0.5, gt=0, le=1)
+    """While another healthy worker is alive, one worker may hold at most this share of the open tasks."""
+    quarantine_after: int = Field(8, ge=1)
+    """Failed attempts (errors, invalid results, lapsed leases) among a worker's last 32 before it may be quarantined."""
+    quarantine_s: float = Field(600.0, gt=0)
+    """How long a quarantined worker gets no leases (while a healthy peer is alive)."""
     synchronous: Literal["normal", "full"] = "normal"
     """state.db durability: normal survives the controller being killed; full also an OS crash (fsync per commit)."""
     stall_warn_s: float = Field(60.0, gt=0)

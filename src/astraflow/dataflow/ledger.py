@@ -184,6 +184,26 @@ class Ledger:
         )
         return "failed" if status == "failed" else "requeued"
 
+    def give_back(self, task_id: int, epoch: int, owner: str) -> bool:
+        """Requeue one leased attempt without counting it (its failure was its worker's, not the task's)."""
+        with self.store.write() as c:
+            cur = c.execute(
+                "UPDATE tasks SET status = 'queued', lease_expiry = 0, updated = ? "
+                "WHERE id = ? AND status = 'leased' AND epoch = ? AND owner = ?",
+                (self.clock(), task_id, epoch, owner),
+            )
+            return cur.rowcount > 0
+
+    def give_back_lapsed(self, member_id: str, now: float) -> int:
+        """Requeue a member's leases past their expiry without counting an attempt; returns how many."""
+        with self.store.write() as c:
+            cur = c.execute(
+                "UPDATE tasks SET status = 'queued', lease_expiry = 0, updated = ? "
+                "WHERE status = 'leased' AND owner = ? AND lease_expiry < ?",
+                (now, member_id, now),
+            )
+            return cur.rowcount
+
     def release_member(self, member_id: str) -> int:
         """Return every task leased to a member (dead or left) to the queue at once; returns how many."""
         now = self.clock()

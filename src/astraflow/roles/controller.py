@@ -38,8 +38,10 @@ from astraflow.metrics.sinks import SinkFailed, Sinks
 from astraflow.protocol import messages as m
 from astraflow.protocol.codec import DecodeError
 from astraflow.roles import authz
+from astraflow.roles.member_accounting import MemberAccounting
 from astraflow.roles.parked import Parked, ParkedRequests, immediate, may_park
 from astraflow.roles.run_control import on_control
+from astraflow.state.member_health import Kind
 from astraflow.state.status import build_status
 from astraflow.state.store import Store
 from astraflow.transport.principal import Principal
@@ -111,6 +113,8 @@ class Controller:
         self.offers: dict[str, tuple[int, list[m.WeightOffer]]] = {}
         """Policy -> (version, the faster weight paths its trainer offered for it); in memory only: after a
         restart workers pull the current version from the weight server until the next one."""
+        self.accounting = MemberAccounting(store, recipe)
+        """Per-member failures, quarantine, lease share and heartbeat rate (roles/member_accounting.py)."""
 
     # ----- start and stop -----------------------------------------------------------------------
 
@@ -235,6 +239,8 @@ class Controller:
                     f"{mem['id']} silent {t - (mem['last_seen'] or 0):.1f}s; {n} leases back",
                 )
                 _log.warning("member %s is dead (silent > %.1fs); %d tasks requeued", mem["id"], timeout, n)
+            for owner in self.accounting.lapsed(t):
+                self.ledger.give_back_lapsed(owner, t)  # its lapses are its own, not its tasks'
             expired = self.ledger.expire(t)
             if expired:
                 failures.record(self.store, "lease expired", expired)
@@ -414,6 +420,9 @@ class Controller:
     def on_heartbeat(self, member: dict[str, Any], msg: m.Heartbeat) -> m.Msg:
         """Touch the member, renew its leases, tell it the versions and whether to stop."""
         now = time.time()
+        if not self.accounting.heartbeat_allowed(member["id"], now):
+            return m.Error(rid=msg.rid, code="rate_limited", message="heartbeats too fast: nothing recorded")
+        new_error = bool(msg.error) and self.accounting.new_error(member["id"], msg.error)
         slots = msg.busy + msg.free
         # last_seen needs no durability (a restarted controller gives every member a fresh timer):
         # it is written with the other heartbeats of this tick, before the liveness check reads it
@@ -422,16 +431,15 @@ class Controller:
             dict(msg.loaded) if msg.loaded else None,
             slots if slots > 0 else None,
         )
-        if msg.active or msg.error:
+        if msg.active or new_error:
             with self.store.write():
                 # only leases the worker reports working on are renewed, and none past the task timeout
                 rc = self.recipe.rollout
-                self.ledger.renew_tasks(
-                    member["id"], msg.active, now, max_age_s=rc.task_timeout_s + rc.lease_timeout_s
-                )
-                if msg.error:
+                max_age = rc.lease_max_age_s or rc.task_timeout_s + rc.lease_timeout_s
+                self.ledger.renew_tasks(member["id"], msg.active, now, max_age_s=max_age)
+                if new_error:
                     self.store.add_event("member_error", f"{member['id']}: {msg.error[:500]}")
-        if msg.error:
+        if new_error:
             _log.warning("member %s reports: %s", member["id"], msg.error[:500])
         # Requests are handled in the order they arrive, so every request the member sent before this
         # heartbeat is answered (its reply is ahead of this one) or held; any other was never received.
@@ -472,6 +480,10 @@ class Controller:
             return m.Error(
                 rid=msg.rid, code="draining", message="asked to leave: finish your tasks and say Bye"
             )
+        if not self.accounting.may_lease(member):
+            with self.store.write():
+                self.store.touch_member(member["id"], time.time(), dict(msg.loaded) or None)
+            return m.TaskGrant(rid=msg.rid, versions=self.versions(), retry_after_s=RETRY_S)
         now = time.time()
         serves = set(member["policies"])
         loaded = dict(msg.loaded)
@@ -503,7 +515,7 @@ class Controller:
         self.refill()
         with self.store.write():
             self.store.touch_member(member["id"], now, loaded or None)
-            n = authz.task_quota(self.store, self.recipe, member, msg.n)
+            n = self.accounting.quota(member, authz.task_quota(self.store, self.recipe, member, msg.n))
             leased = self.ledger.lease(member["id"], n, now, accept)
             for t in leased:
                 # what the worker is told not to keep is what its result is stored by (see on_task_result)
@@ -533,7 +545,7 @@ class Controller:
     def on_task_result(self, member: dict[str, Any], msg: m.TaskResult) -> m.Msg:
         """Validate the lease; store trajectories, advantages and filter outcomes durably; then ack."""
         if msg.error:
-            status = self.fail_attempt(member["id"], msg.task_id, msg.epoch, msg.error[:8000])
+            status = self.member_failed(member, msg.task_id, msg.epoch, msg.error[:8000], "failures")
             return m.ResultAck(
                 rid=msg.rid,
                 task_id=msg.task_id,
@@ -552,7 +564,9 @@ class Controller:
                 task_sampling=self._task_sampling(task),
             )
             if bad:
-                status = self.fail_attempt(member["id"], msg.task_id, msg.epoch, f"invalid result: {bad}")
+                status = self.member_failed(
+                    member, msg.task_id, msg.epoch, f"invalid result: {bad}", "invalid"
+                )
                 return m.Error(
                     rid=msg.rid, code="bad_result", message=f"task {msg.task_id}: {bad} ({status})"
                 )
@@ -568,6 +582,8 @@ class Controller:
         """Complete the task's lease and store what the result brings, in one transaction; the status."""
         with self.store.write():
             status = self.ledger.complete(msg.task_id, msg.epoch, member["id"])
+            if status == "accepted":
+                self.accounting.succeeded(member["id"])
             if status == "accepted" and self._is_eval(msg.task_id):
                 assert self.evals is not None
                 self.evals.record(msg.task_id, msg.episodes)
@@ -603,6 +619,15 @@ class Controller:
         if self.evals is not None and self.evals.is_eval(task.id):
             return self.evals.cfg.sampling.overrides()
         return {}
+
+    def member_failed(self, member: dict[str, Any], task_id: int, epoch: int, error: str, kind: Kind) -> str:
+        """A member's attempt failed: charge the member; the task too unless a healthy peer does far better."""
+        task = self.ledger.get(task_id)
+        if task is None or task.status != "leased" or task.epoch != epoch or task.owner != member["id"]:
+            return self.fail_attempt(member["id"], task_id, epoch, error)  # not a live attempt of its own
+        if self.accounting.failed(member, kind) or not self.ledger.give_back(task_id, epoch, member["id"]):
+            return self.fail_attempt(member["id"], task_id, epoch, error)
+        return "requeued"
 
     def fail_attempt(self, member_id: str, task_id: int, epoch: int, error: str) -> str:
         """End a leased attempt with an error: count it by reason and end the run after too many failed tasks."""

@@ -63,6 +63,8 @@ def run_trainer(
     region: str = "",
     advertise: str | None = None,
     connect_timeout_s: float = 30.0,
+    weights_bind: str | None = None,
+    weights_port: int = 0,
 ) -> int:
     """Train `policy` until the run's step budget; returns the process exit code."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -145,7 +147,15 @@ def run_trainer(
         _log.info("resumed %s from %s (step %d)", policy, last, trainer.step_count)
 
     host = advertise or advertise_host(controller)
-    server, background = weight_publisher(recipe.weights, host, policy)
+    # the weight server binds a local address (the one that reaches the controller unless told) and is
+    # announced under --advertise when workers reach this host by another name (NAT, a load balancer)
+    server, background = weight_publisher(
+        recipe.weights,
+        weights_bind or advertise_host(controller),
+        policy,
+        port=weights_port,
+        advertise=host,
+    )
     dev = getattr(trainer, "device", None)
     fast = trainer_transports(
         recipe, policy, dev if isinstance(dev, torch.device) else torch.device("cpu"), host
@@ -312,8 +322,11 @@ def serve_until_done(client: Any, policy: str, budget: int, stopping: dict[str, 
         time.sleep(max(0.05, reply.retry_after_s or 0.2))
 
 
-def weight_publisher(cfg: Any, host: str, policy: str) -> tuple[Any, Any]:
-    """The trainer's weight server and the publisher that fills it, as `[weights]` asks (deltas or not)."""
+def weight_publisher(
+    cfg: Any, host: str, policy: str, *, port: int = 0, advertise: str | None = None
+) -> tuple[Any, Any]:
+    """The trainer's weight server (bound on `host`, a fixed `port` or any, announced under `advertise`)
+    and the publisher that fills it, as `[weights]` asks (deltas or not)."""
     from astraflow.weights.publisher import BackgroundPublisher
     from astraflow.weights.server import WeightServer
 
@@ -323,5 +336,7 @@ def weight_publisher(cfg: Any, host: str, policy: str) -> tuple[Any, Any]:
         chunk_bytes=cfg.chunk_bytes,
         keep_versions=cfg.keep_versions,
         keep_deltas=cfg.max_chain if delta else 0,
+        port=port,
+        advertise_host=advertise or host,
     )
     return server, BackgroundPublisher(server, policy, delta=delta)

@@ -243,6 +243,8 @@ class SandboxPool:
             status, rc, out, err = await self._supervise(proc, stdin, lim, uid)
         finally:
             await asyncio.to_thread(shutil.rmtree, rundir, True)
+            if self.as_root and self.backend == "rlimit":
+                await asyncio.to_thread(sweep_shared_tmp, uid)
         return SandboxResult(status, rc, out, err, loop.time() - start, uid, self.backend)
 
     async def _supervise(
@@ -331,3 +333,32 @@ async def _feed(writer: asyncio.StreamWriter, data: bytes) -> None:
         writer.close()
     except (BrokenPipeError, ConnectionResetError):
         pass
+
+
+SHARED_TMP = ("/tmp", "/var/tmp", "/dev/shm")
+"""World-writable directories a program under plain rlimits can write to by absolute path."""
+
+
+def sweep_shared_tmp(uid: int) -> int:
+    """Remove what a slot's uid left at the top of the shared temp directories; returns how many.
+
+    Only for a slot uid of our own block: nothing else runs under it, so all it owns there is the
+    finished program's (bubblewrap gives each call a private /tmp instead)."""
+    removed = 0
+    for top in SHARED_TMP:
+        try:
+            entries = list(os.scandir(top))
+        except OSError:
+            continue
+        for e in entries:
+            try:
+                if e.stat(follow_symlinks=False).st_uid != uid:
+                    continue
+                if e.is_dir(follow_symlinks=False):
+                    shutil.rmtree(e.path, ignore_errors=True)
+                else:
+                    os.unlink(e.path)
+                removed += 1
+            except OSError:
+                continue
+    return removed

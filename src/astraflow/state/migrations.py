@@ -172,11 +172,23 @@ def m0004_status_index(db: Database) -> None:
     db.table("trajectories").create_index(["status", "policy", "task_id"])
 
 
+def m0005_member_accounting(db: Database) -> None:
+    """Per-member counts of failed attempts, invalid results and lapsed leases, and its quarantine
+    (the reason, '' when none, and until when)."""
+    members = db.table("members")
+    members.add_column("failures", int, not_null_default=0)
+    members.add_column("invalid", int, not_null_default=0)
+    members.add_column("expiries", int, not_null_default=0)
+    members.add_column("quarantined", str, not_null_default="")
+    members.add_column("quarantined_until", float, not_null_default=0.0)
+
+
 MIGRATIONS: list[tuple[str, Migration]] = [
     ("0001_initial", m0001_initial),
     ("0002_sequence_roles", m0002_sequence_roles),
     ("0003_eval_ledger", m0003_eval_ledger),
     ("0004_status_index", m0004_status_index),
+    ("0005_member_accounting", m0005_member_accounting),
 ]
 """Every migration in the order applied; append only."""
 

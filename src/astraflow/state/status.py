@@ -61,6 +61,10 @@ def build_status(store: Store) -> dict[str, Any]:
             "loaded": {k: int(v) for k, v in m["loaded"].items()},
             "slots": int(m["slots"] or 0),
             "last_seen": float(m["last_seen"] or 0.0),
+            "failures": int(m.get("failures") or 0),
+            "invalid": int(m.get("invalid") or 0),
+            "expiries": int(m.get("expiries") or 0),
+            "quarantined": str(m.get("quarantined") or ""),
         }
         for m in store.members()
     ]

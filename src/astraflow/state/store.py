@@ -8,6 +8,7 @@ read-only and never block the writer thanks to WAL.
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import time
 from collections.abc import Callable, Iterator
@@ -77,6 +78,9 @@ class Store:
         # isolation_level=None: the driver opens no implicit transactions; we issue BEGIN IMMEDIATE.
         conn = sqlite3.connect(str(p), isolation_level=None, timeout=30.0)
         conn.execute("PRAGMA journal_mode=WAL")
+        for f in (p, p.with_name(p.name + "-wal"), p.with_name(p.name + "-shm")):
+            if f.exists():
+                os.chmod(f, 0o600)  # the run's state is its owner's alone, whatever the umask
         if synchronous not in ("normal", "full"):
             raise ValueError(f"synchronous must be 'normal' or 'full', not {synchronous!r}")
         conn.execute(f"PRAGMA synchronous={synchronous.upper()}")

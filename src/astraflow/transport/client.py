@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
+import logging
 import os
 import queue
 import threading
@@ -24,7 +25,7 @@ from astraflow.protocol.messages import (
     Welcome,
 )
 from astraflow.transport.member_loop import MemberLoop, Pending
-from astraflow.transport.security import MemberCredentials, curve_client, member_credentials
+from astraflow.transport.security import MemberCredentials, curve_client, member_credentials, routing_id
 from astraflow.transport.server import DEFAULT_MAX_MESSAGE_BYTES, HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS
 
 _log = log.get("transport.client")
@@ -49,6 +50,9 @@ class MemberClient:
     Heartbeats stop when the owner stops calling tick() for hang_timeout_s, so a hung process
     looks dead to the controller and its leases expire.
     """
+
+    exit_on_failure: bool = True
+    """A failed transport thread ends the process with exit 1 (its member can no longer talk)."""
 
     def __init__(
         self,
@@ -125,6 +129,10 @@ class MemberClient:
             self._thread.start()
         fut: concurrent.futures.Future[Msg] = concurrent.futures.Future()
         with self._lock:
+            if self._closed:
+                raise ConnectError(
+                    "member client is closed (its transport thread failed)", hint="see the log above"
+                )
             self._hello_future = fut
         self._wake()
         try:
@@ -259,7 +267,7 @@ class MemberClient:
         """A new DEALER connected to the controller (CURVE when the client has credentials)."""
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.ROUTING_ID, self.hello.member_id.encode())
+        sock.setsockopt(zmq.ROUTING_ID, routing_id(self.hello.member_id, self.credentials))
         sock.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes)
         # queue only to a live connection: nothing stale piles up while the controller is away
         sock.setsockopt(zmq.IMMEDIATE, 1)
@@ -279,7 +287,13 @@ class MemberClient:
         try:
             loop.run()
         except Exception:  # a crashed transport thread would otherwise look like a silent hang
-            _log.exception("member transport thread failed")
+            with self._lock:
+                self._closed = True  # new requests fail at once
+            loop.fail_all("member transport thread failed")  # also those queued while it died
+            _log.exception("member transport thread failed; this member cannot reach the controller")
+            if self.exit_on_failure:
+                logging.shutdown()
+                os._exit(1)  # a supervisor (`astraflow up`) restarts a member that exits 1
         finally:
             loop.sock.close(0)
             ctx.term()
@@ -313,7 +327,7 @@ def request_once(
         sock.setsockopt(zmq.LINGER, 0)
         if credentials is not None:
             curve_client(sock, credentials.keypair, credentials.controller_public)
-        sock.setsockopt(zmq.IDENTITY, ident.encode())
+        sock.setsockopt(zmq.ROUTING_ID, routing_id(ident, credentials))
         try:
             sock.connect(controller)
             try:

@@ -30,6 +30,8 @@ MEMBERS_FILE = "members.json"
 """The registry of member keys inside a key store."""
 ROLES = ("raas", "trainer", "observer", "operator")
 """Roles a member key can be added with."""
+PULL_ROLES = ("raas", "trainer")
+"""Roles whose keys may pull weights from a weight server."""
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _Z85_LEN = 40
@@ -151,6 +153,9 @@ class KeyStore:
             raise KeyStoreError(
                 f"{directory} already holds a key store", hint="use it, or pick another --keys DIR"
             )
+        directory.mkdir(parents=True, exist_ok=True)
+        # only its owner may list or swap the registry, whatever the umask
+        os.chmod(directory, 0o700)
         new_key_files(directory, CONTROLLER)
         _write_members(directory, {})
         return cls(directory)
@@ -245,6 +250,13 @@ class KeyStore:
         if self.principal(public_z85) is None:
             self.refresh(every_s=0.0)  # a key added a moment ago, inside the throttle window: look again
         return self.principal(public_z85) is not None
+
+    def admits_puller(self, public_z85: bytes) -> bool:
+        """Whether a key may pull weights now: a raas or trainer key (observers and operators may not)."""
+        if not self.admits(public_z85):
+            return False
+        who = self.principal(public_z85)
+        return who is not None and who.role in PULL_ROLES
 
     def principal(self, public_z85: bytes) -> Principal | None:
         """The member a (non-revoked) public key belongs to, or None."""

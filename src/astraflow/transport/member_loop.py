@@ -81,27 +81,40 @@ class MemberLoop:
         poller = self.poller
         poller.register(self.sock, zmq.POLLIN)
         poller.register(c._wake_r, zmq.POLLIN)
-        while not c._stopping.is_set():
-            now = time.monotonic()
-            wait = max(0.0, min(self.next_beat - now, 0.02 if self.outbox else 1.0))
-            # Poller.poll takes a float timeout too (it truncates to int ms)
-            for target, _ in poller.poll(wait * 1000):  # type: ignore[arg-type]
-                if target == c._wake_r:
-                    os.read(c._wake_r, 4096)
-                else:
-                    self._drain_socket()
-            self._take_requests()
-            self._heartbeat_or_hello()
-            self._flush()
-            self._expire()
+        try:
+            while not c._stopping.is_set():
+                now = time.monotonic()
+                wait = max(0.0, min(self.next_beat - now, 0.02 if self.outbox else 1.0))
+                # Poller.poll takes a float timeout too (it truncates to int ms)
+                for target, _ in poller.poll(wait * 1000):  # type: ignore[arg-type]
+                    if target == c._wake_r:
+                        os.read(c._wake_r, 4096)
+                    else:
+                        self._drain_socket()
+                self._take_requests()
+                self._heartbeat_or_hello()
+                self._flush()
+                self._expire()
+        finally:
+            # closed, or the thread failed: no request may wait for a reply that can no longer come
+            why = "member client closed" if c._stopping.is_set() else "member transport thread failed"
+            self.fail_all(why)
+
+    def fail_all(self, why: str) -> None:
+        """Fail every pending, queued and joining request with ConnectError(why)."""
+        c = self.c
         for p in list(self.pending.values()) + list(self.backlog):
-            _fail(p.future, ConnectError("member client closed before the reply came", hint=""))
+            _fail(p.future, ConnectError(f"{why} before the reply came", hint=""))
+        with c._lock:
+            hello_future, c._hello_future = c._hello_future, None
+        if hello_future is not None:
+            _fail(hello_future, ConnectError(why, hint=""))
         while True:
             try:
                 item = c._inbox.get_nowait()
             except queue.Empty:
                 break
-            _fail(item.future, ConnectError("member client closed", hint=""))
+            _fail(item.future, ConnectError(why, hint=""))
 
     # ----- outgoing ---------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ User-Id, which the controller's transport maps to a Principal per frame.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -53,6 +54,14 @@ def set_server_keys(keys: KeyStore | None) -> None:
 def server_keys() -> KeyStore | None:
     """The key store set for this process's controller transport, or None (authentication off)."""
     return _server_keys
+
+
+def routing_id(member_id: str, credentials: MemberCredentials | None) -> bytes:
+    """The routing id a member dials with: its id without keys; with keys a random one (the server
+    names senders by key), so that no other key can claim the id first and keep the member out."""
+    if credentials is None:
+        return member_id.encode()
+    return f"{member_id[:100]}.{os.urandom(8).hex()}".encode()
 
 
 def curve_client(sock: zmq.Socket, keypair: KeyPair, server_public: bytes) -> None:

@@ -39,10 +39,13 @@ class RouterServer:
 
     With a key store the socket is a CURVE server: only registered, non-revoked keys connect, each
     frame's sender is looked up in the store as it is now (a revoked key's frames are dropped at
-    once, even on a connection opened before), and a frame whose routing id is not its key's name
-    is answered `bad_identity` and never delivered. ROUTER_HANDOVER is off: a second connection
-    that claims a live member's routing id is ignored by the ROUTER (nothing of it is delivered)
-    until the first one is gone; ZMTP heartbeats free the id of a dead connection within seconds.
+    once, even on a connection opened before), and the identity poll() yields is the key's member
+    name, never the routing id the peer chose: members dial with a random routing id
+    (security.routing_id), so no other key can hold or pre-empt the connection a member's replies
+    take, and a revoked key's connection, though libzmq keeps it open, routes nothing.
+    Without keys the routing id is the member id. ROUTER_HANDOVER is off: a second connection that
+    claims a live routing id is ignored by the ROUTER until the first one is gone; ZMTP heartbeats
+    free the id of a dead connection within seconds.
     """
 
     def __init__(
@@ -86,6 +89,8 @@ class RouterServer:
         self._poller.register(self._sock, zmq.POLLIN)
         self._closed = False
         self.refused = 0
+        self._routes: dict[bytes, bytes] = {}
+        """Member name -> routing id of the connection its key last spoke on (one entry per key)."""
         """Frames refused by the transport itself (unknown or revoked key, wrong identity or role)."""
 
     def poll(self, timeout_ms: int) -> list[Polled]:
@@ -111,9 +116,11 @@ class RouterServer:
                 if principal is None:
                     self.refused += 1  # a key revoked while its connection was open: deliver nothing
                     continue
-                if identity != principal.name.encode():
-                    self._refuse(identity, frames, "bad_identity", f"this key belongs to {principal.name!r}")
-                    continue
+                # the key, not the routing id the peer chose, names the sender; replies go back on
+                # the connection this key spoke on last
+                name = principal.name.encode()
+                self._routes[name] = identity
+                identity = name
             if len(frames) != 2:
                 out.append((identity, principal, DecodeError(f"expected 2 frames, got {len(frames)}")))
                 continue
@@ -124,7 +131,7 @@ class RouterServer:
             if principal is not None and isinstance(msg, Hello):
                 why = _hello_mismatch(msg, principal)
                 if why:
-                    self._refuse(identity, frames, "bad_identity", why)
+                    self._refuse(frames[0], frames, "bad_identity", why)
                     continue
             out.append((identity, principal, msg))
         return out
@@ -143,21 +150,32 @@ class RouterServer:
             found = self.keys.principal(key)
         return found
 
-    def _refuse(self, identity: bytes, frames: list[bytes], code: str, why: str) -> None:
+    def _refuse(self, route: bytes, frames: list[bytes], code: str, why: str) -> None:
+        """Answer the connection a refused frame came on (its routing id, never a member's route)."""
         self.refused += 1
         rid = peek_rid(frames[1]) if len(frames) == 2 else 0
-        self.send(identity, Error(rid=rid, code=code, message=why))
+        self._send_to(route, Error(rid=rid, code=code, message=why))
 
     def send(self, identity: bytes, msg: Msg) -> None:
-        """Send to one peer; dropped silently if the peer is unknown or not reading."""
+        """Send to one peer; dropped silently if the peer is unknown or not reading.
+
+        With keys `identity` is a member name: the reply goes on the connection its key spoke on last
+        (nothing is sent to a name whose key never spoke)."""
+        route = identity if self.keys is None else self._routes.get(identity)
+        if route is None:
+            _log.debug("dropped %s to %r: its key has no connection", type(msg).__name__, identity)
+            return
+        self._send_to(route, msg)
+
+    def _send_to(self, route: bytes, msg: Msg) -> None:
         if self._closed:
             return
         try:
-            self._sock.send_multipart([identity, encode(msg)], zmq.NOBLOCK, copy=False)
+            self._sock.send_multipart([route, encode(msg)], zmq.NOBLOCK, copy=False)
         except zmq.Again:
-            _log.debug("dropped %s to %r: peer not reading", type(msg).__name__, identity)
+            _log.debug("dropped %s to %r: peer not reading", type(msg).__name__, route)
         except zmq.ZMQError as exc:
-            _log.warning("dropped %s to %r: %s", type(msg).__name__, identity, exc)
+            _log.warning("dropped %s to %r: %s", type(msg).__name__, route, exc)
 
     def reply_error(self, identity: bytes, err: DecodeError) -> None:
         """Answer a DecodeError from poll() with an Error message carrying its code and rid."""

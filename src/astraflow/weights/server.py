@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import msgspec
 import zmq
@@ -16,6 +17,7 @@ from astraflow.transport.keys import KeyPair, KeyStore
 from astraflow.transport.security import curve_server, member_credentials
 from astraflow.transport.server import HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS
 from astraflow.weights.manifest import build_manifest, chunk_span
+from astraflow.weights.pull_limit import PullLimit
 
 _log = log.get("weights.server")
 
@@ -47,7 +49,7 @@ class WeightServer:
     Used by trainers for their own versions. With a key pair (default: this process's member
     credentials) it is a CURVE server and `address` ends in '#curve=<hex public key>', so a puller
     that got the address from the controller also knows which key the server must prove; with
-    pull_keys only those key store's non-revoked member keys may connect (default: any CURVE key).
+    pull_keys only that key store's non-revoked raas and trainer keys may connect (default: any CURVE key).
     """
 
     def __init__(
@@ -76,6 +78,8 @@ class WeightServer:
         (it pulls every new version, so the asker may wait for it) rather than `unknown_version`."""
         self._blobs: dict[tuple[str, int, str], tuple[WeightManifest, memoryview]] = {}
         self._lock = threading.Lock()
+        self._limit = PullLimit()
+        """Connections served per key (weights/pull_limit.py)."""
         self._ctx = zmq.Context()
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -89,7 +93,7 @@ class WeightServer:
         pull_keys = pull_keys or _pull_keys
         self._auth = None
         if keypair is not None:
-            allow = None if pull_keys is None else pull_keys.admits
+            allow = None if pull_keys is None else pull_keys.admits_puller
             self._auth = curve_server(self._ctx, sock, keypair, allow)
         try:
             if port:
@@ -186,9 +190,12 @@ class WeightServer:
             return
         for _ in range(_MAX_DRAIN):
             try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+                parts = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            frames = [f.bytes for f in parts]
+            if not self._limit.admit(_key_of(parts[-1]), frames[0], time.monotonic()):
+                continue  # too many connections of this key: nothing queued for this one
             try:
                 reply = self._answer(frames)
             except Exception as exc:  # a bug in answering one request must not stop the server
@@ -240,3 +247,12 @@ class WeightServer:
             index=req.chunk,
             data=view[start:end],  # type: ignore[arg-type]  # msgspec encodes a memoryview as bytes
         )
+
+
+def _key_of(frame: zmq.Frame) -> bytes:
+    """The CURVE public key (z85) a frame came with; b'' on a plain socket."""
+    try:
+        user = frame.get("User-Id")
+    except zmq.ZMQError:
+        return b""
+    return user.encode() if isinstance(user, str) else b""

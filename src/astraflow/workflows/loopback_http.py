@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 MAX_HEADER_BYTES = 64 * 1024
-MAX_BODY_BYTES = 16 * 1024 * 1024
+MAX_BODY_BYTES = 4 * 1024 * 1024
+"""Largest request body (413 above it, before it is read): a long agent transcript is far smaller."""
 READ_TIMEOUT_S = 30.0
 
 Handler = Callable[[str, str, Any], Awaitable[Any]]
@@ -86,6 +87,7 @@ _REASONS = {
     401: "Unauthorized",
     404: "Not Found",
     405: "Method Not Allowed",
+    413: "Content Too Large",
     500: "Internal Server Error",
 }
 
@@ -206,15 +208,18 @@ class LoopbackServer:
             return 401, HttpError(401, "unknown endpoint or wrong api key", "authentication_error").body()
         if "chunked" in headers.get("transfer-encoding", "").lower():
             return 400, HttpError(400, "chunked request bodies are not supported").body()
-        size = int(headers.get("content-length", "0") or 0)
+        length = headers.get("content-length", "0") or "0"
+        if not length.isdigit():
+            return 400, HttpError(400, "Content-Length is not a number").body()
+        size = int(length)
         if size > MAX_BODY_BYTES:
-            return 400, HttpError(400, f"request body over {MAX_BODY_BYTES} bytes").body()
+            return 413, HttpError(413, f"request body over {MAX_BODY_BYTES} bytes").body()
         payload: Any = None
         if size:
-            try:
-                payload = json.loads(await reader.readexactly(size))
-            except ValueError:
-                return 400, HttpError(400, "request body is not valid JSON").body()
+            # parsed in a worker thread: the loop serves the episode's other requests meanwhile
+            payload = await asyncio.to_thread(_parse, await reader.readexactly(size))
+            if isinstance(payload, HttpError):
+                return payload.status, payload.body()
         return _Request((handler, method, path, payload))
 
     @staticmethod
@@ -225,3 +230,12 @@ class LoopbackServer:
             return exc.status, exc.body()
         except Exception as exc:  # a bug or an engine error: the agent sees it, the server lives on
             return 500, HttpError(500, f"{type(exc).__name__}: {exc}", "server_error").body()
+
+
+def _parse(data: bytes) -> Any:
+    """A request body's JSON, or the HttpError to answer (too deeply nested JSON included)."""
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as exc:
+        why = "nested too deeply" if isinstance(exc, RecursionError) else "not valid JSON"
+        return HttpError(400, f"request body is {why}")

@@ -52,6 +52,8 @@ CHAT_PARAMS |= {"response_format", "parallel_tool_calls"}
 COMPLETION_PARAMS = _COMMON | {"prompt", "echo", "suffix", "best_of"}
 MAX_N = 64
 MAX_STOPS = 4
+MAX_MESSAGES = 1024
+"""Most messages one chat request may carry (checked before any is rendered)."""
 
 
 @dataclass
@@ -242,6 +244,8 @@ class EpisodeEndpoint:
         raw = body.get("messages")
         if not isinstance(raw, list) or not raw:
             raise HttpError(400, "messages must be a non-empty list")
+        if len(raw) > MAX_MESSAGES:
+            raise HttpError(400, f"at most {MAX_MESSAGES} messages per request, not {len(raw)}")
         messages = [api_message(m) for m in raw]
         if tools or any("tool_calls" in m for m in messages):
             check_template(client.tokenizer, [template_message(m) for m in messages], tools)
