@@ -180,6 +180,15 @@ def _signal(child: Child, sig: int) -> None:
         child.proc.send_signal(sig)
 
 
+def worker_gpus(gpus: str, index: int, workers: int) -> str:
+    """The GPUs of local RaaS worker `index`: with several workers and several GPUs listed, one GPU
+    each in turn (worker i gets the (i mod n)-th); otherwise every listed GPU."""
+    listed = [g for g in gpus.split(",") if g]
+    if workers > 1 and len(listed) > 1:
+        return listed[index % len(listed)]
+    return gpus
+
+
 def gpu_env(gpus: str) -> dict[str, str]:
     """CUDA_VISIBLE_DEVICES for a child when the recipe names its GPUs; nothing otherwise."""
     return {"CUDA_VISIBLE_DEVICES": gpus} if gpus else {}
@@ -442,7 +451,7 @@ def run_up(
                 ],
                 # each worker appends its engines' busy time and weight loads here (docs/benchmarks.md)
                 env={
-                    **gpu_env(recipe.rollout.gpus),
+                    **gpu_env(worker_gpus(recipe.rollout.gpus, i, recipe.rollout.local_workers)),
                     STATS_ENV: str(run_dir / "logs" / f"raas-{i}.stats.jsonl"),
                 },
             )

@@ -224,7 +224,8 @@ class RolloutConfig(_Model):
     drain_timeout_s: float = Field(10.0, ge=0)
     """A leaving RaaS (SIGTERM, `astraflow leave`) waits this long for its running tasks, then returns the rest."""
     gpus: str = Field("", pattern=r"^(\d+(,\d+)*)?$")
-    """GPUs of the RaaS processes `astraflow up` starts, as CUDA_VISIBLE_DEVICES (e.g. "0"); empty = every GPU `up` sees."""
+    """GPUs of the RaaS processes `astraflow up` starts, as CUDA_VISIBLE_DEVICES (e.g. "0"); with several
+    local workers and several GPUs, worker i gets the (i mod n)-th alone; empty = every GPU `up` sees."""
 
 
 class WeightsConfig(_Model):
