@@ -148,18 +148,20 @@ def test_a_slowed_trainer_does_not_hold_the_other_policy(
     gaps = [(b, b - a) for a, b in zip(t_solv[1:], t_solv[2:], strict=False)]  # step 1 is warm-up
     slowed = [g for t, g in gaps if t <= slowed_until]
     alone = [g for t, g in gaps if t > slowed_until + 1.0]  # a second to let the proposer's trainer exit
-    # enough of both to compare; were the solver lock-stepped, it would take ~1 step per proposer step
-    # (2 in the slowed window)
-    assert len(slowed) >= 4 and len(alone) >= 4, (t_prop, t_solv)
+    # were the solver lock-stepped it would take ~1 step per proposer step (2 in the slowed window);
+    # on a fast machine it may take all its steps while the proposer is still slowed
+    assert len(slowed) >= 4, (t_prop, t_solv)
     print(
-        f"solver: {len(slowed)} step intervals beside the slowed proposer, median {_median(slowed):.2f}s "
-        f"({60 / _median(slowed):.0f} steps/min); {len(alone)} alone, median {_median(alone):.2f}s "
-        f"({60 / _median(alone):.0f} steps/min); proposer {len(t_prop)} steps in {t_prop[-1] - t_prop[0]:.1f}s"
+        f"solver: {len(slowed)} step intervals beside the slowed proposer, median {_median(slowed):.2f}s; "
+        f"{len(alone)} alone; proposer {len(t_prop)} steps in {t_prop[-1] - t_prop[0]:.1f}s"
     )
-    # lock-step would make the solver's slowed intervals ~3 s (the proposer's sleep) against a fraction of
-    # a second alone; the margin is wide so that load from elsewhere on a 2-core machine cannot decide
-    # it (the 10% bound is measured by `astraflow bench pipeline`, not asserted here)
-    assert _median(slowed) <= 2.0 * _median(alone) + 0.5, (slowed, alone)
+    if len(alone) >= 4:
+        # lock-step would make the slowed intervals ~3 s (the proposer's sleep) against a fraction of a
+        # second alone; the margin is wide so that load from elsewhere on a 2-core machine cannot decide
+        # it (the 10% bound is measured by `astraflow bench pipeline`, not asserted here)
+        assert _median(slowed) <= 2.0 * _median(alone) + 0.5, (slowed, alone)
+    else:
+        assert _median(slowed) < 1.0, slowed  # far below the proposer's 3 s a step
 
 
 def test_a_run_that_cannot_move_says_why_and_exits_1(tiny_model: Path, tmp_path: Path) -> None:

@@ -36,7 +36,8 @@ def _recipe(model: Path) -> Recipe:
             # 40 prompts of one digit: the 3 held-out ones (seed 1) surely recur among training ones
             "workflow": {"name": "quickstart", "options": {"size": 40, "length": 1}},
             "rollout": {"lease_timeout_s": 30.0, "slots": 8},
-            "controller": {"member_timeout_s": 30.0},
+            # one worker takes eval and training tasks in one lease here: no share cap between the two
+            "controller": {"member_timeout_s": 30.0, "max_member_share": 1.0},
             "eval": {
                 "max_tasks": 3,
                 "samples": 2,

@@ -157,6 +157,8 @@ class LoopbackServer:
         try:
             writer.write(head.encode() + data)
             await writer.drain()
+            if isinstance(read, tuple):
+                await _linger(reader, writer)
         except ConnectionError:
             pass
         finally:
@@ -239,3 +241,23 @@ def _parse(data: bytes) -> Any:
     except (ValueError, RecursionError) as exc:
         why = "nested too deeply" if isinstance(exc, RecursionError) else "not valid JSON"
         return HttpError(400, f"request body is {why}")
+
+
+async def _linger(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """After an answer given before the request's body was read (a refused length, a bad header): end
+    our side and read what the client still sends for a moment, so that closing with unread bytes does
+    not reset the connection before the client has read the answer."""
+    if writer.can_write_eof():
+        writer.write_eof()
+    got, deadline = 0, asyncio.get_running_loop().time() + 1.0
+    while got < 1 << 20:
+        left = deadline - asyncio.get_running_loop().time()
+        if left <= 0:
+            return
+        try:
+            chunk = await asyncio.wait_for(reader.read(1 << 16), left)
+        except (TimeoutError, ConnectionError):
+            return
+        if not chunk:
+            return
+        got += len(chunk)
