@@ -94,7 +94,8 @@ def test_each_fault_is_a_fail_finding(tmp_path: Path) -> None:
     [model] = d.check_models(r)
     assert model.level == "fail" and "/nonexistent/model does not exist" in model.message
     dead = d.check_controller(f"tcp://127.0.0.1:{free_port()}", None, None, timeout_s=0.5)
-    assert dead.level == "fail" and "did not answer" in dead.message
+    # the probe names the cause when it finds one (nothing listening), else the request timed out
+    assert dead.level == "fail" and ("did not answer" in dead.message or "nothing listens" in dead.message)
     assert "math_verify" in d.imported_roots("astraflow.workflows.math_rl")  # via its process-pool target
     assert d.extra_modules()["math_verify"] == "math"
     r = load_recipe(RECIPE, ['workflow.name="no-such-workflow"'])
