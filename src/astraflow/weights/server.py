@@ -202,9 +202,10 @@ class WeightServer:
                 _log.exception("weight server: answering a request failed")
                 reply = Error(code="internal", message=str(exc)[:200])
             try:
-                # each queued reply is a copy of its chunk; SNDHWM bounds how many queue per peer, and
-                # zmq frees them when the peer disconnects
-                self._sock.send_multipart([frames[0], encode(reply)], zmq.NOBLOCK, copy=False)
+                # each queued reply is libzmq's own copy of its chunk: SNDHWM bounds how many queue per
+                # peer, and a reply dropped at the mark is freed at once (a zero-copy reply is freed by
+                # pyzmq's collector thread, which under load let hundreds of MiB of dropped chunks live)
+                self._sock.send_multipart([frames[0], encode(reply)], zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass  # the peer is gone or past its SNDHWM; it will ask again
 
