@@ -29,7 +29,7 @@ from typing import Any
 import zmq
 
 from astraflow.bench.control_sim import SimSpec
-from astraflow.bench.wire import free_port, rss_mb
+from astraflow.bench.wire import rss_mb, start_controller
 from astraflow.protocol import messages as m
 from astraflow.protocol.codec import decode, encode
 
@@ -110,37 +110,15 @@ def run_one(
     names = ["trainer-main"] + [f"sim-{i:05d}" for i in range(workers)]
     roles = {n: ("trainer" if i == 0 else "raas" if i <= ACTIVE else "idle") for i, n in enumerate(names)}
     keys_dir = _keys(work, names) if curve else None
-    rec = work / "recipe.json"
-    rec.write_text(json.dumps(recipe(heartbeat_s, workers)))
-    addr = f"tcp://127.0.0.1:{free_port()}"
     run_dir = work / "run"
-    args = [
-        sys.executable,
-        "-m",
-        "astraflow",
-        "controller",
-        str(rec),
-        "--run-dir",
-        str(run_dir),
-        "--bind",
-        addr,
-    ]
-    if curve:
-        args += ["--keys", str(work / "keys")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    log = (work / "controller.log").open("ab")
-    ctl = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
+    ctl, addr = start_controller(
+        work, keys=work / "keys" if curve else None, recipe_doc=recipe(heartbeat_s, workers)
+    )
     sims: list[subprocess.Popen[bytes]] = []
     outs: list[Path] = []
     stop = work / "stop"
     try:
-        deadline = time.monotonic() + 120
-        while not (run_dir / "controller.addr").is_file():
-            if ctl.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"controller did not start: {(work / 'controller.log').read_text()[-2000:]}"
-                )
-            time.sleep(0.05)
         # the trainer and the active workers get a process of their own, idle members share the rest
         active = names[: ACTIVE + 1]
         idle = names[ACTIVE + 1 :]

@@ -119,12 +119,17 @@ def free_port() -> int:
 
 
 def start_controller(
-    work: Path, *, keys: Path | None = None, timeout_s: float = 120.0
+    work: Path,
+    *,
+    keys: Path | None = None,
+    timeout_s: float = 120.0,
+    recipe_doc: dict[str, Any] | None = None,
 ) -> tuple[subprocess.Popen[bytes], str]:
-    """A real `astraflow controller` process on a free loopback port (with a key store if given)."""
+    """A real `astraflow controller` process on a free loopback port (with a key store if given), running
+    `recipe_doc` (default: this bench's model-free RECIPE) in work/run."""
     work.mkdir(parents=True, exist_ok=True)
     recipe = work / "recipe.json"
-    recipe.write_text(json.dumps(RECIPE))
+    recipe.write_text(json.dumps(RECIPE if recipe_doc is None else recipe_doc))
     addr = f"tcp://127.0.0.1:{free_port()}"
     run_dir = work / "run"
     args = [
