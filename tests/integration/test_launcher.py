@@ -114,7 +114,8 @@ def test_killing_the_launcher_takes_its_children_down(tiny_model: Path, tmp_path
         assert len(kids) == 4
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-        assert wait_gone(list(kids)) == []
+        left = wait_gone(list(kids))
+        assert left == [], [kids[p] for p in left]
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -57,7 +57,8 @@ def request_retrying(
     client: Any, msg: Any, *, timeout_s: float = 30.0, give_up_after_s: float = 600.0
 ) -> Any:
     """A request that survives a controller restart: on ConnectError, wait and ask again (the client
-    re-sends its Hello by itself once the controller is back), until give_up_after_s."""
+    re-sends its Hello by itself once the controller is back), until give_up_after_s (each attempt
+    waits at most what is left of it)."""
     import time
 
     from astraflow import log
@@ -67,7 +68,9 @@ def request_retrying(
     warned = False
     while True:
         try:
-            reply = client.request(msg, timeout_s=timeout_s)
+            # no attempt outlives the deadline: a caller that gives up after 3 s waits 3 s, not 30
+            left = max(0.5, deadline - time.monotonic())
+            reply = client.request(msg, timeout_s=min(timeout_s, left))
             if warned:
                 log.get("member").info("controller answers again")
             return reply

@@ -279,8 +279,9 @@ def run_trainer(
         if publisher.busy:
             # a stop (signal, error) mid-publish: finish and announce the version if the controller
             # still answers; a restarted trainer re-announces its last checkpoint anyway
+            # after a signal, briefly: the launcher that sent it (or died) stops the controller too
             try:
-                announce(block=True, give_up_after_s=10.0)
+                announce(block=True, give_up_after_s=3.0 if stopping["sig"] else 10.0)
             except (AstraflowError, OSError) as exc:
                 _log.warning("version in flight at stop not announced: %s", exc)
         publisher.close()
