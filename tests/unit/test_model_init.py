@@ -91,3 +91,5 @@ def test_preset_sizes_without_materialising() -> None:
     # Qwen3-1.7B's and Qwen3-4B's sizes with tied embeddings (as counted on the GPU runs).
     assert count_parameters("qwen3", "1.7b-shape") == 1_720_574_976
     assert count_parameters("qwen3", "4b-shape") == 4_022_468_096
+    # Qwen3-8B's published size (its output projection is not tied to the embedding).
+    assert count_parameters("qwen3", "8b-shape") == 8_190_735_360

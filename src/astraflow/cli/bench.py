@@ -344,6 +344,44 @@ def weights(
         typer.echo(line)
 
 
+@app.command("broadcast")
+def broadcast(
+    preset: Annotated[
+        str, typer.Option("--preset", help="Comma-separated qwen3 presets whose shapes are sent.")
+    ] = "0.6b-shape",
+    engines: Annotated[int, typer.Option("--engines", min=1, help="Engine processes receiving.")] = 2,
+    device: Annotated[
+        str, typer.Option("--device", help="cpu (gloo) or cuda (NCCL, one GPU a rank).")
+    ] = "cpu",
+    repeats: Annotated[int, typer.Option("--repeats", min=1, help="Versions sent (the median counts).")] = 3,
+    churn: Annotated[
+        bool, typer.Option("--churn/--no-churn", help="Kill an engine mid-broadcast and add one.")
+    ] = False,
+    timeout_s: Annotated[
+        float, typer.Option("--timeout-s", min=1.0, help="Collective timeout (a dead engine costs this).")
+    ] = 15.0,
+    json_: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
+) -> None:
+    """The trainer's weight broadcast to many engines, beside an all-reduce's bus bandwidth."""
+    import json
+
+    from astraflow.bench.broadcast import format_lines, run
+    from astraflow.errors import AstraflowError
+
+    if device not in ("cpu", "cuda"):
+        raise AstraflowError(f"unknown --device {device!r}", hint="choose cpu or cuda")
+    presets = [p.strip() for p in preset.split(",") if p.strip()]
+    res = run(presets, engines, device, repeats, churn, timeout_s)
+    if json_:
+        typer.echo(json.dumps(res, indent=2))
+    else:
+        for line in format_lines(res):
+            typer.echo(line)
+    bad = [m for r in res["rows"] for m in r["digest_mismatches"]]
+    if bad:
+        raise AstraflowError(f"digest mismatch on {bad}", hint="a broadcast delivered wrong bytes")
+
+
 @app.command("pipeline")
 def pipeline(
     recipe: Annotated[Path, typer.Argument(help="Recipe to run in sync mode, then in async mode.")],

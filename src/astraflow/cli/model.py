@@ -23,6 +23,10 @@ def init(
         Path | None, typer.Option("--corpus", help="UTF-8 text file the bpe tokenizer is trained on.")
     ] = None,
     vocab_size: Annotated[int, typer.Option("--vocab-size", help="Tokens of the bpe tokenizer.")] = 4096,
+    device: Annotated[
+        str,
+        typer.Option("--device", help="cpu or cuda: where the weights are initialised (cuda: large shapes)."),
+    ] = "cpu",
 ) -> None:
     """Write a random-init model directory (config, weights, tokenizer); downloads nothing."""
     import os
@@ -30,5 +34,11 @@ def init(
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from astraflow.models.init import init_model
 
-    path = init_model(arch, preset, out, seed, tokenizer=tokenizer, corpus=corpus, vocab_size=vocab_size)
+    if device not in ("cpu", "cuda"):
+        from astraflow.errors import AstraflowError
+
+        raise AstraflowError(f"unknown --device {device!r}", hint="choose cpu or cuda")
+    path = init_model(
+        arch, preset, out, seed, tokenizer=tokenizer, corpus=corpus, vocab_size=vocab_size, device=device
+    )
     typer.echo(f"wrote {arch}/{preset} model to {path}")

@@ -45,6 +45,8 @@ class Preset:
     """Longest sequence the rotary embedding is configured for."""
     dtype: str = "float32"
     """dtype the weights are saved in."""
+    tie: bool = True
+    """Whether the output projection shares the embedding's weights."""
 
 
 PRESETS: dict[str, dict[str, Preset]] = {
@@ -87,6 +89,19 @@ PRESETS: dict[str, dict[str, Preset]] = {
             vocab=151936,
             max_positions=40960,
             dtype="bfloat16",
+        ),
+        # Qwen3-8B's real dimensions (untied embeddings, as its), random weights: multi-GPU FSDP2 runs.
+        "8b-shape": Preset(
+            hidden=4096,
+            layers=36,
+            heads=32,
+            kv_heads=8,
+            head_dim=128,
+            intermediate=12288,
+            vocab=151936,
+            max_positions=40960,
+            dtype="bfloat16",
+            tie=False,
         ),
     }
 }
@@ -136,7 +151,7 @@ def _qwen3_config(p: Preset, vocab_size: int) -> Any:
         num_key_value_heads=p.kv_heads,
         head_dim=p.head_dim,
         max_position_embeddings=p.max_positions,
-        tie_word_embeddings=True,
+        tie_word_embeddings=p.tie,
         pad_token_id=pad,
         bos_token_id=bos,
         eos_token_id=eos,
@@ -163,11 +178,14 @@ def init_model(
     tokenizer: str = "words",
     corpus: Path | None = None,
     vocab_size: int = 4096,
+    device: str = "cpu",
 ) -> Path:
     """Write a random-init model directory (config, safetensors weights, generation config, tokenizer).
 
     tokenizer "words": the quickstart's word-level vocabulary; "bpe": a byte-level BPE of `vocab_size`
-    tokens trained on `corpus`, with a chat template."""
+    tokens trained on `corpus`, with a chat template. device "cuda" initialises on the GPU (the 4B and
+    8B shapes take minutes on a CPU); the weights are the same function of the seed on either device
+    only in distribution, not bit for bit."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     p = get_preset(arch, preset)
@@ -180,7 +198,8 @@ def init_model(
     config = _qwen3_config(p, p.vocab if p.vocab is not None else len(tok))
     dtype = getattr(torch, p.dtype)
     # Fork the global RNG so initialising a model never perturbs the caller's random stream.
-    with torch.random.fork_rng(devices=[]):
+    on_gpu = device.startswith("cuda")
+    with torch.random.fork_rng(devices=[torch.device(device)] if on_gpu else []), torch.device(device):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.generation_config = GenerationConfig(
