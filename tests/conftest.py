@@ -58,3 +58,39 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
         timeout=120,
     )
     return out
+
+
+def install_isolated(package: Path, tmp: Path) -> Path:
+    """pip-install a copy of `package` into a folder of `tmp` (never into the running environment) and
+    put that folder first on this process's sys.path and on PYTHONPATH for the processes it starts;
+    `uninstall_isolated` undoes both. Returns the folder."""
+    import importlib
+    import shutil
+
+    src = tmp / package.name
+    shutil.copytree(package, src, ignore=shutil.ignore_patterns("*.egg-info", "build", "__pycache__"))
+    site = tmp / "site"
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index"]
+    proc = subprocess.run(
+        [*cmd, "--target", str(site), str(src)], capture_output=True, text=True, timeout=240
+    )
+    assert proc.returncode == 0, proc.stderr
+    sys.path.insert(0, str(site))
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = str(site) if not old else f"{site}{os.pathsep}{old}"
+    importlib.invalidate_caches()
+    return site
+
+
+def uninstall_isolated(site: Path) -> None:
+    """Take a folder made by `install_isolated` off sys.path and PYTHONPATH."""
+    import importlib
+
+    if str(site) in sys.path:
+        sys.path.remove(str(site))
+    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(site)]
+    if parts:
+        os.environ["PYTHONPATH"] = os.pathsep.join(parts)
+    else:
+        os.environ.pop("PYTHONPATH", None)
+    importlib.invalidate_caches()

@@ -14,6 +14,7 @@ from tests.chaos.cluster import Cluster, ro
 
 
 @pytest.mark.chaos
+@pytest.mark.timeout(600)  # its subprocesses have their own, longer limits
 def test_kill_9_controller_and_restart(tiny_model: Path, tmp_path: Path) -> None:
     steps = 10
     with Cluster(tmp_path, tiny_model, steps, "controller.member_timeout_s=3.0") as c:
@@ -46,6 +47,7 @@ def test_kill_9_controller_and_restart(tiny_model: Path, tmp_path: Path) -> None
 
 
 @pytest.mark.chaos
+@pytest.mark.timeout(600)  # its subprocesses have their own, longer limits
 def test_a_long_poll_held_by_a_killed_controller_fails_fast_after_the_restart(
     tiny_model: Path, tmp_path: Path
 ) -> None:

@@ -15,6 +15,7 @@ from tests.chaos.cluster import Cluster, ro
 
 
 @pytest.mark.chaos
+@pytest.mark.timeout(600)  # its subprocesses have their own, longer limits
 def test_kill_9_raas_mid_run_loses_no_task(tiny_model: Path, tmp_path: Path) -> None:
     steps = 12
     with Cluster(

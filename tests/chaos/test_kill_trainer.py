@@ -15,6 +15,7 @@ from tests.chaos.cluster import Cluster
 
 
 @pytest.mark.chaos
+@pytest.mark.timeout(600)  # its subprocesses have their own, longer limits
 def test_kill_9_trainer_resumes_exactly(tiny_model: Path, tmp_path: Path) -> None:
     steps = 8
     overrides = ("policy.checkpoint_every=3", "policy.batch_prompts=8", "controller.member_timeout_s=2.0")

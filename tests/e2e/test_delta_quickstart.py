@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(660)  # its subprocesses have their own, longer limits
 def test_quickstart_runs_with_deltas_and_relays(tiny_model: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     sets = [

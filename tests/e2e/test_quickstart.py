@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(960)  # its subprocesses have their own, longer limits
 def test_quickstart_learns_through_up(tiny_model: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     t0 = time.monotonic()

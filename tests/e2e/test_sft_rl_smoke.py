@@ -23,6 +23,7 @@ def _astraflow(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # its subprocesses have their own, longer limits
 def test_words_smoke_reward_rises_by_rl_after_an_sft_warm_start(tmp_path: Path) -> None:
     base, warm, run = tmp_path / "tiny-words", tmp_path / "tiny-words-sft", tmp_path / "run"
     corpus = str(DATA / "words-corpus.txt")

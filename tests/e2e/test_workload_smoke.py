@@ -42,6 +42,7 @@ def _split(recs: list[dict[str, float]]) -> tuple[list[dict[str, float]], list[d
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(660)  # its subprocesses have their own, longer limits
 def test_math_smoke_runs_through_up_with_math_verify(bpe_model: Path, tmp_path: Path) -> None:
     recs = _up(
         ROOT / "recipes/math/smoke.toml",
@@ -63,6 +64,7 @@ def test_math_smoke_runs_through_up_with_math_verify(bpe_model: Path, tmp_path: 
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(660)  # its subprocesses have their own, longer limits
 def test_code_smoke_runs_through_up_with_the_sandbox(bpe_model: Path, tmp_path: Path) -> None:
     recs = _up(
         ROOT / "recipes/code/smoke.toml",
@@ -80,6 +82,7 @@ def test_code_smoke_runs_through_up_with_the_sandbox(bpe_model: Path, tmp_path: 
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(660)  # its subprocesses have their own, longer limits
 def test_code_stdio_smoke_runs_programs_on_stdin_in_the_sandbox(bpe_model: Path, tmp_path: Path) -> None:
     recs = _up(
         ROOT / "recipes/code/smoke-stdio.toml",
@@ -100,6 +103,7 @@ def test_code_stdio_smoke_runs_programs_on_stdin_in_the_sandbox(bpe_model: Path,
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(660)  # its subprocesses have their own, longer limits
 def test_search_smoke_runs_through_up_with_bm25(bpe_model: Path, tmp_path: Path) -> None:
     recs = _up(
         ROOT / "recipes/search/smoke.toml",
@@ -114,6 +118,7 @@ def test_search_smoke_runs_through_up_with_bm25(bpe_model: Path, tmp_path: Path)
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(660)  # its subprocesses have their own, longer limits
 def test_textworld_smoke_generates_games_and_plays_them_through_up(bpe_model: Path, tmp_path: Path) -> None:
     pytest.importorskip("textworld")
     games = tmp_path / "games"
@@ -134,6 +139,7 @@ def test_textworld_smoke_generates_games_and_plays_them_through_up(bpe_model: Pa
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(660)  # its subprocesses have their own, longer limits
 @pytest.mark.parametrize("name", ["math-multi-agent", "code-multi-agent"])
 def test_multi_agent_smokes_run_through_up(name: str, bpe_model: Path, tmp_path: Path) -> None:
     recs = _up(
@@ -152,6 +158,7 @@ def test_multi_agent_smokes_run_through_up(name: str, bpe_model: Path, tmp_path:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(660)  # its subprocesses have their own, longer limits
 def test_openai_client_agent_trains_through_up(bpe_model: Path, tmp_path: Path) -> None:
     pytest.importorskip("openai")
     recs = _up(
@@ -172,6 +179,7 @@ def test_openai_client_agent_trains_through_up(bpe_model: Path, tmp_path: Path) 
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(660)  # its subprocesses have their own, longer limits
 @pytest.mark.verifiers
 def test_verifiers_environment_trains_through_up(bpe_model: Path, tmp_path: Path) -> None:
     if os.environ.get("ASTRAFLOW_REQUIRE_VERIFIERS"):
@@ -204,6 +212,7 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(660)  # its subprocesses have their own, longer limits
 def test_env_server_smoke_starts_the_reference_server_as_a_service(bpe_model: Path, tmp_path: Path) -> None:
     port = _free_port()  # the recipe's 8700 may be taken on a shared machine; same command otherwise
     command = ["python", "-m", "astraflow.workflows.env_reference", "--port", str(port)]

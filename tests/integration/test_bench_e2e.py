@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(360)  # its subprocesses have their own, longer limits
 def test_bench_e2e_reports_throughput_busy_fractions_and_weight_sync(
     tiny_model: Path, tmp_path: Path
 ) -> None:

@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(660)  # its subprocesses have their own, longer limits
 def test_bench_pipeline_runs_sync_then_async_and_compares(tiny_model: Path, tmp_path: Path) -> None:
     out = subprocess.run(
         [

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import termios
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -33,6 +34,7 @@ pytest.importorskip("textual_plotext")
 
 from astraflow.tui.app import Dashboard  # noqa: E402
 from astraflow.tui.source import ControllerSource, RunDirSource  # noqa: E402
+from tests.conftest import install_isolated, uninstall_isolated  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SINK_PACKAGE = ROOT / "tests" / "plugins" / "astraflow-example-sink"
@@ -46,16 +48,6 @@ def rows_of(path: Path) -> list[dict[str, Any]]:
 def step_rows_of(path: Path) -> list[dict[str, Any]]:
     """The trainer-step rows (the quickstart also writes held-out eval rows, kind = "eval")."""
     return [r for r in rows_of(path) if r.get("kind") != "eval"]
-
-
-def install_sink_plugin(tmp: Path) -> None:
-    """pip-install a copy of the example sink package (no network, no build isolation)."""
-    src = tmp / "astraflow-example-sink"
-    shutil.copytree(SINK_PACKAGE, src, ignore=shutil.ignore_patterns("*.egg-info", "build", "__pycache__"))
-    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index"]
-    proc = subprocess.run([*cmd, str(src)], capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr
-    importlib.invalidate_caches()
 
 
 def up_on_a_terminal(recipe: Path, run_dir: Path, steps: int, cwd: Path) -> tuple[int, str]:
@@ -101,10 +93,11 @@ def up_on_a_terminal(recipe: Path, run_dir: Path, steps: int, cwd: Path) -> tupl
 
 
 @pytest.fixture(scope="module")
-def finished_run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """A finished quickstart run made by `up` on a terminal, with the example sink plugin on."""
+def finished_run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """A finished quickstart run made by `up` on a terminal, with the example sink plugin on (installed
+    into a folder of its own on PYTHONPATH while the module's tests run)."""
     tmp = tmp_path_factory.mktemp("dash")
-    install_sink_plugin(tmp)
+    site = install_isolated(SINK_PACKAGE, tmp)
     recipe = tmp / "recipe.toml"
     recipe.write_text(
         f'extends = "{ROOT / "recipes/quickstart/recipe.toml"}"\n\n[run]\nsteps = {STEPS}\n\n'
@@ -113,8 +106,11 @@ def finished_run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         '[metrics]\nsinks = [{ name = "copy_rows", options = { file = "copied.jsonl" } }]\n'
     )
     run_dir = tmp / "run"
-    rc, screen = up_on_a_terminal(recipe, run_dir, STEPS, tmp)
-    return {"run_dir": run_dir, "rc": rc, "screen": screen, "tmp": tmp}
+    try:
+        rc, screen = up_on_a_terminal(recipe, run_dir, STEPS, tmp)
+        yield {"run_dir": run_dir, "rc": rc, "screen": screen, "tmp": tmp}
+    finally:
+        uninstall_isolated(site)
 
 
 def test_up_on_a_terminal_shows_the_dashboard(finished_run: dict[str, Any]) -> None:

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
-import shutil
-import subprocess
-import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,24 +11,23 @@ from astraflow import plugins
 from astraflow.config.load import validate_options, validate_plugins, validate_recipe
 from astraflow.data.base import GroupFilter, GroupView
 from astraflow.errors import RecipeError
+from tests.conftest import install_isolated, uninstall_isolated
 
 PACKAGE = Path(__file__).resolve().parents[1] / "plugins" / "astraflow-example-data"
 NAME = "key_pattern"
 
 
 @pytest.fixture(scope="module")
-def installed(tmp_path_factory: pytest.TempPathFactory) -> None:
-    """pip-install a copy of the example package (the copy keeps build files out of the source tree)."""
+def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """pip-install a copy of the example package into a folder of its own (on sys.path and PYTHONPATH
+    while the module's tests run; the test environment itself is never changed)."""
     try:
         import pip  # noqa: F401
     except ImportError:
         pytest.skip("pip is not available in this interpreter: cannot install the example plugin")
-    src = tmp_path_factory.mktemp("plugin") / "astraflow-example-data"
-    shutil.copytree(PACKAGE, src, ignore=shutil.ignore_patterns("*.egg-info", "build", "__pycache__"))
-    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index"]
-    proc = subprocess.run([*cmd, str(src)], capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr
-    importlib.invalidate_caches()
+    site = install_isolated(PACKAGE, tmp_path_factory.mktemp("plugin"))
+    yield
+    uninstall_isolated(site)
 
 
 def recipe_data(options: dict[str, object]) -> dict[str, object]:
