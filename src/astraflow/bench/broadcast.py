@@ -21,11 +21,18 @@ import os
 import queue
 import signal
 import statistics
+import sys
 import time
 from typing import Any
 
 RECEIVE_TIMEOUT_S = 120.0
 """How long an engine may take to receive one version before the bench gives up."""
+_T0 = time.monotonic()
+
+
+def _progress(msg: str) -> None:
+    """One line on stderr with the seconds since the bench started (long set-ups stay visible)."""
+    print(f"[{time.monotonic() - _T0:7.1f}s] {msg}", file=sys.stderr, flush=True)
 
 
 def preset_weights(preset: str, device: Any, seed: int = 0) -> dict[str, Any]:
@@ -221,9 +228,12 @@ def run_preset(
     try:
         for i in range(engines):
             pool.start(f"engine-{i}", i + 1)
+        _progress(f"{preset}: {nbytes / 1e9:.2f} GB of weights made; starting {engines} engines")
         _wait_joined(hub, engines, RECEIVE_TIMEOUT_S)
+        _progress(f"{preset}: {engines} engines registered; sending version 0 (forms the group)")
         hub.publish(0, weights)  # the first version forms the generation (and warms NCCL up)
         pool.wait(0, RECEIVE_TIMEOUT_S)
+        _progress(f"{preset}: version 0 at every engine")
         times, packs = [], []
         for v in range(1, repeats + 1):
             t0 = time.time()
@@ -233,6 +243,7 @@ def run_preset(
             packs.append(time.time() - t0)
             arrived = pool.wait(v, RECEIVE_TIMEOUT_S)
             times.append(max(arrived.values()) - t0)
+            _progress(f"{preset}: version {v} at every engine in {times[-1] * 1e3:.1f} ms")
         med = statistics.median(times)
         row.update(
             seconds=med,
@@ -256,6 +267,7 @@ def _churn(
     import torch
 
     victim = sorted(pool.procs)[0]
+    _progress(f"churn: killing {victim} during version {v}, starting engine-new")
     t0 = time.time()
     hub.publish(v, weights)
     pool.kill(victim)  # mid-broadcast (the publish returned; the sender thread is sending)
@@ -291,6 +303,7 @@ def run(
                 hint="lower --engines (NCCL allows one rank per GPU), or use --device cpu",
             )
     rows = [run_preset(p, engines, kind, repeats, churn, timeout_s) for p in presets]
+    _progress(f"all-reduce over {engines + 1} devices")
     ref = allreduce_bus_gbs(engines + 1, kind, max(r["bytes"] for r in rows) if kind == "cpu" else 1 << 30)
     device = torch.cuda.get_device_name(0) if kind == "cuda" else "cpu"
     return {
