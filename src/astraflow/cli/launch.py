@@ -32,7 +32,9 @@ def ray_(
     address: Annotated[
         str,
         typer.Option(
-            "--address", help="Ray cluster to attach to (default RAY_ADDRESS, else a new local cluster)."
+            "--address",
+            help="Ray cluster to attach to (default RAY_ADDRESS, else the one `ray start` started on this "
+            "machine, else a new local cluster that ends with the run).",
         ),
     ] = "",
     raas: Annotated[
@@ -226,6 +228,13 @@ def k8s(
     offline: Annotated[
         bool, typer.Option("--offline", help="Set every library's offline switch in every pod.")
     ] = False,
+    metrics: Annotated[
+        bool,
+        typer.Option(
+            "--metrics",
+            help="Serve Prometheus /metrics beside the controller (port 9600; on with rollout.autoscale.enabled).",
+        ),
+    ] = False,
 ) -> None:
     """Write Kubernetes manifests for a run (apply with `kubectl apply -k OUT`) and the run's keys."""
     import re
@@ -248,7 +257,8 @@ def k8s(
         for pol in r.policy:
             pol.model = f"/models/{Path(pol.model).name}"
     plan = make_plan(r, out, raas)
-    keys_max = max(raas_max or 0, len(plan.raas))
+    scale = r.rollout.autoscale if r.rollout.autoscale.enabled else None
+    keys_max = max(raas_max or 0, len(plan.raas), scale.max if scale else 0)
     raas_names = [f"raas-{i}" for i in range(keys_max)]
     out.mkdir(parents=True, exist_ok=True)
     dump_resolved(r, plan.resolved)
@@ -267,6 +277,10 @@ def k8s(
         storage=storage,
         models_claim=models_claim,
         offline=offline,
+        metrics=metrics,
+        autoscale=scale,
+        drain_timeout_s=r.rollout.drain_timeout_s,
+        run_name=r.run.name,
     )
     for path in write(plan, opts, plan.run_dir, raas_names):
         typer.echo(f"wrote {path}")

@@ -42,7 +42,8 @@ class RayOptions:
     """How the run is placed on the Ray cluster; everything else comes from the recipe."""
 
     address: str = ""
-    """Ray cluster to attach to ('' : RAY_ADDRESS, else a new local cluster)."""
+    """Ray cluster to attach to ('': RAY_ADDRESS, else the one `ray start` last started on this
+    machine, else a new local cluster that ends with the run)."""
     port: int = 0
     """The controller's TCP port on its node (0: a free port)."""
     gpu_resource: str = "GPU"
@@ -444,10 +445,8 @@ def run_on_ray(recipe: Any, plan: Plan, opts: RayOptions, raas_names: list[str])
 
     address = opts.address or os.environ.get("RAY_ADDRESS", "")
     try:
-        if address:
-            ray.init(address=address, log_to_driver=False, namespace="astraflow")
-        else:
-            ray.init(log_to_driver=False, namespace="astraflow", include_dashboard=False)
+        # no address: the cluster `ray start` last started on this machine, else a new local one
+        ray.init(address=address or None, log_to_driver=False, namespace="astraflow")
     except (ConnectionError, RuntimeError) as exc:
         raise AstraflowError(
             f"cannot attach to the Ray cluster at {address or 'a new local one'}: {exc}",
