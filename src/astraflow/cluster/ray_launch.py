@@ -205,7 +205,19 @@ class RayRun:
         actor = self.actor_cls.options(**self.placement(slot)).remote(
             slot.member.name, argv, self.env(slot.member), str(self.plan.run_dir)
         )
-        slot.info = self.ray.get(actor.start.remote(), timeout=self.opts.start_timeout_s)
+        try:
+            slot.info = self.ray.get(actor.start.remote(), timeout=self.opts.start_timeout_s)
+        except self.ray.exceptions.GetTimeoutError:
+            self.ray.kill(actor)
+            raise AstraflowError(
+                f"{slot.member.name} was not placed on the Ray cluster within {self.opts.start_timeout_s:.0f}s",
+                hint=f"it needs {self.opts.cpus_per_role:g} CPU (--cpus-per-role); `ray status` shows what is free",
+            ) from None
+        except self.ray.exceptions.RayError as exc:
+            raise AstraflowError(
+                f"{slot.member.name} did not start: {str(exc).splitlines()[0][:300]}",
+                hint="is astraflow installed in the Python the Ray nodes run?",
+            ) from None
         slot.actor = actor
         slot.ref = actor.wait.remote()
         slot.draining = False
