@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import urllib.error
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -85,3 +86,41 @@ def test_served_over_http_and_down_when_the_controller_does_not_answer() -> None
 def test_bad_bind_is_a_clear_error() -> None:
     with pytest.raises(AstraflowError, match="is not HOST:PORT"):
         serve("9600", lambda: None)
+
+
+def test_metrics_serve_command_reads_a_run_directory(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+    import time
+
+    from astraflow.dataflow.ledger import Ledger
+    from astraflow.state.store import Store
+
+    store = Store.open(tmp_path / "state.db")
+    store.init_run("demo", {"run": {"steps": 3}})
+    Ledger(store).enqueue("a", {}, {"actor": "main"}, 1)
+    store.close()
+    port = free_port()
+    cmd = [sys.executable, "-m", "astraflow", "metrics-serve", "--bind", f"127.0.0.1:{port}"]
+    bad = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "exactly one of --run-dir or --controller" in bad.stderr
+    proc = subprocess.Popen(
+        [*cmd, "--run-dir", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+                    body = r.read().decode()
+                break
+            except urllib.error.URLError:
+                assert proc.poll() is None and time.monotonic() < deadline, (
+                    proc.stdout.read() if proc.stdout else ""
+                )
+                time.sleep(0.1)
+        assert 'astraflow_tasks{run="demo",status="queued"} 1' in body
+        assert 'astraflow_slot_demand{run="demo"} 1' in body
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
