@@ -40,6 +40,8 @@ class LocalRay:
         self.env = {
             **os.environ,
             "RAY_USAGE_STATS_ENABLED": "0",
+            # no token authentication, whatever ~/.ray holds (a local cluster started by ray.init makes one)
+            "RAY_AUTH_MODE": "disabled",
             "OMP_NUM_THREADS": "1",
             "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH", ""),) if p),
         }

@@ -202,6 +202,9 @@ class RayRun:
 
     def spawn(self, slot: Slot, argv: list[str]) -> None:
         """Start (or replace) the member's actor and its role."""
+        if slot.actor is not None:
+            self.ray.kill(slot.actor)  # a role that exited leaves its actor alive: release it first
+            slot.actor = None
         actor = self.actor_cls.options(**self.placement(slot)).remote(
             slot.member.name, argv, self.env(slot.member), str(self.plan.run_dir)
         )
