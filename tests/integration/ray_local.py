@@ -79,7 +79,7 @@ class LocalRay:
             ],
             "head",
         )
-        self._wait_nodes(1, timeout_s)
+        # the worker node waits for the head's GCS by itself
         self._start(
             [
                 "--address",

@@ -85,3 +85,16 @@ def test_bounds_are_validated() -> None:
         AutoscaleConfig(min=3, max=2)
     with pytest.raises(ValidationError):
         AutoscaleConfig(up_busy_fraction=1.5)
+
+
+def test_autoscale_bounds_may_change_on_a_restarted_run() -> None:
+    from astraflow.config.recipe_change import check_recipe_change
+    from astraflow.errors import RecipeError
+
+    old = {"rollout": {"slots": 4}}  # a run stored before rollout.autoscale existed
+    new = {"rollout": {"slots": 4, "autoscale": {"enabled": True, "max": 8}}}
+    assert check_recipe_change(old, new, allow=True)
+    grown = {"rollout": {"slots": 4, "autoscale": {"enabled": True, "max": 16}}}
+    assert check_recipe_change(new, grown, allow=True)
+    with pytest.raises(RecipeError):
+        check_recipe_change(new, grown, allow=False)
