@@ -12,12 +12,13 @@ import sqlite3
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.chaos.cluster import ro
+from tests.chaos.cluster import free_port, ro
 from tests.integration.ray_local import GPU_RESOURCE, LocalRay, skip_reason
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -110,7 +111,8 @@ def test_quickstart_through_launch_ray_replaces_and_autoscales(
     out = tmp_path / "launch.out"
     cmd = [sys.executable, "-m", "astraflow", "launch", "ray", str(ROOT / "recipes/quickstart/recipe.toml")]
     cmd += ["--address", ray_cluster.address, "--run-dir", str(run_dir), "--cpus-per-role", "0.5"]
-    cmd += ["--trainer-gpus", "--gpu-resource", GPU_RESOURCE]
+    metrics_port = free_port()
+    cmd += ["--trainer-gpus", "--gpu-resource", GPU_RESOURCE, "--metrics-bind", f"127.0.0.1:{metrics_port}"]
     cmd += [a for s in sets for a in ("--set", s)]
     with open(out, "wb") as sink:
         proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=ray_cluster.env, cwd=tmp_path)
@@ -134,6 +136,35 @@ def test_quickstart_through_launch_ray_replaces_and_autoscales(
         trainer = _info(run_dir, "trainer-main")
         assert trainer["resources"] == {"CPU": 0.5, GPU_RESOURCE: 1.0}, trainer
         assert trainer["placement_group"], "the GPU role was not placed by a placement group"
+        # the live controller's demand (with its admission room), from any node through RUN/controller.addr
+        keys = run_dir / "keys"
+        assert "0.0.0.0" not in (run_dir / "controller.addr").read_text()  # the address other nodes reach
+        status = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "astraflow",
+                "status",
+                "--json",
+                "--controller",
+                (run_dir / "controller.addr").read_text().strip(),
+            ]
+            + [
+                "--key",
+                str(keys / "members/observer.key_secret"),
+                "--controller-key",
+                str(keys / "controller.key"),
+            ],
+            env=ray_cluster.env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert status.returncode == 0, status.stderr
+        demand = json.loads(status.stdout)["demand"]
+        assert isinstance(demand["room"]["main"], int) and demand["slots"] >= 0, demand
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=30) as r:
+            assert 'astraflow_up{run="quickstart"} 1' in r.read().decode()
         _wait(
             "raas-0 to be replaced",
             lambda: _info(run_dir, "raas-0").get("actor_pid") not in (None, victim["actor_pid"]),

@@ -68,7 +68,8 @@ def ray_(
 ) -> None:
     """Run the recipe's roles as Ray actors (the driver supervises them, replaces dead workers and,
     with rollout.autoscale.enabled, scales the RaaS pool); exits 0 when every policy reached its budget.
-    Works under `ray job submit -- astraflow launch ray ...`. The same --run-dir resumes a run."""
+    Under `ray job submit -- astraflow launch ray ...` it uses the job's RAY_ADDRESS. The same --run-dir
+    resumes a run."""
     import importlib.util
 
     from astraflow.cluster.plan import absolute_models, make_plan, prepare_run
@@ -76,8 +77,6 @@ def ray_(
     from astraflow.errors import AstraflowError
     from astraflow.rundir import default_run_dir
 
-    if importlib.util.find_spec("ray") is None:
-        raise AstraflowError("ray is not installed", hint="pip install 'astraflow[ray]'")
     r = load_recipe(recipe, set_ or [])
     validate_plugins(r)
     absolute_models(r, Path.cwd())
@@ -88,6 +87,8 @@ def ray_(
             f"{len(plan.raas)} starting RaaS workers is outside rollout.autoscale.min..max ({scale.min}..{scale.max})",
             hint="pass --raas N within the bounds, or change them",
         )
+    if importlib.util.find_spec("ray") is None:
+        raise AstraflowError("ray is not installed", hint="pip install 'astraflow[ray]'")
     names = [f"raas-{i}" for i in range(max(len(plan.raas), scale.max if scale.enabled else 0))]
     prepare_run(r, plan, raas_names=names)
     from astraflow import log

@@ -323,7 +323,9 @@ class RayRun:
         name, role = slot.member.name, slot.member.role
         how = "its actor died" if rc is None else f"exit {rc}"
         if role == "controller":
-            if not trainers_left:
+            if rc == 0 or not trainers_left:
+                # it exits 0 only once the run is over (budgets met, or `ctl stop`): the trainers may
+                # still be writing their last checkpoint, which stop() waits for
                 return 0
             _log.error(
                 "the controller stopped (%s) before the trainers finished; see %s", how, self._log_of(name)
@@ -428,12 +430,17 @@ class RayRun:
         ray: Any = self.ray
         live = [s for s in [*self.slots.values(), self.controller] if s is not None and s.ref is not None]
         ctl = self.controller
-        if graceful and ctl is not None and ctl.ref is not None:
-            # the controller tells the workers it knows to stop and exits once they have left
-            ray.wait([ctl.ref], timeout=self.opts.stop_grace_s)
-        if graceful and live:
-            ready, _ = ray.wait([s.ref for s in live], num_returns=len(live), timeout=5.0)
-            live = [s for s in live if s.ref not in ready]
+        if graceful:
+            # the controller tells the workers it knows to stop and exits once they have left; the
+            # trainers may still be writing their last checkpoint
+            if ctl is not None and ctl.ref is not None:
+                ray.wait([ctl.ref], timeout=self.opts.stop_grace_s)
+            trainers = [s.ref for s in live if s.member.role == "trainer"]
+            if trainers:
+                ray.wait(trainers, num_returns=len(trainers), timeout=30.0)
+            if live:
+                ready, _ = ray.wait([s.ref for s in live], num_returns=len(live), timeout=1.0)
+                live = [s for s in live if s.ref not in ready]
         for role, wait_s in (
             ("raas", self.recipe.rollout.drain_timeout_s + 10),
             ("trainer", 30.0),
