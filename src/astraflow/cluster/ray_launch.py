@@ -156,7 +156,7 @@ class RayRun:
             return float(m.nproc) if self.opts.trainer_gpus else 0.0
         return self.opts.gpus_per_raas
 
-    def placement(self, slot: Slot) -> dict[str, Any]:
+    def placement(self, slot: Slot, timeout_s: float) -> dict[str, Any]:
         """Actor options: its CPUs, and for a GPU role its placement group (made once per member)."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -165,7 +165,7 @@ class RayRun:
         if not gpus:
             return opts
         if slot.pg is None:
-            slot.pg = self._placement_group(slot.member.name, gpus)
+            slot.pg = self._placement_group(slot.member.name, gpus, timeout_s)
         res = self.opts.gpu_resource
         opts.update(num_gpus=gpus) if res == "GPU" else opts.update(resources={res: gpus})
         opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
@@ -173,9 +173,9 @@ class RayRun:
         )
         return opts
 
-    def _placement_group(self, name: str, gpus: float) -> Any:
+    def _placement_group(self, name: str, gpus: float, timeout_s: float) -> Any:
         """One bundle (the role's CPUs and GPUs on one node), reserved before the actor is placed."""
-        from ray.util.placement_group import placement_group
+        from ray.util.placement_group import placement_group, remove_placement_group
 
         res = self.opts.gpu_resource
         largest = max(
@@ -192,31 +192,35 @@ class RayRun:
             [{"CPU": self.opts.cpus_per_role, res: gpus}], strategy="STRICT_PACK", name=f"astraflow-{name}"
         )
         try:
-            self.ray.get(pg.ready(), timeout=self.opts.start_timeout_s)
+            self.ray.get(pg.ready(), timeout=timeout_s)
         except self.ray.exceptions.GetTimeoutError:
+            remove_placement_group(pg)
             raise AstraflowError(
-                f"no node could reserve {gpus:g} {res} for {name} within {self.opts.start_timeout_s:.0f}s",
+                f"no node could reserve {gpus:g} {res} for {name} within {timeout_s:.0f}s",
                 hint="other jobs hold them; `ray status` shows what is used",
             ) from None
         return pg
 
-    def spawn(self, slot: Slot, argv: list[str]) -> None:
-        """Start (or replace) the member's actor and its role."""
+    def spawn(self, slot: Slot, argv: list[str], timeout_s: float | None = None) -> None:
+        """Start (or replace) the member's actor and its role, placed within timeout_s (default
+        start_timeout_s)."""
+        timeout_s = self.opts.start_timeout_s if timeout_s is None else timeout_s
         if slot.actor is not None:
             self.ray.kill(slot.actor)  # a role that exited leaves its actor alive: release it first
             slot.actor = None
-        actor = self.actor_cls.options(**self.placement(slot)).remote(
-            slot.member.name, argv, self.env(slot.member), str(self.plan.run_dir)
+        actor = self.actor_cls.options(**self.placement(slot, timeout_s)).remote(
+            slot.member.name, argv, self.env(slot.member), str(self.plan.run_dir), str(Path.cwd())
         )
         try:
-            slot.info = self.ray.get(actor.start.remote(), timeout=self.opts.start_timeout_s)
+            slot.info = self.ray.get(actor.start.remote(), timeout=timeout_s)
         except self.ray.exceptions.GetTimeoutError:
             self.ray.kill(actor)
             raise AstraflowError(
-                f"{slot.member.name} was not placed on the Ray cluster within {self.opts.start_timeout_s:.0f}s",
+                f"{slot.member.name} was not placed on the Ray cluster within {timeout_s:.0f}s",
                 hint=f"it needs {self.opts.cpus_per_role:g} CPU (--cpus-per-role); `ray status` shows what is free",
             ) from None
         except self.ray.exceptions.RayError as exc:
+            self.ray.kill(actor)
             raise AstraflowError(
                 f"{slot.member.name} did not start: {str(exc).splitlines()[0][:300]}",
                 hint="is astraflow installed in the Python the Ray nodes run?",
@@ -263,8 +267,9 @@ class RayRun:
         )
         return ControlClient(self.address, creds, timeout_s=10.0)
 
-    def add_worker(self, name: str | None = None) -> str:
-        """Start a RaaS worker (the lowest free member name when none is given)."""
+    def add_worker(self, name: str | None = None, timeout_s: float | None = None) -> str:
+        """Start a RaaS worker (the lowest free member name when none is given); one that cannot be
+        placed is forgotten and the error raised."""
         if name is None:
             free = [n for n in self.raas_names if n not in self.slots]
             if not free:
@@ -272,7 +277,11 @@ class RayRun:
             name = free[0]
         slot = Slot(Member(name, "raas"))
         self.slots[name] = slot
-        self.spawn(slot, self.argv(slot.member))
+        try:
+            self.spawn(slot, self.argv(slot.member), timeout_s)
+        except AstraflowError:
+            self._forget(slot)
+            raise
         return name
 
     # ----- supervision --------------------------------------------------------------------------
@@ -408,7 +417,11 @@ class RayRun:
             demand.get("slots"),
         )
         if decision.action == "add":
-            name = self.add_worker()
+            try:
+                name = self.add_worker(timeout_s=min(self.opts.start_timeout_s, 60.0))
+            except AstraflowError as exc:
+                _log.warning("autoscale: cannot add a worker (%s): %s", decision.reason, exc.message)
+                return
             _log.info("autoscale: added %s (%s)", name, decision.reason)
         elif decision.action == "remove":
             slot = self.slots[decision.member]

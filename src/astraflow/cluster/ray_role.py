@@ -37,11 +37,14 @@ def _die_with_actor() -> None:
 class RoleProcess:
     """One role of a run, as a child process of this actor."""
 
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], run_dir: str) -> None:
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], run_dir: str, cwd: str = "") -> None:
         self.name = name
         self.argv = [sys.executable, "-m", "astraflow", *argv]
         self.env = {**os.environ, **env}
         self.run_dir = Path(run_dir)
+        # the launch's directory, as `up`'s children inherit it (relative data paths of the recipe);
+        # the run directory on a node that does not have it
+        self.cwd = Path(cwd) if cwd and Path(cwd).is_dir() else self.run_dir
         self.proc: subprocess.Popen[bytes] | None = None
         self.rc: int | None = None
         self._started = threading.Event()
@@ -83,7 +86,7 @@ class RoleProcess:
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,
                     env=self.env,
-                    cwd=self.run_dir,
+                    cwd=self.cwd,
                     start_new_session=True,
                     preexec_fn=_die_with_actor,
                 )
