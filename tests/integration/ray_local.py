@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -126,13 +127,14 @@ class LocalRay:
         return "\n".join(p.read_text(errors="replace") for p in sorted(self.tmp.glob("*.out")))
 
     def stop(self) -> None:
-        """End both nodes: SIGTERM to each node's session, SIGKILL to what is left after 10 s."""
+        """End both nodes: SIGTERM to each node's session, SIGKILL to what is left after 3 s; then
+        remove the cluster's directory."""
         for p in reversed(self.procs):
             try:
                 os.killpg(p.pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 3
         for p in reversed(self.procs):
             try:
                 p.wait(max(0.1, deadline - time.monotonic()))
@@ -143,3 +145,4 @@ class LocalRay:
             except ProcessLookupError:
                 pass
             p.wait()
+        shutil.rmtree(self.tmp, ignore_errors=True)

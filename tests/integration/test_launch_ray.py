@@ -89,6 +89,8 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+# a Ray cluster and five role processes on two loaded cores: well past the suite's 300 s default
+@pytest.mark.timeout(600)
 def test_quickstart_through_launch_ray_replaces_and_autoscales(
     ray_cluster: LocalRay, tiny_model: Path, tmp_path: Path
 ) -> None:
