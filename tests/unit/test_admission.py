@@ -102,6 +102,16 @@ def test_multi_policy_task_needs_room_in_every_policy(tmp_path: Path) -> None:
     assert adm.tasks_to_admit(roles, 2) == 0
 
 
+def test_room_is_what_plan_would_feed_each_policy(tmp_path: Path) -> None:
+    # the admission room the live controller reports in status.demand
+    store = Store.open(tmp_path / "s.db")
+    adm = Admission(store, {"a": PolicyLimits(4, 0), "b": PolicyLimits(8, 0)})
+    roles = {"solver": "a", "verifier": "b"}
+    assert adm.room(roles, 2) == {"a": 2, "b": 4}
+    Ledger(store).enqueue("k", {}, roles, 2)
+    assert adm.room(roles, 2) == {"a": 1, "b": 3}
+
+
 def test_cap_not_a_multiple_of_the_group_never_overshoots(tmp_path: Path) -> None:
     """Replay makes a batch's fresh part odd (64 - 19 = 45 with groups of 8): whole tasks only up to the cap."""
     store = Store.open(tmp_path / "s.db")

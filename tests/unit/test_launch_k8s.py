@@ -106,3 +106,48 @@ def test_a_bad_name_prefix_is_refused(tmp_path: Path) -> None:
     out = _launch(tmp_path, "--name", "Bad_Name")
     assert out.returncode == 2 and "not a usable Kubernetes name" in out.stderr
     assert not (tmp_path / "k8s").exists()
+
+
+def test_autoscaled_workers_get_an_hpa_on_the_exported_demand(tmp_path: Path) -> None:
+    kv = pytest.importorskip(
+        "kubernetes_validate", reason="pip install kubernetes-validate (in the dev extra)"
+    )
+    sets = ["rollout.autoscale.enabled=true", "rollout.autoscale.max=6", "rollout.autoscale.cooldown_s=45"]
+    out = _launch(tmp_path, "--raas", "1", *[a for s in sets for a in ("--set", s)])
+    assert out.returncode == 0, out.stdout + out.stderr
+    base = tmp_path / "k8s"
+    kust = yaml.safe_load((base / "kustomization.yaml").read_text())
+    assert "autoscale.yaml" in kust["resources"]
+    docs = [d for f in kust["resources"] for d in yaml.safe_load_all((base / f).read_text())]
+    for doc in docs:
+        kv.validate(doc, kv.latest_version(), strict=True)
+    hpa = _one(docs, "HorizontalPodAutoscaler", "af-quickstart-raas")["spec"]
+    assert hpa["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "name": "af-quickstart-raas",
+    }
+    assert (hpa["minReplicas"], hpa["maxReplicas"]) == (1, 6)
+    [metric] = hpa["metrics"]
+    assert metric["external"]["metric"] == {
+        "name": "astraflow_slot_demand",
+        "selector": {"matchLabels": {"run": "quickstart"}},
+    }
+    assert metric["external"]["target"] == {
+        "type": "AverageValue",
+        "averageValue": "32",
+    }  # the recipe's slots
+    assert hpa["behavior"]["scaleDown"]["policies"] == [{"type": "Pods", "value": 1, "periodSeconds": 45}]
+    # a key for every replica the HPA may start; a removed pod has time to drain
+    workers = _one(docs, "Secret", "af-quickstart-raas-keys")["stringData"]
+    assert sorted(workers) == ["controller.key", *[f"raas-{i}.key_secret" for i in range(6)]]
+    raas = _one(docs, "StatefulSet", "af-quickstart-raas")["spec"]["template"]["spec"]
+    assert raas["terminationGracePeriodSeconds"] == 40
+    # the metrics sidecar asks the controller beside it with the observer key
+    ctl = _one(docs, "StatefulSet", "af-quickstart-controller")["spec"]["template"]
+    sidecar = [c for c in ctl["spec"]["containers"] if c["name"] == "metrics"][0]
+    assert "metrics-serve --bind 0.0.0.0:9600 --controller tcp://127.0.0.1:7600" in sidecar["command"][-1]
+    assert {m["name"] for m in sidecar["volumeMounts"]} == {"keys", "observer"}
+    assert ctl["metadata"]["annotations"]["prometheus.io/port"] == "9600"
+    svc = _one(docs, "Service", "af-quickstart-controller")["spec"]["ports"]
+    assert {"name": "metrics", "port": 9600, "targetPort": 9600} in svc

@@ -53,6 +53,7 @@ def test_status_schema_and_values(tmp_path: Path) -> None:
         "buffers",
         "stall",
         "control",
+        "demand",
     }
     assert doc["failures"] == {"by_reason": {}, "last_error": ""}
     assert doc["run"] == {"name": "demo", "steps": 7, "mode": "async"}
@@ -79,6 +80,31 @@ def test_status_schema_and_values(tmp_path: Path) -> None:
     }
     assert doc["tasks"] == {"queued": 1, "leased": 1, "done": 0, "failed": 0}
     assert doc["buffers"] == {"main": {"buffered": 1, "consumed": 0, "expired": 0, "dropped": 0}}
+    assert doc["demand"] == {
+        "queued": 1,
+        "leased": 1,
+        "raas": 1,
+        "slots": 4,
+        "busy_slots": 1,
+        "idle_fraction": 0.75,
+        "workers": [{"id": "raas-0", "slots": 4, "leased": 1, "quarantined": False}],
+        "room": None,  # only the live controller knows its admission
+        "pace": {"main": None},  # one step row: no pace yet
+    }
+
+
+def test_demand_pace_and_room(tmp_path: Path) -> None:
+    store = Store.open(tmp_path / "state.db")
+    store.ensure_policy("main", 1)
+    for step, t in ((1, 100.0), (2, 110.0), (3, 120.0), (4, 130.0)):
+        store.add_metrics("main", step, {"reward_mean": 0.0}, now=t)
+    store.upsert_member("raas-0", "raas", policies=[], slots=2)
+    store.upsert_member("trainer-main", "trainer", policies=["main"])
+    doc = build_status(store, room={"main": 3})
+    # 3 steps in 30 s; the trainer is not a worker; no slot leased
+    assert doc["demand"]["pace"] == {"main": 6.0}
+    assert doc["demand"]["room"] == {"main": 3}
+    assert doc["demand"]["idle_fraction"] == 1.0 and doc["demand"]["raas"] == 1
 
 
 def test_status_of_empty_store(tmp_path: Path) -> None:

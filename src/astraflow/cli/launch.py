@@ -1,4 +1,4 @@
-"""`astraflow launch slurm`: start a recipe's roles on a cluster engine with the keys made here."""
+"""`astraflow launch ray|slurm|k8s`: start a recipe's roles on a cluster engine with the keys made here."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 app = typer.Typer(
-    help="Start a run on a cluster engine (Slurm today; Kubernetes manifests: `launch k8s`).",
+    help="Start a run on a cluster engine: Ray (actors), Slurm (a batch job) or Kubernetes (manifests).",
     no_args_is_help=True,
 )
 
@@ -22,6 +22,93 @@ RunDirOpt = Annotated[
         "--run-dir", help="Run directory, on a filesystem every node sees (default runs/<name>-<time>/)."
     ),
 ]
+
+
+@app.command("ray")
+def ray_(
+    recipe: Annotated[str, typer.Argument(help="Recipe TOML file.")],
+    run_dir: RunDirOpt = None,
+    set_: SetOpt = None,
+    address: Annotated[
+        str,
+        typer.Option(
+            "--address",
+            help="Ray cluster to attach to (default RAY_ADDRESS, else the one `ray start` started on this "
+            "machine, else a new local cluster that ends with the run).",
+        ),
+    ] = "",
+    raas: Annotated[
+        int | None,
+        typer.Option("--raas", min=1, help="RaaS workers to start with (default rollout.local_workers)."),
+    ] = None,
+    port: Annotated[
+        int, typer.Option("--port", min=0, help="The controller's TCP port on its node (0: a free one).")
+    ] = 0,
+    trainer_gpus: Annotated[
+        bool, typer.Option("--trainer-gpus", help="One GPU per trainer rank (policy.trainer_nproc).")
+    ] = False,
+    gpus_per_raas: Annotated[
+        float, typer.Option("--gpus-per-raas", min=0, help="GPUs per RaaS worker.")
+    ] = 0.0,
+    gpu_resource: Annotated[
+        str,
+        typer.Option(
+            "--gpu-resource", help="The Ray resource GPUs are counted in (a custom one stands in for GPUs)."
+        ),
+    ] = "GPU",
+    cpus_per_role: Annotated[
+        float, typer.Option("--cpus-per-role", min=0, help="CPUs Ray reserves for each role's actor.")
+    ] = 1.0,
+    metrics_bind: Annotated[
+        str, typer.Option("--metrics-bind", help="Serve Prometheus /metrics on HOST:PORT (default: off).")
+    ] = "",
+    offline: Annotated[
+        bool, typer.Option("--offline", help="Set every library's offline switch in every role.")
+    ] = False,
+) -> None:
+    """Run the recipe's roles as Ray actors (the driver supervises them, replaces dead workers and,
+    with rollout.autoscale.enabled, scales the RaaS pool); exits 0 when every policy reached its budget.
+    Under `ray job submit -- astraflow launch ray ...` it uses the job's RAY_ADDRESS. The same --run-dir
+    resumes a run."""
+    import importlib.util
+
+    from astraflow.cluster.plan import absolute_models, make_plan, prepare_run
+    from astraflow.config.load import load_recipe, validate_plugins
+    from astraflow.errors import AstraflowError
+    from astraflow.rundir import default_run_dir
+
+    r = load_recipe(recipe, set_ or [])
+    validate_plugins(r)
+    absolute_models(r, Path.cwd())
+    plan = make_plan(r, run_dir or default_run_dir(r), raas)
+    scale = r.rollout.autoscale
+    if scale.enabled and not scale.min <= len(plan.raas) <= scale.max:
+        raise AstraflowError(
+            f"{len(plan.raas)} starting RaaS workers is outside rollout.autoscale.min..max ({scale.min}..{scale.max})",
+            hint="pass --raas N within the bounds, or change them",
+        )
+    if importlib.util.find_spec("ray") is None:
+        raise AstraflowError("ray is not installed", hint="pip install 'astraflow[ray]'")
+    names = [f"raas-{i}" for i in range(max(len(plan.raas), scale.max if scale.enabled else 0))]
+    prepare_run(r, plan, raas_names=names)
+    from astraflow import log
+    from astraflow.cluster.ray_launch import RayOptions, run_on_ray
+
+    log.setup("launch")
+    log.add_file(plan.run_dir / "logs" / "launch.log")
+
+    opts = RayOptions(
+        address=address,
+        port=port,
+        gpu_resource=gpu_resource,
+        trainer_gpus=trainer_gpus,
+        gpus_per_raas=gpus_per_raas,
+        cpus_per_role=cpus_per_role,
+        offline=offline,
+        metrics_bind=metrics_bind,
+    )
+    typer.echo(f"run directory {plan.run_dir}; follow it with: astraflow status --run-dir {plan.run_dir}")
+    raise typer.Exit(run_on_ray(r, plan, opts, names))
 
 
 @app.command("slurm")
@@ -142,6 +229,13 @@ def k8s(
     offline: Annotated[
         bool, typer.Option("--offline", help="Set every library's offline switch in every pod.")
     ] = False,
+    metrics: Annotated[
+        bool,
+        typer.Option(
+            "--metrics",
+            help="Serve Prometheus /metrics beside the controller (port 9600; on with rollout.autoscale.enabled).",
+        ),
+    ] = False,
 ) -> None:
     """Write Kubernetes manifests for a run (apply with `kubectl apply -k OUT`) and the run's keys."""
     import re
@@ -164,7 +258,8 @@ def k8s(
         for pol in r.policy:
             pol.model = f"/models/{Path(pol.model).name}"
     plan = make_plan(r, out, raas)
-    keys_max = max(raas_max or 0, len(plan.raas))
+    scale = r.rollout.autoscale if r.rollout.autoscale.enabled else None
+    keys_max = max(raas_max or 0, len(plan.raas), scale.max if scale else 0)
     raas_names = [f"raas-{i}" for i in range(keys_max)]
     out.mkdir(parents=True, exist_ok=True)
     dump_resolved(r, plan.resolved)
@@ -183,6 +278,10 @@ def k8s(
         storage=storage,
         models_claim=models_claim,
         offline=offline,
+        metrics=metrics,
+        autoscale=scale,
+        drain_timeout_s=r.rollout.drain_timeout_s,
+        run_name=r.run.name,
     )
     for path in write(plan, opts, plan.run_dir, raas_names):
         typer.echo(f"wrote {path}")

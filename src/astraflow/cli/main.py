@@ -17,6 +17,7 @@ from astraflow.cli import (
     launch,
     leave,
     logs,
+    metrics_serve,
     model,
     pack,
     plugins_cmd,
@@ -71,6 +72,7 @@ app.command("plot")(report.plot)
 app.command("sft")(sft.sft)
 app.command("doctor")(doctor.doctor)
 app.command("pack")(pack.pack)
+app.command("metrics-serve")(metrics_serve.metrics_serve)
 app.add_typer(recipe.app, name="recipe")
 app.add_typer(model.app, name="model")
 app.add_typer(bench.app, name="bench")

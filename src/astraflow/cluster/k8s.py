@@ -20,9 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from astraflow.cluster.plan import Plan
+from astraflow.config.recipe import AutoscaleConfig
 
 PORT = 7600
 """The controller's port in its pod and on its Service."""
+METRICS_PORT = 9600
+"""The metrics sidecar's port (Prometheus text on /metrics)."""
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,14 @@ class K8sOptions:
     """A PersistentVolumeClaim with the models, mounted read-only at /models in every pod."""
     offline: bool = False
     """Set every library's offline switch in every pod."""
+    metrics: bool = False
+    """Run `astraflow metrics-serve` beside the controller (port 9600 on its Service)."""
+    autoscale: AutoscaleConfig | None = None
+    """Scale the RaaS StatefulSet with a HorizontalPodAutoscaler on astraflow_slot_demand (implies metrics)."""
+    drain_timeout_s: float = 10.0
+    """rollout.drain_timeout_s: a RaaS pod gets this plus 30 s to drain after SIGTERM."""
+    run_name: str = ""
+    """run.name: the `run` label of the exported metrics the autoscaler selects."""
 
 
 def _labels(opts: K8sOptions, component: str) -> dict[str, str]:
@@ -158,12 +169,23 @@ def controller_objects(opts: K8sOptions) -> list[dict[str, Any]]:
         {"name": "observer", "mountPath": "/etc/astraflow/observer", "readOnly": True}
     )
     volumes.append(_secret_volume(opts, "observer", "observer"))
+    containers = [container]
+    ports = [{"name": "control", "port": PORT, "targetPort": PORT}]
+    pod_meta: dict[str, Any] = {}
+    if opts.metrics or opts.autoscale is not None:
+        containers.append(_metrics_sidecar(opts, mounts))
+        ports.append({"name": "metrics", "port": METRICS_PORT, "targetPort": METRICS_PORT})
+        pod_meta["annotations"] = {
+            "prometheus.io/scrape": "true",
+            "prometheus.io/port": str(METRICS_PORT),
+            "prometheus.io/path": "/metrics",
+        }
     selector = _labels(opts, "controller")
     service = {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": _meta(opts, "controller", "controller"),
-        "spec": {"selector": selector, "ports": [{"name": "control", "port": PORT, "targetPort": PORT}]},
+        "spec": {"selector": selector, "ports": ports},
     }
     sts = {
         "apiVersion": "apps/v1",
@@ -174,8 +196,8 @@ def controller_objects(opts: K8sOptions) -> list[dict[str, Any]]:
             "replicas": 1,
             "selector": {"matchLabels": selector},
             "template": {
-                "metadata": {"labels": selector},
-                "spec": {"containers": [container], "volumes": volumes},
+                "metadata": {"labels": selector, **pod_meta},
+                "spec": {"containers": containers, "volumes": volumes},
             },
             "volumeClaimTemplates": [
                 {
@@ -189,6 +211,66 @@ def controller_objects(opts: K8sOptions) -> list[dict[str, Any]]:
         },
     }
     return [service, sts]
+
+
+def _metrics_sidecar(opts: K8sOptions, mounts: list[dict[str, Any]]) -> dict[str, Any]:
+    """`astraflow metrics-serve` asking the controller beside it, with the observer key."""
+    c = _container(
+        opts,
+        "metrics",
+        [
+            "exec python -m astraflow metrics-serve",
+            f"--bind 0.0.0.0:{METRICS_PORT}",
+            f"--controller tcp://127.0.0.1:{PORT}",
+            "--key /etc/astraflow/observer/observer.key_secret",
+            f"--controller-key {KEYS}/controller.key",
+        ],
+        [m for m in mounts if m["name"] in ("keys", "observer")],
+        0,
+    )
+    c["ports"] = [{"name": "metrics", "containerPort": METRICS_PORT}]
+    return c
+
+
+def autoscaler_object(plan: Plan, opts: K8sOptions, cfg: AutoscaleConfig, keys: int) -> dict[str, Any]:
+    """A HorizontalPodAutoscaler of the RaaS StatefulSet on the external metric astraflow_slot_demand
+    (tasks queued or leased; an adapter such as prometheus-adapter serves it from the sidecar's
+    /metrics): replicas = ceil(demand / slots per worker) within min..max, one pod per cooldown_s
+    each way after the condition held window_s. A pod removed on scale-down gets SIGTERM and drains."""
+    period = max(1, min(1800, int(cfg.cooldown_s)))
+    window = max(0, min(3600, int(cfg.window_s)))
+    return {
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": _meta(opts, "raas", "raas"),
+        "spec": {
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": f"{opts.name}-raas"},
+            "minReplicas": cfg.min,
+            "maxReplicas": min(cfg.max, keys),
+            "metrics": [
+                {
+                    "type": "External",
+                    "external": {
+                        "metric": {
+                            "name": "astraflow_slot_demand",
+                            "selector": {"matchLabels": {"run": opts.run_name}},
+                        },
+                        "target": {"type": "AverageValue", "averageValue": str(plan.slots)},
+                    },
+                }
+            ],
+            "behavior": {
+                "scaleUp": {
+                    "stabilizationWindowSeconds": window,
+                    "policies": [{"type": "Pods", "value": 1, "periodSeconds": period}],
+                },
+                "scaleDown": {
+                    "stabilizationWindowSeconds": window,
+                    "policies": [{"type": "Pods", "value": 1, "periodSeconds": period}],
+                },
+            },
+        },
+    }
 
 
 def _member_args(role: str, controller_key: str) -> list[str]:
@@ -296,7 +378,12 @@ def raas_objects(plan: Plan, opts: K8sOptions) -> list[dict[str, Any]]:
                 "selector": {"matchLabels": selector},
                 "template": {
                     "metadata": {"labels": selector},
-                    "spec": {"containers": [container], "volumes": volumes},
+                    "spec": {
+                        "containers": [container],
+                        "volumes": volumes,
+                        # SIGTERM drains a worker (scale-down, rollout): give it the time to finish
+                        "terminationGracePeriodSeconds": int(opts.drain_timeout_s) + 30,
+                    },
                 },
             },
         },
@@ -345,6 +432,8 @@ def write(plan: Plan, opts: K8sOptions, out: Path, raas_names: list[str]) -> lis
         "trainers.yaml": trainer_objects(plan, opts),
         "raas.yaml": raas_objects(plan, opts),
     }
+    if opts.autoscale is not None:
+        files["autoscale.yaml"] = [autoscaler_object(plan, opts, opts.autoscale, len(raas_names))]
     paths = []
     for name, docs in files.items():
         path = out / name

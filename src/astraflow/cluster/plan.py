@@ -77,9 +77,10 @@ def make_plan(recipe: Any, run_dir: Path, raas_workers: int | None = None) -> Pl
     return Plan(run_dir.resolve(), trainers, raas, recipe.rollout.slots)
 
 
-def prepare_run(recipe: Any, plan: Plan) -> None:
-    """Write the run directory (resolved recipe, meta) and its keys; an existing run must have been
-    made from the same recipe (it is resumed, as a controller restarted by hand would)."""
+def prepare_run(recipe: Any, plan: Plan, raas_names: list[str] | None = None) -> None:
+    """Write the run directory (resolved recipe, meta) and its keys (for `raas_names`, default the
+    plan's workers); an existing run must have been made from the same recipe (it is resumed, as a
+    controller restarted by hand would)."""
     from astraflow.config.recipe_change import check_run_recipe
     from astraflow.launcher import check_models, throwaway_keys
     from astraflow.rundir import prepare
@@ -89,6 +90,7 @@ def prepare_run(recipe: Any, plan: Plan) -> None:
     prepare(plan.run_dir, recipe)
     throwaway_keys(
         plan.keys,
-        [(m.name, m.role, m.policy) for m in plan.trainers + plan.raas]
+        [(m.name, m.role, m.policy) for m in plan.trainers]
+        + [(n, "raas", None) for n in (raas_names or [m.name for m in plan.raas])]
         + [("observer", "observer", None), ("operator", "operator", None)],
     )

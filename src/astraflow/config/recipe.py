@@ -202,6 +202,35 @@ class DatasetConfig(_Model):
     """Number of generated prompts (0 = the workflow's default)."""
 
 
+class AutoscaleConfig(_Model):
+    """Sizing the RaaS pool with demand: workers added while tasks wait, drained while slots idle."""
+
+    enabled: bool = False
+    """Let the launcher add and drain RaaS workers; off: the pool keeps its starting size."""
+    min: int = Field(1, ge=1)
+    """Fewest RaaS workers the autoscaler keeps."""
+    max: int = Field(4, ge=1)
+    """Most RaaS workers the autoscaler starts (one key is made for each)."""
+    up_queued: int = Field(1, ge=1)
+    """A worker is added while at least this many tasks are queued (and up_busy_fraction holds)."""
+    up_busy_fraction: float = Field(0.9, gt=0, le=1)
+    """A worker is added while at least this fraction of the alive workers' slots hold a lease (and up_queued holds)."""
+    down_idle_fraction: float = Field(0.5, gt=0, le=1)
+    """A worker is drained while at least this fraction of slots hold no lease, queued tasks or not (those wait on paused admission or newer weights, not on workers)."""
+    window_s: float = Field(20.0, ge=0)
+    """A condition must hold this long before the autoscaler acts on it."""
+    cooldown_s: float = Field(30.0, ge=0)
+    """Seconds after one change (a worker added, or one drained and gone) before the next."""
+    interval_s: float = Field(2.0, gt=0)
+    """How often the launcher reads the controller's demand."""
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AutoscaleConfig:
+        if self.min > self.max:
+            raise ValueError(f"rollout.autoscale.min ({self.min}) is larger than max ({self.max})")
+        return self
+
+
 class RolloutConfig(_Model):
     """The rollout pool: RaaS processes `up` starts locally, their slots and leases."""
 
@@ -226,6 +255,8 @@ class RolloutConfig(_Model):
     gpus: str = Field("", pattern=r"^(\d+(,\d+)*)?$")
     """GPUs of the RaaS processes `astraflow up` starts, as CUDA_VISIBLE_DEVICES (e.g. "0"); with several
     local workers and several GPUs, worker i gets the (i mod n)-th alone; empty = every GPU `up` sees."""
+    autoscale: AutoscaleConfig = AutoscaleConfig()
+    """Growing and shrinking the RaaS pool with demand (`launch ray` only, not yet `up`)."""
 
 
 class WeightsConfig(_Model):

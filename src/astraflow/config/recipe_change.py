@@ -28,6 +28,7 @@ CHANGEABLE = (
     "rollout.max_failed_tasks",
     "rollout.drain_timeout_s",
     "rollout.gpus",
+    "rollout.autoscale*",
     "controller.*",
     "weights.keep_versions",
     "policy[*].threads",

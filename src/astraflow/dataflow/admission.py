@@ -241,6 +241,12 @@ class Admission:
                 rooms[p] = min(rooms[p], max(0, self.group_room(p, groups.get(p, 0))))
         return [[p for p in active if rooms[p] > i] for i in range(max(rooms.values(), default=0))]
 
+    def room(self, roles: dict[str, str], group_size: int | dict[str, int]) -> dict[str, int]:
+        """Tasks of this shape each policy could still be fed now (what `plan` would queue for it;
+        0 for a frozen or finished policy)."""
+        plan = self.plan(roles, group_size)
+        return {p: sum(p in feeds for feeds in plan) for p in self.limits}
+
     def _async_room(self, pol: str, per: dict[str, int], out: dict[str, int]) -> int:
         """Whole tasks the policy can still take under its cap (S + 1) * B."""
         k = per.get(pol, 0)

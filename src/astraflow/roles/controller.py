@@ -332,7 +332,8 @@ class Controller:
         if isinstance(msg, m.Hello):
             return self.on_hello(ident, msg, principal)
         if isinstance(msg, m.StatusRequest):
-            return m.StatusReply(rid=rid, status=build_status(self.store))
+            room = self.admission.room(self.roles, self.group_sizes)
+            return m.StatusReply(rid=rid, status=build_status(self.store, room))
         if isinstance(msg, m.Leave):
             return self.on_leave(msg, principal)
         if isinstance(msg, m.Control):

@@ -7,13 +7,15 @@ import sqlite3
 from typing import Any
 
 from astraflow.dataflow import control, failures
+from astraflow.state.demand import build_demand
 from astraflow.state.store import Store, skipped_steps
 
 SCHEMA_VERSION = 1
 
 
-def build_status(store: Store) -> dict[str, Any]:
-    """Policies, members, ledger counts, buffers and run facts, read from the store (reads only)."""
+def build_status(store: Store, room: dict[str, int] | None = None) -> dict[str, Any]:
+    """Policies, members, ledger counts, buffers, demand and run facts, read from the store (reads
+    only); `room` is the live admission's room per policy (the controller passes it)."""
     run = store.run()
     recipe = run["recipe"] if run else {}
     steps = int(recipe.get("run", {}).get("steps", 0)) if recipe else 0
@@ -96,6 +98,7 @@ def build_status(store: Store) -> dict[str, Any]:
             "last_error": failures.tail(str(fails.get("last_error", "")), 500),
         },
         "buffers": buffers,
+        "demand": build_demand(store, room),
     }
 
 
