@@ -97,8 +97,9 @@ def test_server_answers_bad_requests() -> None:
             assert isinstance(reply, Error) and reply.code == code
         sock.send(encode(WeightRequest(rid=4, policy="p", version=1, chunk=2)))
         assert sock.poll(5000)
-        last = decode(sock.recv())
-        assert isinstance(last, WeightChunk) and last.data == b"xxxxx" and last.rid == 4
+        head, data = sock.recv_multipart()
+        last = decode(head)
+        assert isinstance(last, WeightChunk) and last.nbytes == 5 and data == b"xxxxx" and last.rid == 4
     finally:
         sock.close(0)
         ctx.term()
@@ -129,7 +130,9 @@ def _corrupting_server(blob: bytes, bad_index: int) -> tuple[str, threading.Even
                 piece = bytearray(blob[start:end])
                 if req.chunk == bad_index:
                     piece[0] ^= 0xFF
-                reply = WeightChunk(rid=req.rid, policy="p", version=1, index=req.chunk, data=bytes(piece))
+                head = WeightChunk(rid=req.rid, policy="p", version=1, index=req.chunk, nbytes=len(piece))
+                sock.send_multipart([ident, encode(head), bytes(piece)])
+                continue
             sock.send_multipart([ident, encode(reply)])
         sock.close(0)
         ctx.term()

@@ -4,6 +4,10 @@ beside the physical limit measured in the same run.
 A version counts as arrived when the receiving process holds it in its own parameters (the copy an
 engine makes between two decode steps) after checking it. The receiver is a second process
 (`python -m astraflow.bench.weights --peer`), as a RaaS is; the sender is this process, as a trainer.
+The ZeroMQ rows time the pull itself (manifest request to every byte in place and verified) against
+raw ZeroMQ throughput of the same bytes, and print beside it the trainer's publish (the manifest's
+digests) and the receiver's apply, which a worker's pull does not wait on and which run off the
+training step.
 """
 
 from __future__ import annotations
@@ -225,24 +229,32 @@ def _zmq(peer: Peer, weights: dict[str, Any], repeats: int, nbytes: int) -> list
     for curve in (False, True):
         keypair = KeyPair(*zmq.curve_keypair()) if curve else None
         server = WeightServer("127.0.0.1", keypair=keypair)
-        times = []
+        pulls, publishes, applies, ends = [], [], [], []
         try:
-            for v in range(1, repeats + 1):
+            for v in range(repeats + 1):
                 t0 = time.time()
                 m = server.publish("bench", v, blob)
-                times.append(
-                    peer.ask(op="zmq", address=server.address, version=v, sha256=m.sha256)["done"] - t0
-                )
+                published = time.time()
+                got = peer.ask(op="zmq", address=server.address, version=v, sha256=m.sha256)
+                if v > 0:  # the first pull maps the receiver's buffer and allocates its parameters
+                    publishes.append(published - t0)
+                    pulls.append(got["pull_s"])
+                    applies.append(got["apply_s"])
+                    ends.append(got["done"] - t0)
         finally:
             server.close()
-        rows.append(
-            _row(
-                f"host to host: ZeroMQ pull {'with' if curve else 'without'} CURVE, loopback",
-                times,
-                len(blob),
-                link_s,
-            )
+        row = _row(
+            f"host to host: ZeroMQ pull {'with' if curve else 'without'} CURVE, loopback",
+            pulls,
+            len(blob),
+            link_s,
         )
+        row.update(
+            publish_s=statistics.median(publishes),
+            apply_s=statistics.median(applies),
+            end_to_end_s=statistics.median(ends),
+        )
+        rows.append(row)
     _ = nbytes
     return rows
 
@@ -324,6 +336,11 @@ def format_lines(res: dict[str, Any]) -> list[str]:
         gbs = f"{r['gb_per_s']:8.2f} GB/s" if r["gb_per_s"] is not None else " " * 13
         vs = f"  {100 * r['vs_limit']:5.1f}% of its limit" if r["vs_limit"] is not None else ""
         lines.append(f"  {r['path']:58} {1000 * r['seconds']:10.2f} ms  {gbs}{vs}")
+        if "end_to_end_s" in r:
+            lines.append(
+                f"  {'':58} publish {1000 * r['publish_s']:.1f} ms + pull + apply {1000 * r['apply_s']:.1f} ms"
+                f" = {1000 * r['end_to_end_s']:.1f} ms end to end"
+            )
     d = res["delta"]
     lines.append(f"  delta vs full: {d['fraction'] if d['fraction'] is not None else '-'} ({d['note']})")
     return lines
@@ -336,11 +353,12 @@ def _serve(device: str) -> None:
 
     from astraflow.protocol.messages import VersionInfo, WeightOffer
     from astraflow.weights import packed
-    from astraflow.weights.client import fetch_weights
+    from astraflow.weights.client import RecvBuffers, fetch_weights
     from astraflow.weights.snapshot import bytes_to_state_dict
     from astraflow.weights.transport import BroadcastTransport, SharedTransport
 
     torch.set_num_threads(1)
+    buffers = RecvBuffers()  # reused between pulls, as a worker's pulls reuse theirs
     dev = torch.device(device)
     shared = SharedTransport(dev)
     bcast = BroadcastTransport(
@@ -395,8 +413,16 @@ def _serve(device: str) -> None:
                 while n < cmd["nbytes"]:
                     n += len(pulls[cmd["address"]].recv(copy=False))
             elif op == "zmq":
-                blob = fetch_weights(cmd["address"], "bench", cmd["version"], expect_sha256=cmd["sha256"])
+                t0 = time.perf_counter()
+                blob = fetch_weights(
+                    cmd["address"], "bench", cmd["version"], expect_sha256=cmd["sha256"], into=buffers
+                )
+                t1 = time.perf_counter()
                 apply(bytes_to_state_dict(blob))
+                buffers.give(blob)
+                times = {"pull_s": t1 - t0, "apply_s": time.perf_counter() - t1}
+                print(json.dumps({"done": time.time(), **times}), flush=True)
+                continue
             print(json.dumps({"done": time.time()}), flush=True)
         except Exception as exc:
             print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}), flush=True)

@@ -12,7 +12,6 @@ version stays as it was) and the full snapshot is pulled instead: wrong weights 
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import mmap
 import threading
@@ -232,6 +231,7 @@ def _patch(base: _Entry, chain: list[memoryview], expect_sha256: str) -> memoryv
     """A copy of the held blob with the chain applied, or None when any delta does not fit or the
     result's digest is not the expected one (the held blob is untouched either way)."""
     from astraflow.weights.delta import DeltaError, apply_delta, read_header
+    from astraflow.weights.manifest import blob_digest
     from astraflow.weights.snapshot import bytes_to_state_dict
 
     buf = mmap.mmap(-1, max(1, len(base.blob)))
@@ -247,7 +247,7 @@ def _patch(base: _Entry, chain: list[memoryview], expect_sha256: str) -> memoryv
     except DeltaError as exc:
         _log.warning("delta chain does not fit the held version: %s; pulling the full version", exc)
         return None
-    whole = hashlib.sha256(view).hexdigest()
+    whole = blob_digest(view)
     if whole != expect_sha256 or sha != expect_sha256:
         _log.warning(
             "patched version has sha256 %s…, expected %s…: discarded; pulling the full version",
