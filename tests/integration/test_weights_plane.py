@@ -164,3 +164,25 @@ def test_fetch_times_out_with_connect_error() -> None:
     finally:
         silent.close(0)
         ctx.term()
+
+
+def test_pulls_reuse_a_returned_buffer_and_a_failed_pull_returns_it() -> None:
+    from astraflow.weights.client import RecvBuffers
+
+    server = WeightServer(keep_versions=2)
+    into = RecvBuffers(keep=1)
+    try:
+        one, two = bytes(range(256)) * 4000, bytes(reversed(range(256))) * 4000
+        m1, m2 = server.publish("p", 1, one), server.publish("p", 2, two)
+        got = fetch_weights(server.address, "p", 1, timeout_s=10, expect_sha256=m1.sha256, into=into)
+        assert got == one
+        first = got.obj
+        into.give(got)
+        again = fetch_weights(server.address, "p", 2, timeout_s=10, expect_sha256=m2.sha256, into=into)
+        assert again.obj is first and again == two  # the same pages, now holding version 2 whole
+        into.give(again)
+        with pytest.raises(WeightIntegrityError):
+            fetch_weights(server.address, "p", 2, timeout_s=10, expect_sha256="0" * 64, into=into)
+        assert into.take(len(two)).obj is first  # a refused pull keeps nothing lent
+    finally:
+        server.close()

@@ -24,6 +24,7 @@ import socket
 import struct
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -201,13 +202,24 @@ class Received:
     nbytes: int
     _fd: int = -1
     _keep: list[Any] = field(default_factory=list)
+    _on_release: Callable[[], None] | None = None
+    """Hands a lent receive buffer back (the ZeroMQ pull's)."""
+
+    @property
+    def lent(self) -> bool:
+        """The tensors view a buffer that is only lent: `release` it once the engine copied them."""
+        return self._fd >= 0 or self._on_release is not None
 
     def release(self) -> None:
-        """Let the trainer reuse the slot: call once the engine no longer reads the tensors."""
+        """Let the trainer reuse the slot (or the puller its buffer): call once the engine no longer
+        reads the tensors."""
         if self._fd >= 0:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = -1
+        if self._on_release is not None:
+            give, self._on_release = self._on_release, None
+            give()
 
 
 class SharedImporter:
