@@ -131,7 +131,9 @@ class SharedExporter:
                 self._write_version(slot, -1, "")
                 packed.pack(weights, layout, slot.data)
                 if slot.data.is_cuda:
-                    torch.cuda.synchronize(slot.data.device)
+                    # this stream's copies only: a device-wide sync would also wait for the blob's
+                    # host copy of the version before (a side stream) and the next step's kernels
+                    torch.cuda.current_stream(slot.data.device).synchronize()
                 digest = packed.digest(slot.data)
                 self._write_version(slot, version, digest)
                 slot.version = version
