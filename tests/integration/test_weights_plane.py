@@ -9,7 +9,7 @@ import pytest
 import torch
 import zmq
 
-from astraflow.errors import ConnectError, WeightIntegrityError
+from astraflow.errors import ConnectError, ProtocolError, WeightIntegrityError
 from astraflow.protocol.codec import decode, encode
 from astraflow.protocol.messages import Error, WeightChunk, WeightRequest
 from astraflow.weights.client import VersionUnavailableError, fetch_manifest, fetch_weights
@@ -106,8 +106,11 @@ def test_server_answers_bad_requests() -> None:
         server.close()
 
 
-def _corrupting_server(blob: bytes, bad_index: int) -> tuple[str, threading.Event, threading.Thread]:
-    """A stand-in weight server whose manifest is right but one chunk has a flipped byte."""
+def _corrupting_server(
+    blob: bytes, bad_index: int, how: str = "flip"
+) -> tuple[str, threading.Event, threading.Thread]:
+    """A stand-in weight server whose manifest is right but one chunk is wrong: a flipped byte
+    ("flip"), a byte too many ("long"), or no bytes frame after its header ("one")."""
     manifest = build_manifest("p", 1, blob, 256)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
@@ -128,9 +131,14 @@ def _corrupting_server(blob: bytes, bad_index: int) -> tuple[str, threading.Even
             else:
                 start, end = chunk_span(manifest, req.chunk)
                 piece = bytearray(blob[start:end])
-                if req.chunk == bad_index:
-                    piece[0] ^= 0xFF
                 head = WeightChunk(rid=req.rid, policy="p", version=1, index=req.chunk, nbytes=len(piece))
+                if req.chunk == bad_index and how == "flip":
+                    piece[0] ^= 0xFF
+                elif req.chunk == bad_index and how == "long":
+                    piece += b"x"
+                elif req.chunk == bad_index and how == "one":
+                    sock.send_multipart([ident, encode(head)])  # the header without its bytes
+                    continue
                 sock.send_multipart([ident, encode(head), bytes(piece)])
                 continue
             sock.send_multipart([ident, encode(reply)])
@@ -147,6 +155,21 @@ def test_corrupted_chunk_raises_integrity_error() -> None:
     addr, stop, thread = _corrupting_server(blob, bad_index=2)
     try:
         with pytest.raises(WeightIntegrityError, match="chunk 2"):
+            fetch_weights(addr, "p", 1, timeout_s=10)
+    finally:
+        stop.set()
+        thread.join(5)
+
+
+@pytest.mark.parametrize(
+    ("how", "error", "match"),
+    [("long", WeightIntegrityError, "wrong size"), ("one", ProtocolError, "wrong frames")],
+)
+def test_a_chunk_in_the_wrong_frames_is_refused(how: str, error: type[Exception], match: str) -> None:
+    blob = state_dict_to_bytes(_model_state())
+    addr, stop, thread = _corrupting_server(blob, bad_index=1, how=how)
+    try:
+        with pytest.raises(error, match=match):
             fetch_weights(addr, "p", 1, timeout_s=10)
     finally:
         stop.set()
