@@ -24,14 +24,14 @@ fi
 echo "model ready after $(($(date +%s) - start)) s"
 
 echo "== astraflow bench weights --model $MODEL --device cuda --repeats 3"
-timeout 150 "$PY" -m astraflow bench weights --model "$MODEL" --device cuda --repeats 3 --json \
+timeout 120 "$PY" -m astraflow bench weights --model "$MODEL" --device cuda --repeats 3 --json \
     > "$OUT/weights.json" 2> "$OUT/weights.err"
 echo "rc $? after $(($(date +%s) - start)) s"
 "$PY" -c "import json; from astraflow.bench.weights import format_lines; print('\n'.join(format_lines(json.load(open('$OUT/weights.json')))))" \
     || tail -20 "$OUT/weights.err"
 
 echo "== astraflow bench e2e recipes/gpu/single.toml (every role on GPU 0)"
-timeout 150 "$PY" -m astraflow bench e2e recipes/gpu/single.toml --out "$OUT/e2e" --timeout-s 120 \
+timeout 130 "$PY" -m astraflow bench e2e recipes/gpu/single.toml --out "$OUT/e2e" --timeout-s 110 \
     --set 'policy.0.trainer_gpus="0"' > "$OUT/e2e.txt" 2> "$OUT/e2e.err"
 echo "rc $? after $(($(date +%s) - start)) s"
 cat "$OUT/e2e.txt"
