@@ -5,7 +5,6 @@ worker, and a relay killed mid-transfer sends the worker back to the trainer."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 import signal
 import subprocess
@@ -21,6 +20,7 @@ import zmq
 from astraflow.transport.keys import KeyPair
 from astraflow.weights import client as wclient
 from astraflow.weights.fetch import HeldWeights, fetch_version
+from astraflow.weights.manifest import blob_digest
 from astraflow.weights.publisher import publish_delta
 from astraflow.weights.server import WeightServer
 from astraflow.weights.snapshot import state_dict_to_bytes
@@ -109,7 +109,7 @@ def test_a_patch_with_the_wrong_digest_is_discarded_for_full(trainer: WeightServ
     trainer.publish(POLICY, 2, wrong, kind="delta")
     got = fetch_version([trainer.address], POLICY, 2, expect_sha256=shas[2], held=held, delta=True)
     assert got.kind == "full" and held.counts["fallback"] >= 1
-    assert hashlib.sha256(held.get(POLICY).blob).hexdigest() == shas[2]  # type: ignore[union-attr]
+    assert blob_digest(held.get(POLICY).blob) == shas[2]  # type: ignore[union-attr]
     # a version nobody can deliver with the announced digest: an error, and the held one stays
     kept = bytes(held.get(POLICY).blob)  # type: ignore[union-attr]
     assert kept != before
@@ -128,14 +128,16 @@ def test_a_pull_that_dies_mid_transfer_loses_nothing(
         held = HeldWeights()
         fetch_version([small.address], POLICY, 0, expect_sha256=shas[0], held=held)
         kept = bytes(held.get(POLICY).blob)  # type: ignore[union-attr]
-        arrived = wclient._PrefixHasher.arrived
+        data = wclient._Puller._data
+        seen: list[int] = []
 
-        def stop_midway(self: wclient._PrefixHasher, index: int, end: int) -> None:
-            arrived(self, index, end)
-            if index == 3:
+        def stop_midway(self: wclient._Puller, dest: memoryview | None) -> int:
+            seen.append(1)
+            if len(seen) == 4:
                 small.close()  # the server goes away after a few chunks of version 1
+            return data(self, dest)
 
-        monkeypatch.setattr(wclient._PrefixHasher, "arrived", stop_midway)
+        monkeypatch.setattr(wclient._Puller, "_data", stop_midway)
         with pytest.raises(Exception, match="did not send"):
             fetch_version(
                 [small.address], POLICY, 1, expect_sha256=shas[1], held=held, window=1, idle_timeout_s=1.0
@@ -187,7 +189,7 @@ def test_a_relay_serves_a_second_worker(
     held = HeldWeights()
     got = fetch_version([relay, trainer.address], POLICY, 1, expect_sha256=shas[1], held=held, delta=True)
     assert got.source == relay and got.kind == "full" and held.counts["relay"] == 1
-    assert hashlib.sha256(held.get(POLICY).blob).hexdigest() == shas[1]  # type: ignore[union-attr]
+    assert blob_digest(held.get(POLICY).blob) == shas[1]  # type: ignore[union-attr]
     # a version the relay does not hold yet: it says so, and the worker goes to the trainer after waiting
     with pytest.raises(wclient.NotYetError):
         wclient.fetch_manifest(relay, POLICY, 2)
@@ -199,19 +201,21 @@ def test_a_relay_killed_mid_transfer_sends_the_worker_to_the_trainer(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     proc, relay, shas = relay_proc
-    arrived = wclient._PrefixHasher.arrived
+    data = wclient._Puller._data
+    seen: list[int] = []
     killed: list[int] = []
 
-    def kill_midway(self: wclient._PrefixHasher, index: int, end: int) -> None:
-        arrived(self, index, end)
-        if index == 3 and not killed:
-            os.kill(proc.pid, signal.SIGKILL)
-            killed.append(index)
+    def kill_midway(self: wclient._Puller, dest: memoryview | None) -> int:
+        seen.append(1)
+        if len(seen) == 4 and not killed:
+            os.kill(proc.pid, signal.SIGKILL)  # the relay dies after a few chunks of the version
+            killed.append(len(seen))
+        return data(self, dest)
 
-    monkeypatch.setattr(wclient._PrefixHasher, "arrived", kill_midway)
+    monkeypatch.setattr(wclient._Puller, "_data", kill_midway)
     held = HeldWeights()
     got = fetch_version(
         [relay, trainer.address], POLICY, 1, expect_sha256=shas[1], held=held, window=1, idle_timeout_s=1.0
     )
     assert killed and got.source == trainer.address and held.counts["fallback"] == 1
-    assert hashlib.sha256(held.get(POLICY).blob).hexdigest() == shas[1]  # type: ignore[union-attr]
+    assert blob_digest(held.get(POLICY).blob) == shas[1]  # type: ignore[union-attr]

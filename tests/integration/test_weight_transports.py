@@ -163,6 +163,50 @@ def test_broadcast_over_gloo_with_a_late_joiner_and_a_death(peers: list[Peer]) -
         hub.close()
 
 
+def big(step: int) -> dict[str, Any]:
+    """A version of about 1 MB: hundreds of 4 KiB buckets, so a transfer takes many collectives."""
+    w = weights(step)
+    w["layer.1.w"] = torch.randn(512, 512, generator=torch.Generator().manual_seed(step))
+    return w
+
+
+def test_broadcast_a_joiner_mid_transfer_catches_up_and_a_death_mid_transfer_loses_nothing(
+    peers: list[Peer],
+) -> None:
+    from astraflow.weights.broadcast import BroadcastHub
+
+    hub = BroadcastHub("127.0.0.1", "127.0.0.1", torch.device("cpu"), bucket_bytes=4096, timeout_s=60.0)
+    try:
+        # the survivor's collective waits for the hub until its own timeout (10 s) after the death:
+        # a dropped gloo group is not aborted on the other members; it then joins the next generation
+        steady = Peer("bcast", hub.address, hub.token, "w1", "10")
+        doomed = Peer("bcast", hub.address, hub.token, "w2", "60", "40")  # hangs 40 collectives into v2
+        peers += [steady, doomed]
+        while len(hub.members) < 2:
+            hub.publish(0, big(0))
+            hub._thread.join(0.2)
+        hub.publish(1, big(1))
+        for p in (steady, doomed):
+            assert _until(p, 1)["sums"] == sums(big(1))
+        hub.publish(2, big(2))
+        assert doomed.read() == {"mid": True}  # version 2 is on its way: 40 of its ~270 collectives done
+        joins = int(hub.store.add(f"{hub.token}/njoin", 0))
+        late = Peer("bcast", hub.address, hub.token, "w3", "60")  # joins while the transfer hangs
+        peers.append(late)
+        while int(hub.store.add(f"{hub.token}/njoin", 0)) == joins:
+            hub._thread.join(0.05)  # until the newcomer is registered
+        doomed.kill()  # dies mid-transfer: the hub drops the generation, the others register again
+        # nothing lost: the steady worker and the newcomer both get version 2 whole, then version 3
+        got_steady, got_late = _until(steady, 2), _until(late, 2)
+        assert got_steady["version"] == got_late["version"] == 2
+        assert got_steady["ok"] and got_late["ok"] and got_steady["sums"] == got_late["sums"] == sums(big(2))
+        hub.publish(3, big(3))
+        assert _until(steady, 3)["sums"] == _until(late, 3)["sums"] == sums(big(3))
+        assert hub.members and all(not m.startswith("w2#") for m in hub.members)
+    finally:
+        hub.close()
+
+
 def _packed(w: dict[str, Any]) -> Any:
     layout = packed.plan(w)
     buf = torch.empty(layout.nbytes, dtype=torch.uint8)

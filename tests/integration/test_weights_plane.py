@@ -9,7 +9,7 @@ import pytest
 import torch
 import zmq
 
-from astraflow.errors import ConnectError, WeightIntegrityError
+from astraflow.errors import ConnectError, ProtocolError, WeightIntegrityError
 from astraflow.protocol.codec import decode, encode
 from astraflow.protocol.messages import Error, WeightChunk, WeightRequest
 from astraflow.weights.client import VersionUnavailableError, fetch_manifest, fetch_weights
@@ -97,16 +97,20 @@ def test_server_answers_bad_requests() -> None:
             assert isinstance(reply, Error) and reply.code == code
         sock.send(encode(WeightRequest(rid=4, policy="p", version=1, chunk=2)))
         assert sock.poll(5000)
-        last = decode(sock.recv())
-        assert isinstance(last, WeightChunk) and last.data == b"xxxxx" and last.rid == 4
+        head, data = sock.recv_multipart()
+        last = decode(head)
+        assert isinstance(last, WeightChunk) and last.nbytes == 5 and data == b"xxxxx" and last.rid == 4
     finally:
         sock.close(0)
         ctx.term()
         server.close()
 
 
-def _corrupting_server(blob: bytes, bad_index: int) -> tuple[str, threading.Event, threading.Thread]:
-    """A stand-in weight server whose manifest is right but one chunk has a flipped byte."""
+def _corrupting_server(
+    blob: bytes, bad_index: int, how: str = "flip"
+) -> tuple[str, threading.Event, threading.Thread]:
+    """A stand-in weight server whose manifest is right but one chunk is wrong: a flipped byte
+    ("flip"), a byte too many ("long"), or no bytes frame after its header ("one")."""
     manifest = build_manifest("p", 1, blob, 256)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
@@ -127,9 +131,16 @@ def _corrupting_server(blob: bytes, bad_index: int) -> tuple[str, threading.Even
             else:
                 start, end = chunk_span(manifest, req.chunk)
                 piece = bytearray(blob[start:end])
-                if req.chunk == bad_index:
+                head = WeightChunk(rid=req.rid, policy="p", version=1, index=req.chunk, nbytes=len(piece))
+                if req.chunk == bad_index and how == "flip":
                     piece[0] ^= 0xFF
-                reply = WeightChunk(rid=req.rid, policy="p", version=1, index=req.chunk, data=bytes(piece))
+                elif req.chunk == bad_index and how == "long":
+                    piece += b"x"
+                elif req.chunk == bad_index and how == "one":
+                    sock.send_multipart([ident, encode(head)])  # the header without its bytes
+                    continue
+                sock.send_multipart([ident, encode(head), bytes(piece)])
+                continue
             sock.send_multipart([ident, encode(reply)])
         sock.close(0)
         ctx.term()
@@ -150,6 +161,21 @@ def test_corrupted_chunk_raises_integrity_error() -> None:
         thread.join(5)
 
 
+@pytest.mark.parametrize(
+    ("how", "error", "match"),
+    [("long", WeightIntegrityError, "wrong size"), ("one", ProtocolError, "wrong frames")],
+)
+def test_a_chunk_in_the_wrong_frames_is_refused(how: str, error: type[Exception], match: str) -> None:
+    blob = state_dict_to_bytes(_model_state())
+    addr, stop, thread = _corrupting_server(blob, bad_index=1, how=how)
+    try:
+        with pytest.raises(error, match=match):
+            fetch_weights(addr, "p", 1, timeout_s=10)
+    finally:
+        stop.set()
+        thread.join(5)
+
+
 def test_fetch_times_out_with_connect_error() -> None:
     ctx = zmq.Context()
     silent = ctx.socket(zmq.ROUTER)  # accepts connections, never answers
@@ -161,3 +187,25 @@ def test_fetch_times_out_with_connect_error() -> None:
     finally:
         silent.close(0)
         ctx.term()
+
+
+def test_pulls_reuse_a_returned_buffer_and_a_failed_pull_returns_it() -> None:
+    from astraflow.weights.client import RecvBuffers
+
+    server = WeightServer(keep_versions=2)
+    into = RecvBuffers(keep=1)
+    try:
+        one, two = bytes(range(256)) * 4000, bytes(reversed(range(256))) * 4000
+        m1, m2 = server.publish("p", 1, one), server.publish("p", 2, two)
+        got = fetch_weights(server.address, "p", 1, timeout_s=10, expect_sha256=m1.sha256, into=into)
+        assert got == one
+        first = got.obj
+        into.give(got)
+        again = fetch_weights(server.address, "p", 2, timeout_s=10, expect_sha256=m2.sha256, into=into)
+        assert again.obj is first and again == two  # the same pages, now holding version 2 whole
+        into.give(again)
+        with pytest.raises(WeightIntegrityError):
+            fetch_weights(server.address, "p", 2, timeout_s=10, expect_sha256="0" * 64, into=into)
+        assert into.take(len(two)).obj is first  # a refused pull keeps nothing lent
+    finally:
+        server.close()

@@ -61,13 +61,30 @@ def shm() -> None:
             say(released=True)
 
 
-def bcast(addr: str, token: str, member: str) -> None:
+def bcast(addr: str, token: str, member: str, timeout_s: str = "5", stall_after: str = "0") -> None:
+    """Join the broadcast and print each version; with `stall_after` N > 0, stop taking part N
+    collectives after it holds version 1 (say {"mid": true}, then hang, holding the next version's
+    broadcast mid-transfer until the test kills this process)."""
+    import time
+
     import torch
 
-    from astraflow.weights import packed
+    from astraflow.weights import broadcast, packed
     from astraflow.weights.broadcast import BroadcastMember
 
-    m = BroadcastMember(addr, token, member, torch.device("cpu"), timeout_s=5.0)
+    if int(stall_after) > 0:
+        real, calls = broadcast._bcast, [0]
+
+        def stalling(pg: Any, t: Any) -> None:
+            if m.latest is not None and m.latest.version >= 1:
+                calls[0] += 1
+                if calls[0] == int(stall_after):
+                    say(mid=True)
+                    time.sleep(3600)
+            real(pg, t)
+
+        broadcast._bcast = stalling  # type: ignore[assignment]
+    m = BroadcastMember(addr, token, member, torch.device("cpu"), timeout_s=float(timeout_s))
     version = 1
     while True:
         got = m.wait_for(version, 60.0)
@@ -89,4 +106,4 @@ if __name__ == "__main__":
     if sys.argv[1] == "shm":
         shm()
     else:
-        bcast(*sys.argv[2:5])
+        bcast(*sys.argv[2:7])

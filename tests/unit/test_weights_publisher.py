@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import hashlib
-
 import pytest
 import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from astraflow.weights.client import fetch_weights
+from astraflow.weights.manifest import blob_digest
 from astraflow.weights.publisher import BackgroundPublisher
 from astraflow.weights.server import WeightServer
 from astraflow.weights.snapshot import bytes_to_state_dict, state_dict_to_bytes
@@ -69,7 +68,7 @@ def test_versions_publish_one_at_a_time_in_order_and_are_served_before_announced
         assert done.metrics["loss"] == 1.0 and done.metrics["trainer_publish_bg_s"] >= 0
         # what is announced is already held: a puller gets exactly the hashed bytes
         got = fetch_weights(server.address, "p", 3, timeout_s=10, expect_sha256=done.manifest.sha256)
-        assert hashlib.sha256(got).hexdigest() == done.manifest.sha256
+        assert blob_digest(got) == done.manifest.sha256
         assert torch.equal(bytes_to_state_dict(got)["w"], torch.full((512,), 3.0))
     finally:
         server.close()

@@ -4,6 +4,10 @@ beside the physical limit measured in the same run.
 A version counts as arrived when the receiving process holds it in its own parameters (the copy an
 engine makes between two decode steps) after checking it. The receiver is a second process
 (`python -m astraflow.bench.weights --peer`), as a RaaS is; the sender is this process, as a trainer.
+The ZeroMQ rows time the pull itself (manifest request to every byte in place and verified) against
+raw ZeroMQ throughput of the same bytes, and print beside it the trainer's publish (the manifest's
+digests) and the receiver's apply, which a worker's pull does not wait on and which run off the
+training step.
 """
 
 from __future__ import annotations
@@ -198,53 +202,89 @@ def _zmq(peer: Peer, weights: dict[str, Any], repeats: int, nbytes: int) -> list
     import zmq
 
     from astraflow.transport.keys import KeyPair
+    from astraflow.weights.manifest import blob_digest, hash_pool
     from astraflow.weights.server import WeightServer
     from astraflow.weights.snapshot import state_dict_to_bytes
 
     blob = state_dict_to_bytes({k: v.cpu() for k, v in weights.items()})
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.PUSH)
-    port = sock.bind_to_random_port("tcp://127.0.0.1")
-    raw = []
+    link_s = _raw(peer, blob, repeats, None)
+    rows = [_row("limit: raw ZeroMQ TCP, loopback", [link_s], len(blob), link_s)]
+    curve_s = _raw(peer, blob, repeats, KeyPair(*zmq.curve_keypair()))
+    rows.append(_row("limit: raw ZeroMQ TCP with CURVE, loopback", [curve_s], len(blob), link_s))
+    hashing = []
     for _ in range(repeats):
-        t0 = time.time()
-        assert peer.proc.stdin is not None
-        peer.proc.stdin.write(
-            json.dumps({"op": "raw", "address": f"tcp://127.0.0.1:{port}", "nbytes": len(blob)}) + "\n"
-        )
-        peer.proc.stdin.flush()
-        view = memoryview(blob)
-        for i in range(0, len(blob), 4 << 20):
-            sock.send(view[i : i + (4 << 20)], copy=False)
-        assert peer.proc.stdout is not None
-        raw.append(json.loads(peer.proc.stdout.readline())["done"] - t0)
-    sock.close(0)
-    ctx.term()
-    link_s = statistics.median(raw)
-    rows = [_row("limit: raw ZeroMQ TCP, loopback", raw, len(blob), link_s)]
+        t0 = time.perf_counter()
+        blob_digest(blob)
+        hashing.append(time.perf_counter() - t0)
+    threads = hash_pool()._max_workers
+    rows.append(
+        _row(f"limit: blob digest, {threads} hashing threads (a puller's check)", hashing, len(blob), None)
+    )
     for curve in (False, True):
         keypair = KeyPair(*zmq.curve_keypair()) if curve else None
         server = WeightServer("127.0.0.1", keypair=keypair)
-        times = []
+        pulls, publishes, applies, ends = [], [], [], []
         try:
-            for v in range(1, repeats + 1):
+            for v in range(repeats + 1):
                 t0 = time.time()
                 m = server.publish("bench", v, blob)
-                times.append(
-                    peer.ask(op="zmq", address=server.address, version=v, sha256=m.sha256)["done"] - t0
-                )
+                published = time.time()
+                got = peer.ask(op="zmq", address=server.address, version=v, sha256=m.sha256)
+                if v > 0:  # the first pull maps the receiver's buffer and allocates its parameters
+                    publishes.append(published - t0)
+                    pulls.append(got["pull_s"])
+                    applies.append(got["apply_s"])
+                    ends.append(got["done"] - t0)
         finally:
             server.close()
-        rows.append(
-            _row(
-                f"host to host: ZeroMQ pull {'with' if curve else 'without'} CURVE, loopback",
-                times,
-                len(blob),
-                link_s,
-            )
+        row = _row(
+            f"host to host: ZeroMQ pull {'with' if curve else 'without'} CURVE, loopback",
+            pulls,
+            len(blob),
+            link_s,
         )
+        row.update(
+            publish_s=statistics.median(publishes),
+            apply_s=statistics.median(applies),
+            end_to_end_s=statistics.median(ends),
+        )
+        if curve:
+            row["vs_curve_limit"] = curve_s / row["seconds"]
+        rows.append(row)
     _ = nbytes
     return rows
+
+
+def _raw(peer: Peer, blob: Any, repeats: int, keypair: Any) -> float:
+    """Median seconds to push the blob's bytes in 4 MiB frames to the peer, copied nowhere (with
+    `keypair`: a CURVE server, so the link's encryption is in the time)."""
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    server_key = ""
+    if keypair is not None:
+        sock.setsockopt(zmq.CURVE_SERVER, 1)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, keypair.secret)
+        server_key = keypair.public.decode()
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    address = f"tcp://127.0.0.1:{port}"
+    raw = []
+    try:
+        for _ in range(repeats):
+            t0 = time.time()
+            assert peer.proc.stdin is not None and peer.proc.stdout is not None
+            cmd = {"op": "raw", "address": address, "nbytes": len(blob), "server_key": server_key}
+            peer.proc.stdin.write(json.dumps(cmd) + "\n")
+            peer.proc.stdin.flush()
+            view = memoryview(blob)
+            for i in range(0, len(blob), 4 << 20):
+                sock.send(view[i : i + (4 << 20)], copy=False)
+            raw.append(json.loads(peer.proc.stdout.readline())["done"] - t0)
+    finally:
+        sock.close(0)
+        ctx.term()
+    return statistics.median(raw)
 
 
 def _two_gpus(
@@ -323,7 +363,14 @@ def format_lines(res: dict[str, Any]) -> list[str]:
     for r in res["paths"]:
         gbs = f"{r['gb_per_s']:8.2f} GB/s" if r["gb_per_s"] is not None else " " * 13
         vs = f"  {100 * r['vs_limit']:5.1f}% of its limit" if r["vs_limit"] is not None else ""
+        if "vs_curve_limit" in r:
+            vs += f", {100 * r['vs_curve_limit']:5.1f}% of raw CURVE"
         lines.append(f"  {r['path']:58} {1000 * r['seconds']:10.2f} ms  {gbs}{vs}")
+        if "end_to_end_s" in r:
+            lines.append(
+                f"  {'':58} publish {1000 * r['publish_s']:.1f} ms + pull + apply {1000 * r['apply_s']:.1f} ms"
+                f" = {1000 * r['end_to_end_s']:.1f} ms end to end"
+            )
     d = res["delta"]
     lines.append(f"  delta vs full: {d['fraction'] if d['fraction'] is not None else '-'} ({d['note']})")
     return lines
@@ -336,11 +383,12 @@ def _serve(device: str) -> None:
 
     from astraflow.protocol.messages import VersionInfo, WeightOffer
     from astraflow.weights import packed
-    from astraflow.weights.client import fetch_weights
+    from astraflow.weights.client import RecvBuffers, fetch_weights
     from astraflow.weights.snapshot import bytes_to_state_dict
     from astraflow.weights.transport import BroadcastTransport, SharedTransport
 
     torch.set_num_threads(1)
+    buffers = RecvBuffers()  # reused between pulls, as a worker's pulls reuse theirs
     dev = torch.device(device)
     shared = SharedTransport(dev)
     bcast = BroadcastTransport(
@@ -389,14 +437,27 @@ def _serve(device: str) -> None:
                 apply(packed.views(p.buf, m.layout))
             elif op == "raw":
                 if cmd["address"] not in pulls:  # one connection for every round: none loses frames
-                    pulls[cmd["address"]] = ctx.socket(zmq.PULL)
-                    pulls[cmd["address"]].connect(cmd["address"])
+                    pull = pulls[cmd["address"]] = ctx.socket(zmq.PULL)
+                    if cmd.get("server_key"):
+                        public, secret = zmq.curve_keypair()
+                        pull.setsockopt(zmq.CURVE_PUBLICKEY, public)
+                        pull.setsockopt(zmq.CURVE_SECRETKEY, secret)
+                        pull.setsockopt(zmq.CURVE_SERVERKEY, cmd["server_key"].encode())
+                    pull.connect(cmd["address"])
                 n = 0
                 while n < cmd["nbytes"]:
                     n += len(pulls[cmd["address"]].recv(copy=False))
             elif op == "zmq":
-                blob = fetch_weights(cmd["address"], "bench", cmd["version"], expect_sha256=cmd["sha256"])
+                t0 = time.perf_counter()
+                blob = fetch_weights(
+                    cmd["address"], "bench", cmd["version"], expect_sha256=cmd["sha256"], into=buffers
+                )
+                t1 = time.perf_counter()
                 apply(bytes_to_state_dict(blob))
+                buffers.give(blob)
+                times = {"pull_s": t1 - t0, "apply_s": time.perf_counter() - t1}
+                print(json.dumps({"done": time.time(), **times}), flush=True)
+                continue
             print(json.dumps({"done": time.time()}), flush=True)
         except Exception as exc:
             print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}), flush=True)

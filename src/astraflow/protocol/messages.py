@@ -11,7 +11,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 # Caps on what a peer may send, checked by the decoder before a message reaches a handler
 # (docs/protocol.md "Limits"); frames as a whole are capped by the transport's MAXMSGSIZE.
@@ -379,15 +379,18 @@ class WeightManifest(Msg, kw_only=True):
     chunk_bytes: int
     chunk_sha256: list[str]
     sha256: str
+    """The blob's digest: sha256 over the sha256s of its 4 MiB leaves (weights/manifest.py)."""
 
 
 class WeightChunk(Msg, kw_only=True):
-    """One chunk of a version's bytes."""
+    """The header of one chunk of a version's bytes: the bytes follow as the next frame of the same
+    message, so both sides move them without encoding them (the receiver writes them in place)."""
 
     policy: str
     version: int
     index: int
-    data: bytes
+    nbytes: int
+    """Length of the data frame that follows."""
 
 
 Message = (

@@ -180,6 +180,8 @@ class RaaS:
         self.started = time.time()
         self.member_id = member_id
         self._held_lock = threading.Lock()
+        self.recv_buffers: Any = None
+        """Receive buffers the ZeroMQ pulls reuse (weights/client.py: RecvBuffers), made on the first pull."""
         self.weights = make_weight_sync(self.engines, recipe, member_id, self.pull_stats, self._fetch)
         """The per-policy weight pipeline (roles/weight_sync.py)."""
 
@@ -418,14 +420,18 @@ class RaaS:
             self.pull_stats.ways = held.counts
         return held
 
-    def _fetch(self, info: Any) -> tuple[dict[str, Any], int]:
+    def _fetch(self, info: Any) -> Any:
         """The ZeroMQ path of one version as `[weights]` says: delta chain or full, relays of the
-        region first (weights/fetch.py); (state dict, bytes received)."""
+        region first (weights/fetch.py); a Received whose buffer is lent when no version is held."""
+        from astraflow.weights.client import RecvBuffers
         from astraflow.weights.fetch import fetch_version
+        from astraflow.weights.shared_buffer import Received
 
         cfg = self.recipe.weights
         with self._held_lock:  # two policies' pulls run on their own threads
             held = self._held_weights()
+            if self.recv_buffers is None:
+                self.recv_buffers = RecvBuffers(keep=2 * len(self.engines))
         fetched = fetch_version(
             [*info.relays, info.weights_addr],
             info.policy,
@@ -436,8 +442,9 @@ class RaaS:
             delta=cfg.mode == "delta",
             max_chain=cfg.max_chain,
             relay_wait_s=cfg.relay_wait_s,
+            into=self.recv_buffers,
         )
-        return fetched.state_dict, fetched.nbytes
+        return Received(info.version, fetched.state_dict, fetched.nbytes, _on_release=fetched.release)
 
 
 def make_weight_sync(

@@ -168,16 +168,20 @@ def run_trainer(
 
     def publish(metrics: dict[str, float]) -> None:
         t0 = time.monotonic()
-        weights = snapshot()
-        bad = nonfinite_weights(weights)
-        if bad:
-            raise NonFiniteError(
-                f"the weights after step {trainer.step_count} are not finite ({len(bad)} tensors, e.g. "
-                f"{bad[0]}); they are not published",
-                hint="lower optimizer.lr, or look for extreme values in the results (the controller's events)",
-            )
-        # trainer_publish_s counts the weights' copy too (the trainer's own share of publishing)
-        publisher.publish(trainer.step_count, weights, metrics, started=t0)
+        step = trainer.step_count
+
+        def check(weights: dict[str, Any]) -> None:
+            bad = nonfinite_weights(weights)
+            if bad:
+                raise NonFiniteError(
+                    f"the weights after step {step} are not finite ({len(bad)} tensors, e.g. "
+                    f"{bad[0]}); they are not published",
+                    hint="lower optimizer.lr, or look for extreme values in the results (the controller's events)",
+                )
+
+        # trainer_publish_s counts the weights' copy too (the trainer's own share of publishing); the
+        # check and the packing run on the publisher's thread
+        publisher.publish(step, snapshot(), metrics, started=t0, check=check)
 
     def snapshot() -> dict[str, Any]:
         take = getattr(trainer, "weights_snapshot", None)

@@ -1,8 +1,11 @@
 """How a trainer publishes and announces its versions, without waiting on a publish.
 
-Each version is first handed to the fast transports (weights/transport.py: a shared slot, the
-broadcast hub), which take a device-to-device copy and return their offers; the version is announced
-at once with those offers. Its ZeroMQ blob (serialisation and sha256) is made on a worker thread
+The trainer's thread only takes a snapshot of the weights (a device copy on a GPU) and hands it over.
+A worker thread then checks it (the caller's `check`: finite weights) and gives it to the fast
+transports (weights/transport.py: a shared slot, the broadcast hub), which pack it and return their
+offers; the trainer's thread announces the version with those offers as soon as they are ready (its
+controller socket is not thread-safe), at its next `poll`. At most one version is with the fast
+transports; the next `publish` first waits for it (a step is far longer than packing). Its ZeroMQ blob (serialisation and sha256) is made on a worker thread
 beside the next step and announced again when served (the controller records the sha256 of a known
 version); a blob still queued when a newer version comes is dropped (that version already reached
 the fast paths, and pull-only workers take the newer one). Without any fast offer a version is
@@ -11,13 +14,16 @@ announced once its blob is served, after the previous one, as the controller nee
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from astraflow import log
 from astraflow.errors import AstraflowError
 from astraflow.protocol.messages import Error, VersionPublished, WeightOffer
-from astraflow.weights.publisher import BackgroundPublisher
+from astraflow.weights.publisher import BackgroundPublisher, device_event
 
 _log = log.get("trainer.publish")
 
@@ -36,36 +42,45 @@ class VersionAnnouncer:
         self._offers: dict[int, list[WeightOffer]] = {}
         self._early: set[int] = set()
         self._queued: tuple[int, dict[str, Any]] | None = None
+        self._job: _FastJob | None = None
 
     @property
     def busy(self) -> bool:
-        """A version waits for its blob (and its announcement)."""
-        return self.publisher.busy
+        """A version waits for its fast offers or its blob (and its announcement)."""
+        return self._job is not None or self.publisher.busy
 
     def wait(self, timeout: float) -> None:
-        """Block until the blob in flight is served, at most `timeout` seconds."""
-        self.publisher.wait(timeout)
+        """Block until the version in flight has its offers or its blob, at most `timeout` seconds."""
+        if self._job is not None and not self._job.done.is_set():
+            self._job.done.wait(timeout)
+        else:
+            self.publisher.wait(timeout)
 
     def publish(
-        self, version: int, weights: dict[str, Any], metrics: dict[str, float], started: float | None = None
+        self,
+        version: int,
+        weights: dict[str, Any],
+        metrics: dict[str, float],
+        started: float | None = None,
+        check: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         """Publish `version` (weights that do not change afterwards); `metrics` go with its announcement;
-        `started`: when the trainer began taking the weights (time.monotonic), for trainer_publish_s."""
+        `started`: when the trainer began taking the weights (time.monotonic), for trainer_publish_s;
+        `check` raises when the weights must not be published (run before any transport sees them;
+        with fast transports on the worker thread, its error is raised by the next `poll`)."""
         t0 = time.monotonic() if started is None else started
-        offers = self._fast_offers(version, weights)
-        if offers:
-            if metrics:
-                metrics["trainer_publish_wait_s"] = 0.0
-                metrics["trainer_publish_s"] = time.monotonic() - t0
-            self._announce(version, "", 0, offers, metrics)
-            self._early.add(version)
-            self._offers[version] = offers
+        if self.fast:
+            waited = time.monotonic()
+            self._finish_job(block=True)  # the version before: announced first, in order
             self.poll()
-            if self.publisher.busy:
-                self._queued = (version, weights)  # a blob older than this one is never started
-            else:
-                self.publisher.start(version, weights, {})
+            if metrics:
+                # the trainer's own share: the snapshot and waiting for the version before
+                metrics["trainer_publish_wait_s"] = time.monotonic() - waited
+                metrics["trainer_publish_s"] = time.monotonic() - t0
+            self._job = _FastJob(version, weights, metrics, self.fast, self.policy, check)
             return
+        if check is not None:
+            check(weights)
         waited = self.flush(block=True)
         if metrics:
             metrics["trainer_publish_wait_s"] = waited
@@ -73,13 +88,42 @@ class VersionAnnouncer:
         self.publisher.start(version, weights, metrics)
 
     def poll(self) -> None:
-        """Announce the blob in flight if it is served, and start a queued one."""
+        """Announce the version whose offers are ready and the blob in flight if it is served, and
+        start a queued blob; raises the worker's error (weights that failed `check`)."""
         self.flush(block=False)
 
+    def _finish_job(self, block: bool) -> None:
+        """Announce the fast job's version once its offers are ready (at once if not `block`)."""
+        job = self._job
+        if job is None or (not block and not job.done.is_set()):
+            return
+        job.done.wait()
+        self._job = None
+        if job.error is not None:
+            raise job.error
+        metrics = {**job.metrics, "trainer_publish_fast_s": job.seconds} if job.metrics else {}
+        if not job.offers:
+            # no fast path took it (every slot being read, a transport failed): the blob carries it
+            self.flush(block=True)
+            self.publisher.start(job.version, job.weights, metrics)
+            return
+        self._announce(job.version, "", 0, job.offers, metrics)
+        self._early.add(job.version)
+        self._offers[job.version] = job.offers
+        self.flush(block=False)
+        if self.publisher.busy:
+            self._queued = (job.version, job.weights)  # a blob older than this one is never started
+        else:
+            self.publisher.start(job.version, job.weights, {})
+
     def flush(self, block: bool, give_up_after_s: float = 600.0) -> float:
-        """Announce the blob in flight once served (at once if not `block` and not ready); returns the
-        seconds spent waiting."""
+        """Announce the fast job's version once its offers are ready and the blob in flight once
+        served (at once if not `block` and not ready); returns the seconds spent waiting."""
         waited = 0.0
+        if self._job is not None:
+            t0 = time.monotonic()
+            self._finish_job(block)  # the fast job's version first (its error, if any, raised here)
+            waited += time.monotonic() - t0
         while self.publisher.busy:
             if not block and not self.publisher.ready():
                 return waited
@@ -108,18 +152,6 @@ class VersionAnnouncer:
         for t in self.fast:
             t.close()
 
-    def _fast_offers(self, version: int, weights: dict[str, Any]) -> list[WeightOffer]:
-        offers = []
-        for t in self.fast:
-            try:
-                offer = t.publish(version, weights)
-            except Exception as exc:  # a fast path failing costs speed, never the version
-                _log.warning("%s version %d: %s transport failed: %s", self.policy, version, t.kind, exc)
-                continue
-            if offer is not None:
-                offers.append(offer)
-        return offers
-
     def _announce(
         self,
         version: int,
@@ -144,6 +176,71 @@ class VersionAnnouncer:
         reply = request_retrying(self.client, msg, give_up_after_s=give_up_after_s)
         if isinstance(reply, Error):
             raise AstraflowError(f"controller refused version {version}: {reply.code} {reply.message}")
+
+
+class _FastJob:
+    """One version's check and fast offers, made on a worker thread beside the trainer's next step."""
+
+    def __init__(
+        self,
+        version: int,
+        weights: dict[str, Any],
+        metrics: dict[str, float],
+        fast: list[Any],
+        policy: str,
+        check: Callable[[dict[str, Any]], None] | None,
+    ) -> None:
+        self.version = version
+        self.weights = weights
+        self.metrics = metrics
+        self.offers: list[WeightOffer] = []
+        self.error: BaseException | None = None
+        self.seconds = 0.0
+        self.done = threading.Event()
+        self._fast = fast
+        self._policy = policy
+        self._check = check
+        # a device snapshot is read on a side stream after the kernels that wrote it, so neither the
+        # check nor the packing queues between the next step's kernels (nor waits for them)
+        self._ready = device_event(weights)
+        threading.Thread(target=self._run, name=f"astraflow-fast-publish-{version}", daemon=True).start()
+
+    def _run(self) -> None:
+        t0 = time.monotonic()
+        try:
+            with _side_stream(self.weights, self._ready):
+                self._work()
+        except BaseException as exc:  # handed to the trainer's thread by _finish_job
+            self.error = exc
+        finally:
+            self.seconds = time.monotonic() - t0
+            self.done.set()
+
+    def _work(self) -> None:
+        if self._check is not None:
+            self._check(self.weights)
+        for t in self._fast:
+            try:
+                offer = t.publish(self.version, self.weights)
+            except Exception as exc:  # a fast path failing costs speed, never the version
+                _log.warning(
+                    "%s version %d: %s transport failed: %s", self._policy, self.version, t.kind, exc
+                )
+                continue
+            if offer is not None:
+                self.offers.append(offer)
+
+
+def _side_stream(weights: dict[str, Any], ready: Any) -> Any:
+    """A CUDA stream that waits for `ready` (a device snapshot's event), entered; a no-op on a CPU."""
+    if ready is None:
+        return contextlib.nullcontext()
+    import torch
+
+    dev = next(t.device for t in weights.values() if getattr(t, "is_cuda", False))
+    stream = torch.cuda.Stream(dev)
+    stream.wait_event(ready)
+    return torch.cuda.stream(stream)
 
 
 def trainer_transports(recipe: Any, policy: str, device: Any, host: str) -> list[Any]:

@@ -166,7 +166,7 @@ class WeightSync:
             return
         try:
             tensors = got.tensors
-            if got._fd >= 0 and not hasattr(engine, "wait_version"):
+            if got.lent and not hasattr(engine, "wait_version"):
                 tensors = {k: v.clone() for k, v in tensors.items()}  # this engine cannot say when it copied
                 got.release()
             engine.load_weights(info.version, tensors)
@@ -180,13 +180,14 @@ class WeightSync:
             self.changed.set()
             return
         self.stats.add(ps.policy, t1 - t0, time.perf_counter() - t1, got.nbytes)
-        if got._fd >= 0:
+        if got.lent:
             _release_when_applied(engine, info.version, got)
         self.changed.set()
 
 
 def _release_when_applied(engine: Any, version: int, got: Any) -> None:
-    """Release a shared slot once the engine copied it (applied this version or a newer one)."""
+    """Release a shared slot or a lent receive buffer once the engine copied it (applied this
+    version or a newer one)."""
 
     def wait() -> None:
         while not engine.wait_version(version, timeout=1.0):

@@ -8,6 +8,8 @@ import mmap
 import os
 import threading
 import time
+from collections import deque
+from concurrent.futures import Future
 
 import zmq
 from zmq.utils import z85
@@ -17,7 +19,7 @@ from astraflow.protocol.codec import DecodeError, decode, encode
 from astraflow.protocol.messages import Error, Msg, WeightChunk, WeightManifest, WeightRequest
 from astraflow.transport.keys import KeyPair
 from astraflow.transport.security import curve_client, member_credentials
-from astraflow.weights.manifest import check_manifest, chunk_span
+from astraflow.weights.manifest import LEAF_BYTES, blob_digest, check_manifest, chunk_span, hash_pool
 
 DEFAULT_WINDOW = 8
 """Chunk requests kept in flight: enough to hide a round trip, few enough not to flood the server."""
@@ -50,9 +52,10 @@ def fetch_weights(
     window: int = DEFAULT_WINDOW,
     max_chunk_bytes: int = 64 << 20,
     idle_timeout_s: float | None = None,
+    into: RecvBuffers | None = None,
 ) -> memoryview:
-    """Download and verify a version's blob (a writable buffer); WeightIntegrityError on any
-    checksum mismatch.
+    """Download and verify a version's blob (a writable buffer, from `into` when given: give it back
+    there once read); WeightIntegrityError on any checksum mismatch.
 
     Raises ConnectError when the server does not answer within timeout_s (for the whole pull) and
     VersionUnavailableError when it does not hold the version; with idle_timeout_s, ConnectError as
@@ -65,7 +68,7 @@ def fetch_weights(
                 f"{policy}@{version} from {addr} has sha256 {manifest.sha256[:12]}…, expected {expect_sha256[:12]}…",
                 hint="the server holds different bytes for this version; pull from the trainer instead",
             )
-        return _pull_blob(puller, manifest, kind, window, max_chunk_bytes)
+        return _pull_blob(puller, manifest, kind, window, max_chunk_bytes, into)
 
 
 def fetch_chain(
@@ -100,26 +103,60 @@ def fetch_chain(
 
 
 def _pull_blob(
-    puller: _Puller, manifest: WeightManifest, kind: str, window: int, max_chunk_bytes: int
+    puller: _Puller,
+    manifest: WeightManifest,
+    kind: str,
+    window: int,
+    max_chunk_bytes: int,
+    into: RecvBuffers | None = None,
 ) -> memoryview:
     policy, version, addr = manifest.policy, manifest.version, puller.addr
     problem = check_manifest(manifest, max_chunk_bytes)
     if problem:
         raise ProtocolError(f"bad manifest for {policy}@{version} from {addr}: {problem}", hint="")
-    # chunks land in place in one buffer (anonymous mmap: no zeroing pass), while a second thread
-    # hashes the whole blob as its prefix fills, so the digest is ready when the last chunk is
-    blob = mmap.mmap(-1, max(1, manifest.nbytes))
-    view = memoryview(blob)[: manifest.nbytes]
-    digest = _PrefixHasher(view)
+    view = (into or RecvBuffers(0)).take(manifest.nbytes)
     try:
-        puller.chunks(manifest, kind, max(1, window), view, digest)
-    finally:
-        whole = digest.finish()
-    if whole != manifest.sha256:
-        raise WeightIntegrityError(
-            f"{kind} {policy}@{version} from {addr}: whole-blob sha256 mismatch", hint="retry the pull"
-        )
+        puller.chunks(manifest, kind, max(1, window), view)
+        # chunks of LEAF_BYTES are the digest's leaves, checked above against the manifest's digest:
+        # their checks proved the blob; other chunk sizes need one more (parallel) pass
+        if manifest.chunk_bytes != LEAF_BYTES and blob_digest(view) != manifest.sha256:
+            raise WeightIntegrityError(
+                f"{kind} {policy}@{version} from {addr}: whole-blob digest mismatch", hint="retry the pull"
+            )
+    except BaseException:
+        if into is not None:
+            into.give(view)
+        raise
     return view
+
+
+class RecvBuffers:
+    """Receive buffers kept for reuse: a fresh buffer costs the kernel a page fault per 4 KiB on first
+    write, about as long as the transfer itself; a reused one costs nothing. Keeps at most `keep`."""
+
+    def __init__(self, keep: int = 2) -> None:
+        """Hold up to `keep` returned buffers (0: never reuse)."""
+        self.keep = keep
+        self._free: list[mmap.mmap] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> memoryview:
+        """A writable buffer of exactly nbytes: a returned one of that size, or a fresh mapping whose
+        pages the kernel fills in one call (MAP_POPULATE), not one fault at a time."""
+        with self._lock:
+            for i, buf in enumerate(self._free):
+                if len(buf) == max(1, nbytes):
+                    return memoryview(self._free.pop(i))[:nbytes]
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+        return memoryview(mmap.mmap(-1, max(1, nbytes), flags=flags))[:nbytes]
+
+    def give(self, view: memoryview) -> None:
+        """Return a buffer from `take` once nothing reads it any more."""
+        buf = view.obj
+        if isinstance(buf, mmap.mmap):
+            with self._lock:
+                if len(self._free) < self.keep:
+                    self._free.append(buf)
 
 
 def split_address(addr: str) -> tuple[str, bytes | None]:
@@ -185,18 +222,38 @@ class _Puller:
             pass
 
     def _recv(self, wait_s: float) -> Msg | None:
+        """The next reply's first frame, decoded; a WeightChunk's bytes are left for `_data`."""
         if not self.sock.poll(max(0, int(wait_s * 1000))):
             return None
-        frames = self.sock.recv_multipart()
+        head = self.sock.recv(copy=False)
         self.last_heard = time.monotonic()
-        if len(frames) != 1:
-            raise ProtocolError(f"weight server {self.addr} sent {len(frames)} frames", hint="")
         try:
-            return decode(frames[0])
+            msg = decode(head.buffer)
         except DecodeError as exc:
+            self._skip_rest()
             raise ProtocolError(
                 f"weight server {self.addr} sent an undecodable reply: {exc}", hint=""
             ) from None
+        if isinstance(msg, WeightChunk) != bool(head.more):
+            self._skip_rest()
+            raise ProtocolError(f"weight server {self.addr} sent a reply with the wrong frames", hint="")
+        return msg
+
+    def _skip_rest(self) -> None:
+        """Drop the remaining frames of the current reply."""
+        while self.sock.getsockopt(zmq.RCVMORE):
+            self.sock.recv(copy=False)
+
+    def _data(self, dest: memoryview | None) -> int:
+        """Receive a WeightChunk's bytes straight into `dest` (None: drop them); their length."""
+        if dest is None:
+            n = len(self.sock.recv(copy=False))
+        else:
+            n = self.sock.recv_into(dest)
+        if self.sock.getsockopt(zmq.RCVMORE):
+            self._skip_rest()
+            raise ProtocolError(f"weight server {self.addr} sent a chunk with extra frames", hint="")
+        return n
 
     def _timeout(self, what: str) -> ConnectError:
         return ConnectError(
@@ -227,6 +284,8 @@ class _Puller:
                 self._send(req)
                 resend_at = now + self.retry_s
             msg = self._recv(min(self.deadline, resend_at, self.last_heard + self.idle_s) - now)
+            if isinstance(msg, WeightChunk):
+                self._data(None)  # a late answer to an earlier pull's chunk request
             if msg is None or msg.rid != req.rid:
                 continue
             self._check_error(msg, policy, version)
@@ -236,14 +295,16 @@ class _Puller:
                 )
             return msg
 
-    def chunks(
-        self, manifest: WeightManifest, kind: str, window: int, dest: memoryview, digest: _PrefixHasher
-    ) -> None:
+    def chunks(self, manifest: WeightManifest, kind: str, window: int, dest: memoryview) -> None:
+        """Fill `dest` with every chunk, `window` requests in flight, each chunk received in place and
+        its sha256 checked on the hashing threads while the next ones arrive."""
         n = len(manifest.chunk_sha256)
         got = [False] * n
         inflight: dict[int, tuple[int, float]] = {}  # rid -> (chunk index, resend time)
         todo = iter(range(n))
         remaining = n
+        checks: deque[tuple[int, Future[str]]] = deque()
+        pool = hash_pool()
 
         def ask(index: int) -> None:
             req = WeightRequest(
@@ -268,72 +329,46 @@ class _Puller:
                 continue
             entry = inflight.pop(msg.rid, None)
             if entry is None:
+                if isinstance(msg, WeightChunk):
+                    self._data(None)
                 continue  # a late answer to a request we already re-sent
             self._check_error(msg, manifest.policy, manifest.version)
             index = entry[0]
             if not isinstance(msg, WeightChunk) or msg.index != index:
+                if isinstance(msg, WeightChunk):
+                    self._data(None)
                 raise ProtocolError(
                     f"weight server at {self.addr} answered chunk {index} with {type(msg).__name__}", hint=""
                 )
             start, end = chunk_span(manifest, index)
-            if (
-                len(msg.data) != end - start
-                or hashlib.sha256(msg.data).hexdigest() != manifest.chunk_sha256[index]
-            ):
+            if got[index]:
+                self._data(None)
+            elif msg.nbytes != end - start or self._data(dest[start:end]) != end - start:
+                if msg.nbytes != end - start:
+                    self._data(None)
                 raise WeightIntegrityError(
-                    f"chunk {index} of {manifest.policy}@{manifest.version} from {self.addr} fails its sha256",
+                    f"chunk {index} of {manifest.policy}@{manifest.version} from {self.addr} has the wrong size",
                     hint="the server or the network corrupted it; retry, or pull from another peer",
                 )
-            if not got[index]:
-                dest[start:end] = msg.data
+            else:
                 got[index] = True
                 remaining -= 1
-                digest.arrived(index, end)
+                checks.append((index, pool.submit(_sha_hex, dest[start:end])))
+                while checks and checks[0][1].done():
+                    self._check_chunk(manifest, *checks.popleft())
             nxt = next(todo, None)
             if nxt is not None:
                 ask(nxt)
+        while checks:
+            self._check_chunk(manifest, *checks.popleft())
+
+    def _check_chunk(self, manifest: WeightManifest, index: int, digest: Future[str]) -> None:
+        if digest.result() != manifest.chunk_sha256[index]:
+            raise WeightIntegrityError(
+                f"chunk {index} of {manifest.policy}@{manifest.version} from {self.addr} fails its sha256",
+                hint="the server or the network corrupted it; retry, or pull from another peer",
+            )
 
 
-class _PrefixHasher:
-    """sha256 of a buffer filled out of order, hashed on a thread up to the longest filled prefix."""
-
-    def __init__(self, view: memoryview) -> None:
-        self.view = view
-        self.hash = hashlib.sha256()
-        self.done: dict[int, int] = {}  # chunk index -> its end, for chunks past the prefix
-        self.next_index = 0
-        self.filled = 0  # bytes [0, filled) are all in place
-        self.cond = threading.Condition()
-        self.closed = False
-        self.thread = threading.Thread(target=self._run, name="astraflow-weights-hash", daemon=True)
-        self.thread.start()
-
-    def arrived(self, index: int, end: int) -> None:
-        """Chunk `index`, ending at byte `end`, is in place."""
-        with self.cond:
-            self.done[index] = end
-            while self.next_index in self.done:
-                self.filled = self.done.pop(self.next_index)
-                self.next_index += 1
-            self.cond.notify()
-
-    def _run(self) -> None:
-        hashed = 0
-        while True:
-            with self.cond:
-                while self.filled == hashed and not self.closed:
-                    self.cond.wait()
-                upto, closed = self.filled, self.closed
-            if upto > hashed:
-                self.hash.update(self.view[hashed:upto])  # hashlib releases the GIL on big buffers
-                hashed = upto
-            elif closed:
-                return
-
-    def finish(self) -> str:
-        """The digest of the prefix filled so far (the whole blob after a complete pull)."""
-        with self.cond:
-            self.closed = True
-            self.cond.notify()
-        self.thread.join()
-        return self.hash.hexdigest()
+def _sha_hex(view: memoryview) -> str:
+    return hashlib.sha256(view).hexdigest()

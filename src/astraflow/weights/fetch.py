@@ -12,11 +12,12 @@ version stays as it was) and the full snapshot is pulled instead: wrong weights 
 
 from __future__ import annotations
 
-import hashlib
+import functools
 import logging
 import mmap
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +25,7 @@ from astraflow import log
 from astraflow.errors import AstraflowError
 
 if TYPE_CHECKING:
+    from astraflow.weights.client import RecvBuffers
     from astraflow.weights.server import WeightServer
 
 _log = log.get("weights.fetch")
@@ -42,6 +44,9 @@ class Fetched:
     nbytes: int
     """Bytes transferred."""
     chain: int = 0
+    release: Callable[[], None] | None = None
+    """Hands the blob's buffer back to the `into` pool once nothing reads the tensors (full pulls
+    that are not held only)."""
 
 
 @dataclass
@@ -110,11 +115,13 @@ def fetch_version(
     idle_timeout_s: float = 10.0,
     relay_wait_s: float = 10.0,
     window: int | None = None,
+    into: RecvBuffers | None = None,
 ) -> Fetched:
     """Pull `policy@version` from the first source (relays first, the trainer last) that serves it.
 
     With `delta` and a held version at most `max_chain` behind, the delta chain is tried first. The
-    result is held in `held` (when given) as the base of the next delta. Raises the last source's
+    result is held in `held` (when given) as the base of the next delta; without `held`, a full pull
+    lands in a buffer from `into` (when given), which `Fetched.release` hands back. Raises the last source's
     error when no way worked.
     """
     from astraflow.weights.client import (
@@ -191,11 +198,15 @@ def fetch_version(
                 idle_timeout_s=idle_timeout_s,
                 expect_sha256=expect_sha256,
                 window=win,
+                into=into if held is None else None,
             ),
             src,
         )
         if blob is not None:
-            return _done(held, policy, version, blob, expect_sha256, "full", src, len(blob), [], trainer)
+            out = _done(held, policy, version, blob, expect_sha256, "full", src, len(blob), [], trainer)
+            if held is None and into is not None:
+                out.release = functools.partial(into.give, blob)
+            return out
         _count(held, "fallback")
     raise errors[-1]
 
@@ -232,6 +243,7 @@ def _patch(base: _Entry, chain: list[memoryview], expect_sha256: str) -> memoryv
     """A copy of the held blob with the chain applied, or None when any delta does not fit or the
     result's digest is not the expected one (the held blob is untouched either way)."""
     from astraflow.weights.delta import DeltaError, apply_delta, read_header
+    from astraflow.weights.manifest import blob_digest
     from astraflow.weights.snapshot import bytes_to_state_dict
 
     buf = mmap.mmap(-1, max(1, len(base.blob)))
@@ -247,7 +259,7 @@ def _patch(base: _Entry, chain: list[memoryview], expect_sha256: str) -> memoryv
     except DeltaError as exc:
         _log.warning("delta chain does not fit the held version: %s; pulling the full version", exc)
         return None
-    whole = hashlib.sha256(view).hexdigest()
+    whole = blob_digest(view)
     if whole != expect_sha256 or sha != expect_sha256:
         _log.warning(
             "patched version has sha256 %s…, expected %s…: discarded; pulling the full version",

@@ -62,7 +62,7 @@ class BackgroundPublisher:
         if self._thread is not None:
             raise RuntimeError("a version is still in flight: take its result first")
         self._result, self._error = None, None
-        ready = _device_event(weights)
+        ready = device_event(weights)
 
         def work() -> None:
             from astraflow.weights.snapshot import state_dict_to_bytes
@@ -128,7 +128,7 @@ def publish_delta(
     }
 
 
-def _device_event(weights: dict[str, Any]) -> Any:
+def device_event(weights: dict[str, Any]) -> Any:
     """A CUDA event after the kernels that wrote a device snapshot (None for host tensors)."""
     dev = next((t.device for t in weights.values() if getattr(t, "is_cuda", False)), None)
     if dev is None:

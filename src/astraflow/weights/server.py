@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import msgspec
 import zmq
@@ -16,7 +17,7 @@ from astraflow.protocol.messages import Error, Msg, WeightChunk, WeightManifest,
 from astraflow.transport.keys import KeyPair, KeyStore
 from astraflow.transport.security import curve_server, member_credentials
 from astraflow.transport.server import HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS
-from astraflow.weights.manifest import build_manifest, chunk_span
+from astraflow.weights.manifest import LEAF_BYTES, build_manifest, chunk_span
 from astraflow.weights.pull_limit import PullLimit
 
 _log = log.get("weights.server")
@@ -56,7 +57,7 @@ class WeightServer:
         self,
         bind_host: str = "127.0.0.1",
         *,
-        chunk_bytes: int = 4 << 20,
+        chunk_bytes: int = LEAF_BYTES,
         keep_versions: int = 2,
         keep_deltas: int = 0,
         relay: bool = False,
@@ -197,28 +198,33 @@ class WeightServer:
             if not self._limit.admit(_key_of(parts[-1]), frames[0], time.monotonic()):
                 continue  # too many connections of this key: nothing queued for this one
             try:
-                reply = self._answer(frames)
+                reply, data = self._answer(frames)
             except Exception as exc:  # a bug in answering one request must not stop the server
                 _log.exception("weight server: answering a request failed")
-                reply = Error(code="internal", message=str(exc)[:200])
+                reply, data = Error(code="internal", message=str(exc)[:200]), None
+            out: list[Any] = [frames[0], encode(reply)]
+            if data is not None:
+                out.append(data)  # a chunk's bytes, as they are held: never encoded
             try:
-                # each queued reply is libzmq's own copy of its chunk: SNDHWM bounds how many queue per
-                # peer, and a reply dropped at the mark is freed at once (a zero-copy reply is freed by
-                # pyzmq's collector thread, which under load let hundreds of MiB of dropped chunks live)
-                self._sock.send_multipart([frames[0], encode(reply)], zmq.NOBLOCK)
+                # a chunk goes out as a view of the held blob (no copy): a queued or dropped reply
+                # holds no memory of its own, only keeps its version's blob alive until libzmq sends or
+                # drops it (SNDHWM replies per peer at most). The small frames are copied by pyzmq.
+                self._sock.send_multipart(out, zmq.NOBLOCK, copy=False)
             except zmq.ZMQError:
                 pass  # the peer is gone or past its SNDHWM; it will ask again
 
-    def _answer(self, frames: list[bytes]) -> Msg:
+    def _answer(self, frames: list[bytes]) -> tuple[Msg, memoryview | None]:
+        """The reply to one request, and the chunk bytes that follow it as a second frame."""
         if len(frames) != 2:
-            return Error(code="bad_message", message=f"expected 2 frames, got {len(frames)}")
+            return Error(code="bad_message", message=f"expected 2 frames, got {len(frames)}"), None
         try:
             req = decode(frames[1])
         except DecodeError as exc:
-            return Error(rid=exc.rid, code=exc.code, message=str(exc)[:500])
+            return Error(rid=exc.rid, code=exc.code, message=str(exc)[:500]), None
         if not isinstance(req, WeightRequest):
             what = type(req).__name__
-            return Error(rid=req.rid, code="unknown_type", message=f"a weight server does not answer {what}")
+            err = Error(rid=req.rid, code="unknown_type", message=f"a weight server does not answer {what}")
+            return err, None
         with self._lock:
             entry = self._blobs.get((req.policy, req.version, req.kind))
             held = sorted(v for (p, v, k) in self._blobs if p == req.policy and k == "full")
@@ -227,27 +233,23 @@ class WeightServer:
                 rid=req.rid,
                 code="not_yet",
                 message=f"this relay is still fetching {req.policy}@{req.version} (held: {held})",
-            )
+            ), None
         if entry is None:
             return Error(
                 rid=req.rid,
                 code="unknown_version",
                 message=f"{req.kind} {req.policy}@{req.version} not held here (held: {held})",
-            )
+            ), None
         manifest, view = entry
         if req.chunk == -1:
-            return msgspec.structs.replace(manifest, rid=req.rid)
+            return msgspec.structs.replace(manifest, rid=req.rid), None
         if not 0 <= req.chunk < len(manifest.chunk_sha256):
-            return Error(rid=req.rid, code="bad_message", message=f"no chunk {req.chunk}")
+            return Error(rid=req.rid, code="bad_message", message=f"no chunk {req.chunk}"), None
         start, end = chunk_span(manifest, req.chunk)
-        # a memoryview slice is encoded straight from the held blob without an extra copy
-        return WeightChunk(
-            rid=req.rid,
-            policy=req.policy,
-            version=req.version,
-            index=req.chunk,
-            data=view[start:end],  # type: ignore[arg-type]  # msgspec encodes a memoryview as bytes
+        head = WeightChunk(
+            rid=req.rid, policy=req.policy, version=req.version, index=req.chunk, nbytes=end - start
         )
+        return head, view[start:end]
 
 
 def _key_of(frame: zmq.Frame) -> bytes:

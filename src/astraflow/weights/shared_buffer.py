@@ -24,6 +24,7 @@ import socket
 import struct
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -130,7 +131,9 @@ class SharedExporter:
                 self._write_version(slot, -1, "")
                 packed.pack(weights, layout, slot.data)
                 if slot.data.is_cuda:
-                    torch.cuda.synchronize(slot.data.device)
+                    # this stream's copies only: a device-wide sync would also wait for the blob's
+                    # host copy of the version before (a side stream) and the next step's kernels
+                    torch.cuda.current_stream(slot.data.device).synchronize()
                 digest = packed.digest(slot.data)
                 self._write_version(slot, version, digest)
                 slot.version = version
@@ -201,13 +204,24 @@ class Received:
     nbytes: int
     _fd: int = -1
     _keep: list[Any] = field(default_factory=list)
+    _on_release: Callable[[], None] | None = None
+    """Hands a lent receive buffer back (the ZeroMQ pull's)."""
+
+    @property
+    def lent(self) -> bool:
+        """The tensors view a buffer that is only lent: `release` it once the engine copied them."""
+        return self._fd >= 0 or self._on_release is not None
 
     def release(self) -> None:
-        """Let the trainer reuse the slot: call once the engine no longer reads the tensors."""
+        """Let the trainer reuse the slot (or the puller its buffer): call once the engine no longer
+        reads the tensors."""
         if self._fd >= 0:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = -1
+        if self._on_release is not None:
+            give, self._on_release = self._on_release, None
+            give()
 
 
 class SharedImporter:

@@ -170,10 +170,11 @@ class ZmqTransport(WeightTransport):
 
     kind = "zmq"
 
-    def __init__(self, fetch: Callable[[VersionInfo], tuple[dict[str, Any], int]] | None = None) -> None:
+    def __init__(self, fetch: Callable[[VersionInfo], Received] | None = None) -> None:
         """`fetch`: how a worker pulls (weights/fetch.py: delta chains, relays); None pulls the full
-        version from the trainer's weight server."""
+        version from the trainer's weight server into a reused buffer."""
         self._fetch = fetch
+        self._buffers: Any = None
 
     def usable(self, offer: WeightOffer) -> bool:
         """The pull needs no offer."""
@@ -182,13 +183,19 @@ class ZmqTransport(WeightTransport):
     def receive(self, info: VersionInfo, offer: WeightOffer | None) -> Received:
         """Pull, verify the sha256 and parse the safetensors blob in place."""
         if self._fetch is not None:
-            state_dict, nbytes = self._fetch(info)
-            return Received(info.version, state_dict, nbytes)
-        from astraflow.weights.client import fetch_weights
+            return self._fetch(info)
+        from astraflow.weights.client import RecvBuffers, fetch_weights
         from astraflow.weights.snapshot import bytes_to_state_dict
 
-        blob = fetch_weights(info.weights_addr, info.policy, info.version, expect_sha256=info.sha256)
-        return Received(info.version, bytes_to_state_dict(blob), len(blob))
+        if self._buffers is None:
+            self._buffers = RecvBuffers()
+        into = self._buffers
+        blob = fetch_weights(
+            info.weights_addr, info.policy, info.version, expect_sha256=info.sha256, into=into
+        )
+        return Received(
+            info.version, bytes_to_state_dict(blob), len(blob), _on_release=lambda: into.give(blob)
+        )
 
 
 def choose(
