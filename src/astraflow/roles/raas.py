@@ -198,9 +198,15 @@ class RaaS:
         stop = asyncio.Event()
         drain = asyncio.Event()
 
+        parent = os.getppid()
+
         def on_signal() -> None:
-            # the first signal drains (finish or return the leases, then leave); a second one stops at once
-            if drain.is_set():
+            # the first signal drains (finish or return the leases, then leave); a second one stops at once,
+            # and so does the first when the process that started this worker died (the kernel's death
+            # signal from `up`: the controller goes down with it, so a drain would only wait on it)
+            if drain.is_set() or os.getppid() != parent:
+                if not drain.is_set():
+                    _log.info("the launcher that started this worker is gone: stopping")
                 stop.set()
             else:
                 _log.info("asked to stop: draining (no new tasks; finishing the running ones)")
