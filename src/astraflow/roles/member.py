@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import platform
 import socket
+from collections.abc import Callable
 from typing import Any
 
 from astraflow.protocol.messages import PROTOCOL_VERSION, Hello
@@ -54,20 +55,27 @@ def advertise_host(controller: str) -> str:
 
 
 def request_retrying(
-    client: Any, msg: Any, *, timeout_s: float = 30.0, give_up_after_s: float = 600.0
+    client: Any,
+    msg: Any,
+    *,
+    timeout_s: float = 30.0,
+    give_up_after_s: float = 600.0,
+    stop: Callable[[], bool] | None = None,
 ) -> Any:
     """A request that survives a controller restart: on ConnectError, wait and ask again (the client
-    re-sends its Hello by itself once the controller is back), until give_up_after_s."""
+    re-sends its Hello by itself once the controller is back), until give_up_after_s. With `stop`, the
+    waits for a reply and between attempts end in errors.Stopped once it is true."""
     import time
 
     from astraflow import log
-    from astraflow.errors import ConnectError
+    from astraflow.errors import ConnectError, Stopped
 
     deadline = time.monotonic() + give_up_after_s
     warned = False
     while True:
         try:
-            reply = client.request(msg, timeout_s=timeout_s)
+            # `stop` only when given: a client without it (a test's fake) keeps working
+            reply = client.request(msg, timeout_s=timeout_s, **({"stop": stop} if stop is not None else {}))
             if warned:
                 log.get("member").info("controller answers again")
             return reply
@@ -79,7 +87,12 @@ def request_retrying(
                 log.get("member").warning("controller not answering; retrying until it is back")
                 warned = True
             client.tick()
-            time.sleep(1.0)
+            for _ in range(10):
+                if stop is not None and stop():
+                    raise Stopped(
+                        f"stopped while the controller did not answer {type(msg).__name__}"
+                    ) from None
+                time.sleep(0.1)
 
 
 def require_model_dirs(recipe: Any, policies: list[str], client: Any) -> None:

@@ -12,6 +12,7 @@ announced once its blob is served, after the previous one, as the controller nee
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from astraflow import log
@@ -25,10 +26,20 @@ _log = log.get("trainer.publish")
 class VersionAnnouncer:
     """The trainer's publishing: fast transports first, then the weight server's blob."""
 
-    def __init__(self, client: Any, policy: str, server: Any, fast: list[Any], publisher: Any = None) -> None:
+    def __init__(
+        self,
+        client: Any,
+        policy: str,
+        server: Any,
+        fast: list[Any],
+        publisher: Any = None,
+        stop: Callable[[], bool] | None = None,
+    ) -> None:
         """`fast`: trainer-side WeightTransports; `server`: the WeightServer for the ZeroMQ pull;
-        `publisher`: the BackgroundPublisher that fills it (one without deltas when None)."""
+        `publisher`: the BackgroundPublisher that fills it (one without deltas when None); `stop`: once
+        true, an announcement waiting on the controller ends in errors.Stopped."""
         self.client = client
+        self.stop = stop
         self.policy = policy
         self.server = server
         self.fast = fast
@@ -141,7 +152,7 @@ class VersionAnnouncer:
             metrics=metrics,
             offers=offers,
         )
-        reply = request_retrying(self.client, msg, give_up_after_s=give_up_after_s)
+        reply = request_retrying(self.client, msg, give_up_after_s=give_up_after_s, stop=self.stop)
         if isinstance(reply, Error):
             raise AstraflowError(f"controller refused version {version}: {reply.code} {reply.message}")
 
