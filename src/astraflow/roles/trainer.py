@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
-import signal
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -14,80 +11,13 @@ from typing import Any
 from astraflow import log
 from astraflow.errors import AstraflowError, Stopped
 from astraflow.roles.member import advertise_host
+from astraflow.roles.stop_flag import StopFlag
+from astraflow.roles.trainer_checkpoint import latest_checkpoint, save_checkpoint
 
 _log = log.get("trainer")
 
 BATCH_WAIT_S = 1.0
 """How long a BatchRequest asks the controller to hold it when the batch is not ready (a long poll)."""
-
-
-def latest_checkpoint(root: Path) -> Path | None:
-    """The newest complete checkpoint directory (step-N with a COMPLETE marker) under root."""
-    if not root.is_dir():
-        return None
-    best: tuple[int, Path] | None = None
-    for d in root.iterdir():
-        m = re.fullmatch(r"step-(\d+)", d.name)
-        if m and (d / "COMPLETE").is_file():
-            k = int(m.group(1))
-            if best is None or k > best[0]:
-                best = (k, d)
-    return None if best is None else best[1]
-
-
-def save_checkpoint(trainer: Any, root: Path, keep: int = 2) -> Path:
-    """Write step-N atomically (a COMPLETE marker last) and keep only the newest `keep`."""
-    import shutil
-
-    step = trainer.step_count
-    final = root / f"step-{step}"
-    tmp = root / f".tmp-step-{step}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    trainer.save_checkpoint(tmp)
-    (tmp / "COMPLETE").write_text(str(step))
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
-    ckpts = sorted(
-        (d for d in root.iterdir() if re.fullmatch(r"step-\d+", d.name)),
-        key=lambda d: int(d.name.split("-")[1]),
-    )
-    for old in ckpts[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
-
-
-class StopFlag:
-    """Set by SIGTERM or SIGINT: the trainer checks it between the steps of its loop and inside its long
-    polls, so a signal never interrupts a checkpoint, a publish or a request half-way."""
-
-    def __init__(self) -> None:
-        self.signum = 0
-        self._event = threading.Event()
-
-    def install(self) -> StopFlag:
-        """Handle SIGTERM and SIGINT from now on (main thread only); returns self."""
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self.set)
-        return self
-
-    def set(self, signum: int, _frame: Any = None) -> None:
-        """Ask the loop to stop (the signal handler)."""
-        self.signum = signum
-        self._event.set()
-
-    def __call__(self) -> bool:
-        """Whether a stop was asked (the predicate requests take)."""
-        return self._event.is_set()
-
-    def sleep(self, seconds: float) -> None:
-        """Sleep, ending early on a stop."""
-        self._event.wait(seconds)
-
-    @property
-    def exit_code(self) -> int:
-        """The process exit code a stop by this signal ends with (143 for SIGTERM, 130 for SIGINT)."""
-        return 128 + self.signum
 
 
 def run_trainer(
@@ -195,7 +125,7 @@ class TrainerLoop:
         import torch
 
         from astraflow import plugins
-        from astraflow.roles.trainer_publish import VersionAnnouncer, trainer_transports
+        from astraflow.roles.trainer_publish import VersionAnnouncer, trainer_transports, weight_publisher
         from astraflow.roles.trainer_ranks import Leader
         from astraflow.trainers.guard import SkipGuard
 
@@ -450,23 +380,3 @@ def serve_until_done(client: Any, policy: str, budget: int, stop: StopFlag) -> N
         if not isinstance(reply, BatchReply) or reply.done:
             return
         stop.sleep(max(0.05, reply.retry_after_s or 0.2))
-
-
-def weight_publisher(
-    cfg: Any, host: str, policy: str, *, port: int = 0, advertise: str | None = None
-) -> tuple[Any, Any]:
-    """The trainer's weight server (bound on `host`, a fixed `port` or any, announced under `advertise`)
-    and the publisher that fills it, as `[weights]` asks (deltas or not)."""
-    from astraflow.weights.publisher import BackgroundPublisher
-    from astraflow.weights.server import WeightServer
-
-    delta = cfg.mode == "delta"
-    server = WeightServer(
-        host,
-        chunk_bytes=cfg.chunk_bytes,
-        keep_versions=cfg.keep_versions,
-        keep_deltas=cfg.max_chain if delta else 0,
-        port=port,
-        advertise_host=advertise or host,
-    )
-    return server, BackgroundPublisher(server, policy, delta=delta)

@@ -177,3 +177,23 @@ def trainer_transports(recipe: Any, policy: str, device: Any, host: str) -> list
         )
         out.append(BroadcastTransport(device, hub=hub))
     return out
+
+
+def weight_publisher(
+    cfg: Any, host: str, policy: str, *, port: int = 0, advertise: str | None = None
+) -> tuple[Any, Any]:
+    """The trainer's weight server (bound on `host`, a fixed `port` or any, announced under `advertise`)
+    and the publisher that fills it, as `[weights]` asks (deltas or not)."""
+    from astraflow.weights.publisher import BackgroundPublisher
+    from astraflow.weights.server import WeightServer
+
+    delta = cfg.mode == "delta"
+    server = WeightServer(
+        host,
+        chunk_bytes=cfg.chunk_bytes,
+        keep_versions=cfg.keep_versions,
+        keep_deltas=cfg.max_chain if delta else 0,
+        port=port,
+        advertise_host=advertise or host,
+    )
+    return server, BackgroundPublisher(server, policy, delta=delta)
