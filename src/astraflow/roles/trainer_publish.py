@@ -152,7 +152,11 @@ class VersionAnnouncer:
             metrics=metrics,
             offers=offers,
         )
-        reply = request_retrying(self.client, msg, give_up_after_s=give_up_after_s, stop=self.stop)
+        # one attempt never outlasts the give-up (a stopping trainer allows its last announcement 10 s)
+        timeout_s = min(30.0, give_up_after_s)
+        reply = request_retrying(
+            self.client, msg, timeout_s=timeout_s, give_up_after_s=give_up_after_s, stop=self.stop
+        )
         if isinstance(reply, Error):
             raise AstraflowError(f"controller refused version {version}: {reply.code} {reply.message}")
 
