@@ -251,13 +251,6 @@ def progress_line(rec: dict[str, Any], steps: int | dict[str, int]) -> str:
     )
 
 
-def print_progress(metrics: MetricsTail, budgets: dict[str, int], show: bool) -> None:
-    """Print a progress line for each new metrics row (consumed either way)."""
-    for rec in metrics.read():
-        if show and "step" in rec and "policy" in rec:
-            sys.stdout.write(progress_line(rec, budgets) + "\n")
-
-
 def check_models(recipe: Any) -> None:
     """Every policy's model directory must exist before any process starts: a missing one the recipe
     says how to make (policy.model_init) is built here; one without config.json is refused."""
@@ -471,12 +464,87 @@ def run_up(
             signal.signal(s, h)
 
 
-def _echo_failures(fails: Any, viewer: subprocess.Popen[bytes] | None) -> None:
-    """Print the task failures recorded since the last read (one line per kind and second)."""
-    for line in fails.read():
-        if viewer is None:
-            sys.stdout.write(line + "\n")
-    sys.stdout.flush()
+@dataclass(frozen=True)
+class RestartRule:
+    """What `up` does when a child of one role dies (exits non-zero, or a service at all)."""
+
+    limit: int
+    """Restarts allowed before the death ends the run."""
+    how: str = "restarting it"
+    """How the restart is logged."""
+    spare: bool = False
+    """Past its limit, the run goes on while another child of its role still runs (RaaS workers)."""
+
+
+def restart_rules(recipe: Any, max_raas_restarts: int) -> dict[str, RestartRule]:
+    """The restart policy, by role (a controller is never restarted: its death ends the run)."""
+    return {
+        # a trainer resumes from its newest checkpoint and gets the recorded batches again
+        "trainer": RestartRule(MAX_TRAINER_RESTARTS, "restarting it from its checkpoint"),
+        "raas": RestartRule(max_raas_restarts, spare=True),
+        "controller": RestartRule(0),
+        **{f"service-{svc.name}": RestartRule(svc.max_restarts) for svc in getattr(recipe, "service", [])},
+    }
+
+
+def restart_or_fail(sup: Supervisor, rules: dict[str, RestartRule], child: Child, rc: int) -> bool:
+    """Apply the restart policy to a dead child: True when the run goes on (restarted, or a spare)."""
+    rule = rules.get(child.name if child.role == "service" else child.role, RestartRule(0))
+    if child.restarts < rule.limit:
+        _log.warning(
+            "%s exited with %s; %s (%d/%d)", child.name, rc, rule.how, child.restarts + 1, rule.limit
+        )
+        sup.restart(child)
+        return True
+    if rule.spare and any(c.running for c in sup.children if c.role == child.role):
+        _log.warning("%s exited with %s and will not be restarted again", child.name, rc)
+        return True
+    return False
+
+
+class Progress:
+    """The console of a run without a dashboard: a line per trainer step (from metrics.jsonl) and, at
+    most once a second, a line per kind of task failure (from state.db); it also tracks each policy's
+    step reached. With `show` off (a dashboard owns the terminal) it reads and prints nothing."""
+
+    def __init__(self, run_dir: Path, budgets: dict[str, int], show: bool) -> None:
+        from astraflow.state.failure_tail import FailureTail
+
+        self.metrics = MetricsTail(run_dir / "metrics.jsonl")
+        self.fails = FailureTail(run_dir / "state.db")
+        self.budgets = budgets
+        self.show = show
+        self.reached: dict[str, int] = {}
+        self._next_fail_read = 0.0
+
+    def poll(self) -> None:
+        """Print the new step lines, and the new failures when a second has passed since the last read."""
+        self.steps()
+        if time.monotonic() >= self._next_fail_read:
+            # one line per kind and second (the full traceback is in the controller log)
+            self._next_fail_read = time.monotonic() + 1.0
+            self.failures()
+
+    def steps(self) -> None:
+        """Print a line per new step row (consumed either way) and record the step each policy reached."""
+        for rec in self.metrics.read():
+            if "step" in rec and "policy" in rec:
+                self.reached[rec["policy"]] = max(self.reached.get(rec["policy"], 0), int(rec["step"]))
+                if self.show:
+                    sys.stdout.write(progress_line(rec, self.budgets) + "\n")
+                    sys.stdout.flush()
+
+    def failures(self) -> None:
+        """Print the task failures recorded since the last read."""
+        for line in self.fails.read():
+            if self.show:
+                sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+
+    @property
+    def all_reached(self) -> bool:
+        """Every trainable policy has reached its step budget."""
+        return all(self.reached.get(p, 0) >= b for p, b in self.budgets.items())
 
 
 def _watch(
@@ -488,80 +556,34 @@ def _watch(
     max_restarts: int,
     viewer: subprocess.Popen[bytes] | None = None,
 ) -> int:
-    """Supervise until the trainers finish, a fatal child fails, or a signal arrives. A dead RaaS is
-    restarted up to max_restarts times, a dead trainer up to MAX_TRAINER_RESTARTS times, a dead service
-    up to its own max_restarts; a controller failure, or a child past its restarts, ends the run."""
-    from astraflow.state.failure_tail import FailureTail
-
-    metrics = MetricsTail(run_dir / "metrics.jsonl")
-    fails, next_fail_read = FailureTail(run_dir / "state.db"), 0.0
-    trainers = [c for c in sup.children if c.role == "trainer"]
+    """Supervise until the trainers finish, a fatal child fails, or a signal arrives. A dead child is
+    restarted as restart_rules says; a controller failure, or a child past its restarts, ends the run."""
     budgets = {p.name: recipe.budget(p.name) for p in recipe.trainable()}
-    service_restarts = {f"service-{s.name}": s.max_restarts for s in getattr(recipe, "service", [])}
+    progress = Progress(run_dir, budgets, show=viewer is None)
+    rules = restart_rules(recipe, max_restarts)
+    trainers = [c for c in sup.children if c.role == "trainer"]
     seen_dead: set[tuple[str, int]] = set()
-    reached: dict[str, int] = {}
     while True:
-        for rec in metrics.read():
-            if "step" in rec and "policy" in rec:
-                reached[rec["policy"]] = max(reached.get(rec["policy"], 0), int(rec["step"]))
-                if viewer is None:
-                    sys.stdout.write(progress_line(rec, budgets) + "\n")
-                    sys.stdout.flush()
-        if time.monotonic() >= next_fail_read:
-            # failures reach the console as one line per kind and second (the full traceback is in the controller log)
-            next_fail_read = time.monotonic() + 1.0
-            _echo_failures(fails, viewer)
+        progress.poll()
         if stop["signal"]:
             _log.warning("stopping on signal %d", stop["signal"])
             return 130
         if viewer is not None and viewer.poll() is not None:
             # 3: the dashboard stopped the run (cli/dash.py STOPPED_HERE): trainers checkpoint and exit 0
-            if viewer.returncode == 3 or all(reached.get(p, 0) >= b for p, b in budgets.items()):
-                viewer = None  # closed after the last step: let the roles finish on their own
-            else:
+            if viewer.returncode != 3 and not progress.all_reached:
                 _log.warning("the dashboard was closed; stopping the run")
                 return 130
-        trainers_done = bool(trainers) and all(t.proc is not None and t.proc.poll() == 0 for t in trainers)
+            viewer, progress.show = None, True  # closed after the last step: the roles finish on their own
+        trainers_done = _all_exited_0(trainers)
         for child, rc in sup.exited():
             if child.proc is None or (child.name, child.restarts) in seen_dead:
                 continue
             seen_dead.add((child.name, child.restarts))
             if (rc == 0 and child.role != "service") or trainers_done:
                 continue  # a graceful stop (the controller said so, or the run is over); a service must not stop
-            if child.role == "trainer" and child.restarts < MAX_TRAINER_RESTARTS:
-                # it resumes from its newest checkpoint and gets the recorded batches again
-                _log.warning(
-                    "%s exited with %s; restarting it from its checkpoint (%d/%d)",
-                    child.name,
-                    rc,
-                    child.restarts + 1,
-                    MAX_TRAINER_RESTARTS,
-                )
-                sup.restart(child)
+            if restart_or_fail(sup, rules, child, rc):
                 continue
-            if child.role == "service":
-                limit = service_restarts.get(child.name, 0)
-                if child.restarts < limit:
-                    _log.warning(
-                        "%s exited with %s; restarting it (%d/%d)", child.name, rc, child.restarts + 1, limit
-                    )
-                    sup.restart(child)
-                    continue
-            if child.role == "raas":
-                if child.restarts < max_restarts:
-                    _log.warning(
-                        "%s exited with %s; restarting it (%d/%d)",
-                        child.name,
-                        rc,
-                        child.restarts + 1,
-                        max_restarts,
-                    )
-                    sup.restart(child)
-                    continue
-                if any(c.running for c in sup.children if c.role == "raas"):
-                    _log.warning("%s exited with %s and will not be restarted again", child.name, rc)
-                    continue
-            _echo_failures(fails, viewer)  # the failures that ended it, read before the run is left
+            progress.failures()  # the failures that ended it, read before the run is left
             _log.error(
                 "%s failed (exit %s); last lines of %s:\n%s",
                 child.name,
@@ -570,26 +592,41 @@ def _watch(
                 tail_log(child.log_path),
             )
             return 1
-        if trainers and all(t.proc is not None and t.proc.poll() == 0 for t in trainers):
-            for rec in metrics.read():
-                if viewer is None and "step" in rec and "policy" in rec:
-                    sys.stdout.write(progress_line(rec, budgets) + "\n")
-            _log.info(
-                "%s (%s) in %.1fs; run directory %s",
-                "every policy reached its step budget"
-                if all(reached.get(p, 0) >= b for p, b in budgets.items())
-                else "the run was stopped before its budget",
-                ", ".join(f"{k} {v}" for k, v in budgets.items()),
-                time.monotonic() - t0,
-                run_dir,
-            )
-            deadline = time.monotonic() + 10.0
-            # the roles exit by themselves now; services run until stop_all
-            while time.monotonic() < deadline and any(c.running for c in sup.children if c.role != "service"):
-                print_progress(metrics, budgets, viewer is None)
-                time.sleep(0.1)
-            print_progress(metrics, budgets, viewer is None)
-            while viewer is not None and viewer.poll() is None and not stop["signal"]:
-                time.sleep(0.1)  # the run is over; the dashboard stays until its user closes it
+        if _all_exited_0(trainers):
+            _finish(sup, progress, run_dir, t0, stop, viewer)
             return 0
         time.sleep(0.1)
+
+
+def _all_exited_0(trainers: list[Child]) -> bool:
+    """There are trainers and every one has exited 0."""
+    return bool(trainers) and all(t.proc is not None and t.proc.poll() == 0 for t in trainers)
+
+
+def _finish(
+    sup: Supervisor,
+    progress: Progress,
+    run_dir: Path,
+    t0: float,
+    stop: dict[str, int],
+    viewer: subprocess.Popen[bytes] | None,
+) -> None:
+    """The trainers are done: say so, give the other roles 10 s to exit by themselves (services run until
+    stop_all), and keep a dashboard up until its user closes it."""
+    progress.steps()
+    _log.info(
+        "%s (%s) in %.1fs; run directory %s",
+        "every policy reached its step budget"
+        if progress.all_reached
+        else "the run was stopped before its budget",
+        ", ".join(f"{k} {v}" for k, v in progress.budgets.items()),
+        time.monotonic() - t0,
+        run_dir,
+    )
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline and any(c.running for c in sup.children if c.role != "service"):
+        progress.steps()
+        time.sleep(0.1)
+    progress.steps()
+    while viewer is not None and viewer.poll() is None and not stop["signal"]:
+        time.sleep(0.1)  # the run is over; the dashboard stays until its user closes it
