@@ -117,7 +117,7 @@ def run_recipe(
     seed: int | None = None,
 ) -> RunResult:
     """Run one recipe through `astraflow up` and read its results back; a failure is recorded, not raised."""
-    from astraflow.launcher import astraflow_cmd
+    from astraflow.launch.supervisor import astraflow_cmd
 
     run_dir.mkdir(parents=True, exist_ok=True)
     cmd = [*astraflow_cmd(), "up", str(path), "--run-dir", str(run_dir), "--no-dash"]

@@ -1,183 +1,28 @@
 """Process supervision for `astraflow up`: start every role as a child `astraflow` process, watch
 them, print progress, and tear everything down on exit, Ctrl-C or a child's failure.
 
-Children run in their own session (so the terminal's Ctrl-C reaches only the launcher, which then
-stops them in order) and ask the kernel to SIGTERM them if the launcher dies (no orphans).
+The parts: launch/supervisor.py (the children), launch/restarts.py (what a death does),
+launch/progress.py (the console), launch/models.py (model directories), launch/services.py (a recipe's
+[[service]] commands under launch/service_guard.py), launch/early_start.py (members that start before
+the controller's address is known).
 """
 
 from __future__ import annotations
 
-import ctypes
-import json
-import os
 import signal
 import subprocess
-import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from astraflow import log
+from astraflow.launch.models import check_models
+from astraflow.launch.progress import Progress
+from astraflow.launch.restarts import restart_or_fail, restart_rules
+from astraflow.launch.supervisor import Child, Supervisor, _die_with_parent, astraflow_cmd, tail_log
 from astraflow.metrics.role_stats import STATS_ENV
 
 _log = log.get("launcher")
-PR_SET_PDEATHSIG = 1
-MAX_TRAINER_RESTARTS = 2
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: get SIGTERM when the launcher dies (Linux)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
-
-
-def astraflow_cmd() -> list[str]:
-    """How to start an `astraflow` child so that `ps` shows `astraflow <role> ...`."""
-    script = Path(sys.executable).with_name("astraflow")
-    if script.is_file():
-        return [sys.executable, str(script)]
-    return [sys.executable, "-m", "astraflow"]
-
-
-@dataclass
-class Child:
-    """One supervised child process."""
-
-    name: str
-    role: str
-    argv: list[str]
-    log_path: Path
-    proc: subprocess.Popen[bytes] | None = None
-    restarts: int = 0
-    env: dict[str, str] = field(default_factory=dict)
-    """Variables set for this child only (its GPUs, its stats file)."""
-    log_file: IO[bytes] | None = field(default=None, repr=False)
-
-    @property
-    def running(self) -> bool:
-        """Whether the process is alive."""
-        return self.proc is not None and self.proc.poll() is None
-
-
-class Supervisor:
-    """Starts, watches and stops the children of one `up`."""
-
-    def __init__(self, run_dir: Path, env: dict[str, str] | None = None) -> None:
-        self.run_dir = run_dir
-        self.children: list[Child] = []
-        self.env = {**os.environ, **(env or {})}
-
-    def start(self, name: str, role: str, args: list[str], env: dict[str, str] | None = None) -> Child:
-        """Start `astraflow ARGS` as a child whose output goes to logs/<name>.log (env: its own extra variables)."""
-        child = Child(
-            name=name,
-            role=role,
-            argv=astraflow_cmd() + args,
-            log_path=self.run_dir / "logs" / f"{name}.log",
-            env=env or {},
-        )
-        self._spawn(child)
-        self.children.append(child)
-        return child
-
-    def start_command(self, name: str, role: str, argv: list[str], env: dict[str, str]) -> Child:
-        """Start any command (a recipe's [[service]]) as a supervised child, output to logs/<name>.log."""
-        child = Child(
-            name=name, role=role, argv=argv, log_path=self.run_dir / "logs" / f"{name}.log", env=env
-        )
-        try:
-            self._spawn(child)
-        except OSError as exc:
-            from astraflow.errors import AstraflowError
-
-            if child.log_file is not None:
-                child.log_file.close()
-            raise AstraflowError(f"cannot start {name}: {exc}", hint="check its command") from None
-        self.children.append(child)
-        return child
-
-    def _spawn(self, child: Child) -> None:
-        child.log_file = open(child.log_path, "ab")  # noqa: SIM115 - closed in stop_all
-        child.proc = subprocess.Popen(
-            child.argv,
-            stdout=child.log_file,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env={**self.env, **child.env},
-            start_new_session=True,
-            preexec_fn=_die_with_parent,
-        )
-        _log.debug("started %s pid %d: %s", child.name, child.proc.pid, " ".join(child.argv))
-
-    def restart(self, child: Child) -> None:
-        """Start a dead child again with the same command line (a service's leftover processes, which
-        may still hold its port, are killed first)."""
-        child.restarts += 1
-        if child.role == "service" and child.proc is not None:
-            try:
-                os.killpg(child.proc.pid, signal.SIGKILL)  # its own session: the group id is its pid
-            except (ProcessLookupError, PermissionError):
-                pass
-        if child.log_file is not None:
-            child.log_file.close()
-        self._spawn(child)
-
-    def exited(self) -> list[tuple[Child, int]]:
-        """Children that have exited since they were started, with their return codes."""
-        out = []
-        for c in self.children:
-            if c.proc is not None and c.proc.poll() is not None:
-                out.append((c, c.proc.returncode))
-        return out
-
-    def stop_all(self, grace_s: float = 10.0, drain_s: float = 0.0) -> None:
-        """SIGTERM the RaaS workers first and give them drain_s to finish or return their leases while
-        the controller still runs; then the trainers and the controller; SIGKILL stragglers."""
-        workers = [c for c in self.children if c.role == "raas" and c.running and c.proc is not None]
-        for c in workers:
-            assert c.proc is not None
-            c.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + drain_s + 2.0
-        for c in workers:
-            assert c.proc is not None
-            try:
-                c.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass  # killed below with the others if it does not stop within grace_s
-        order = {"raas": 0, "trainer": 1, "controller": 2, "service": 3}
-        for c in sorted(self.children, key=lambda c: order.get(c.role, 0)):
-            if c.running and c.proc is not None:
-                _signal(c, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for c in self.children:
-            if c.proc is None:
-                continue
-            try:
-                c.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                _log.warning("%s did not stop within %.0fs; killing it", c.name, grace_s)
-                _signal(c, signal.SIGKILL)
-                c.proc.wait()
-        for c in self.children:
-            if c.log_file is not None:
-                c.log_file.close()
-                c.log_file = None
-
-
-def _signal(child: Child, sig: int) -> None:
-    """Signal a role, or the whole process group of a service (a command may start children of its own)."""
-    assert child.proc is not None
-    if child.role == "service":
-        try:
-            os.killpg(child.proc.pid, sig)  # its own session: the group id is its pid
-        except ProcessLookupError:
-            pass
-    else:
-        child.proc.send_signal(sig)
 
 
 def worker_gpus(gpus: str, index: int, workers: int) -> str:
@@ -192,110 +37,6 @@ def worker_gpus(gpus: str, index: int, workers: int) -> str:
 def gpu_env(gpus: str) -> dict[str, str]:
     """CUDA_VISIBLE_DEVICES for a child when the recipe names its GPUs; nothing otherwise."""
     return {"CUDA_VISIBLE_DEVICES": gpus} if gpus else {}
-
-
-def tail_log(path: Path, lines: int = 15) -> str:
-    """The last lines of a child's log, for error messages."""
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
-
-
-class MetricsTail:
-    """Follows metrics.jsonl and yields new records."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.offset = 0
-        self.partial = b""
-
-    def read(self) -> list[dict[str, Any]]:
-        """New complete records since the last call."""
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                data = f.read()
-        except FileNotFoundError:
-            return []
-        self.offset += len(data)
-        data = self.partial + data
-        *complete, self.partial = data.split(b"\n")
-        out = []
-        for line in complete:
-            if line.strip():
-                try:
-                    out.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue
-        return out
-
-
-def progress_line(rec: dict[str, Any], steps: int | dict[str, int]) -> str:
-    """One human-readable progress line per trainer step."""
-
-    def f(key: str, fmt: str = ".3f") -> str:
-        v = rec.get(key)
-        return "-" if v is None else format(v, fmt)
-
-    if rec.get("kind") == "eval":
-        scores = "  ".join(f"{k[5:]} {v:.3f}" for k, v in sorted(rec.items()) if k.startswith("eval/"))
-        return f"[{rec.get('policy', '?')}] eval of version {rec.get('version', '?')}  {scores}"
-    if isinstance(steps, dict):
-        steps = steps.get(str(rec.get("policy")), 0)
-    return (
-        f"[{rec.get('policy', '?')}] step {rec.get('step', '?')}/{steps}  version {rec.get('version', '?')}  "
-        f"reward {f('reward_mean')}  samples/s {f('samples_per_s', '.1f')}  "
-        f"staleness {f('staleness_mean', '.2f')}/{f('staleness_max', '.0f')}"
-        + ("  SKIPPED: non-finite loss or gradient norm" if rec.get("trainer_skipped_step") else "")
-    )
-
-
-def check_models(recipe: Any) -> None:
-    """Every policy's model directory must exist before any process starts: a missing one the recipe
-    says how to make (policy.model_init) is built here; one without config.json is refused."""
-    from astraflow.errors import RecipeError
-
-    for pol in recipe.policy:
-        path = Path(pol.model)
-        if not path.exists() and pol.model_init is not None:
-            build_model(pol.model_init, path)
-        if not path.is_dir():
-            made = pol.model_init.command(pol.model) if pol.model_init is not None else None
-            raise RecipeError(
-                f"policy {pol.name!r}: model directory {pol.model!r} does not exist",
-                hint=f"create it: {made}"
-                if made
-                else "add policy.model_init to the recipe (docs/recipes.md) or create one offline: "
-                f"astraflow model init --arch qwen3 --preset tiny --out {pol.model}",
-            )
-        if not (path / "config.json").is_file():
-            raise RecipeError(
-                f"policy {pol.name!r}: {pol.model!r} is not a model directory (no config.json)",
-                hint="point policy.model at a transformers model directory (astraflow model init makes one)",
-            )
-
-
-def build_model(init: Any, out: Path) -> None:
-    """Build a policy's random-init model as its recipe's model_init says (`astraflow model init`)."""
-    from astraflow.errors import RecipeError
-    from astraflow.models.init import init_model
-
-    if init.tokenizer == "bpe" and (init.corpus is None or not Path(init.corpus).is_file()):
-        raise RecipeError(
-            f"model_init for {out}: corpus {init.corpus!r} is not a file",
-            hint="policy.model_init.corpus names the text the bpe tokenizer is trained on",
-        )
-    _log.info("building %s: %s", out, init.command(str(out)))
-    init_model(
-        init.arch,
-        init.preset,
-        out,
-        init.seed,
-        tokenizer=init.tokenizer,
-        corpus=Path(init.corpus) if init.corpus else None,
-        vocab_size=init.vocab_size,
-    )
 
 
 def wait_for_address(path: Path, controller: Child, timeout_s: float = 60.0) -> str:
@@ -358,8 +99,8 @@ def run_up(
     viewer: `astraflow` arguments of a process that shows the run on this terminal instead of progress
     lines (the dashboard); closing it stops the run, and at the run's end `up` waits until it is closed."""
     from astraflow.errors import AstraflowError
+    from astraflow.launch.services import start_services
     from astraflow.rundir import prepare
-    from astraflow.services import start_services
 
     check_models(recipe)
     prepare(run_dir, recipe)
@@ -462,89 +203,6 @@ def run_up(
         sup.stop_all(drain_s=recipe.rollout.drain_timeout_s)
         for s, h in old.items():
             signal.signal(s, h)
-
-
-@dataclass(frozen=True)
-class RestartRule:
-    """What `up` does when a child of one role dies (exits non-zero, or a service at all)."""
-
-    limit: int
-    """Restarts allowed before the death ends the run."""
-    how: str = "restarting it"
-    """How the restart is logged."""
-    spare: bool = False
-    """Past its limit, the run goes on while another child of its role still runs (RaaS workers)."""
-
-
-def restart_rules(recipe: Any, max_raas_restarts: int) -> dict[str, RestartRule]:
-    """The restart policy, by role (a controller is never restarted: its death ends the run)."""
-    return {
-        # a trainer resumes from its newest checkpoint and gets the recorded batches again
-        "trainer": RestartRule(MAX_TRAINER_RESTARTS, "restarting it from its checkpoint"),
-        "raas": RestartRule(max_raas_restarts, spare=True),
-        "controller": RestartRule(0),
-        **{f"service-{svc.name}": RestartRule(svc.max_restarts) for svc in getattr(recipe, "service", [])},
-    }
-
-
-def restart_or_fail(sup: Supervisor, rules: dict[str, RestartRule], child: Child, rc: int) -> bool:
-    """Apply the restart policy to a dead child: True when the run goes on (restarted, or a spare)."""
-    rule = rules.get(child.name if child.role == "service" else child.role, RestartRule(0))
-    if child.restarts < rule.limit:
-        _log.warning(
-            "%s exited with %s; %s (%d/%d)", child.name, rc, rule.how, child.restarts + 1, rule.limit
-        )
-        sup.restart(child)
-        return True
-    if rule.spare and any(c.running for c in sup.children if c.role == child.role):
-        _log.warning("%s exited with %s and will not be restarted again", child.name, rc)
-        return True
-    return False
-
-
-class Progress:
-    """The console of a run without a dashboard: a line per trainer step (from metrics.jsonl) and, at
-    most once a second, a line per kind of task failure (from state.db); it also tracks each policy's
-    step reached. With `show` off (a dashboard owns the terminal) it reads and prints nothing."""
-
-    def __init__(self, run_dir: Path, budgets: dict[str, int], show: bool) -> None:
-        from astraflow.state.failure_tail import FailureTail
-
-        self.metrics = MetricsTail(run_dir / "metrics.jsonl")
-        self.fails = FailureTail(run_dir / "state.db")
-        self.budgets = budgets
-        self.show = show
-        self.reached: dict[str, int] = {}
-        self._next_fail_read = 0.0
-
-    def poll(self) -> None:
-        """Print the new step lines, and the new failures when a second has passed since the last read."""
-        self.steps()
-        if time.monotonic() >= self._next_fail_read:
-            # one line per kind and second (the full traceback is in the controller log)
-            self._next_fail_read = time.monotonic() + 1.0
-            self.failures()
-
-    def steps(self) -> None:
-        """Print a line per new step row (consumed either way) and record the step each policy reached."""
-        for rec in self.metrics.read():
-            if "step" in rec and "policy" in rec:
-                self.reached[rec["policy"]] = max(self.reached.get(rec["policy"], 0), int(rec["step"]))
-                if self.show:
-                    sys.stdout.write(progress_line(rec, self.budgets) + "\n")
-                    sys.stdout.flush()
-
-    def failures(self) -> None:
-        """Print the task failures recorded since the last read."""
-        for line in self.fails.read():
-            if self.show:
-                sys.stdout.write(line + "\n")
-        sys.stdout.flush()
-
-    @property
-    def all_reached(self) -> bool:
-        """Every trainable policy has reached its step budget."""
-        return all(self.reached.get(p, 0) >= b for p, b in self.budgets.items())
 
 
 def _watch(
