@@ -259,6 +259,45 @@ class MemberClient:
         os.close(self._wake_r)
         os.close(self._wake_w)
 
+    # ----- what the transport thread (transport/member_loop.py) takes from its owner ----------
+
+    @property
+    def wake_fd(self) -> int:
+        """The read end of the pipe the owner writes to wake the transport thread."""
+        return self._wake_r
+
+    @property
+    def stopping(self) -> bool:
+        """close() was called: the transport thread ends."""
+        return self._stopping.is_set()
+
+    def take_hello_future(self) -> concurrent.futures.Future[Msg] | None:
+        """The future of a connect() waiting for its Welcome, handed over once (None: none waits)."""
+        with self._lock:
+            fut, self._hello_future = self._hello_future, None
+        return fut
+
+    def take_request(self) -> Pending | None:
+        """The next request submit() queued (None: none)."""
+        try:
+            return self._inbox.get_nowait()
+        except queue.Empty:
+            return None
+
+    def next_rid(self) -> int:
+        """A fresh request id (for a Hello or a Heartbeat the transport thread sends)."""
+        return next(self._rids)
+
+    def heartbeat_fields(self) -> tuple[dict[str, int], int, int, list[int], str]:
+        """(loaded versions, busy, free, active task ids, error) for the next Heartbeat."""
+        loaded, busy, free = self._load
+        active, error = self._progress
+        return loaded, busy, free, active, error
+
+    def timeout_error(self, msg: Msg, timeout_s: float) -> ConnectError:
+        """The error a request gets when no reply came within timeout_s."""
+        return self._timeout_error(msg, timeout_s)
+
     # ----- transport thread -----------------------------------------------------------------
 
     def _wake(self) -> None:
