@@ -2,7 +2,7 @@
 them, print progress, and tear everything down on exit, Ctrl-C or a child's failure.
 
 The parts: launch/supervisor.py (the children), launch/restarts.py (what a death does),
-launch/progress.py (the console), launch/models.py (model directories), launch/services.py (a recipe's
+launch/progress.py (the console), models/dirs.py (model directories), launch/services.py (a recipe's
 [[service]] commands under launch/service_guard.py), launch/early_start.py (members that start before
 the controller's address is known).
 """
@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from astraflow import log
-from astraflow.launch.models import check_models
 from astraflow.launch.progress import Progress
 from astraflow.launch.restarts import restart_or_fail, restart_rules
 from astraflow.launch.supervisor import Child, Supervisor, _die_with_parent, astraflow_cmd, tail_log
 from astraflow.metrics.role_stats import STATS_ENV
+from astraflow.models.dirs import check_models
 
 _log = log.get("launcher")
 

@@ -1,4 +1,5 @@
-"""The model directories a run needs, checked (and built from policy.model_init) before anything starts."""
+"""Model directories: the one check that a policy's model directory is there, made by `up` before any
+process starts (building a missing one from policy.model_init) and by each member as it joins."""
 
 from __future__ import annotations
 
@@ -13,26 +14,54 @@ _log = log.get("launcher")
 def check_models(recipe: Any) -> None:
     """Every policy's model directory must exist before any process starts: a missing one the recipe
     says how to make (policy.model_init) is built here; one without config.json is refused."""
-    from astraflow.errors import RecipeError
-
     for pol in recipe.policy:
-        path = Path(pol.model)
-        if not path.exists() and pol.model_init is not None:
-            build_model(pol.model_init, path)
-        if not path.is_dir():
-            made = pol.model_init.command(pol.model) if pol.model_init is not None else None
-            raise RecipeError(
-                f"policy {pol.name!r}: model directory {pol.model!r} does not exist",
-                hint=f"create it: {made}"
-                if made
-                else "add policy.model_init to the recipe (docs/recipes.md) or create one offline: "
-                f"astraflow model init --arch qwen3 --preset tiny --out {pol.model}",
-            )
-        if not (path / "config.json").is_file():
-            raise RecipeError(
-                f"policy {pol.name!r}: {pol.model!r} is not a model directory (no config.json)",
-                hint="point policy.model at a transformers model directory (astraflow model init makes one)",
-            )
+        require_model_dir(pol, build=True)
+
+
+def require_model_dirs(recipe: Any, policies: list[str], client: Any = None) -> None:
+    """A member's check as it joins: every model it loads exists on this machine (the recipe names a
+    path that each machine has); the client, if given, is closed before the error is raised."""
+    from astraflow.errors import AstraflowError
+
+    for name in policies:
+        try:
+            require_model_dir(recipe.get_policy(name), here=True)
+        except AstraflowError:
+            if client is not None:
+                client.close("model directory missing")
+            raise
+
+
+def require_model_dir(pol: Any, *, build: bool = False, here: bool = False) -> None:
+    """`pol.model` must be a model directory. build: make a missing one from pol.model_init first and
+    refuse one without config.json (`up`, before anything starts); here: the path is missing on this
+    machine of a cluster (a member joining), where copying it over is the fix."""
+    from astraflow.errors import AstraflowError, RecipeError
+
+    path = Path(pol.model)
+    init = getattr(pol, "model_init", None)
+    if build and not path.exists() and init is not None:
+        build_model(init, path)
+    make = f"astraflow model init --arch qwen3 --preset tiny --out {pol.model}"
+    if not path.is_dir() and here:
+        raise AstraflowError(
+            f"policy {pol.name!r}: model directory {pol.model!r} does not exist on this machine",
+            hint="copy the model directory to the same path here (or use a shared filesystem); "
+            f"to make a random-init one: {make}",
+        )
+    if not path.is_dir():
+        made = init.command(pol.model) if init is not None else None
+        raise RecipeError(
+            f"policy {pol.name!r}: model directory {pol.model!r} does not exist",
+            hint=f"create it: {made}"
+            if made
+            else f"add policy.model_init to the recipe (docs/recipes.md) or create one offline: {make}",
+        )
+    if build and not (path / "config.json").is_file():
+        raise RecipeError(
+            f"policy {pol.name!r}: {pol.model!r} is not a model directory (no config.json)",
+            hint="point policy.model at a transformers model directory (astraflow model init makes one)",
+        )
 
 
 def build_model(init: Any, out: Path) -> None:

@@ -95,23 +95,6 @@ def request_retrying(
                 time.sleep(0.1)
 
 
-def require_model_dirs(recipe: Any, policies: list[str], client: Any) -> None:
-    """Every model this member loads must exist here (the recipe names a path that each machine has)."""
-    from pathlib import Path
-
-    from astraflow.errors import AstraflowError
-
-    for name in policies:
-        model = recipe.get_policy(name).model
-        if not Path(model).is_dir():
-            client.close("model directory missing")
-            raise AstraflowError(
-                f"policy {name!r}: model directory {model!r} does not exist on this machine",
-                hint="copy the model directory to the same path here (or use a shared filesystem); "
-                f"to make a random-init one: astraflow model init --arch qwen3 --preset tiny --out {model}",
-            )
-
-
 RETRY_JOIN_CODES = ("member_id_in_use", "trainer_taken")
 """Refusals that end by themselves: the previous process under this id (or the policy's previous
 trainer) falls silent and the controller declares it dead after controller.member_timeout_s."""

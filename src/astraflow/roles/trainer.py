@@ -80,7 +80,8 @@ def _join(
     """Join the controller as `policy`'s trainer; the client, its Welcome and the run's recipe. Refuses
     (with the client closed) a policy the run does not have, a frozen one, or a missing model."""
     from astraflow.config.load import validate_recipe
-    from astraflow.roles.member import connect_retrying, make_hello, require_model_dirs
+    from astraflow.models.dirs import require_model_dirs
+    from astraflow.roles.member import connect_retrying, make_hello
     from astraflow.transport.client import MemberClient
 
     hello = make_hello("trainer", member_id or f"trainer-{policy}", policies=[policy], region=region)
