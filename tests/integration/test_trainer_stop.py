@@ -59,7 +59,7 @@ def _wait_for_line(proc: subprocess.Popen[bytes], log: Path, text: str, timeout:
         time.sleep(0.1)
 
 
-def test_a_signal_stops_the_trainer_in_its_long_poll_and_in_its_retries(
+def test_a_signal_stops_the_trainer_in_its_long_poll_with_or_without_a_controller(
     tiny_model: Path, tmp_path: Path
 ) -> None:
     ctl, addr = _controller(tmp_path, tiny_model)
@@ -72,14 +72,14 @@ def test_a_signal_stops_the_trainer_in_its_long_poll_and_in_its_retries(
         first.send_signal(signal.SIGINT)
         assert first.wait(timeout=60) == 130, log.read_text()
 
-        # SIGTERM while the controller is gone and the trainer retries its request: 143 at once, not
-        # after the retries give up (600 s)
+        # SIGTERM while the controller is gone and the trainer waits for a reply that never comes: 143,
+        # not after the request's timeout and 600 s of retries (the retries' own check of the stop flag:
+        # test_a_stop_ends_the_retries_against_a_silent_controller below)
         second, log = _trainer(tmp_path, addr, "second")
         procs.append(second)
         _wait_for_line(second, log, "training main from step 0 to 3")
         ctl.kill()
         ctl.wait()
-        _wait_for_line(second, log, "controller not answering; retrying")
         second.send_signal(signal.SIGTERM)
         assert second.wait(timeout=60) == 143, log.read_text()
         assert "stopping on signal; last step 0" in log.read_text()
@@ -88,3 +88,40 @@ def test_a_signal_stops_the_trainer_in_its_long_poll_and_in_its_retries(
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+class _SilentController:
+    """A FAKE member client (no sockets): every request times out, as against a dead controller."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    def request(self, msg: object, timeout_s: float, stop: object = None) -> object:
+        self.asked += 1
+        from astraflow.errors import ConnectError
+
+        raise ConnectError("no answer")
+
+    def check_reachable(self) -> None:
+        pass  # nothing listening, but not yet for long: the retries go on
+
+    def tick(self) -> None:
+        pass
+
+
+def test_a_stop_ends_the_retries_against_a_silent_controller() -> None:
+    import threading
+
+    import pytest
+
+    from astraflow.errors import Stopped
+    from astraflow.protocol.messages import StatusRequest
+    from astraflow.roles.member import request_retrying
+    from astraflow.roles.stop_flag import StopFlag
+
+    client, stop = _SilentController(), StopFlag()
+    # the flag is set while the retries run (after the first attempt), as a signal would set it
+    threading.Timer(0.3, stop.set, args=(signal.SIGTERM,)).start()
+    with pytest.raises(Stopped):
+        request_retrying(client, StatusRequest(), give_up_after_s=600.0, stop=stop)
+    assert client.asked >= 1 and stop.exit_code == 143
