@@ -1,5 +1,5 @@
 # astraflow: `make demo` (virtualenv + core install + quickstart run), `make test` (the suite) and
-# `make check` (ruff lint + format check, mypy).
+# `make check` (ruff lint + format check, mypy, the layout rules of scripts/check_layout.py).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -46,6 +46,8 @@ check: $(VENV)/.installed
 	$(BIN)/ruff check src tests
 	$(BIN)/ruff format --check src tests
 	$(BIN)/mypy src/astraflow
+	# SQL only in state/, no package cycles (docs/architecture.md, "Rules the checks enforce")
+	$(BIN)/python scripts/check_layout.py
 
 fmt: $(VENV)/.installed
 	$(BIN)/ruff format src tests

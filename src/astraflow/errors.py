@@ -15,6 +15,11 @@ class AstraflowError(Exception):
         return self.message if not self.hint else f"{self.message}\n  hint: {self.hint}"
 
 
+class Stopped(Exception):
+    """A wait given up because the process was asked to stop (a signal set its stop flag); not a user
+    error: the role that asked to be stoppable catches it and exits with its signal's code."""
+
+
 class RecipeError(AstraflowError):
     """The recipe does not validate."""
 

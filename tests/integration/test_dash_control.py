@@ -18,8 +18,8 @@ import pytest
 pytest.importorskip("textual")
 pytest.importorskip("textual_plotext")
 
-from astraflow.cli.ctl import ControlClient, client_for  # noqa: E402
 from astraflow.errors import AstraflowError  # noqa: E402
+from astraflow.transport.control_client import ControlClient, client_for  # noqa: E402
 from astraflow.tui.app import Dashboard  # noqa: E402
 from astraflow.tui.source import RunDirSource  # noqa: E402
 

@@ -83,7 +83,8 @@ class StandIn:
             for ident, _principal, msg in self.server.poll(20):
                 if isinstance(msg, DecodeError):
                     self.decode_errors.append(msg)
-                    self.server.reply_error(ident, msg)
+                    # what the controller answers an undecodable frame (roles/controller.py handle)
+                    self.server.send(ident, Error(rid=msg.rid, code=msg.code, message=str(msg)[:500]))
                     continue
                 reply = self._answer(ident, msg)
                 if reply is not None and not self.silent:

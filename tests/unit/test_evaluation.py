@@ -167,7 +167,7 @@ def test_eval_rounds_through_the_controller(tiny_model: Path, tmp_path: Path) ->
 
 
 def test_up_prints_eval_rows_as_their_own_line() -> None:
-    from astraflow.launcher import progress_line
+    from astraflow.launch.progress import progress_line
 
     row = {"kind": "eval", "policy": "main", "version": 3, "step": 3, "eval/avg@4": 0.5, "eval/pass@1": 0.25}
     assert progress_line(row, {"main": 10}) == "[main] eval of version 3  avg@4 0.500  pass@1 0.250"

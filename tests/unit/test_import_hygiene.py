@@ -16,7 +16,7 @@ LIGHT_MODULES = (
     "astraflow.losses.grpo",
     "astraflow.data.order",
     "astraflow.workflows.quickstart",
-    "astraflow.launcher",
+    "astraflow.launch.up",
 )
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from astraflow.launcher import worker_gpus
+from astraflow.launch.up import worker_gpus
 
 
 def test_several_workers_take_one_listed_gpu_each_in_turn() -> None:

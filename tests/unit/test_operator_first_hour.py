@@ -11,7 +11,7 @@ import pytest
 from astraflow.cli.logs import LogFollower
 from astraflow.config.recipe import ModelInitConfig
 from astraflow.errors import RecipeError
-from astraflow.launcher import check_models
+from astraflow.models.dirs import check_models
 
 
 class _Policy:

@@ -12,8 +12,8 @@ import pytest
 
 from astraflow.config.service import ServiceConfig
 from astraflow.errors import AstraflowError
-from astraflow.launcher import Supervisor
-from astraflow.services import start_services
+from astraflow.launch.services import start_services
+from astraflow.launch.supervisor import Supervisor
 
 # a tiny listener, then a grandchild of its own (as a shell script that starts a server would have)
 SERVER = """
@@ -109,8 +109,8 @@ def test_a_sigkilled_launcher_takes_the_services_own_children_down(tmp_path: Pat
 import sys, time
 from pathlib import Path
 from astraflow.config.service import ServiceConfig
-from astraflow.launcher import Supervisor
-from astraflow.services import start_services
+from astraflow.launch.supervisor import Supervisor
+from astraflow.launch.services import start_services
 sup = Supervisor(Path({str(tmp_path)!r}))
 cfg = ServiceConfig(name="env", command=["python", {str(script)!r}, {str(child_pid)!r}, "{port}"],
                     ready="127.0.0.1:{port}")
@@ -160,7 +160,7 @@ def test_recipe_service_tables_are_checked() -> None:
 def test_a_service_that_stops_during_the_run_ends_the_run(tmp_path: Path) -> None:
     from types import SimpleNamespace
 
-    from astraflow.launcher import _watch
+    from astraflow.launch.up import _watch
 
     sup = _sup(tmp_path)
     # a stand-in trainer (a real process that would run for a minute) and a service that quits cleanly
@@ -182,7 +182,7 @@ def test_a_service_with_restarts_left_is_started_again_and_the_run_goes_on(tmp_p
     stand-in trainer does."""
     from types import SimpleNamespace
 
-    from astraflow.launcher import _watch
+    from astraflow.launch.up import _watch
 
     port = _free_port()
     lives = tmp_path / "lives"

@@ -96,7 +96,7 @@ def test_non_finite_weights_are_named() -> None:
 
 
 def test_the_progress_line_of_up_says_a_step_was_skipped() -> None:
-    from astraflow.launcher import progress_line
+    from astraflow.launch.progress import progress_line
 
     row = {"policy": "main", "step": 4, "version": 4, "reward_mean": 0.5, "trainer_skipped_step": 1.0}
     assert progress_line(row, 10).endswith("SKIPPED: non-finite loss or gradient norm")

@@ -23,6 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from astraflow import log
+from astraflow.state import trajectories
+from astraflow.state.batches import replayed_count
+from astraflow.state.store import Store
 
 _log = log.get("bench.data")
 
@@ -117,7 +120,7 @@ def run_recipe(
     seed: int | None = None,
 ) -> RunResult:
     """Run one recipe through `astraflow up` and read its results back; a failure is recorded, not raised."""
-    from astraflow.launcher import astraflow_cmd
+    from astraflow.launch.supervisor import astraflow_cmd
 
     run_dir.mkdir(parents=True, exist_ok=True)
     cmd = [*astraflow_cmd(), "up", str(path), "--run-dir", str(run_dir), "--no-dash"]
@@ -189,25 +192,18 @@ def read_run(run_dir: Path, res: RunResult) -> RunResult:
     db_path = run_dir / "state.db"
     if not db_path.is_file():
         return res
-    con = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)
+    store = Store.open_readonly(db_path)
     try:
-        counts = dict(
-            con.execute(
-                "SELECT status, COUNT(*) FROM trajectories WHERE policy = ? GROUP BY status", (res.policy,)
-            ).fetchall()
-        )
+        counts = trajectories.status_counts(store, res.policy)
         res.generated = sum(int(v) for v in counts.values())
         res.trained_fresh = int(counts.get("consumed", 0))
         res.filtered = int(counts.get("dropped", 0))
         res.expired = int(counts.get("expired", 0))
-        res.replayed = sum(
-            sum(1 for f in json.loads(flags) if f)
-            for (flags,) in con.execute("SELECT replay FROM batches WHERE policy = ?", (res.policy,))
-        )
-        res.curve = rollout_curve(con, res.policy)
-        mixed = mixed_curve(con, res.policy)
+        res.replayed = replayed_count(store, res.policy)
+        res.curve = rollout_curve(store, res.policy)
+        mixed = mixed_curve(store, res.policy)
     finally:
-        con.close()
+        store.close()
     rewards = [r for _, r, _ in res.curve]
     res.reward_start = head_mean(rewards)
     res.reward_final = tail_mean(rewards)
@@ -231,29 +227,20 @@ def read_metrics(path: Path, policy: str) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: int(r["step"]))
 
 
-def rollout_curve(con: sqlite3.Connection, policy: str) -> list[tuple[int, float, int]]:
+def rollout_curve(store: Store, policy: str) -> list[tuple[int, float, int]]:
     """(version, mean reward, cumulative rollouts) per weight version that generated anything."""
     out = []
     total = 0
-    for v, mean, n in con.execute(
-        "SELECT min_version, AVG(reward), COUNT(*) FROM trajectories WHERE policy = ? "
-        "GROUP BY min_version ORDER BY min_version",
-        (policy,),
-    ):
-        total += int(n)
-        if int(v) >= 0:
-            out.append((int(v), float(mean), total))
+    for v, mean, n in trajectories.reward_by_version(store, policy):
+        total += n
+        if v >= 0:
+            out.append((v, mean, total))
     return out
 
 
-def mixed_curve(con: sqlite3.Connection, policy: str, tol: float = 1e-9) -> list[float]:
+def mixed_curve(store: Store, policy: str, tol: float = 1e-9) -> list[float]:
     """Per weight version (of a group's oldest token), the share of finished groups whose rewards differ."""
-    rows = con.execute(
-        "SELECT v, AVG(mixed) FROM (SELECT MIN(min_version) AS v, (MAX(reward) - MIN(reward) > ?) AS mixed "
-        "FROM trajectories WHERE policy = ? GROUP BY task_id) WHERE v >= 0 GROUP BY v ORDER BY v",
-        (tol, policy),
-    ).fetchall()
-    return [float(m) for _, m in rows]
+    return [m for _, m in trajectories.mixed_by_version(store, policy, tol)]
 
 
 def head_mean(values: list[float]) -> float | None:

@@ -47,7 +47,7 @@ def dash(
             f"the dashboard needs textual and textual-plotext ({exc.name} is missing)",
             hint="textual is a dependency of astraflow: reinstall it (pip install 'textual>=0.60' textual-plotext)",
         ) from None
-    from astraflow.cli.ctl import client_for
+    from astraflow.transport.control_client import client_for
     from astraflow.tui.app import Dashboard
     from astraflow.tui.source import ControllerSource, RunDirSource, Source
 

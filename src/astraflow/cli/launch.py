@@ -244,7 +244,7 @@ def k8s(
     from astraflow.cluster.plan import make_plan
     from astraflow.config.load import dump_resolved, load_recipe, validate_plugins
     from astraflow.errors import AstraflowError
-    from astraflow.launcher import throwaway_keys
+    from astraflow.launch.up import throwaway_keys
 
     r = load_recipe(recipe, set_ or [])
     validate_plugins(r, torch_plugins=False)

@@ -6,7 +6,8 @@ from typing import Annotated
 
 import typer
 
-from astraflow.cli.ctl import ControllerKeyOpt, ControllerOpt, KeyOpt, RunDirOpt, client_for
+from astraflow.cli.ctl import ControllerKeyOpt, ControllerOpt, KeyOpt, RunDirOpt
+from astraflow.transport.control_client import client_for
 
 
 def leave(

@@ -26,16 +26,16 @@ def metrics_serve(
     import signal
     import threading
 
-    from astraflow.cli.ctl import _credentials
-    from astraflow.cli.status import ask_status, read_status
+    from astraflow.cli.status import read_status
     from astraflow.metrics.prometheus import serve
+    from astraflow.transport.control_client import ask_status, operator_credentials
 
     if (run_dir is None) == (controller is None):
         raise AstraflowError(
             "give exactly one of --run-dir or --controller",
             hint="astraflow metrics-serve --bind 127.0.0.1:9600 --run-dir runs/<name>-<time>",
         )
-    creds = _credentials(key, controller_key)
+    creds = operator_credentials(key, controller_key)
 
     def fetch() -> dict[str, Any] | None:
         if run_dir is not None:

@@ -219,7 +219,7 @@ def join(
         if world_from_env() == 1:
             exec_torchrun(nproc)  # the ranks run this command again, without --nproc
     if controller_file is not None:
-        from astraflow.roles.early_start import controller_from_file
+        from astraflow.launch.early_start import controller_from_file
 
         controller = controller_from_file(controller_file, role)
     assert controller is not None

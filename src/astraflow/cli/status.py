@@ -8,7 +8,8 @@ from typing import Annotated, Any
 
 import typer
 
-from astraflow.errors import AstraflowError, ConnectError
+from astraflow.errors import AstraflowError
+from astraflow.transport.control_client import ask_status
 
 
 def read_status(run_dir: Path) -> dict[str, Any]:
@@ -26,39 +27,6 @@ def read_status(run_dir: Path) -> dict[str, Any]:
         return build_status(store)
     finally:
         store.close()
-
-
-def ask_status(controller: str, timeout_s: float = 5.0, credentials: Any = None) -> dict[str, Any]:
-    """The status document asked of a live controller over the control plane.
-
-    With credentials (security.MemberCredentials) the request goes over CURVE under the key's name.
-    """
-    import os
-
-    from astraflow.protocol.messages import Error, StatusReply, StatusRequest
-    from astraflow.transport.client import request_once
-
-    reply = request_once(
-        controller,
-        StatusRequest(rid=1),
-        ident=f"status-{os.getpid()}",
-        timeout_s=timeout_s,
-        credentials=credentials,
-    )
-    if reply is None:
-        raise ConnectError(
-            f"controller at {controller} did not answer within {timeout_s:.0f}s",
-            hint="is `astraflow controller` running there? with authentication on, pass --key and "
-            "--controller-key (an unknown key gets no answer at all)",
-        )
-    if isinstance(reply, Error):
-        raise ConnectError(
-            f"controller at {controller} refused the status request: {reply.code}: {reply.message}",
-            hint="pass --key (an observer key added with `astraflow keys add`) and --controller-key",
-        )
-    if not isinstance(reply, StatusReply):
-        raise ConnectError(f"controller at {controller} answered {type(reply).__name__}, not a status")
-    return reply.status
 
 
 def render(doc: dict[str, Any]) -> str:

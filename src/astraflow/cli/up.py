@@ -32,7 +32,7 @@ def up(
     """Run a recipe end to end on this machine; exits 0 when every policy reaches its step budget."""
     from astraflow import log
     from astraflow.config.load import load_recipe, validate_plugins
-    from astraflow.launcher import run_up
+    from astraflow.launch.up import run_up
     from astraflow.rundir import default_run_dir
     from astraflow.shutdown import exit_process
 
@@ -75,7 +75,8 @@ def summary(run_dir: Path, code: int) -> str:
     """What the terminal keeps once the dashboard closed: each policy's last progress line."""
     import json
 
-    from astraflow.launcher import progress_line, tail_log
+    from astraflow.launch.progress import progress_line
+    from astraflow.launch.supervisor import tail_log
     from astraflow.metrics.log import MetricsLog
 
     last: dict[str, dict[str, object]] = {}

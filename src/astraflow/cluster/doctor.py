@@ -239,8 +239,8 @@ def check_port(port: int) -> Finding:
 
 def check_controller(address: str, key: Path | None, controller_key: str | None, timeout_s: float) -> Finding:
     """The controller answers one status request within timeout_s."""
-    from astraflow.cli.status import ask_status
     from astraflow.errors import AstraflowError
+    from astraflow.transport.control_client import ask_status
 
     creds = None
     try:

@@ -82,7 +82,8 @@ def prepare_run(recipe: Any, plan: Plan, raas_names: list[str] | None = None) ->
     plan's workers); an existing run must have been made from the same recipe (it is resumed, as a
     controller restarted by hand would)."""
     from astraflow.config.recipe_change import check_run_recipe
-    from astraflow.launcher import check_models, throwaway_keys
+    from astraflow.launch.up import throwaway_keys
+    from astraflow.models.dirs import check_models
     from astraflow.rundir import prepare
 
     check_models(recipe)

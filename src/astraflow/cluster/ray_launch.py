@@ -257,7 +257,7 @@ class RayRun:
 
     def _client(self) -> Any:
         """The operator client (status, drain) with the run's operator key."""
-        from astraflow.cli.ctl import ControlClient
+        from astraflow.transport.control_client import ControlClient
         from astraflow.transport.keys import load_keypair, load_public
         from astraflow.transport.security import MemberCredentials
 
@@ -386,7 +386,7 @@ class RayRun:
 
     def _scale(self) -> None:
         """Read the demand (also for /metrics) and let the autoscaler act on it."""
-        from astraflow.cli.status import ask_status
+        from astraflow.transport.control_client import ask_status
 
         try:
             self.last_status = ask_status(self.address, timeout_s=5.0, credentials=self.client.credentials)

@@ -46,11 +46,11 @@ each role yields its policy's group size).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from astraflow.state import batches, tasks, trajectories, versions
 from astraflow.state.store import Store
 
 OFFER_FACTOR = 4
@@ -125,22 +125,14 @@ class Admission:
     def _sequences(self, task_statuses: tuple[str, ...]) -> dict[str, int]:
         """Per policy: buffered trajectories + expected sequences of tasks in these statuses."""
         out = dict.fromkeys(self.limits, 0)
-        for r in self.store.query(
-            "SELECT policy, COUNT(*) AS n FROM trajectories WHERE status = 'buffered' GROUP BY policy"
-        ):
-            if r["policy"] in out:
-                out[r["policy"]] += int(r["n"])
-        marks = ",".join("?" for _ in task_statuses)
-        for r in self.store.query(
-            f"SELECT roles, group_size, read_only, COUNT(*) AS n FROM tasks WHERE status IN ({marks}) "
-            "GROUP BY roles, group_size, read_only",
-            task_statuses,
-        ):
-            roles = json.loads(r["roles"])
-            skip = set(json.loads(r["read_only"] or "[]"))
-            for pol, k in self.task_sequences(roles, self._sizes(roles, int(r["group_size"]))).items():
+        for pol, n in trajectories.buffered_by_policy(self.store).items():
+            if pol in out:
+                out[pol] += n
+        for roles, group_size, read_only, n in tasks.task_shapes(self.store, task_statuses):
+            skip = set(read_only)
+            for pol, k in self.task_sequences(roles, self._sizes(roles, group_size)).items():
                 if pol in out and pol not in skip:
-                    out[pol] += k * int(r["n"])
+                    out[pol] += k * n
         return out
 
     def _sizes(self, roles: dict[str, str], fallback: int) -> dict[str, int]:
@@ -154,19 +146,13 @@ class Admission:
     def outstanding_groups(self) -> dict[str, int]:
         """Per policy, in groups (prompts): tasks queued or leased + tasks with buffered trajectories."""
         out = dict.fromkeys(self.limits, 0)
-        for r in self.store.query(
-            "SELECT policy, COUNT(DISTINCT task_id) AS n FROM trajectories WHERE status = 'buffered' GROUP BY policy"
-        ):
-            if r["policy"] in out:
-                out[r["policy"]] += int(r["n"])
-        for r in self.store.query(
-            "SELECT roles, read_only, COUNT(*) AS n FROM tasks WHERE status IN ('queued', 'leased') "
-            "GROUP BY roles, read_only"
-        ):
-            skip = set(json.loads(r["read_only"] or "[]"))
-            for pol in set(json.loads(r["roles"]).values()) - skip:
+        for pol, n in trajectories.buffered_groups_by_policy(self.store).items():
+            if pol in out:
+                out[pol] += n
+        for roles, read_only, n in tasks.open_task_roles(self.store):
+            for pol in set(roles.values()) - set(read_only):
                 if pol in out:
-                    out[pol] += int(r["n"])
+                    out[pol] += n
         return out
 
     def cap(self, policy: str) -> int:
@@ -176,14 +162,11 @@ class Admission:
 
     def taken(self, policy: str) -> int:
         """Steps whose batch was taken."""
-        return int(
-            self.store.scalar("SELECT COALESCE(MAX(step), 0) FROM batches WHERE policy = ?", (policy,))
-        )
+        return batches.last_batch_step(self.store, policy)
 
     def published(self, policy: str) -> int:
         """The policy's newest published version (0 before its first step)."""
-        row = self.store.query("SELECT version FROM policies WHERE name = ?", (policy,))
-        return int(row[0]["version"]) if row else 0
+        return versions.published_version(self.store, policy)
 
     def target_version(self, policy: str) -> int:
         """max(published version, steps whose batch was taken): the version the next batch trains on at least."""
@@ -264,7 +247,7 @@ class Admission:
         (read-only in the rest of the round): feeding every task of the round to every policy gave a
         policy with a smaller batch two batches a round, the second trained one version late."""
         none = dict.fromkeys(active, 0)
-        if int(self.store.scalar("SELECT COUNT(*) FROM tasks WHERE status IN ('queued', 'leased')")):
+        if tasks.open_task_count(self.store):
             return none
         need = dict(none)
         for pol in active:

@@ -8,7 +8,6 @@ asks again for a step it already received gets the same trajectories in the same
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from astraflow.data.base import BufferItem, BufferOrder
 from astraflow.data.order import EdfOrder, FifoOrder
 from astraflow.dataflow.limits import RefusedResult, nonfinite_row
 from astraflow.protocol.messages import SamplingParams, Sequence, TrainSample
+from astraflow.state import batches, trajectories
 from astraflow.state.store import Store
 
 _enc = msgspec.msgpack.Encoder()
@@ -88,9 +88,8 @@ class Buffer:
             why = nonfinite_row(seq.reward, adv)
             if why:
                 raise RefusedResult(f"task {task_id}: {why} is not finite; not stored")
-        with self.store.write() as c:
-            # MAX of the rowid is an index lookup; ids only grow, so they make a cheap arrival counter.
-            arrival = int(c.execute("SELECT COALESCE(MAX(id), 0) FROM trajectories").fetchone()[0])
+        with self.store.write():
+            arrival = trajectories.max_trajectory_id(self.store)
             rows = [
                 (
                     task_id,
@@ -114,120 +113,65 @@ class Buffer:
                 )
                 for i, (seq, adv) in enumerate(zip(seqs, advantages, strict=True))
             ]
-            # one statement for the group; inside this transaction (one writer) the new rowids are consecutive
-            c.executemany(
-                "INSERT INTO trajectories (task_id, policy, prompt_key, tokens, loss_mask, logprobs, versions, "
-                "reward, advantage, length, min_version, arrival, status, consumed_step, role, group_key, "
-                "temperature, top_p, top_k) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, NULL, ?, ?, ?, ?, ?)",
-                rows,
-            )
-            last = int(c.execute("SELECT last_insert_rowid()").fetchone()[0])
+            ids = trajectories.insert_trajectories(self.store, rows)
         for pol in {seq.policy for seq in seqs}:
             if pol in self._generated:
                 self._generated[pol] += sum(1 for seq in seqs if seq.policy == pol)
-        return list(range(last - len(rows) + 1, last + 1))
+        return ids
 
     def generated(self, policy: str) -> int:
         """Trajectories of a policy ever stored (every status): counted once, then kept up to date by
         `insert` (the controller is the only writer), so a step's metrics do not scan the run."""
         if policy not in self._generated:
-            self._generated[policy] = int(
-                self.store.scalar("SELECT COUNT(*) FROM trajectories WHERE policy = ?", (policy,))
-            )
+            self._generated[policy] = trajectories.count(self.store, policy)
         return self._generated[policy]
 
     def open_counts(self, policy: str) -> dict[str, int]:
         """Trajectories of a policy that are buffered, expired or dropped (`counts` without the consumed,
         which grow with the run: these are index range scans over small sets)."""
-        out = {"buffered": 0, "expired": 0, "dropped": 0}
-        for status in out:
-            out[status] = int(
-                self.store.scalar(
-                    "SELECT COUNT(*) FROM trajectories WHERE status = ? AND policy = ?", (status, policy)
-                )
-            )
-        return out
+        return {
+            status: trajectories.count(self.store, policy, status)
+            for status in ("buffered", "expired", "dropped")
+        }
 
     def recorded_ids(self, policy: str, step: int) -> tuple[list[int], list[bool], int] | None:
         """(trajectory ids, replay flags, version) of a recorded batch, without loading its samples."""
-        rows = self.store.query(
-            "SELECT traj_ids, replay, version FROM batches WHERE policy = ? AND step = ?", (policy, step)
-        )
-        if not rows:
-            return None
-        return json.loads(rows[0]["traj_ids"]), json.loads(rows[0]["replay"]), int(rows[0]["version"])
+        return batches.batch_ids(self.store, policy, step)
 
     def counts(self, policy: str) -> dict[str, int]:
         """Trajectories of a policy per status: buffered, consumed, expired, dropped."""
-        out = {"buffered": 0, "consumed": 0, "expired": 0, "dropped": 0}
-        rows = self.store.query(
-            "SELECT status, COUNT(*) AS n FROM trajectories WHERE policy = ? GROUP BY status", (policy,)
-        )
-        for r in rows:
-            out[r["status"]] = int(r["n"])
-        return out
+        return trajectories.status_counts(self.store, policy)
 
     def role_metrics(self, traj_ids: list[int]) -> dict[str, float]:
         """Per workflow role of these trajectories: `role/<role>/reward_mean` and `role/<role>/sequences`."""
-        if not traj_ids:
-            return {}
-        marks = ",".join("?" for _ in traj_ids)
         out: dict[str, float] = {}
-        for r in self.store.query(
-            f"SELECT role, AVG(reward) AS reward, COUNT(*) AS n FROM trajectories WHERE id IN ({marks}) "
-            "AND role != '' GROUP BY role",
-            tuple(traj_ids),
-        ):
-            out[f"role/{r['role']}/reward_mean"] = float(r["reward"])
-            out[f"role/{r['role']}/sequences"] = float(r["n"])
+        for role, reward, n in trajectories.role_rewards(self.store, traj_ids):
+            out[f"role/{role}/reward_mean"] = reward
+            out[f"role/{role}/sequences"] = float(n)
         return out
 
     def sample_bytes(self, ids: list[int]) -> list[int]:
         """The stored bytes of each trajectory's per-token lists, in the order of `ids`: what they take
         in a TrainSample (the same msgpack encoding), read without loading them."""
-        if not ids:
-            return []
-        marks = ",".join("?" for _ in ids)
-        rows = self.store.query(
-            "SELECT id, LENGTH(tokens) + LENGTH(loss_mask) + LENGTH(logprobs) + LENGTH(versions) AS n "
-            f"FROM trajectories WHERE id IN ({marks})",
-            tuple(ids),
-        )
-        by_id = {int(r["id"]): int(r["n"]) for r in rows}
+        by_id = trajectories.token_bytes(self.store, ids)
         return [by_id[i] for i in ids]
 
     def advantages(self, ids: list[int]) -> list[float]:
         """The stored advantage of each trajectory, in the order of `ids`, read without their tokens."""
-        if not ids:
-            return []
-        marks = ",".join("?" for _ in ids)
-        rows = self.store.query(
-            f"SELECT id, advantage FROM trajectories WHERE id IN ({marks})", tuple(set(ids))
-        )
-        by_id = {int(r["id"]): float(r["advantage"]) for r in rows}
+        by_id = trajectories.advantages(self.store, ids)
         return [by_id[i] for i in ids]
 
     def samples(self, ids: list[int], flags: list[bool]) -> list[TrainSample]:
         """The TrainSamples of these trajectories, in this order, with these replay flags."""
         return self._samples(ids, flags)
 
-    def last_step(self, policy: str) -> int:
-        """The highest step with a recorded batch (0 when none)."""
-        return int(
-            self.store.scalar("SELECT COALESCE(MAX(step), 0) FROM batches WHERE policy = ?", (policy,))
-        )
-
     def recorded(self, policy: str, step: int) -> Batch | None:
         """The recorded batch of a step, rebuilt from the store (same trajectories, same order)."""
-        rows = self.store.query(
-            "SELECT traj_ids, replay, version FROM batches WHERE policy = ? AND step = ?", (policy, step)
-        )
-        if not rows:
+        recorded = batches.batch_ids(self.store, policy, step)
+        if recorded is None:
             return None
-        ids = json.loads(rows[0]["traj_ids"])
-        flags = json.loads(rows[0]["replay"])
-        return Batch(policy, step, self._samples(ids, flags), int(rows[0]["version"]), new=False)
+        ids, flags, version = recorded
+        return Batch(policy, step, self._samples(ids, flags), version, new=False)
 
     def next_batch(
         self, policy: str, step: int, batch_size: int, max_staleness: int, version: int
@@ -236,19 +180,13 @@ class Buffer:
         again = self.recorded(policy, step)
         if again is not None:
             return again
-        with self.store.write() as c:
+        with self.store.write():
             # The step trains on the weights of the previous step at the earliest.
             ref = max(version, step - 1)
-            rows = c.execute(
-                "SELECT id, task_id, min_version, arrival, reward, advantage, length FROM trajectories "
-                "WHERE policy = ? AND status = 'buffered'",
-                (policy,),
-            ).fetchall()
+            rows = trajectories.buffered_items(self.store, policy)
             stale = [r["id"] for r in rows if ref - r["min_version"] > max_staleness]
             if stale:
-                c.executemany(
-                    "UPDATE trajectories SET status = 'expired' WHERE id = ?", [(i,) for i in stale]
-                )
+                trajectories.expire(self.store, stale)
             stale_set = set(stale)
             items = [
                 BufferItem(
@@ -266,14 +204,7 @@ class Buffer:
             n_replay = max(0, min(int(self._replay(policy, batch_size)), batch_size))
             replay_ids: list[int] = []
             if n_replay:
-                replay_ids = [
-                    r["id"]
-                    for r in c.execute(
-                        "SELECT id FROM trajectories WHERE policy = ? AND status = 'consumed' "
-                        "ORDER BY consumed_step DESC, arrival DESC LIMIT ?",
-                        (policy, n_replay),
-                    ).fetchall()
-                ]
+                replay_ids = trajectories.newest_consumed(self.store, policy, n_replay)
             n_fresh = batch_size - len(replay_ids)
             if len(items) < n_fresh:
                 # Commit the expirations; the trainer retries once more data arrived.
@@ -281,14 +212,8 @@ class Buffer:
             fresh = self._choose(self._order(policy), items, n_fresh)
             ids = [it.traj_id for it in fresh] + replay_ids
             flags = [False] * len(fresh) + [True] * len(replay_ids)
-            c.execute(
-                "INSERT INTO batches (policy, step, traj_ids, replay, version, created) VALUES (?, ?, ?, ?, ?, ?)",
-                (policy, step, json.dumps(ids), json.dumps(flags), ref, time.time()),
-            )
-            c.executemany(
-                "UPDATE trajectories SET status = 'consumed', consumed_step = ? WHERE id = ? AND status = 'buffered'",
-                [(step, it.traj_id) for it in fresh],
-            )
+            batches.record_batch(self.store, policy, step, ids, flags, ref, time.time())
+            trajectories.mark_consumed(self.store, step, [it.traj_id for it in fresh])
             samples = self._samples(ids, flags)
         return Batch(
             policy, step, samples, ref, expired=len(stale), staleness=[ref - it.min_version for it in fresh]
@@ -317,15 +242,7 @@ class Buffer:
         return sorted(chosen, key=lambda it: (it.task_id, it.arrival))
 
     def _samples(self, ids: list[int], flags: list[bool]) -> list[TrainSample]:
-        if not ids:
-            return []
-        marks = ",".join("?" for _ in ids)
-        rows = self.store.query(
-            "SELECT id, tokens, loss_mask, logprobs, versions, reward, advantage, temperature, top_p, top_k "
-            f"FROM trajectories WHERE id IN ({marks})",
-            tuple(ids),
-        )
-        by_id = {r["id"]: r for r in rows}
+        by_id = trajectories.sample_rows(self.store, ids)
         out = []
         for i, replay in zip(ids, flags, strict=True):
             r = by_id[i]

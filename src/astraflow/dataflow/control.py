@@ -9,28 +9,10 @@ step they hold and exit 0), and starting the run again continues it, unpaused.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
-from typing import Any
 
+from astraflow.state.paused import ALL, ROW_POLICY, ROW_STAGE, read
 from astraflow.state.store import Store
-
-ROW_POLICY, ROW_STAGE = "", -3
-"""Where the paused set lives in stage_state."""
-ALL = "*"
-"""The paused set's entry for the whole run."""
-
-
-def read(store: Store) -> dict[str, Any]:
-    """{"paused": [policy names, or "*" for the whole run]} as stored (for `status` and the dashboard)."""
-    try:
-        rows = store.query(
-            "SELECT state FROM stage_state WHERE policy = ? AND stage = ?", (ROW_POLICY, ROW_STAGE)
-        )
-    except Exception:  # a state file from before this table existed
-        return {"paused": []}
-    state = json.loads(rows[0]["state"]) if rows else {}
-    return {"paused": sorted(str(p) for p in state.get("paused", []))}
 
 
 class RunControl:

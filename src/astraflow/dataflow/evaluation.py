@@ -26,6 +26,7 @@ from astraflow.dataflow.ledger import Ledger, TaskRow
 from astraflow.dataflow.source import prompt_key, read_jsonl
 from astraflow.errors import RecipeError
 from astraflow.protocol.messages import Episode
+from astraflow.state import eval_rounds
 from astraflow.state.store import Store
 
 _log = log.get("eval")
@@ -113,14 +114,8 @@ class Evaluator:
 
     def reload(self) -> None:
         """Read the open rounds and tasks from the store (at start, and after a rolled-back transaction)."""
-        self.open_rounds = {
-            (r["policy"], int(r["version"]))
-            for r in self.store.query("SELECT policy, version FROM eval_rounds WHERE status = 'open'")
-        }
-        self.open_tasks = {
-            int(r["task_id"]): (r["policy"], int(r["version"]))
-            for r in self.store.query("SELECT task_id, policy, version FROM eval_tasks WHERE done = 0")
-        }
+        self.open_rounds = eval_rounds.open_rounds(self.store)
+        self.open_tasks = eval_rounds.open_eval_tasks(self.store)
 
     def identities(self) -> set[str]:
         """Content identities of the held-out samples (excluded from training)."""
@@ -133,18 +128,12 @@ class Evaluator:
         write transaction that recorded the version, so a round is never lost nor queued twice."""
         if policy not in self.policies:
             return 0
-        if self.store.scalar(
-            "SELECT COUNT(*) FROM eval_rounds WHERE policy = ? AND version = ?", (policy, version)
-        ):
+        if eval_rounds.round_exists(self.store, policy, version):
             return 0
         now = time.time()
         task_policies = list(dict.fromkeys(self.roles.values()))
-        with self.store.write() as c:
-            c.execute(
-                "INSERT INTO eval_rounds (policy, version, step, status, tasks, metrics, created, finished) "
-                "VALUES (?, ?, ?, 'open', ?, '{}', ?, 0)",
-                (policy, version, step, len(self.items), now),
-            )
+        with self.store.write():
+            eval_rounds.add_round(self.store, policy, version, step, len(self.items), now)
             for key, sample in self.items:
                 tid = self.ledger.enqueue(
                     f"eval/{policy}/{version}/{key}",
@@ -153,11 +142,7 @@ class Evaluator:
                     self.cfg.samples,
                     read_only=task_policies,
                 )
-                c.execute(
-                    "INSERT INTO eval_tasks (task_id, policy, version, item, rewards, min_version, done) "
-                    "VALUES (?, ?, ?, ?, '[]', -1, 0)",
-                    (tid, policy, version, key),
-                )
+                eval_rounds.add_eval_task(self.store, tid, policy, version, key)
                 self.open_tasks[tid] = (policy, version)
         self.open_rounds.add((policy, version))
         return len(self.items)
@@ -205,36 +190,18 @@ class Evaluator:
                 # one sample per episode: a policy playing several turns or roles gets their mean
                 rewards.append(sum(s.reward for s in mine) / len(mine))
                 versions.extend(v for s in mine for v, mk in zip(s.versions, s.loss_mask, strict=True) if mk)
-        with self.store.write() as c:
-            c.execute(
-                "UPDATE eval_tasks SET rewards = ?, min_version = ?, done = 1 WHERE task_id = ?",
-                (json.dumps(rewards), min(versions, default=-1), task_id),
-            )
+        eval_rounds.record_rewards(self.store, task_id, rewards, min(versions, default=-1))
 
     def finish_rounds(self) -> list[dict[str, Any]]:
         """Aggregate and close every open round none of whose tasks is queued or leased any more; returns
         their metrics rows (call inside a write transaction, write the rows after it commits)."""
         rows: list[dict[str, Any]] = []
         for policy, version in sorted(self.open_rounds):
-            busy = self.store.scalar(
-                "SELECT COUNT(*) FROM eval_tasks e JOIN tasks t ON t.id = e.task_id "
-                "WHERE e.policy = ? AND e.version = ? AND t.status IN ('queued', 'leased')",
-                (policy, version),
-            )
-            if busy:
+            if eval_rounds.tasks_in_flight(self.store, policy, version):
                 continue
             row = self._aggregate(policy, version)
-            with self.store.write() as c:
-                c.execute(
-                    "UPDATE eval_rounds SET status = 'done', metrics = ?, finished = ? "
-                    "WHERE policy = ? AND version = ?",
-                    (json.dumps(row, sort_keys=True), row["time"], policy, version),
-                )
-                for r in c.execute(
-                    "SELECT task_id FROM eval_tasks WHERE policy = ? AND version = ? AND done = 0",
-                    (policy, version),
-                ).fetchall():
-                    self.open_tasks.pop(int(r["task_id"]), None)  # failed every attempt
+            for tid in eval_rounds.close_round(self.store, policy, version, row, row["time"]):
+                self.open_tasks.pop(tid, None)  # failed every attempt
             self.open_rounds.discard((policy, version))
             _log.info(
                 "eval of %s version %d: %s",
@@ -247,22 +214,9 @@ class Evaluator:
 
     def _aggregate(self, policy: str, version: int) -> dict[str, Any]:
         """avg@n and pass@k of a round over its recorded tasks."""
-        step = int(
-            self.store.scalar(
-                "SELECT step FROM eval_rounds WHERE policy = ? AND version = ?", (policy, version)
-            )
-        )
-        done = self.store.query(
-            "SELECT rewards, min_version FROM eval_tasks WHERE policy = ? AND version = ? AND done = 1",
-            (policy, version),
-        )
-        total = int(
-            self.store.scalar(
-                "SELECT COUNT(*) FROM eval_tasks WHERE policy = ? AND version = ?", (policy, version)
-            )
-        )
-        per_task = [[float(x) for x in json.loads(r["rewards"])] for r in done]
-        per_task = [rs for rs in per_task if rs]
+        step = eval_rounds.round_step(self.store, policy, version)
+        done, total = eval_rounds.round_results(self.store, policy, version)
+        per_task = [rs for rs, _ in done if rs]
         n = self.cfg.samples
         row: dict[str, Any] = {
             "kind": "eval",
@@ -278,7 +232,7 @@ class Evaluator:
             for k in sorted(set(self.cfg.k)):
                 est = [pass_at_k(len(rs), sum(r >= self.cfg.correct_at for r in rs), k) for rs in per_task]
                 row[f"eval/pass@{k}"] = sum(est) / len(est)
-            mins = [int(r["min_version"]) for r in done if int(r["min_version"]) >= 0]
+            mins = [v for _, v in done if v >= 0]
             if mins:
                 row["eval/version_min"] = min(mins)
         return row

@@ -68,11 +68,6 @@ class Loss(ABC):
         """Return (scalar loss to minimise, metrics as floats)."""
 
 
-def masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Sum of x over mask."""
-    return (x * mask).sum()
-
-
 def token_mean(x: torch.Tensor, mask: torch.Tensor, total_tokens: float | None = None) -> torch.Tensor:
     """Token-level mean of x over mask (over the whole batch when total_tokens is given)."""
     # An all-empty batch must give a finite zero, not 0 / 0.

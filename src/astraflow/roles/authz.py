@@ -14,7 +14,10 @@ from typing import Any
 
 from astraflow.config.recipe import Recipe
 from astraflow.protocol import messages as m
+from astraflow.state import members, versions
+from astraflow.state.batches import batch_recorded
 from astraflow.state.store import Store
+from astraflow.state.tasks import leases_held
 from astraflow.transport.principal import Principal
 
 Refusal = tuple[str, str]
@@ -86,7 +89,7 @@ def hello_refusal(
                 f"member {msg.member_id!r} is alive (pid {prev['pid']} on {prev['host']!r}); "
                 f"retry once it left or fell silent for {timeout:g}s",
             )
-    if prev is None and int(store.scalar("SELECT COUNT(*) FROM members") or 0) >= MAX_MEMBERS:
+    if prev is None and members.member_count(store) >= MAX_MEMBERS:
         return "too_many_members", f"{MAX_MEMBERS} members are registered; retry later"
     if msg.role == "trainer":
         for other in store.members("alive"):
@@ -137,12 +140,10 @@ def control_refusal(principal: Principal | None) -> Refusal | None:
 
 def version_refusal(store: Store, msg: m.VersionPublished) -> Refusal | None:
     """A version must be the policy's next one (for a step whose batch was taken), or a known one re-announced."""
-    known = store.query(
-        "SELECT step FROM versions WHERE policy = ? AND version = ?", (msg.policy, msg.version)
-    )
-    if known:
-        if int(known[0]["step"]) != msg.step:
-            return "bad_version", f"version {msg.version} was recorded for step {known[0]['step']}"
+    known = versions.version_step(store, msg.policy, msg.version)
+    if known is not None:
+        if known != msg.step:
+            return "bad_version", f"version {msg.version} was recorded for step {known}"
         return None
     pol = store.policy(msg.policy)
     want_v, want_s = int(pol["version"]) + 1, int(pol["step"]) + 1
@@ -152,7 +153,7 @@ def version_refusal(store: Store, msg: m.VersionPublished) -> Refusal | None:
             f"the next version of {msg.policy!r} is {want_v} at step {want_s}, "
             f"not {msg.version} at step {msg.step}",
         )
-    if not store.scalar("SELECT 1 FROM batches WHERE policy = ? AND step = ?", (msg.policy, msg.step)):
+    if not batch_recorded(store, msg.policy, msg.step):
         return "bad_version", f"step {msg.step} of {msg.policy!r} has not taken its batch"
     return None
 
@@ -161,12 +162,10 @@ def batch_refusal(store: Store, policy: str, step: int) -> Refusal | None:
     """A batch request must be for a recorded step (resume), the next one after the policy's last
     version, or the one after that once the next step's batch is taken: a trainer may train on while
     it publishes that step's version in the background (one version in flight at most)."""
-    if store.scalar("SELECT 1 FROM batches WHERE policy = ? AND step = ?", (policy, step)):
+    if batch_recorded(store, policy, step):
         return None
     want = int(store.policy(policy)["step"]) + 1
-    ahead = step == want + 1 and store.scalar(
-        "SELECT 1 FROM batches WHERE policy = ? AND step = ?", (policy, want)
-    )
+    ahead = step == want + 1 and batch_recorded(store, policy, want)
     if step != want and not ahead:
         return "bad_step", f"the next batch of {policy!r} is step {want}, not {step}"
     return None
@@ -176,17 +175,10 @@ def task_quota(store: Store, recipe: Recipe, member: dict[str, Any], asked: int)
     """Tasks a worker may be leased now: its declared slots (capped) minus the leases it holds."""
     slots = int(member["slots"] or 0) or recipe.rollout.slots
     slots = min(slots, recipe.controller.max_member_slots)
-    held = int(
-        store.scalar("SELECT COUNT(*) FROM tasks WHERE status = 'leased' AND owner = ?", (member["id"],)) or 0
-    )
+    held = leases_held(store, member["id"])
     return max(0, min(asked, slots - held))
 
 
 def prune_members(store: Store, now: float, forget_after_s: float) -> int:
     """Delete dead and departed members last seen more than forget_after_s ago; returns how many."""
-    with store.write() as c:
-        cur = c.execute(
-            "DELETE FROM members WHERE status IN ('dead', 'left') AND COALESCE(last_seen, 0) < ?",
-            (now - forget_after_s,),
-        )
-        return cur.rowcount
+    return members.delete_departed(store, now - forget_after_s)

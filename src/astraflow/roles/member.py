@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import platform
 import socket
+from collections.abc import Callable
 from typing import Any
 
 from astraflow.protocol.messages import PROTOCOL_VERSION, Hello
@@ -54,23 +55,30 @@ def advertise_host(controller: str) -> str:
 
 
 def request_retrying(
-    client: Any, msg: Any, *, timeout_s: float = 30.0, give_up_after_s: float = 600.0
+    client: Any,
+    msg: Any,
+    *,
+    timeout_s: float = 30.0,
+    give_up_after_s: float = 600.0,
+    stop: Callable[[], bool] | None = None,
 ) -> Any:
     """A request that survives a controller restart: on ConnectError, wait and ask again (the client
     re-sends its Hello by itself once the controller is back), until give_up_after_s (each attempt
-    waits at most what is left of it)."""
+    waits at most what is left of it). With `stop`, the waits for a reply and between attempts end in
+    errors.Stopped once it is true."""
     import time
 
     from astraflow import log
-    from astraflow.errors import ConnectError
+    from astraflow.errors import ConnectError, Stopped
 
     deadline = time.monotonic() + give_up_after_s
     warned = False
     while True:
         try:
-            # no attempt outlives the deadline: a caller that gives up after 3 s waits 3 s, not 30
-            left = max(0.5, deadline - time.monotonic())
-            reply = client.request(msg, timeout_s=min(timeout_s, left))
+            # no attempt outlives the deadline: a caller that gives up after 3 s waits 3 s, not 30;
+            # `stop` only when given: a client without it (a test's fake) keeps working
+            left = min(timeout_s, max(0.5, deadline - time.monotonic()))
+            reply = client.request(msg, timeout_s=left, **({"stop": stop} if stop is not None else {}))
             if warned:
                 log.get("member").info("controller answers again")
             return reply
@@ -82,24 +90,12 @@ def request_retrying(
                 log.get("member").warning("controller not answering; retrying until it is back")
                 warned = True
             client.tick()
-            time.sleep(1.0)
-
-
-def require_model_dirs(recipe: Any, policies: list[str], client: Any) -> None:
-    """Every model this member loads must exist here (the recipe names a path that each machine has)."""
-    from pathlib import Path
-
-    from astraflow.errors import AstraflowError
-
-    for name in policies:
-        model = recipe.get_policy(name).model
-        if not Path(model).is_dir():
-            client.close("model directory missing")
-            raise AstraflowError(
-                f"policy {name!r}: model directory {model!r} does not exist on this machine",
-                hint="copy the model directory to the same path here (or use a shared filesystem); "
-                f"to make a random-init one: astraflow model init --arch qwen3 --preset tiny --out {model}",
-            )
+            for _ in range(10):
+                if stop is not None and stop():
+                    raise Stopped(
+                        f"stopped while the controller did not answer {type(msg).__name__}"
+                    ) from None
+                time.sleep(0.1)
 
 
 RETRY_JOIN_CODES = ("member_id_in_use", "trainer_taken")

@@ -520,7 +520,8 @@ def run_raas(
     """Join the controller as a rollout worker and serve until told to stop."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from astraflow.config.load import role_map, validate_recipe
-    from astraflow.roles.member import connect_retrying, make_hello, require_model_dirs
+    from astraflow.models.dirs import require_model_dirs
+    from astraflow.roles.member import connect_retrying, make_hello
     from astraflow.transport.client import MemberClient
 
     hello = make_hello("raas", member_id, policies=policies, region=region, slots=slots or 0)

@@ -3,55 +3,21 @@
 from __future__ import annotations
 
 import os
-import re
-import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from astraflow import log
-from astraflow.errors import AstraflowError
+from astraflow.errors import AstraflowError, Stopped
+from astraflow.roles.member import advertise_host
+from astraflow.roles.stop_flag import StopFlag
+from astraflow.roles.trainer_checkpoint import latest_checkpoint, save_checkpoint
 
 _log = log.get("trainer")
 
 BATCH_WAIT_S = 1.0
 """How long a BatchRequest asks the controller to hold it when the batch is not ready (a long poll)."""
-
-
-def latest_checkpoint(root: Path) -> Path | None:
-    """The newest complete checkpoint directory (step-N with a COMPLETE marker) under root."""
-    if not root.is_dir():
-        return None
-    best: tuple[int, Path] | None = None
-    for d in root.iterdir():
-        m = re.fullmatch(r"step-(\d+)", d.name)
-        if m and (d / "COMPLETE").is_file():
-            k = int(m.group(1))
-            if best is None or k > best[0]:
-                best = (k, d)
-    return None if best is None else best[1]
-
-
-def save_checkpoint(trainer: Any, root: Path, keep: int = 2) -> Path:
-    """Write step-N atomically (a COMPLETE marker last) and keep only the newest `keep`."""
-    import shutil
-
-    step = trainer.step_count
-    final = root / f"step-{step}"
-    tmp = root / f".tmp-step-{step}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    trainer.save_checkpoint(tmp)
-    (tmp / "COMPLETE").write_text(str(step))
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
-    ckpts = sorted(
-        (d for d in root.iterdir() if re.fullmatch(r"step-\d+", d.name)),
-        key=lambda d: int(d.name.split("-")[1]),
-    )
-    for old in ckpts[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
 
 
 def run_trainer(
@@ -68,18 +34,7 @@ def run_trainer(
 ) -> int:
     """Train `policy` until the run's step budget; returns the process exit code."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from astraflow import plugins
-    from astraflow.config.load import validate_recipe
-    from astraflow.protocol.messages import BatchReply, BatchRequest, Error, TrainSample
-    from astraflow.roles.member import (
-        advertise_host,
-        connect_retrying,
-        make_hello,
-        request_retrying,
-        require_model_dirs,
-    )
-    from astraflow.roles.trainer_ranks import Leader, follow, world_from_env
-    from astraflow.transport.client import MemberClient
+    from astraflow.roles.trainer_ranks import world_from_env
 
     ranks = world_from_env()
     if ranks > 1:
@@ -87,15 +42,47 @@ def run_trainer(
 
         dist.init_from_env("auto")
         if dist.rank() != 0:
-            # A follower: the recipe comes from rank 0, which alone talks to the controller.
-            recipe_dict = dist.broadcast(None)
-            recipe = validate_recipe(recipe_dict, source="recipe from rank 0")
-            pol = recipe.get_policy(policy)
-            import torch
+            return _follow_rank0(policy)
+    client, welcome, recipe = _join(controller, policy, member_id, region, connect_timeout_s)
+    if ranks > 1:
+        dist.broadcast(welcome.recipe)
+    loop = TrainerLoop(
+        client,
+        recipe,
+        policy,
+        ranks=ranks,
+        checkpoint_dir=checkpoint_dir,
+        host=advertise or advertise_host(controller),
+        weights_bind=weights_bind or advertise_host(controller),
+        weights_port=weights_port,
+    )
+    return loop.run()
 
-            torch.set_num_threads(pol.threads)
-            follower = plugins.load("trainers", pol.trainer)(pol, seed=recipe.run.seed)
-            return follow(follower)
+
+def _follow_rank0(policy: str) -> int:
+    """A follower rank: the recipe comes from rank 0, which alone talks to the controller."""
+    import torch
+
+    from astraflow import plugins
+    from astraflow.config.load import validate_recipe
+    from astraflow.roles.trainer_ranks import follow
+    from astraflow.trainers import distributed as dist
+
+    recipe = validate_recipe(dist.broadcast(None), source="recipe from rank 0")
+    pol = recipe.get_policy(policy)
+    torch.set_num_threads(pol.threads)
+    return follow(plugins.load("trainers", pol.trainer)(pol, seed=recipe.run.seed))
+
+
+def _join(
+    controller: str, policy: str, member_id: str | None, region: str, connect_timeout_s: float
+) -> tuple[Any, Any, Any]:
+    """Join the controller as `policy`'s trainer; the client, its Welcome and the run's recipe. Refuses
+    (with the client closed) a policy the run does not have, a frozen one, or a missing model."""
+    from astraflow.config.load import validate_recipe
+    from astraflow.models.dirs import require_model_dirs
+    from astraflow.roles.member import connect_retrying, make_hello
+    from astraflow.transport.client import MemberClient
 
     hello = make_hello("trainer", member_id or f"trainer-{policy}", policies=[policy], region=region)
     client = MemberClient(controller, hello, connect_timeout_s=connect_timeout_s)
@@ -114,61 +101,195 @@ def run_trainer(
             f"policy {policy!r} is frozen (trainable = false): it has no trainer",
             hint="RaaS workers serve it from its model directory at version 0",
         )
-    budget = recipe.budget(policy)
-
     require_model_dirs(recipe, [policy], client)
-    if ranks > 1:
-        dist.broadcast(welcome.recipe)
-    import torch
+    return client, welcome, recipe
 
-    from astraflow.roles.trainer_publish import VersionAnnouncer, trainer_transports
-    from astraflow.trainers.guard import NonFiniteError, SkipGuard, finite_metrics, nonfinite_weights
 
-    torch.set_num_threads(pol.threads)
-    stopping = {"sig": 0}
+class TrainerLoop:
+    """One policy's training, as a list of steps: resume, then (next batch, train, checkpoint, publish)
+    until the step budget or a stop, then drain. A signal sets `stop`, which is checked between those
+    steps and inside the long polls; the loop then returns the signal's exit code."""
 
-    def on_term(signum: int, _frame: Any) -> None:
-        # leave at once, even from a blocking request: checkpoints are written atomically
-        stopping["sig"] = signum
-        raise SystemExit(143)
+    def __init__(
+        self,
+        client: Any,
+        recipe: Any,
+        policy: str,
+        *,
+        ranks: int,
+        checkpoint_dir: Path | None,
+        host: str,
+        weights_bind: str,
+        weights_port: int,
+    ) -> None:
+        """Build the trainer and the weight publishing for `policy`; SIGTERM/SIGINT set `stop` from now."""
+        import torch
 
-    signal.signal(signal.SIGTERM, on_term)
+        from astraflow import plugins
+        from astraflow.roles.trainer_publish import VersionAnnouncer, trainer_transports, weight_publisher
+        from astraflow.roles.trainer_ranks import Leader
+        from astraflow.trainers.guard import SkipGuard
 
-    trainer_cls = plugins.load("trainers", pol.trainer)
-    trainer = trainer_cls(pol, seed=recipe.run.seed)
-    if ranks > 1:
-        trainer = Leader(trainer)
-        _log.info("training %s over %d ranks (FSDP2)", policy, ranks)
-    ckpt_root = checkpoint_dir or Path("checkpoints") / recipe.run.name / policy
-    ckpt_root.mkdir(parents=True, exist_ok=True)
-    last = latest_checkpoint(ckpt_root)
-    if last is not None:
-        trainer.load_checkpoint(last)
-        _log.info("resumed %s from %s (step %d)", policy, last, trainer.step_count)
+        self.client = client
+        self.recipe = recipe
+        self.policy = policy
+        self.pol = recipe.get_policy(policy)
+        self.budget = recipe.budget(policy)
+        torch.set_num_threads(self.pol.threads)
+        self.stop = StopFlag().install()
+        self.trainer = plugins.load("trainers", self.pol.trainer)(self.pol, seed=recipe.run.seed)
+        if ranks > 1:
+            self.trainer = Leader(self.trainer)
+            _log.info("training %s over %d ranks (FSDP2)", policy, ranks)
+        self.ckpt_root = checkpoint_dir or Path("checkpoints") / recipe.run.name / policy
+        self.ckpt_root.mkdir(parents=True, exist_ok=True)
+        # the weight server binds a local address (the one that reaches the controller unless told) and
+        # is announced under `host` when workers reach this host by another name (NAT, a load balancer)
+        self.server, background = weight_publisher(
+            recipe.weights, weights_bind, policy, port=weights_port, advertise=host
+        )
+        fast = trainer_transports(recipe, policy, self.cuda_device or torch.device("cpu"), host)
+        self.publisher = VersionAnnouncer(client, policy, self.server, fast, background, stop=self.stop)
+        self.guard = SkipGuard(policy, self.pol.max_nonfinite_steps)
 
-    host = advertise or advertise_host(controller)
-    # the weight server binds a local address (the one that reaches the controller unless told) and is
-    # announced under --advertise when workers reach this host by another name (NAT, a load balancer)
-    server, background = weight_publisher(
-        recipe.weights,
-        weights_bind or advertise_host(controller),
-        policy,
-        port=weights_port,
-        advertise=host,
-    )
-    dev = getattr(trainer, "device", None)
-    fast = trainer_transports(
-        recipe, policy, dev if isinstance(dev, torch.device) else torch.device("cpu"), host
-    )
-    publisher = VersionAnnouncer(client, policy, server, fast, background)
+    @property
+    def cuda_device(self) -> Any:
+        """The trainer's torch device when it has one (None for a trainer that names none)."""
+        import torch
 
-    def announce(block: bool, give_up_after_s: float = 600.0) -> float:
-        """Announce the version whose blob is in flight once it is served (VersionAnnouncer.flush)."""
-        return publisher.flush(block, give_up_after_s)
+        dev = getattr(self.trainer, "device", None)
+        return dev if isinstance(dev, torch.device) else None
 
-    def publish(metrics: dict[str, float]) -> None:
+    def run(self) -> int:
+        """Train to the budget (or the controller's stop), then drain; returns the exit code."""
+        from astraflow.trainers.guard import NonFiniteError
+
+        self.resume()
+        bye = "done"
+        try:
+            if self.trainer.step_count > 0:
+                self.publish({})  # the resumed version, for workers that join after a restart
+            _log.info("training %s from step %d to %d", self.policy, self.trainer.step_count, self.budget)
+            while self.trainer.step_count < self.budget and not self.stop():
+                batch = self.next_batch()
+                if batch is None or self.stop():
+                    break
+                metrics = self.train(batch)
+                if self.stop():
+                    break
+                metrics["trainer_checkpoint_s"] = self.checkpoint()
+                self.publish(metrics)
+            return self.stopped() if self.stop() else self.drain()
+        except Stopped:
+            return self.stopped()
+        except NonFiniteError as exc:
+            bye = f"failed: {exc}"  # the controller records why this trainer left
+            _log.error("%s\n  hint: %s", exc.message, exc.hint)
+            return 1
+        except AstraflowError as exc:
+            bye = f"failed: {exc}"
+            raise
+        finally:
+            self.close(bye)
+
+    def resume(self) -> None:
+        """Load the newest complete checkpoint, if any."""
+        last = latest_checkpoint(self.ckpt_root)
+        if last is not None:
+            self.trainer.load_checkpoint(last)
+            _log.info("resumed %s from %s (step %d)", self.policy, last, self.trainer.step_count)
+
+    def next_batch(self) -> list[Any] | None:
+        """The next step's batch, by long polls; None when the controller says the run is done.
+
+        Sets `wait_s` (the time spent waiting) and `parts` (the messages the batch came in)."""
+        from astraflow.protocol.messages import BatchReply, BatchRequest, Error
+        from astraflow.roles.member import request_retrying
+
+        step = self.trainer.step_count + 1
+        t_wait = time.monotonic()
+        self.parts = 1
+        batch: list[Any] | None = None
+        while not self.stop():
+            self.client.tick()
+            self.announce(block=False)  # the previous version, as soon as it is served
+            # a long poll (the controller answers once the batch is ready), except while a version is
+            # still being serialised: it must be announced first, so workers can pull it
+            wait = 0.0 if self.publisher.busy else BATCH_WAIT_S
+            # a held request whose controller died is never answered: the restarted controller's
+            # HeartbeatAck names it lost at once; the shorter deadline is the fallback if none does
+            reply = request_retrying(
+                self.client,
+                BatchRequest(policy=self.policy, step=step, wait_s=wait),
+                timeout_s=15.0 + wait if wait > 0 else 60.0,
+                stop=self.stop,
+            )
+            if isinstance(reply, BatchReply) and reply.ready:
+                self.parts = reply.parts
+                batch = fetch_parts(self.client, reply, stop=self.stop)
+                break
+            if isinstance(reply, BatchReply) and reply.done:
+                break
+            if isinstance(reply, Error):
+                raise AstraflowError(f"controller refused batch {step}: {reply.code} {reply.message}")
+            self.pause_before_asking_again(reply, wait)
+        self.wait_s = time.monotonic() - t_wait
+        return batch
+
+    def pause_before_asking_again(self, reply: Any, wait: float) -> None:
+        """Between batch polls: announce a version being served the moment it is, else sleep as told."""
+        pause = max(0.0, getattr(reply, "retry_after_s", 0.05) or 0.0)
+        if wait > 0:
+            pause = 0.01  # the controller held the request already: ask again at once
+        if self.publisher.busy:
+            self.publisher.wait(pause)  # announce it the moment it is served
+        elif pause > 0:
+            self.stop.sleep(pause)
+
+    def train(self, batch: list[Any]) -> dict[str, float]:
+        """One optimizer step on `batch`; its metrics with the step's timings."""
+        import torch
+
+        self.client.tick()
+        t_step = time.monotonic()
+        metrics = dict(self.trainer.step(batch))
+        dev = self.cuda_device
+        if dev is not None and dev.type == "cuda":
+            torch.cuda.synchronize(dev)  # the optimizer's kernels may still run: count them here
+        compute_s = time.monotonic() - t_step
+        self.guard.after_step(self.trainer.step_count, metrics)  # reports a skipped step; raises at the limit
+        if self.pol.trainer_sleep_s > 0:
+            time.sleep(self.pol.trainer_sleep_s)  # the benchmarking knob: a costlier policy's step
+        metrics.update(
+            {
+                "trainer_wait_s": self.wait_s,
+                "trainer_step_s": time.monotonic() - t_step,
+                "trainer_compute_s": compute_s,
+                # wall clock at the step's end: its version may be announced a step later
+                "trainer_done_at": time.time(),
+                "batch_size": float(len(batch)),
+                "trainer_batch_parts": float(self.parts),
+            }
+        )
+        self.client.tick()
+        self.announce(block=False)  # the previous version, if it was not yet served when this step began
+        return metrics
+
+    def checkpoint(self) -> float:
+        """Save a checkpoint when one is due (every checkpoint_every steps, and at the budget); returns
+        the seconds it took."""
+        t_ckpt = time.monotonic()
+        step = self.trainer.step_count
+        if step % self.pol.checkpoint_every == 0 or step >= self.budget:
+            save_checkpoint(self.trainer, self.ckpt_root)
+        return time.monotonic() - t_ckpt
+
+    def publish(self, metrics: dict[str, float]) -> None:
+        """Publish the current weights as the version of this step (refused when not finite)."""
+        from astraflow.trainers.guard import NonFiniteError, finite_metrics, nonfinite_weights
+
         t0 = time.monotonic()
-        step = trainer.step_count
+        step = self.trainer.step_count
 
         def check(weights: dict[str, Any]) -> None:
             bad = nonfinite_weights(weights)
@@ -179,121 +300,60 @@ def run_trainer(
                     hint="lower optimizer.lr, or look for extreme values in the results (the controller's events)",
                 )
 
+        take = getattr(self.trainer, "weights_snapshot", None)
+        weights = dict(take() if take is not None else self.trainer.export_weights())
+        metrics = finite_metrics({k: float(v) for k, v in metrics.items()})
         # trainer_publish_s counts the weights' copy too (the trainer's own share of publishing); the
         # check and the packing run on the publisher's thread
-        publisher.publish(step, snapshot(), metrics, started=t0, check=check)
+        self.publisher.publish(step, weights, metrics, started=t0, check=check)
 
-    def snapshot() -> dict[str, Any]:
-        take = getattr(trainer, "weights_snapshot", None)
-        return dict(take() if take is not None else trainer.export_weights())
+    def announce(self, block: bool, give_up_after_s: float = 600.0) -> float:
+        """Announce the version whose blob is in flight once it is served (VersionAnnouncer.flush)."""
+        return self.publisher.flush(block, give_up_after_s)
 
-    guard = SkipGuard(policy, pol.max_nonfinite_steps)
-    bye = "done"
-    try:
-        if trainer.step_count > 0:
-            publish({})
-        while trainer.step_count < budget and not stopping["sig"]:
-            step = trainer.step_count + 1
-            t_wait = time.monotonic()
-            batch: list[TrainSample] | None = None
-            parts = 1
-            while not stopping["sig"]:
-                client.tick()
-                announce(block=False)  # the previous version, as soon as it is served
-                # a long poll (the controller answers once the batch is ready), except while a version
-                # is still being serialised: it must be announced first, so workers can pull it
-                wait = 0.0 if publisher.busy else BATCH_WAIT_S
-                # a held request whose controller died is never answered: the restarted controller's
-                # HeartbeatAck names it lost at once; the shorter deadline is the fallback if none does
-                reply = request_retrying(
-                    client,
-                    BatchRequest(policy=policy, step=step, wait_s=wait),
-                    timeout_s=15.0 + wait if wait > 0 else 60.0,
-                )
-                if isinstance(reply, BatchReply) and reply.ready:
-                    parts = reply.parts
-                    batch = fetch_parts(client, reply)
-                    break
-                if isinstance(reply, BatchReply) and reply.done:
-                    break
-                if isinstance(reply, Error):
-                    raise AstraflowError(f"controller refused batch {step}: {reply.code} {reply.message}")
-                pause = max(0.0, getattr(reply, "retry_after_s", 0.05) or 0.0)
-                if wait > 0:
-                    pause = 0.01  # the controller held the request already: ask again at once
-                if publisher.busy:
-                    publisher.wait(pause)  # announce it the moment it is served
-                elif pause > 0:
-                    time.sleep(pause)
-            if batch is None:
-                break
-            wait_s = time.monotonic() - t_wait
-            client.tick()
-            t_step = time.monotonic()
-            metrics = dict(trainer.step(batch))
-            dev = getattr(trainer, "device", None)
-            if isinstance(dev, torch.device) and dev.type == "cuda":
-                torch.cuda.synchronize(dev)  # the optimizer's kernels may still run: count them here
-            compute_s = time.monotonic() - t_step
-            guard.after_step(trainer.step_count, metrics)  # reports a skipped step; raises at the limit
-            if pol.trainer_sleep_s > 0:
-                time.sleep(pol.trainer_sleep_s)  # the benchmarking knob: a costlier policy's step
-            step_s = time.monotonic() - t_step
-            client.tick()
-            announce(block=False)  # the previous version, if it was not yet served when this step began
-            t_ckpt = time.monotonic()
-            if trainer.step_count % pol.checkpoint_every == 0 or trainer.step_count >= budget:
-                save_checkpoint(trainer, ckpt_root)
-            metrics.update(
-                {
-                    "trainer_wait_s": wait_s,
-                    "trainer_step_s": step_s,
-                    "trainer_compute_s": compute_s,
-                    # wall clock at the step's end: its version may be announced a step later
-                    "trainer_done_at": time.time(),
-                    "trainer_checkpoint_s": time.monotonic() - t_ckpt,
-                    "batch_size": float(len(batch)),
-                    "trainer_batch_parts": float(parts),
-                }
-            )
-            publish(finite_metrics({k: float(v) for k, v in metrics.items()}))
-        announce(block=True)
-        if not stopping["sig"] and 0 < trainer.step_count < budget:
+    def drain(self) -> int:
+        """After the loop: announce the last version, keep an early-stopped run's last step, serve the
+        weights until the run is done when an eval may pull them; returns the exit code."""
+        from astraflow.roles.trainer_ranks import Leader
+
+        self.announce(block=True)
+        step = self.trainer.step_count
+        if 0 < step < self.budget:
             # the controller ended the run early (an operator's stop): keep the last step
-            if trainer.step_count % pol.checkpoint_every:
-                save_checkpoint(trainer, ckpt_root)
-            _log.info("run stopped by the controller at step %d of %d", trainer.step_count, budget)
-        if stopping["sig"]:
-            _log.info("stopping on signal; last step %d", trainer.step_count)
-            return 0 if trainer.step_count >= budget else 143
-        _log.info("policy %s reached %d steps", policy, trainer.step_count)
-        if recipe.eval is not None:
-            serve_until_done(client, policy, budget, stopping)
-        if isinstance(trainer, Leader):
-            trainer.stop()
+            if step % self.pol.checkpoint_every:
+                save_checkpoint(self.trainer, self.ckpt_root)
+            _log.info("run stopped by the controller at step %d of %d", step, self.budget)
+        _log.info("policy %s reached %d steps", self.policy, step)
+        if self.recipe.eval is not None:
+            serve_until_done(self.client, self.policy, self.budget, self.stop)
+            if self.stop():
+                return self.stopped()
+        if isinstance(self.trainer, Leader):
+            self.trainer.stop()
         return 0
-    except NonFiniteError as exc:
-        bye = f"failed: {exc}"  # the controller records why this trainer left
-        _log.error("%s\n  hint: %s", exc.message, exc.hint)
-        return 1
-    except AstraflowError as exc:
-        bye = f"failed: {exc}"
-        raise
-    finally:
-        if publisher.busy:
+
+    def stopped(self) -> int:
+        """The exit code of a stop by signal (the newest checkpoint is what a restart resumes from)."""
+        _log.info("stopping on signal; last step %d", self.trainer.step_count)
+        return self.stop.exit_code
+
+    def close(self, bye: str) -> None:
+        """Finish a version still in flight if the controller answers, stop publishing, say Bye."""
+        if self.publisher.busy:
             # a stop (signal, error) mid-publish: finish and announce the version if the controller
             # still answers; a restarted trainer re-announces its last checkpoint anyway
-            # after a signal, briefly: the launcher that sent it (or died) stops the controller too
+            self.publisher.stop = None  # a signal's stop is no reason to skip this last announcement
+            # but after a signal, briefly: the launcher that sent it (or died) stops the controller too
             try:
-                announce(block=True, give_up_after_s=3.0 if stopping["sig"] else 10.0)
-            except (AstraflowError, OSError) as exc:
+                self.announce(block=True, give_up_after_s=3.0 if self.stop() else 10.0)
+            except (AstraflowError, OSError, Stopped) as exc:
                 _log.warning("version in flight at stop not announced: %s", exc)
-        publisher.close()
-        server.close()
-        client.close(bye[:1000])
+        self.publisher.close()
+        self.server.close()
+        self.client.close(bye[:1000])
 
 
-def fetch_parts(client: Any, first: Any) -> list[Any] | None:
+def fetch_parts(client: Any, first: Any, stop: Callable[[], bool] | None = None) -> list[Any] | None:
     """The samples of a ready batch: `first`'s, then those of its other parts (a batch larger than one
     message comes in parts); None when the controller says the run is done meanwhile."""
     from astraflow.protocol.messages import BatchReply, BatchRequest
@@ -302,7 +362,7 @@ def fetch_parts(client: Any, first: Any) -> list[Any] | None:
     samples = list(first.samples)
     for part in range(1, first.parts):
         reply = request_retrying(
-            client, BatchRequest(policy=first.policy, step=first.step, part=part), timeout_s=60.0
+            client, BatchRequest(policy=first.policy, step=first.step, part=part), timeout_s=60.0, stop=stop
         )
         if isinstance(reply, BatchReply) and reply.done:
             return None
@@ -313,35 +373,17 @@ def fetch_parts(client: Any, first: Any) -> list[Any] | None:
     return samples
 
 
-def serve_until_done(client: Any, policy: str, budget: int, stopping: dict[str, int]) -> None:
+def serve_until_done(client: Any, policy: str, budget: int, stop: StopFlag) -> None:
     """Keep the weight server up after the last step until the controller says the run is done: a
     held-out eval round of the last version may still pull these weights."""
     from astraflow.protocol.messages import BatchReply, BatchRequest
     from astraflow.roles.member import request_retrying
 
-    while not stopping["sig"]:
+    while not stop():
         client.tick()
-        reply = request_retrying(client, BatchRequest(policy=policy, step=budget + 1), timeout_s=60.0)
+        reply = request_retrying(
+            client, BatchRequest(policy=policy, step=budget + 1), timeout_s=60.0, stop=stop
+        )
         if not isinstance(reply, BatchReply) or reply.done:
             return
-        time.sleep(max(0.05, reply.retry_after_s or 0.2))
-
-
-def weight_publisher(
-    cfg: Any, host: str, policy: str, *, port: int = 0, advertise: str | None = None
-) -> tuple[Any, Any]:
-    """The trainer's weight server (bound on `host`, a fixed `port` or any, announced under `advertise`)
-    and the publisher that fills it, as `[weights]` asks (deltas or not)."""
-    from astraflow.weights.publisher import BackgroundPublisher
-    from astraflow.weights.server import WeightServer
-
-    delta = cfg.mode == "delta"
-    server = WeightServer(
-        host,
-        chunk_bytes=cfg.chunk_bytes,
-        keep_versions=cfg.keep_versions,
-        keep_deltas=cfg.max_chain if delta else 0,
-        port=port,
-        advertise_host=advertise or host,
-    )
-    return server, BackgroundPublisher(server, policy, delta=delta)
+        stop.sleep(max(0.05, reply.retry_after_s or 0.2))

@@ -31,10 +31,20 @@ _log = log.get("trainer.publish")
 class VersionAnnouncer:
     """The trainer's publishing: fast transports first, then the weight server's blob."""
 
-    def __init__(self, client: Any, policy: str, server: Any, fast: list[Any], publisher: Any = None) -> None:
+    def __init__(
+        self,
+        client: Any,
+        policy: str,
+        server: Any,
+        fast: list[Any],
+        publisher: Any = None,
+        stop: Callable[[], bool] | None = None,
+    ) -> None:
         """`fast`: trainer-side WeightTransports; `server`: the WeightServer for the ZeroMQ pull;
-        `publisher`: the BackgroundPublisher that fills it (one without deltas when None)."""
+        `publisher`: the BackgroundPublisher that fills it (one without deltas when None); `stop`: once
+        true, an announcement waiting on the controller ends in errors.Stopped."""
         self.client = client
+        self.stop = stop
         self.policy = policy
         self.server = server
         self.fast = fast
@@ -173,7 +183,11 @@ class VersionAnnouncer:
             metrics=metrics,
             offers=offers,
         )
-        reply = request_retrying(self.client, msg, give_up_after_s=give_up_after_s)
+        # one attempt never outlasts the give-up (a stopping trainer allows its last announcement 10 s)
+        timeout_s = min(30.0, give_up_after_s)
+        reply = request_retrying(
+            self.client, msg, timeout_s=timeout_s, give_up_after_s=give_up_after_s, stop=self.stop
+        )
         if isinstance(reply, Error):
             raise AstraflowError(f"controller refused version {version}: {reply.code} {reply.message}")
 
@@ -263,3 +277,23 @@ def trainer_transports(recipe: Any, policy: str, device: Any, host: str) -> list
         )
         out.append(BroadcastTransport(device, hub=hub))
     return out
+
+
+def weight_publisher(
+    cfg: Any, host: str, policy: str, *, port: int = 0, advertise: str | None = None
+) -> tuple[Any, Any]:
+    """The trainer's weight server (bound on `host`, a fixed `port` or any, announced under `advertise`)
+    and the publisher that fills it, as `[weights]` asks (deltas or not)."""
+    from astraflow.weights.publisher import BackgroundPublisher
+    from astraflow.weights.server import WeightServer
+
+    delta = cfg.mode == "delta"
+    server = WeightServer(
+        host,
+        chunk_bytes=cfg.chunk_bytes,
+        keep_versions=cfg.keep_versions,
+        keep_deltas=cfg.max_chain if delta else 0,
+        port=port,
+        advertise_host=advertise or host,
+    )
+    return server, BackgroundPublisher(server, policy, delta=delta)

@@ -6,7 +6,7 @@ import json
 import sqlite3
 from typing import Any
 
-from astraflow.dataflow import control, failures
+from astraflow.state import failure_counts, paused, trajectories
 from astraflow.state.demand import build_demand
 from astraflow.state.store import Store, skipped_steps
 
@@ -46,12 +46,7 @@ def build_status(store: Store, room: dict[str, int] | None = None) -> dict[str, 
                 "skipped_steps": skipped.get(p["name"], []),
             }
         )
-        counts = {"buffered": 0, "consumed": 0, "expired": 0, "dropped": 0}
-        for r in store.query(
-            "SELECT status, COUNT(*) AS n FROM trajectories WHERE policy = ? GROUP BY status", (p["name"],)
-        ):
-            counts[r["status"]] = int(r["n"])
-        buffers[p["name"]] = counts
+        buffers[p["name"]] = trajectories.status_counts(store, p["name"])
     members = [
         {
             "id": m["id"],
@@ -73,7 +68,7 @@ def build_status(store: Store, room: dict[str, int] | None = None) -> dict[str, 
     tasks = {"queued": 0, "leased": 0, "done": 0, "failed": 0}
     for r in store.query("SELECT status, COUNT(*) AS n FROM tasks GROUP BY status"):
         tasks[r["status"]] = int(r["n"])
-    fails = failures.counts(store)
+    fails = failure_counts.counts(store)
     by_reason = {k: int(v) for k, v in fails.get("by_reason", {}).items()}
     stall = None
     for ev in reversed(store.events(limit=200)):
@@ -89,13 +84,13 @@ def build_status(store: Store, room: dict[str, int] | None = None) -> dict[str, 
             "mode": str(recipe.get("run", {}).get("mode", "async")) if recipe else "async",
         },
         "stall": stall,
-        "control": control.read(store),
+        "control": paused.read(store),
         "policies": policies,
         "members": members,
         "tasks": tasks,
         "failures": {
             "by_reason": by_reason,
-            "last_error": failures.tail(str(fails.get("last_error", "")), 500),
+            "last_error": failure_counts.tail(str(fails.get("last_error", "")), 500),
         },
         "buffers": buffers,
         "demand": build_demand(store, room),

@@ -15,7 +15,7 @@ from typing import Any
 import zmq
 
 from astraflow import log
-from astraflow.errors import ConnectError, ProtocolError
+from astraflow.errors import ConnectError, ProtocolError, Stopped
 from astraflow.protocol.messages import (
     Bye,
     Error,
@@ -32,6 +32,9 @@ _log = log.get("transport.client")
 
 PROBE_AFTER_S = 2.0
 """Seconds without a Welcome after which connect() probes why (transport/probe.py)."""
+
+STOP_POLL_S = 0.2
+"""How often a request given a stop predicate checks it while it waits for its reply."""
 
 GIVE_UP_ABSENT_S = 600.0
 """A joined member whose controller address has had nothing listening this long exits (check_reachable)."""
@@ -204,13 +207,20 @@ class MemberClient:
         self._wake()
         return fut
 
-    def request(self, msg: Msg, timeout_s: float = 30.0) -> Msg:
-        """Send a request and wait for its reply; ConnectError on timeout."""
+    def request(self, msg: Msg, timeout_s: float = 30.0, stop: Callable[[], bool] | None = None) -> Msg:
+        """Send a request and wait for its reply; ConnectError on timeout. With `stop`, the wait checks it
+        every STOP_POLL_S and raises errors.Stopped once it is true (the reply, if any, is dropped)."""
         fut = self.submit(msg, timeout_s)
-        try:
-            return fut.result(timeout_s + 1.0)
-        except concurrent.futures.TimeoutError:
-            raise self._timeout_error(msg, timeout_s) from None
+        deadline = time.monotonic() + timeout_s + 1.0
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return fut.result(max(0.0, left) if stop is None else min(max(0.0, left), STOP_POLL_S))
+            except concurrent.futures.TimeoutError:
+                if stop is not None and stop():
+                    raise Stopped(f"stopped while waiting for the reply to {type(msg).__name__}") from None
+                if time.monotonic() >= deadline:
+                    raise self._timeout_error(msg, timeout_s) from None
 
     def set_load(self, loaded: dict[str, int], busy: int, free: int) -> None:
         """Set the load reported in the next Heartbeat."""
@@ -248,6 +258,45 @@ class MemberClient:
             self._thread.join(5.0)
         os.close(self._wake_r)
         os.close(self._wake_w)
+
+    # ----- what the transport thread (transport/member_loop.py) takes from its owner ----------
+
+    @property
+    def wake_fd(self) -> int:
+        """The read end of the pipe the owner writes to wake the transport thread."""
+        return self._wake_r
+
+    @property
+    def stopping(self) -> bool:
+        """close() was called: the transport thread ends."""
+        return self._stopping.is_set()
+
+    def take_hello_future(self) -> concurrent.futures.Future[Msg] | None:
+        """The future of a connect() waiting for its Welcome, handed over once (None: none waits)."""
+        with self._lock:
+            fut, self._hello_future = self._hello_future, None
+        return fut
+
+    def take_request(self) -> Pending | None:
+        """The next request submit() queued (None: none)."""
+        try:
+            return self._inbox.get_nowait()
+        except queue.Empty:
+            return None
+
+    def next_rid(self) -> int:
+        """A fresh request id (for a Hello or a Heartbeat the transport thread sends)."""
+        return next(self._rids)
+
+    def heartbeat_fields(self) -> tuple[dict[str, int], int, int, list[int], str]:
+        """(loaded versions, busy, free, active task ids, error) for the next Heartbeat."""
+        loaded, busy, free = self._load
+        active, error = self._progress
+        return loaded, busy, free, active, error
+
+    def timeout_error(self, msg: Msg, timeout_s: float) -> ConnectError:
+        """The error a request gets when no reply came within timeout_s."""
+        return self._timeout_error(msg, timeout_s)
 
     # ----- transport thread -----------------------------------------------------------------
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-import queue
 import time
 from collections import deque
 from collections.abc import Callable
@@ -80,15 +79,15 @@ class MemberLoop:
         c = self.c
         poller = self.poller
         poller.register(self.sock, zmq.POLLIN)
-        poller.register(c._wake_r, zmq.POLLIN)
+        poller.register(c.wake_fd, zmq.POLLIN)
         try:
-            while not c._stopping.is_set():
+            while not c.stopping:
                 now = time.monotonic()
                 wait = max(0.0, min(self.next_beat - now, 0.02 if self.outbox else 1.0))
                 # Poller.poll takes a float timeout too (it truncates to int ms)
                 for target, _ in poller.poll(wait * 1000):  # type: ignore[arg-type]
-                    if target == c._wake_r:
-                        os.read(c._wake_r, 4096)
+                    if target == c.wake_fd:
+                        os.read(c.wake_fd, 4096)
                     else:
                         self._drain_socket()
                 self._take_requests()
@@ -97,7 +96,7 @@ class MemberLoop:
                 self._expire()
         finally:
             # closed, or the thread failed: no request may wait for a reply that can no longer come
-            why = "member client closed" if c._stopping.is_set() else "member transport thread failed"
+            why = "member client closed" if c.stopping else "member transport thread failed"
             self.fail_all(why)
 
     def fail_all(self, why: str) -> None:
@@ -105,34 +104,24 @@ class MemberLoop:
         c = self.c
         for p in list(self.pending.values()) + list(self.backlog):
             _fail(p.future, ConnectError(f"{why} before the reply came", hint=""))
-        with c._lock:
-            hello_future, c._hello_future = c._hello_future, None
+        hello_future = c.take_hello_future()
         if hello_future is not None:
             _fail(hello_future, ConnectError(why, hint=""))
-        while True:
-            try:
-                item = c._inbox.get_nowait()
-            except queue.Empty:
-                break
+        while (item := c.take_request()) is not None:
             _fail(item.future, ConnectError(why, hint=""))
 
     # ----- outgoing ---------------------------------------------------------------------------
 
     def _take_requests(self) -> None:
         c = self.c
-        with c._lock:
-            hello_future, c._hello_future = c._hello_future, None
+        hello_future = c.take_hello_future()
         if hello_future is not None:
             hello = c.hello
             self.pending.pop(self.hello_rid, None)  # a previous connect() that gave up
-            hello.rid = self.hello_rid = next(c._rids)
+            hello.rid = self.hello_rid = c.next_rid()
             self.pending[hello.rid] = Pending(hello, hello_future, float("inf"), 0.0)
             self._send_hello()
-        while True:
-            try:
-                item = c._inbox.get_nowait()
-            except queue.Empty:
-                return
+        while (item := c.take_request()) is not None:
             if self.joined:
                 self.pending[item.msg.rid] = item
                 self.outbox.append(item.msg)
@@ -142,7 +131,7 @@ class MemberLoop:
     def _send_hello(self) -> None:
         hello = self.c.hello
         if not self.hello_rid:
-            hello.rid = self.hello_rid = next(self.c._rids)
+            hello.rid = self.hello_rid = self.c.next_rid()
         self.hello_sent = time.monotonic()
         # a re-sent Hello must be the only Hello in the outbox
         self.outbox = deque(m for m in self.outbox if not isinstance(m, Hello))
@@ -171,12 +160,11 @@ class MemberLoop:
             if self.hello_rid and now - self.hello_sent > max(1.0, 2 * c.heartbeat_interval_s):
                 self._send_hello()
             return
-        loaded, busy, free = c._load
-        active, error = c._progress
+        loaded, busy, free, active, error = c.heartbeat_fields()
         # the requests already sent on this connection: the controller says which it never got
         waiting = [rid for rid, p in self.pending.items() if p.sent_on == self.connection][:256]
         beat = Heartbeat(
-            rid=next(c._rids),
+            rid=c.next_rid(),
             loaded=loaded,
             busy=busy,
             free=free,
@@ -222,14 +210,14 @@ class MemberLoop:
         expired = [rid for rid, p in self.pending.items() if p.deadline <= now]
         for rid in expired:
             p = self.pending.pop(rid)
-            _fail(p.future, self.c._timeout_error(p.msg, p.timeout_s))
+            _fail(p.future, self.c.timeout_error(p.msg, p.timeout_s))
         if expired:
             live = {id(p.msg) for p in self.pending.values()}
             self.outbox = deque(m for m in self.outbox if not _is_request(m) or id(m) in live)
         kept: deque[Pending] = deque()
         for p in self.backlog:
             if p.deadline <= now:
-                _fail(p.future, self.c._timeout_error(p.msg, p.timeout_s))
+                _fail(p.future, self.c.timeout_error(p.msg, p.timeout_s))
             else:
                 kept.append(p)
         self.backlog = kept

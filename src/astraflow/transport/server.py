@@ -177,10 +177,6 @@ class RouterServer:
         except zmq.ZMQError as exc:
             _log.warning("dropped %s to %r: %s", type(msg).__name__, route, exc)
 
-    def reply_error(self, identity: bytes, err: DecodeError) -> None:
-        """Answer a DecodeError from poll() with an Error message carrying its code and rid."""
-        self.send(identity, Error(rid=err.rid, code=err.code, message=str(err)[:500]))
-
     def close(self) -> None:
         """Close the socket at once (LINGER 0) and release the port."""
         if self._closed:

@@ -19,7 +19,7 @@ from astraflow.tui.series import Series, fmt_duration, mismatch_text, progress_b
 from astraflow.tui.source import Snapshot, Source
 
 if TYPE_CHECKING:
-    from astraflow.cli.ctl import ControlClient
+    from astraflow.transport.control_client import ControlClient
 
 CURVES: tuple[tuple[str, str], ...] = (
     ("reward", "reward_mean"),

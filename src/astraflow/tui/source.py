@@ -157,8 +157,8 @@ class ControllerSource:
 
     def poll(self) -> Snapshot:
         """Ask the controller for its status; an unreachable controller sets `error`."""
-        from astraflow.cli.status import ask_status
         from astraflow.errors import AstraflowError
+        from astraflow.transport.control_client import ask_status
 
         snap = Snapshot(taken=time.time())
         try:

@@ -1,4 +1,4 @@
-"""`python -m astraflow.service_guard -- COMMAND...`: how `astraflow up` runs a recipe's [[service]].
+"""`python -m astraflow.launch.service_guard -- COMMAND...`: how `astraflow up` runs a recipe's [[service]].
 
 The guard leads the service's process group (up starts it in a session of its own) and runs the
 command in it, so whatever the command starts shares the group. It takes the whole group down:
@@ -80,7 +80,7 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["--"]:
         argv = argv[1:]
     if not argv:
-        print("usage: python -m astraflow.service_guard -- COMMAND [ARGS...]", file=sys.stderr)
+        print("usage: python -m astraflow.launch.service_guard -- COMMAND [ARGS...]", file=sys.stderr)
         return 2
     stop = {"signal": 0}
 

@@ -18,7 +18,7 @@ from astraflow.errors import AstraflowError
 
 if TYPE_CHECKING:
     from astraflow.config.service import ServiceConfig
-    from astraflow.launcher import Child, Supervisor
+    from astraflow.launch.supervisor import Child, Supervisor
 
 _log = log.get("launcher")
 ROLE = "service"
@@ -42,7 +42,7 @@ def _accepts(host: str, port: int) -> bool:
 
 def wait_ready(child: Child, cfg: ServiceConfig) -> None:
     """Block until the service accepts TCP connections on cfg.ready; fail if it exits or times out."""
-    from astraflow.launcher import tail_log
+    from astraflow.launch.supervisor import tail_log
 
     if not cfg.ready:
         return
@@ -79,6 +79,6 @@ def start_services(sup: Supervisor, services: list[ServiceConfig]) -> None:
                 hint="check [[service]] command",
             )
         # the guard takes the service's whole process group down with it, even when `up` is SIGKILLed
-        guarded = [sys.executable, "-m", "astraflow.service_guard", "--", *cfg.command]
+        guarded = [sys.executable, "-m", "astraflow.launch.service_guard", "--", *cfg.command]
         child = sup.start_command(f"service-{cfg.name}", ROLE, guarded, env)
         wait_ready(child, cfg)

@@ -1,0 +1,20 @@
+"""Questions about the member rows that the Store's own accessors do not answer."""
+
+from __future__ import annotations
+
+from astraflow.state.store import Store
+
+
+def member_count(store: Store) -> int:
+    """Member rows, whatever their status."""
+    return int(store.scalar("SELECT COUNT(*) FROM members") or 0)
+
+
+def delete_departed(store: Store, last_seen_before: float) -> int:
+    """Delete dead and departed members last seen before this time; returns how many."""
+    with store.write() as c:
+        cur = c.execute(
+            "DELETE FROM members WHERE status IN ('dead', 'left') AND COALESCE(last_seen, 0) < ?",
+            (last_seen_before,),
+        )
+        return cur.rowcount

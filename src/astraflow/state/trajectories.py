@@ -1,0 +1,184 @@
+"""Trajectories in state.db: stored sequences of a policy, buffered until a batch consumes them."""
+
+from __future__ import annotations
+
+import sqlite3
+from typing import Any
+
+from astraflow.state.store import Store
+
+STATUSES = ("buffered", "consumed", "expired", "dropped")
+
+
+def _marks(n: int) -> str:
+    return ",".join("?" for _ in range(n))
+
+
+def max_trajectory_id(store: Store) -> int:
+    """The newest trajectory id (0 when none): ids only grow, so it is a cheap arrival counter."""
+    with store.write() as c:
+        return int(c.execute("SELECT COALESCE(MAX(id), 0) FROM trajectories").fetchone()[0])
+
+
+def insert_trajectories(store: Store, rows: list[tuple[Any, ...]]) -> list[int]:
+    """Insert rows of (task_id, policy, prompt_key, tokens, loss_mask, logprobs, versions, reward,
+    advantage, length, min_version, arrival, status, role, group_key, temperature, top_p, top_k) in one
+    statement; returns their ids (consecutive: one writer, one transaction)."""
+    with store.write() as c:
+        c.executemany(
+            "INSERT INTO trajectories (task_id, policy, prompt_key, tokens, loss_mask, logprobs, versions, "
+            "reward, advantage, length, min_version, arrival, status, consumed_step, role, group_key, "
+            "temperature, top_p, top_k) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, NULL, ?, ?, ?, ?, ?)",
+            rows,
+        )
+        last = int(c.execute("SELECT last_insert_rowid()").fetchone()[0])
+    return list(range(last - len(rows) + 1, last + 1))
+
+
+def count(store: Store, policy: str, status: str | None = None) -> int:
+    """Trajectories of `policy` (in `status`, or ever stored)."""
+    if status is None:
+        return int(store.scalar("SELECT COUNT(*) FROM trajectories WHERE policy = ?", (policy,)))
+    return int(
+        store.scalar("SELECT COUNT(*) FROM trajectories WHERE status = ? AND policy = ?", (status, policy))
+    )
+
+
+def status_counts(store: Store, policy: str) -> dict[str, int]:
+    """Trajectories of `policy` per status (every status, 0 when none)."""
+    out = dict.fromkeys(STATUSES, 0)
+    for r in store.query(
+        "SELECT status, COUNT(*) AS n FROM trajectories WHERE policy = ? GROUP BY status", (policy,)
+    ):
+        out[r["status"]] = int(r["n"])
+    return out
+
+
+def buffered_by_policy(store: Store) -> dict[str, int]:
+    """Buffered trajectories per policy."""
+    return {
+        r["policy"]: int(r["n"])
+        for r in store.query(
+            "SELECT policy, COUNT(*) AS n FROM trajectories WHERE status = 'buffered' GROUP BY policy"
+        )
+    }
+
+
+def buffered_groups_by_policy(store: Store) -> dict[str, int]:
+    """Tasks with buffered trajectories, per policy."""
+    return {
+        r["policy"]: int(r["n"])
+        for r in store.query(
+            "SELECT policy, COUNT(DISTINCT task_id) AS n FROM trajectories WHERE status = 'buffered' GROUP BY policy"
+        )
+    }
+
+
+def role_rewards(store: Store, ids: list[int]) -> list[tuple[str, float, int]]:
+    """(role, mean reward, sequences) per workflow role among these trajectories (unnamed roles left out)."""
+    if not ids:
+        return []
+    return [
+        (r["role"], float(r["reward"]), int(r["n"]))
+        for r in store.query(
+            f"SELECT role, AVG(reward) AS reward, COUNT(*) AS n FROM trajectories WHERE id IN ({_marks(len(ids))}) "
+            "AND role != '' GROUP BY role",
+            tuple(ids),
+        )
+    ]
+
+
+def token_bytes(store: Store, ids: list[int]) -> dict[int, int]:
+    """Stored bytes of each trajectory's per-token lists, read without loading them."""
+    if not ids:
+        return {}
+    rows = store.query(
+        "SELECT id, LENGTH(tokens) + LENGTH(loss_mask) + LENGTH(logprobs) + LENGTH(versions) AS n "
+        f"FROM trajectories WHERE id IN ({_marks(len(ids))})",
+        tuple(ids),
+    )
+    return {int(r["id"]): int(r["n"]) for r in rows}
+
+
+def advantages(store: Store, ids: list[int]) -> dict[int, float]:
+    """The stored advantage of each trajectory, read without its tokens."""
+    unique = tuple(set(ids))
+    if not unique:
+        return {}
+    rows = store.query(f"SELECT id, advantage FROM trajectories WHERE id IN ({_marks(len(unique))})", unique)
+    return {int(r["id"]): float(r["advantage"]) for r in rows}
+
+
+def buffered_items(store: Store, policy: str) -> list[sqlite3.Row]:
+    """Rows (id, task_id, min_version, arrival, reward, advantage, length) of the buffered trajectories."""
+    with store.write() as c:
+        return c.execute(
+            "SELECT id, task_id, min_version, arrival, reward, advantage, length FROM trajectories "
+            "WHERE policy = ? AND status = 'buffered'",
+            (policy,),
+        ).fetchall()
+
+
+def expire(store: Store, ids: list[int]) -> None:
+    """Mark these trajectories expired (too stale to train on)."""
+    with store.write() as c:
+        c.executemany("UPDATE trajectories SET status = 'expired' WHERE id = ?", [(i,) for i in ids])
+
+
+def newest_consumed(store: Store, policy: str, n: int) -> list[int]:
+    """Ids of the `n` most recently consumed trajectories of `policy` (replay candidates)."""
+    with store.write() as c:
+        return [
+            r["id"]
+            for r in c.execute(
+                "SELECT id FROM trajectories WHERE policy = ? AND status = 'consumed' "
+                "ORDER BY consumed_step DESC, arrival DESC LIMIT ?",
+                (policy, n),
+            ).fetchall()
+        ]
+
+
+def mark_consumed(store: Store, step: int, ids: list[int]) -> None:
+    """Mark buffered trajectories consumed by `step`."""
+    with store.write() as c:
+        c.executemany(
+            "UPDATE trajectories SET status = 'consumed', consumed_step = ? WHERE id = ? AND status = 'buffered'",
+            [(step, i) for i in ids],
+        )
+
+
+def sample_rows(store: Store, ids: list[int]) -> dict[int, sqlite3.Row]:
+    """Id -> row (id, tokens, loss_mask, logprobs, versions, reward, advantage, temperature, top_p, top_k)."""
+    if not ids:
+        return {}
+    rows = store.query(
+        "SELECT id, tokens, loss_mask, logprobs, versions, reward, advantage, temperature, top_p, top_k "
+        f"FROM trajectories WHERE id IN ({_marks(len(ids))})",
+        tuple(ids),
+    )
+    return {r["id"]: r for r in rows}
+
+
+def reward_by_version(store: Store, policy: str) -> list[tuple[int, float, int]]:
+    """(oldest token version, mean reward, trajectories) per version, in version order (-1: no token)."""
+    return [
+        (int(r[0]), float(r[1]), int(r[2]))
+        for r in store.query(
+            "SELECT min_version, AVG(reward), COUNT(*) FROM trajectories WHERE policy = ? "
+            "GROUP BY min_version ORDER BY min_version",
+            (policy,),
+        )
+    ]
+
+
+def mixed_by_version(store: Store, policy: str, tol: float) -> list[tuple[int, float]]:
+    """Per version of a group's oldest token (>= 0), the share of groups whose rewards differ by > tol."""
+    return [
+        (int(r[0]), float(r[1]))
+        for r in store.query(
+            "SELECT v, AVG(mixed) FROM (SELECT MIN(min_version) AS v, (MAX(reward) - MIN(reward) > ?) AS mixed "
+            "FROM trajectories WHERE policy = ? GROUP BY task_id) WHERE v >= 0 GROUP BY v ORDER BY v",
+            (tol, policy),
+        )
+    ]

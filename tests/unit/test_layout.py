@@ -1,0 +1,39 @@
+"""The layout rules `make check` enforces (scripts/check_layout.py): SQL only in state/, no package cycles."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _check() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("check_layout", ROOT / "scripts" / "check_layout.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_no_sql_outside_state() -> None:
+    assert _check().sql_outside_state() == []
+
+
+def test_no_package_cycles_beyond_the_allowed_edges() -> None:
+    check = _check()
+    graph = check.package_graph()
+    assert "tui" in graph and "state" in graph  # the graph was read at all
+    for a, b in check.CYCLES_ALLOWED:
+        graph[a].discard(b)
+    assert check.cycles(graph) == []
+    # the core never reaches the command line or the dashboard
+    assert not {"cli", "tui"} & (graph["state"] | graph["dataflow"] | graph["transport"])
+
+
+def test_the_cycle_finder_finds_cycles() -> None:
+    check = _check()
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert check.cycles(graph) == [["a", "b", "c"]]
+    assert check.cycles({"a": {"b"}, "b": set()}) == []
