@@ -8,17 +8,19 @@ for (public `.key` files to the controller host, `controller.key` to the members
 and the revocation bullet revokes `ops` (the observer whose status it then asks) instead of `raas-gpu1`;
 `ctl` runs in the remote form its section's prose gives (`--controller ADDR --key admin.key_secret
 --controller-key controller.key` for `--run-dir RUN`), without the optional `[--policy main]`.
-`join` lines are not run here (they need a model and a whole run: tests/e2e covers those roles).
+Its `join` lines are not run there; the second test runs "The roles by hand" with a whole run.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from astraflow.bench.wire import free_port
@@ -122,3 +124,108 @@ def test_secure_cluster_walkthrough_runs_as_written(tmp_path: Path) -> None:
         ctl.kill()
         ctl.wait()
         log.close()
+
+
+SMALL_RUN = (
+    " --set run.steps=1000 --set policy.batch_prompts=2 --set policy.group_size=4 --set rollout.slots=4"
+)
+"""Appended to the controller's line: small steps, and more of them than the test lets it train (ctl stop
+ends the run)."""
+
+
+def test_roles_by_hand_walkthrough_runs_as_written(tiny_model: Path, tmp_path: Path) -> None:
+    """ "The roles by hand, on one machine", then pause, resume, drain, a controller restart and stop.
+
+    Substituted: `astraflow` as above; `model init` by a copy of the same tiny model made by the test
+    fixture; port 7600 a free port; RUN the block's run directory; the controller's line gets SMALL_RUN;
+    the `dash` lines are not run (tests/tui covers the dashboard). The restart is the one "Failures and
+    restarts" names: the controller killed, then started again with its own line on the same run dir."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    env = {**os.environ, "HOME": str(home), "OMP_NUM_THREADS": "1"}
+    port = free_port()
+    run = work / "runs" / "manual"
+
+    def sub(cmd: str) -> str:
+        cmd = re.sub(r"^astraflow ", f"{sys.executable} -m astraflow ", cmd).replace(":7600", f":{port}")
+        cmd = cmd.replace("--run-dir RUN", "--run-dir runs/manual")
+        return cmd.replace(
+            "recipes/quickstart/recipe.toml", str(ROOT / "recipes" / "quickstart" / "recipe.toml")
+        )
+
+    def ok(cmd: str) -> str:
+        out = _bash(sub(cmd), work, env)
+        assert out.returncode == 0 and "Traceback" not in out.stderr, (cmd, out.stderr)
+        return out.stdout
+
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(name: str, cmd: str) -> subprocess.Popen[bytes]:
+        out = (tmp_path / f"{name}.out").open("ab")
+        p = subprocess.Popen(["bash", "-c", "exec " + sub(cmd)], cwd=work, env=env, stdout=out, stderr=out)
+        procs[name] = p
+        return p
+
+    def steps() -> int:
+        p = run / "metrics.jsonl"
+        return len(p.read_text().splitlines()) if p.exists() else 0
+
+    def until(ready: Callable[[], bool], what: str, limit_s: float = 240) -> None:
+        deadline = time.monotonic() + limit_s
+        while not ready():
+            dead = {n: p.returncode for n, p in procs.items() if p.poll() not in (None, 0)}
+            assert not dead, (what, dead, {n: (tmp_path / f"{n}.out").read_text()[-1500:] for n in dead})
+            assert time.monotonic() < deadline, f"no {what} after {limit_s}s"
+            time.sleep(0.2)
+
+    init, controller, *joins = _commands(_blocks(_section("The roles by hand, on one machine"))[0])
+    assert init.startswith("astraflow model init") and init.endswith("--out models/tiny-qwen3"), init
+    shutil.copytree(tiny_model, work / "models" / "tiny-qwen3")
+    status_json, status_remote = (c for c in joins if c.startswith("astraflow status"))
+    joins = [c for c in joins if c.startswith("astraflow join")]
+    assert len(joins) == 3, joins
+    try:
+        start("controller", controller + SMALL_RUN)
+        until(lambda: (run / "controller.addr").is_file(), "controller.addr")
+        for i, cmd in enumerate(joins):
+            start(f"member-{i}", cmd)
+        until(lambda: steps() >= 1, "a trained step")
+
+        members = {m["id"]: m["status"] for m in json.loads(ok(status_json))["members"]}
+        assert members == {"raas-1": "alive", "raas-2": "alive", "trainer-main": "alive"}, members
+        assert "main" in ok(status_remote)
+
+        pause, resume, stop = (
+            re.sub(r" \[--policy main\]", "", c)
+            for c in _commands(_blocks(_section("Pausing and stopping a run: `astraflow ctl`"))[0])
+        )
+        ok(pause)
+        ok(resume)
+        drain = _commands(_blocks(_section("Taking a worker out: `astraflow ctl drain` and SIGTERM"))[0])[0]
+        ok(drain)
+        assert procs["member-0"].wait(timeout=120) == 0  # raas-1 drained and left
+
+        # "the controller is killed: restart it on the same --run-dir": the run goes on
+        procs["controller"].kill()
+        procs["controller"].wait()
+        done = steps()
+        start("controller", controller + SMALL_RUN)
+        until(lambda: steps() > done, "a step after the controller's restart")
+
+        ok(stop)
+        for name in ("member-2", "member-1", "controller"):  # trainer, raas-2, then the controller
+            assert procs[name].wait(timeout=120) == 0, (tmp_path / f"{name}.out").read_text()[-2000:]
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+    # the members' files are in the run directory, none in the working directory or under ~
+    assert sorted(p.name for p in (run / "checkpoints" / "main").iterdir() if p.name.startswith("step-"))
+    for member in ("raas-1", "raas-2", "trainer-main"):
+        assert "joined run quickstart" in (run / "logs" / f"{member}.log").read_text(), member
+    assert "controller of run quickstart listening" in (run / "logs" / "controller.log").read_text()
+    assert sorted(p.name for p in work.iterdir()) == ["models", "runs"]
+    assert not (home / ".astraflow").exists()

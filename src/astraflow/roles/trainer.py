@@ -71,6 +71,7 @@ def run_trainer(
     from astraflow import plugins
     from astraflow.config.load import validate_recipe
     from astraflow.protocol.messages import BatchReply, BatchRequest, Error, TrainSample
+    from astraflow.roles import member_files
     from astraflow.roles.member import (
         advertise_host,
         connect_retrying,
@@ -139,8 +140,9 @@ def run_trainer(
     if ranks > 1:
         trainer = Leader(trainer)
         _log.info("training %s over %d ranks (FSDP2)", policy, ranks)
-    ckpt_root = checkpoint_dir or Path("checkpoints") / recipe.run.name / policy
+    ckpt_root = checkpoint_dir or member_files.checkpoint_dir(recipe.run.name, policy)
     ckpt_root.mkdir(parents=True, exist_ok=True)
+    _log.info("checkpoints of %s in %s", policy, ckpt_root)
     last = latest_checkpoint(ckpt_root)
     if last is not None:
         trainer.load_checkpoint(last)
