@@ -61,7 +61,7 @@ def _bash(cmd: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProce
     return subprocess.run(["bash", "-c", cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
 
 
-def test_secure_cluster_walkthrough_runs_as_written(tmp_path: Path) -> None:
+def test_secure_cluster_walkthrough_runs_as_written(tiny_model: Path, tmp_path: Path) -> None:
     home, work = tmp_path / "home", tmp_path / "work"
     home.mkdir()
     work.mkdir()
@@ -81,14 +81,16 @@ def test_secure_cluster_walkthrough_runs_as_written(tmp_path: Path) -> None:
     assert {"raas-gpu1", "trainer-main", "ops", "admin"} <= set(out.stdout.split()), out.stdout
 
     (start_cmd,) = start
+    shutil.copytree(tiny_model, work / "models" / "tiny-qwen3")  # the quickstart's model, on every machine
     log = (tmp_path / "controller.log").open("wb")
     ctl = subprocess.Popen(
-        ["bash", "-c", "exec " + _substitute(start_cmd, port)],
+        ["bash", "-c", "exec " + _substitute(start_cmd, port) + SMALL_RUN],
         cwd=work,
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,
     )
+    joined: list[subprocess.Popen[bytes]] = []
     try:
         addr_file = work / "runs" / "prod" / "controller.addr"
         deadline = time.monotonic() + 90
@@ -103,9 +105,38 @@ def test_secure_cluster_walkthrough_runs_as_written(tmp_path: Path) -> None:
         out = _bash(_substitute(status, port), work, env)
         assert out.returncode == 0 and "main" in out.stdout, out.stderr
 
-        # "Revoking a member": the revoked observer's next status says so, in one line
+        # the members join with their keys (the trainer's copy of the key store: the store itself)
+        joins = [
+            c.replace("[--keys COPY_OF_KEYS_DIR]", "--keys runs/prod/keys") for c in members if " join " in c
+        ]
+        assert len(joins) == 2, joins
+        outs = [(tmp_path / f"join-{i}.log").open("wb") for i in range(2)]
+        raas, trainer = (
+            subprocess.Popen(
+                ["bash", "-c", "exec " + _substitute(c, port)], cwd=work, env=env, stdout=o, stderr=o
+            )
+            for c, o in zip(joins, outs, strict=True)
+        )
+        joined += [raas, trainer]
+        run_dir = work / "runs" / "prod"
+        deadline = time.monotonic() + 240
+        while not (run_dir / "metrics.jsonl").is_file():  # a step trained by the two of them
+            assert raas.poll() is None and trainer.poll() is None, (tmp_path / "join-0.log").read_text()[
+                -2000:
+            ]
+            assert time.monotonic() < deadline, "no step trained"
+            time.sleep(0.2)
+
+        # "Revoking a member", as written: the running worker stops with the revoked message
         revoke = _section("A secure cluster (authentication)")
         (revoke_cmd,) = re.findall(r"`(astraflow keys revoke [^`]+)`", revoke)
+        out = _bash(_substitute(revoke_cmd, port), work, env)
+        assert out.returncode == 0, out.stderr
+        assert raas.wait(timeout=120) == 2  # a one-line error
+        said = (tmp_path / "join-0.log").read_text()
+        assert "it is revoked" in said and "Traceback" not in said, said[-2000:]
+
+        # and a revoked observer's next status says so, in one line
         out = _bash(_substitute(revoke_cmd.replace("raas-gpu1", "ops"), port), work, env)
         assert out.returncode == 0, out.stderr
         out = _bash(_substitute(status, port), work, env)
@@ -119,10 +150,13 @@ def test_secure_cluster_walkthrough_runs_as_written(tmp_path: Path) -> None:
             cmd = re.sub(r" \[--policy main\]", "", cmd).replace("--run-dir RUN", remote)
             out = _bash(_substitute(cmd, port), work, env)
             assert out.returncode == 0, (cmd, out.stderr)
+        assert trainer.wait(timeout=120) == 0, (tmp_path / "join-1.log").read_text()[-2000:]
         assert ctl.wait(timeout=60) == 0  # the stop ends the run: the controller exits 0
     finally:
-        ctl.kill()
-        ctl.wait()
+        for p in [ctl, *joined]:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
         log.close()
 
 
