@@ -258,9 +258,10 @@ def print_progress(metrics: MetricsTail, budgets: dict[str, int], show: bool) ->
             sys.stdout.write(progress_line(rec, budgets) + "\n")
 
 
-def check_models(recipe: Any) -> None:
+def check_models(recipe: Any, source: Path | None = None) -> None:
     """Every policy's model directory must exist before any process starts: a missing one the recipe
-    says how to make (policy.model_init) is built here; one without config.json is refused."""
+    says how to make (policy.model_init) is built here; one without config.json is refused. A missing
+    one the recipe file (`source`) makes by commands in its comments is refused naming those."""
     from astraflow.errors import RecipeError
 
     for pol in recipe.policy:
@@ -269,10 +270,13 @@ def check_models(recipe: Any) -> None:
             build_model(pol.model_init, path)
         if not path.is_dir():
             made = pol.model_init.command(pol.model) if pol.model_init is not None else None
+            own = recipe_commands(source, pol.model) if source is not None and made is None else []
             raise RecipeError(
                 f"policy {pol.name!r}: model directory {pol.model!r} does not exist",
                 hint=f"create it: {made}"
                 if made
+                else f"create it as the recipe's comments say: {'; '.join(own)}"
+                if own
                 else "add policy.model_init to the recipe (docs/recipes.md) or create one offline: "
                 f"astraflow model init --arch qwen3 --preset tiny --out {pol.model}",
             )
@@ -281,6 +285,21 @@ def check_models(recipe: Any) -> None:
                 f"policy {pol.name!r}: {pol.model!r} is not a model directory (no config.json)",
                 hint="point policy.model at a transformers model directory (astraflow model init makes one)",
             )
+
+
+def recipe_commands(source: Path, model: str) -> list[str]:
+    """The `astraflow` commands a recipe file's comments give for making `model`: every one before (and
+    with) the first that writes `--out MODEL` (a model init, then an sft of it); [] when none does."""
+    try:
+        lines = source.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    cmds = [ln.lstrip("#").strip() for ln in lines if ln.lstrip("#").strip().startswith("astraflow ")]
+    cmds = [c for c in cmds if not c.startswith(("astraflow up ", "astraflow launch "))]
+    for i, cmd in enumerate(cmds):
+        if cmd.split("--out ", 1)[-1].split(" ", 1)[0].rstrip("/") == model.rstrip("/") and "--out " in cmd:
+            return cmds[: i + 1]
+    return []
 
 
 def build_model(init: Any, out: Path) -> None:

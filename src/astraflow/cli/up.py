@@ -32,13 +32,14 @@ def up(
     """Run a recipe end to end on this machine; exits 0 when every policy reaches its step budget."""
     from astraflow import log
     from astraflow.config.load import load_recipe, validate_plugins
-    from astraflow.launcher import run_up
+    from astraflow.launcher import check_models, run_up
     from astraflow.rundir import default_run_dir
     from astraflow.shutdown import exit_process
 
     logger = log.setup("up")
     r = load_recipe(recipe, set_ or [])
     validate_plugins(r)
+    check_models(r, source=Path(recipe))  # before the run directory: a missing model changes nothing
     rd = run_dir or default_run_dir(r)
     if no_dash or not wants_dashboard():
         exit_process(run_up(r, rd, offline=offline))
