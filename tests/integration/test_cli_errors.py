@@ -181,3 +181,12 @@ def test_an_output_file_in_a_missing_directory(command: str, tmp_path: Path) -> 
     (tmp_path / "metrics.jsonl").write_text('{"policy": "main", "step": 1, "reward_mean": 0.5}\n')
     out = run_cli(command, str(tmp_path), "--out", str(tmp_path / "no" / "such" / "file.csv"))
     assert_clean_error(out, f"no directory {tmp_path / 'no' / 'such'}")
+
+
+def test_a_damaged_state_db(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    (run / "logs").mkdir(parents=True)
+    (run / "state.db").write_bytes(b"not a database at all" * 10)
+    assert_clean_error(run_cli("status", "--run-dir", str(run)), "state.db cannot be read")
+    listed = run_cli("runs", str(tmp_path))  # one bad run directory does not hide the others
+    assert listed.returncode == 0 and f"{run}  unreadable" in listed.stdout, listed.stderr

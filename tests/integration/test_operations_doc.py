@@ -23,7 +23,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from astraflow.bench.wire import free_port
+from astraflow.cli.status import read_status
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "operations.md"
@@ -61,6 +64,11 @@ def _bash(cmd: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProce
     return subprocess.run(["bash", "-c", cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
 
 
+def _alive(run_dir: Path, member: str) -> bool:
+    return any(m["id"] == member and m["status"] == "alive" for m in read_status(run_dir)["members"])
+
+
+@pytest.mark.timeout(600)  # several real processes on 2 shared cores
 def test_secure_cluster_walkthrough_runs_as_written(tiny_model: Path, tmp_path: Path) -> None:
     home, work = tmp_path / "home", tmp_path / "work"
     home.mkdir()
@@ -146,6 +154,10 @@ def test_secure_cluster_walkthrough_runs_as_written(tiny_model: Path, tmp_path: 
 
         # "Pausing and stopping a run", with the remote form its prose gives for a controller elsewhere
         remote = f"--controller tcp://127.0.0.1:{port} --key ~/.astraflow/admin.key_secret --controller-key controller.key"
+        # the stop reaches a trainer that is alive (one that fell silent under load rejoins first)
+        while not _alive(run_dir, "trainer-main"):
+            assert trainer.poll() is None and time.monotonic() < deadline + 240, "trainer not back"
+            time.sleep(0.2)
         for cmd in _commands(_blocks(_section("Pausing and stopping a run: `astraflow ctl`"))[0]):
             cmd = re.sub(r" \[--policy main\]", "", cmd).replace("--run-dir RUN", remote)
             out = _bash(_substitute(cmd, port), work, env)
@@ -167,12 +179,13 @@ SMALL_RUN = (
 ends the run)."""
 
 
+@pytest.mark.timeout(600)  # several real processes on 2 shared cores
 def test_roles_by_hand_walkthrough_runs_as_written(tiny_model: Path, tmp_path: Path) -> None:
     """ "The roles by hand, on one machine", then pause, resume, drain, a controller restart and stop.
 
     Substituted: `astraflow` as above; `model init` by a copy of the same tiny model made by the test
     fixture; port 7600 a free port; RUN the block's run directory; the controller's line gets SMALL_RUN;
-    the `dash` lines are not run (tests/tui covers the dashboard). The restart is the one "Failures and
+    the `dash` lines are not run (tests/integration/test_dashboard.py drives the dashboard). The restart is the one "Failures and
     restarts" names: the controller killed, then started again with its own line on the same run dir."""
     home, work = tmp_path / "home", tmp_path / "work"
     home.mkdir()
@@ -247,6 +260,7 @@ def test_roles_by_hand_walkthrough_runs_as_written(tiny_model: Path, tmp_path: P
         start("controller", controller + SMALL_RUN)
         until(lambda: steps() > done, "a step after the controller's restart")
 
+        until(lambda: _alive(run, "trainer-main") and _alive(run, "raas-2"), "the members alive for the stop")
         ok(stop)
         for name in ("member-2", "member-1", "controller"):  # trainer, raas-2, then the controller
             assert procs[name].wait(timeout=120) == 0, (tmp_path / f"{name}.out").read_text()[-2000:]

@@ -126,6 +126,8 @@ class Rogue:
             return {"type": "ok"}
         if op == "flood":  # heartbeats with one large error, all sent before any reply is read
             return self.flood(int(cmd["n"]), int(cmd["size"]))
+        if op == "control":  # an operator key's pause / resume / stop
+            return _describe(self.ask(m.Control(action=str(cmd["action"]))))
         if op == "weights":
             return self.pull_weights(str(cmd["addr"]), int(cmd["connections"]), float(cmd["quiet_s"]))
         raise ValueError(f"unknown op {op!r}")
