@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -143,8 +145,18 @@ def test_controller_run_dir_that_cannot_be_written(tmp_path: Path) -> None:
     assert_clean_error(out, "cannot write the run directory")
 
 
-def test_join_with_an_address_without_scheme() -> None:
-    out = run_cli("join", "--role", "raas", "--controller", "127.0.0.1:7600")
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["join", "--role", "raas"],
+        ["status"],
+        ["ctl", "pause"],
+        ["leave", "raas-1"],
+        ["dash"],
+    ],
+)
+def test_an_address_without_scheme(command: list[str]) -> None:
+    out = run_cli(*command, "--controller", "127.0.0.1:7600")
     assert_clean_error(out, "has no scheme", "tcp://127.0.0.1:7600")
 
 
@@ -162,3 +174,19 @@ def test_keys_add_refuses_a_key_file_under_another_name(tmp_path: Path) -> None:
         "observer",
     )
     assert_clean_error(out, "is the key of 'observer-ops'", "astraflow keys add observer-ops")
+
+
+@pytest.mark.parametrize("command", ["export", "plot"])
+def test_an_output_file_in_a_missing_directory(command: str, tmp_path: Path) -> None:
+    (tmp_path / "metrics.jsonl").write_text('{"policy": "main", "step": 1, "reward_mean": 0.5}\n')
+    out = run_cli(command, str(tmp_path), "--out", str(tmp_path / "no" / "such" / "file.csv"))
+    assert_clean_error(out, f"no directory {tmp_path / 'no' / 'such'}")
+
+
+def test_a_damaged_state_db(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    (run / "logs").mkdir(parents=True)
+    (run / "state.db").write_bytes(b"not a database at all" * 10)
+    assert_clean_error(run_cli("status", "--run-dir", str(run)), "state.db cannot be read")
+    listed = run_cli("runs", str(tmp_path))  # one bad run directory does not hide the others
+    assert listed.returncode == 0 and f"{run}  unreadable" in listed.stdout, listed.stderr

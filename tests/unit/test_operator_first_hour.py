@@ -83,3 +83,22 @@ def test_add_file_writes_the_role_log(tmp_path: Path) -> None:
         for h in logger.handlers[len(before) :]:
             logger.removeHandler(h)
             h.close()
+
+
+def test_missing_model_names_the_recipes_own_commands(tmp_path: Path) -> None:
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(
+        "# a smoke recipe whose model is trained first:\n"
+        "#   astraflow model init --preset tiny --out m/base\n"
+        "#   astraflow sft m/base data.jsonl --out m/sft --epochs 3\n"
+        "#   astraflow up r.toml\n"
+    )
+    with pytest.raises(RecipeError) as exc:
+        check_models(_Recipe(_Policy(Path("m/sft"), None)), source=recipe)
+    assert exc.value.hint == (
+        "create it as the recipe's comments say: astraflow model init --preset tiny --out m/base; "
+        "astraflow sft m/base data.jsonl --out m/sft --epochs 3"
+    )
+    with pytest.raises(RecipeError) as exc:  # a model its comments do not make: the generic hint
+        check_models(_Recipe(_Policy(Path("m/other"), None)), source=recipe)
+    assert "policy.model_init" in exc.value.hint

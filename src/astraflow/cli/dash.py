@@ -48,8 +48,12 @@ def dash(
             hint="textual is a dependency of astraflow: reinstall it (pip install 'textual>=0.60' textual-plotext)",
         ) from None
     from astraflow.transport.control_client import client_for
+    from astraflow.transport.probe import parse_endpoint
     from astraflow.tui.app import Dashboard
     from astraflow.tui.source import ControllerSource, RunDirSource, Source
+
+    if controller is not None:
+        parse_endpoint(controller)  # a bad address is an error before the screen opens
 
     control = None
     if run_dir is None or (run_dir / "controller.addr").is_file():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import sqlite3
 import sys
 from typing import Annotated
 
@@ -89,6 +90,15 @@ def main() -> None:
         typer.secho(f"error: {exc.message}", fg="red", err=True)
         if exc.hint:
             typer.echo(f"  hint: {exc.hint}", err=True)
+        sys.exit(2)
+    except sqlite3.DatabaseError as exc:
+        # a damaged or foreign state.db (or another SQLite failure): which, not a traceback
+        typer.secho(f"error: the run's state.db cannot be read: {exc}", fg="red", err=True)
+        typer.echo(
+            "  hint: is this an astraflow run directory? a damaged state.db cannot be repaired: restore a copy "
+            "or start a new run directory",
+            err=True,
+        )
         sys.exit(2)
     except PermissionError as exc:
         # a read-only run directory, key store or output path: say which, not a traceback

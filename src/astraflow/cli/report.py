@@ -37,6 +37,7 @@ def export(
         raise AstraflowError("give the run directory once", hint="astraflow export --run-dir runs/<name>")
     run_dir = run_dir_opt or run_dir_arg
     assert run_dir is not None
+    _check_out(out)
     path, n = do_export(run_dir, what, fmt, out, text=text)
     typer.echo(f"wrote {n} rows to {path}")
 
@@ -51,5 +52,17 @@ def plot(
     """Plot one metric of one or more runs against step into a PNG (needs matplotlib)."""
     from astraflow.metrics.plot import plot_runs
 
+    _check_out(out)
     labels = plot_runs(run_dirs, metric, out, policy, smooth)
     typer.echo(f"wrote {out} ({len(labels)} curves: {', '.join(labels)})")
+
+
+def _check_out(out: Path | None) -> None:
+    """An --out whose directory does not exist is one line with a hint, not a traceback."""
+    from astraflow.errors import AstraflowError
+
+    if out is not None and not out.parent.is_dir():
+        raise AstraflowError(
+            f"no directory {out.parent} to write {out.name} into",
+            hint="create it first, or pass --out FILE in an existing directory",
+        )

@@ -140,9 +140,21 @@ def join(
     member_id: Annotated[
         str | None, typer.Option("--member-id", help="Stable member id; default role-host-pid.")
     ] = None,
+    run_dir: Annotated[
+        Path | None,
+        typer.Option(
+            "--run-dir",
+            help="The run directory, where this machine sees it: the log goes to RUN/logs/<member>.log, a "
+            "trainer's checkpoints to RUN/checkpoints/<policy> (default ~/.astraflow/runs/<run>/).",
+        ),
+    ] = None,
     checkpoint_dir: Annotated[
         Path | None,
-        typer.Option("--checkpoint-dir", help="Trainer checkpoints (default ./checkpoints/<run>/<policy>)."),
+        typer.Option(
+            "--checkpoint-dir",
+            help="Trainer checkpoints (default RUN/checkpoints/<policy> with --run-dir, else "
+            "~/.astraflow/runs/<run>/checkpoints/<policy>).",
+        ),
     ] = None,
     advertise: Annotated[
         str | None,
@@ -192,6 +204,7 @@ def join(
 ) -> None:
     """Join a running controller as a rollout worker (raas) or as one policy's trainer."""
     from astraflow import log
+    from astraflow.roles import member_files
     from astraflow.shutdown import exit_process
     from astraflow.transport.keys import KeyStore
     from astraflow.weights.server import set_pull_keys
@@ -211,6 +224,8 @@ def join(
         set_pull_keys(KeyStore(keys))
 
     log.setup(member_id or role)
+    # `up` sends each child's output to RUN/logs/<member>.log itself
+    member_files.configure(run_dir, log_file=False if controller_file is not None else None)
     if role == "trainer" and (not policy or len(policy) != 1):
         raise AstraflowError("a trainer trains exactly one policy", hint="pass --policy NAME once")
     if role == "trainer" and nproc > 1:

@@ -62,6 +62,25 @@ def describe(run_dir: Path) -> dict[str, Any]:
     }
 
 
+def _described(run_dir: Path) -> dict[str, Any]:
+    """describe(), or an `unreadable` row for a run whose state.db cannot be read (one bad run directory
+    does not hide the others)."""
+    import sqlite3
+
+    try:
+        return describe(run_dir)
+    except sqlite3.DatabaseError:
+        return {
+            "run_dir": str(run_dir),
+            "name": "",
+            "status": "unreadable",
+            "steps": 0,
+            "policies": {},
+            "failed_tasks": 0,
+            "updated": 0.0,
+        }
+
+
 def find_runs(root: Path) -> list[Path]:
     """Run directories (those holding a state.db) directly under root, or root itself."""
     if (root / "state.db").is_file():
@@ -76,7 +95,7 @@ def runs(
     """List run directories with their status (running, finished, stopped), steps and final rewards."""
     if not root.is_dir():
         raise AstraflowError(f"no folder {root}", hint="runs are under runs/ by default; pass another folder")
-    rows = [describe(p) for p in find_runs(root)]
+    rows = [_described(p) for p in find_runs(root)]
     if as_json:
         typer.echo(json.dumps(rows, indent=2, sort_keys=True))
         return

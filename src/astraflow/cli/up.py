@@ -33,12 +33,14 @@ def up(
     from astraflow import log
     from astraflow.config.load import load_recipe, validate_plugins
     from astraflow.launch.up import run_up
+    from astraflow.models.dirs import check_models
     from astraflow.rundir import default_run_dir
     from astraflow.shutdown import exit_process
 
     logger = log.setup("up")
     r = load_recipe(recipe, set_ or [])
     validate_plugins(r)
+    check_models(r, source=Path(recipe))  # before the run directory: a missing model changes nothing
     rd = run_dir or default_run_dir(r)
     if no_dash or not wants_dashboard():
         exit_process(run_up(r, rd, offline=offline))

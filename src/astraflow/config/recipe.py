@@ -245,7 +245,7 @@ class RolloutConfig(_Model):
     task_timeout_s: float = Field(900.0, gt=0)
     """A RaaS gives up a task whose episodes run longer than this and reports it failed (it is requeued)."""
     lease_max_age_s: float = Field(0.0, ge=0)
-    """Longest a lease lives however its worker heartbeats it (0: task_timeout_s + lease_timeout_s); a few times the expected episode time revokes hoarded leases sooner."""
+    """Heartbeats renew a lease only this long after it began (0: task_timeout_s + lease_timeout_s); it lapses within lease_timeout_s after that. A few times the expected episode time revokes hoarded leases sooner."""
     max_attempts: int = Field(5, ge=1)
     """A task that fails this many times is marked failed."""
     max_failed_tasks: int = Field(20, ge=0)

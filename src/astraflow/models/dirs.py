@@ -11,11 +11,27 @@ from astraflow import log
 _log = log.get("launcher")
 
 
-def check_models(recipe: Any) -> None:
+def check_models(recipe: Any, source: Path | None = None) -> None:
     """Every policy's model directory must exist before any process starts: a missing one the recipe
-    says how to make (policy.model_init) is built here; one without config.json is refused."""
+    says how to make (policy.model_init) is built here; one without config.json is refused. A missing
+    one the recipe file (`source`) makes by commands in its comments is refused naming those."""
     for pol in recipe.policy:
-        require_model_dir(pol, build=True)
+        require_model_dir(pol, build=True, source=source)
+
+
+def recipe_commands(source: Path, model: str) -> list[str]:
+    """The `astraflow` commands a recipe file's comments give for making `model`: every one before (and
+    with) the first that writes `--out MODEL` (a model init, then an sft of it); [] when none does."""
+    try:
+        lines = source.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    cmds = [ln.lstrip("#").strip() for ln in lines if ln.lstrip("#").strip().startswith("astraflow ")]
+    cmds = [c for c in cmds if not c.startswith(("astraflow up ", "astraflow launch "))]
+    for i, cmd in enumerate(cmds):
+        if cmd.split("--out ", 1)[-1].split(" ", 1)[0].rstrip("/") == model.rstrip("/") and "--out " in cmd:
+            return cmds[: i + 1]
+    return []
 
 
 def require_model_dirs(recipe: Any, policies: list[str], client: Any = None) -> None:
@@ -32,10 +48,13 @@ def require_model_dirs(recipe: Any, policies: list[str], client: Any = None) -> 
             raise
 
 
-def require_model_dir(pol: Any, *, build: bool = False, here: bool = False) -> None:
+def require_model_dir(
+    pol: Any, *, build: bool = False, here: bool = False, source: Path | None = None
+) -> None:
     """`pol.model` must be a model directory. build: make a missing one from pol.model_init first and
     refuse one without config.json (`up`, before anything starts); here: the path is missing on this
-    machine of a cluster (a member joining), where copying it over is the fix."""
+    machine of a cluster (a member joining), where copying it over is the fix; source: the recipe file,
+    whose comments may say how its model is made."""
     from astraflow.errors import AstraflowError, RecipeError
 
     path = Path(pol.model)
@@ -51,10 +70,13 @@ def require_model_dir(pol: Any, *, build: bool = False, here: bool = False) -> N
         )
     if not path.is_dir():
         made = init.command(pol.model) if init is not None else None
+        own = recipe_commands(source, pol.model) if source is not None and made is None else []
         raise RecipeError(
             f"policy {pol.name!r}: model directory {pol.model!r} does not exist",
             hint=f"create it: {made}"
             if made
+            else f"create it as the recipe's comments say: {'; '.join(own)}"
+            if own
             else f"add policy.model_init to the recipe (docs/recipes.md) or create one offline: {make}",
         )
     if build and not (path / "config.json").is_file():

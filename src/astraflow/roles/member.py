@@ -109,16 +109,20 @@ def connect_retrying(client: Any, give_up_after_s: float = 120.0) -> Any:
 
     from astraflow import log
     from astraflow.errors import ProtocolError
+    from astraflow.roles import member_files
 
     deadline = time.monotonic() + give_up_after_s
     while True:
         try:
             welcome = client.connect()
+            logged = member_files.open_log(client.hello.member_id, welcome.run_name)
             log.get("member").info(
-                "joined the controller at %s as %s (%s)",
+                "joined run %s at %s as %s (%s)%s",
+                welcome.run_name,
                 client.controller,
                 client.hello.member_id,
                 client.hello.role,
+                f"; log {logged}" if logged is not None else "",
             )
             return welcome
         except ProtocolError as exc:

@@ -10,6 +10,7 @@ from typing import Any
 
 from astraflow import log
 from astraflow.errors import AstraflowError, Stopped
+from astraflow.roles import member_files
 from astraflow.roles.member import advertise_host
 from astraflow.roles.stop_flag import StopFlag
 from astraflow.roles.trainer_checkpoint import latest_checkpoint, save_checkpoint
@@ -141,8 +142,9 @@ class TrainerLoop:
         if ranks > 1:
             self.trainer = Leader(self.trainer)
             _log.info("training %s over %d ranks (FSDP2)", policy, ranks)
-        self.ckpt_root = checkpoint_dir or Path("checkpoints") / recipe.run.name / policy
+        self.ckpt_root = checkpoint_dir or member_files.checkpoint_dir(recipe.run.name, policy)
         self.ckpt_root.mkdir(parents=True, exist_ok=True)
+        _log.info("checkpoints of %s in %s", policy, self.ckpt_root)
         # the weight server binds a local address (the one that reaches the controller unless told) and
         # is announced under `host` when workers reach this host by another name (NAT, a load balancer)
         self.server, background = weight_publisher(

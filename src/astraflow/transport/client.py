@@ -364,7 +364,9 @@ def request_once(
     (transport/probe.py) raises the cause it finds (nothing listening, a refused key, a bad address).
     """
     from astraflow.protocol.codec import decode, encode
+    from astraflow.transport.probe import parse_endpoint
 
+    parse_endpoint(controller)  # a bad address is one line with a hint, not zmq's "Invalid argument"
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     if credentials is not None:
         ident = credentials.keypair.name or ident
