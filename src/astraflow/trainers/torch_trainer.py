@@ -424,6 +424,8 @@ class TorchTrainer(Trainer):
         gradients are full CPU tensors on rank 0 ({} elsewhere). For checking layouts and sharding."""
         micros = self._micro_batches(batch)
         extras = self._extras(micros, len(batch))
+        if self.critic is not None:
+            self.critic.prepare(micros)
         self.optimizer.zero_grad(set_to_none=True)
         loss = dist.all_sum([float(self._accumulate(batch, micros, extras, {}))], self.device)[0]
         grads: dict[str, torch.Tensor] = {}
