@@ -77,7 +77,18 @@ class Evaluator:
         """Put a checkpoint's weights into the evaluation model."""
         from safetensors.torch import load_model
 
-        load_model(self.model, str(checkpoint / "model.safetensors"), strict=False, device=str(self.device))
+        missing, unexpected = load_model(
+            self.model, str(checkpoint / "model.safetensors"), strict=False, device=str(self.device)
+        )
+        # a tied output embedding may be left out of a file; anything else means other weights
+        if unexpected or set(missing) - {"lm_head.weight"}:
+            from astraflow.errors import AstraflowError
+
+            raise AstraflowError(
+                f"{checkpoint} does not hold this model's weights (missing {sorted(missing)[:3]}, "
+                f"unexpected {sorted(unexpected)[:3]})",
+                hint="the checkpoints must come from the model the bench started from",
+            )
 
     def accuracy(self, batch: int = 512) -> float:
         """Fraction of the held-out set the current weights answer exactly (greedy)."""
