@@ -9,6 +9,13 @@ with the recipe's staleness bound) against TRL's single process (generate, score
 With several seeds, one pair runs per seed and each side's steps to the reward target are summarised
 over them (mean, range, standard deviation): a single seed's figure moves by several steps either way.
 
+With `heldout` > 0 both sides also save a checkpoint every `checkpoint_every` steps, and afterwards
+one evaluator (bench/heldout.py) scores every checkpoint of both (and the starting model) on the same
+held-out prompts, greedily: held-out accuracy against the wall-clock seconds from a side's process
+start to the end of that step, and how long each side took to reach TRL's final held-out accuracy.
+`device` says where TRL and the evaluator run (cpu or cuda); astraflow's roles take the recipe's
+devices (auto: the GPU when one is visible).
+
 TRL is not a dependency: it is installed on first use into a cache directory (`pip install
 --target ... --no-deps` of exactly the packages pip says this environment lacks), and the TRL side
 runs in a child process with that directory on its path (bench/trl_side.py). Once cached, no network.
@@ -102,6 +109,8 @@ class Side:
     """From starting the side's process to the end of its first step (start-up and one step)."""
     shutdown_s: float | None = None
     """From the end of the last step to the side's process exit (final checkpoint, teardown)."""
+    step_s: list[float] = field(default_factory=list)
+    """Seconds from the side's process start to the end of each step (held-out timing)."""
 
     def summary(self, target: float = TARGET) -> dict[str, Any]:
         """Wall and step times, first and last WINDOW-step reward means, the mean over the last tenth
@@ -136,7 +145,15 @@ def reaching(rewards: list[float], target: float, window: int = WINDOW) -> int |
     return None
 
 
-def spec_of(recipe: Any, model: str, steps: int, threads: int, output_dir: Path) -> dict[str, Any]:
+def spec_of(
+    recipe: Any,
+    model: str,
+    steps: int,
+    threads: int,
+    output_dir: Path,
+    device: str = "cpu",
+    save_steps: int = 0,
+) -> dict[str, Any]:
     """What the TRL side needs, read from the recipe (its only policy and the quickstart workflow)."""
     if recipe.workflow.name != "quickstart" or len(recipe.policy) != 1:
         raise AstraflowError(
@@ -175,6 +192,8 @@ def spec_of(recipe: Any, model: str, steps: int, threads: int, output_dir: Path)
         "steps": steps,
         "threads": threads,
         "output_dir": str(output_dir),
+        "device": device,
+        "save_steps": save_steps,
     }
 
 
@@ -217,6 +236,7 @@ def run_trl(spec: dict[str, Any], trl_path: Path, out_dir: Path, timeout_s: floa
     stamps = res.get("step_clock", [])  # wall-clock ends of the steps, comparable with `started`
     if stamps:
         side.startup_s, side.shutdown_s = stamps[0] - started, ended - stamps[-1]
+        side.step_s = [t - started for t in stamps]
     return side
 
 
@@ -242,6 +262,7 @@ def astraflow_side(
         cpu,
         times[0] - started if times else None,
         ended - times[-1] if times else None,
+        [t - started for t in times],
     )
 
 
@@ -402,6 +423,9 @@ def run_bench(
     seeds: list[int] | None = None,
     target: float = TARGET,
     say: Any = print,
+    device: str = "cpu",
+    heldout: int = 0,
+    checkpoint_every: int = 10,
 ) -> dict[str, Any]:
     """The whole bench: check the recipe, get TRL, then per seed run astraflow then TRL; returns the
     summary. Without `seeds` one pair runs with the recipe's run.seed; with several, every pair gets its
@@ -410,6 +434,8 @@ def run_bench(
 
     if steps is not None:
         overrides = [*overrides, f"run.steps={steps}"]
+    if heldout:
+        overrides = [*overrides, f"policy.checkpoint_every={checkpoint_every}"]
     recipe = load_recipe(recipe_path, overrides)
     validate_plugins(recipe)
     if recipe.dataset.path:
@@ -425,7 +451,15 @@ def run_bench(
             hint=f"create it: astraflow model init --arch qwen3 --preset tiny --out {pol.model}",
         )
     n_steps = int((recipe.budget(pol.name) if pol is not None else 0) or recipe.run.steps)
-    spec = spec_of(recipe, str(model.resolve()), n_steps, trl_threads, out / "trl")
+    spec = spec_of(
+        recipe,
+        str(model.resolve()),
+        n_steps,
+        trl_threads,
+        out / "trl",
+        device=device,
+        save_steps=checkpoint_every if heldout else 0,
+    )
     if trl_path is not None:
         if not (trl_path / "trl").is_dir():
             raise AstraflowError(
@@ -450,7 +484,11 @@ def run_bench(
         theirs = run_trl(spec, path, where / "trl", timeout_s)
         say(f"trl: {theirs.wall_s:.1f}s wall")
         after = load_average()
-        runs.append({"seed": seed, "sides": [ours, theirs], "load": (before, after)})
+        run: dict[str, Any] = {"seed": seed, "sides": [ours, theirs], "load": (before, after)}
+        if heldout:
+            say(f"held-out: every checkpoint of both sides on {heldout} held-out prompts ...")
+            run["heldout"] = heldout_curves(recipe, model, where, [ours, theirs], heldout, device)
+        runs.append(run)
     first = runs[0]["sides"]
     summary: dict[str, Any] = {
         "recipe": str(recipe_path),
@@ -488,5 +526,85 @@ def run_bench(
             ratio_steps=steps_ratio(agg["astraflow"], agg["trl"]),
             table=format_seeds_table(seed_list, agg, [r["load"] for r in runs], target),
         )
+    if heldout:
+        summary["heldout"] = [{"seed": r["seed"], **r["heldout"]} for r in runs]
+        summary["table"] += "\n\n" + "\n\n".join(
+            format_heldout(r["heldout"], f"seed {r['seed']}") for r in runs
+        )
     (out / "bench.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def heldout_curves(
+    recipe: Any, model: Path, where: Path, sides: list[Side], n: int, device: str
+) -> dict[str, Any]:
+    """Held-out accuracy of the starting model and of every checkpoint of both sides, each with the
+    seconds from its side's start to the end of its step; and the seconds each side took to reach
+    TRL's final held-out accuracy (None if it never did)."""
+    from astraflow.bench.heldout import HELDOUT_SEED, Evaluator, checkpoint_dirs, samples
+
+    pol = recipe.policy[0]
+    held = samples(dict(recipe.workflow.options), n, HELDOUT_SEED)
+    ev = Evaluator(model, held, max_new_tokens=pol.sampling.max_new_tokens, device=device)
+    start = ev.accuracy()
+    curves: dict[str, list[dict[str, float]]] = {}
+    for side in sides:
+        run_dir = where / side.name
+        points = [{"step": 0, "seconds": 0.0, "accuracy": start}]
+        for step, ckpt in checkpoint_dirs(run_dir, side.name):
+            if not 1 <= step <= len(side.step_s):
+                continue
+            ev.load(ckpt)
+            points.append({"step": step, "seconds": side.step_s[step - 1], "accuracy": ev.accuracy()})
+        curves[side.name] = points
+    final = curves["trl"][-1]["accuracy"] if curves.get("trl") else None
+
+    def reach(points: list[dict[str, float]]) -> float | None:
+        for p in points:
+            if final is not None and p["step"] > 0 and p["accuracy"] >= final:
+                return p["seconds"]
+        return None
+
+    ours, theirs = reach(curves.get("astraflow", [])), reach(curves.get("trl", []))
+    return {
+        "prompts": n,
+        "start_accuracy": start,
+        "curves": curves,
+        "trl_final_accuracy": final,
+        "seconds_to_trl_final": {"astraflow": ours, "trl": theirs},
+        "ratio": ours / theirs if ours is not None and theirs else None,
+    }
+
+
+def format_heldout(res: dict[str, Any], label: str) -> str:
+    """Held-out accuracy against wall-clock seconds of both sides as text."""
+    curves = res["curves"]
+    lines = [
+        f"held-out accuracy ({label}, {res['prompts']} prompts, greedy, exact answer); seconds from the "
+        f"side's process start to the end of the step",
+        f"{'step':>6}{'astraflow s':>14}{'acc':>8}{'trl s':>12}{'acc':>8}",
+    ]
+    by_step: dict[int, dict[str, dict[str, float]]] = {}
+    for name, points in curves.items():
+        for p in points:
+            by_step.setdefault(int(p["step"]), {})[name] = p
+    for step in sorted(by_step):
+        row = by_step[step]
+        cells = []
+        for name in ("astraflow", "trl"):
+            p = row.get(name)
+            cells += [f"{p['seconds']:.1f}", f"{p['accuracy']:.3f}"] if p else ["-", "-"]
+        lines.append(f"{step:>6}{cells[0]:>14}{cells[1]:>8}{cells[2]:>12}{cells[3]:>8}")
+    final = res["trl_final_accuracy"]
+    reach = res["seconds_to_trl_final"]
+
+    def cell(v: float | None) -> str:
+        return "not reached" if v is None else f"{v:.1f}s"
+
+    ratio = res["ratio"]
+    lines.append(
+        f"time to TRL's final held-out accuracy ({'-' if final is None else f'{final:.3f}'}): "
+        f"astraflow {cell(reach['astraflow'])}, trl {cell(reach['trl'])}"
+        + ("" if ratio is None else f", astraflow/trl {ratio:.2f}x")
+    )
+    return "\n".join(lines)

@@ -2,7 +2,8 @@
 
 It trains the recipe's model with TRL's GRPOTrainer on the quickstart task (the same prompts, the
 same partial-credit reward computed from the completion's token ids, the same group size, prompts
-per step, new tokens, temperature, AdamW settings and steps) and writes one JSON object to OUT:
+per step, new tokens, temperature, AdamW settings and steps), on the CPU or the GPU (`device`), saving
+weights every `save_steps` steps when asked, and writes one JSON object to OUT:
 each step's mean reward and finish time, and the time TRL took to build. TRL is imported only here,
 from the directory `astraflow bench trl` installed it into (on PYTHONPATH); astraflow never depends on it.
 """
@@ -67,6 +68,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             step_times.append(time.perf_counter())
             step_clock.append(time.time())
 
+    on_cpu = str(spec.get("device", "cpu")) == "cpu"
+    save_steps = int(spec.get("save_steps", 0))
     group = int(spec["group_size"])
     per_step = int(spec["batch_prompts"]) * group
     config = trl.GRPOConfig(
@@ -90,11 +93,14 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         loss_type="dapo",
         num_iterations=1,
         seed=int(spec["seed"]),
-        use_cpu=True,
+        use_cpu=on_cpu,
         bf16=False,
         fp16=False,
         logging_steps=1,
-        save_strategy="no",
+        # checkpoints (weights only) for the held-out evaluation, which runs after training
+        save_strategy="steps" if save_steps else "no",
+        save_steps=save_steps or 500,
+        save_only_model=True,
         report_to="none",
         disable_tqdm=True,
         dataloader_num_workers=0,

@@ -637,6 +637,21 @@ def trl(
         float,
         typer.Option("--target", help="Reward target: the first step whose 5-step mean reward reaches it."),
     ] = 0.8,
+    device: Annotated[
+        str, typer.Option("--device", help="Where TRL and the held-out evaluator run: cpu or cuda.")
+    ] = "cpu",
+    heldout: Annotated[
+        int,
+        typer.Option(
+            "--heldout",
+            min=0,
+            help="Score every checkpoint of both sides on this many held-out prompts (greedy, exact "
+            "answer) against wall-clock time; 0: off.",
+        ),
+    ] = 0,
+    checkpoint_every: Annotated[
+        int, typer.Option("--checkpoint-every", min=1, help="Steps between the checkpoints --heldout scores.")
+    ] = 10,
 ) -> None:
     """The quickstart through `astraflow up` and through TRL's GRPOTrainer (same model, task, seed and
     settings), one after the other; prints wall and step times, reward curves and astraflow/TRL."""
@@ -662,6 +677,9 @@ def trl(
         seeds=seed_list,
         target=target,
         say=lambda line: typer.echo(line, err=True),
+        device=device,
+        heldout=heldout,
+        checkpoint_every=checkpoint_every,
     )
     typer.echo("", err=json_)
     typer.echo(summary["table"], err=json_)

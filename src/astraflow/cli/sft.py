@@ -26,6 +26,9 @@ def sft(
             help="Stop after the first epoch whose mean loss is at most this (0: off).",
         ),
     ] = 0.0,
+    device: Annotated[
+        str, typer.Option("--device", help="cpu, cuda, cuda:N, or auto (a GPU when one is visible).")
+    ] = "auto",
 ) -> None:
     """Fine-tune MODEL on DATA (loss on completion / assistant tokens only, tool calls included; tool
     results are context) and write OUT for a recipe's policy.model."""
@@ -45,6 +48,7 @@ def sft(
         seed=seed,
         threads=threads,
         until_loss=until_loss,
+        device=device,
     )
     for i, (loss, acc) in enumerate(zip(report.epoch_loss, report.epoch_token_accuracy, strict=True), 1):
         typer.echo(f"epoch {i}/{report.epochs}: loss {loss:.4f}  token accuracy {acc:.3f}")

@@ -143,7 +143,7 @@ class PolicyConfig(_Model):
     loss_options: dict[str, Any] = {}
     """Options validated by the objective's Config model."""
     advantage: str = "grpo"
-    """Advantage estimator (astraflow.advantages): grpo, drgrpo, rloo, reinforce_pp; docs/losses.md."""
+    """Advantage estimator (astraflow.advantages): grpo, drgrpo, rloo, reinforce_pp, gae; docs/losses.md."""
     advantage_options: dict[str, Any] = {}
     """Options validated by the advantage estimator's Config model."""
     optimizer: OptimizerConfig = OptimizerConfig()

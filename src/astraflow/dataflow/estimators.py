@@ -6,8 +6,9 @@ and `batch` once per served batch (every sequence of one optimizer step, replaye
 before the batch goes to the trainer. The buffer keeps the group-stage value; a recorded batch served
 again is normalised again from the same values, so it reaches the trainer unchanged.
 
-Built in: `grpo` and `drgrpo` (dataflow/advantages.py), `rloo` and `reinforce_pp`. PPO with GAE and a
-value model is not built yet.
+Built in: `grpo` and `drgrpo` (dataflow/advantages.py), `rloo`, `reinforce_pp` and `gae`. `gae` is
+per-token PPO: its group stage only passes each sequence's reward on; the trainer computes per-token
+advantages from a value model it trains alongside the policy (trainers/critic.py, losses/value.py).
 
 Large rewards: rloo and reinforce_pp scale a group (or batch) by a power of two before summing, which
 is exact, so the result is finite whenever the true advantage is a finite float; otherwise, and for
@@ -131,11 +132,42 @@ class ReinforcePPEstimator(AdvantageEstimator):
         return _finite([((x - mean) * s) / (std + eps) if std > 0 else 0.0 for x in xs])
 
 
+class GAEConfig(BaseModel):
+    """Options of `gae` (policy.advantage_options): the discount, the GAE lambda and the value model."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    gamma: float = Field(1.0, ge=0, le=1)
+    """Discount per trained token."""
+    lam: float = Field(0.95, ge=0, le=1)
+    """GAE lambda: 0 is the one-step TD advantage, 1 the Monte-Carlo return minus the value."""
+    value_clip: float = Field(0.2, gt=0)
+    """A new value prediction counts at most this far from the one taken before the step (clipped loss)."""
+    critic_lr: float | None = Field(None, gt=0)
+    """Learning rate of the value model's AdamW; None = the policy's optimizer.lr."""
+    whiten: bool = True
+    """Normalise the batch's per-token advantages to mean 0, std 1 over its trained tokens."""
+
+
+class GAEEstimator(AdvantageEstimator):
+    """PPO with GAE: the group stage keeps each sequence's reward (its return); the trainer turns it into
+    per-token advantages with a value model it trains beside the policy (the trainer keys on the name)."""
+
+    Config = GAEConfig
+
+    def __init__(self, config: BaseModel | None = None) -> None:
+        super().__init__(config if config is not None else GAEConfig())
+
+    def group(self, rewards: list[float]) -> list[float]:
+        _scale(rewards)  # refuses non-finite rewards, as the other estimators do
+        return list(rewards)
+
+
 BUILTIN: dict[str, type[AdvantageEstimator]] = {
     "grpo": GRPOEstimator,
     "drgrpo": DrGRPOEstimator,
     "rloo": RLOOEstimator,
     "reinforce_pp": ReinforcePPEstimator,
+    "gae": GAEEstimator,
 }
 """Built-in estimators, found before the `astraflow.advantages` plugin group is searched."""
 

@@ -23,7 +23,7 @@ class LossConfig(BaseModel):
 
 @dataclass
 class LossInputs:
-    """Tensors of one (mini)batch, all [B, T] aligned on predicted tokens except advantages [B]."""
+    """Tensors of one (mini)batch, all [B, T] aligned on predicted tokens except advantages ([B] or [B, T])."""
 
     logp: torch.Tensor
     """Logprobs of the taken tokens under the current parameters (requires grad)."""
@@ -32,7 +32,7 @@ class LossInputs:
     mask: torch.Tensor
     """1.0 where the token is trained on."""
     advantages: torch.Tensor
-    """One scalar per sequence, broadcast over its tokens."""
+    """One scalar per sequence [B], broadcast over its tokens; or one per token [B, T] (advantage = "gae")."""
     ref_logp: torch.Tensor | None = None
     """Reference-model logprobs (for a KL term), if the objective asks for them."""
     prox_logp: torch.Tensor | None = None
@@ -73,3 +73,9 @@ def token_mean(x: torch.Tensor, mask: torch.Tensor, total_tokens: float | None =
     # An all-empty batch must give a finite zero, not 0 / 0.
     denom = max(float(total_tokens), 1.0) if total_tokens is not None else mask.sum().clamp(min=1.0)
     return (x * mask).sum() / denom
+
+
+def token_advantages(inputs: LossInputs) -> torch.Tensor:
+    """Advantages shaped to multiply per-token terms: [B, 1] from per-sequence ones, [B, T] as given."""
+    adv = inputs.advantages
+    return adv.unsqueeze(-1) if adv.dim() == 1 else adv

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import Field
 
 from astraflow.errors import PluginError
-from astraflow.losses.base import LossInputs
+from astraflow.losses.base import LossInputs, token_advantages
 from astraflow.losses.family import (
     FamilyConfig,
     FamilyLoss,
@@ -50,7 +50,7 @@ def importance_weighted_surrogate(
     on = mask > 0
     log_ratio = masked_log_ratio(logp, anchor, mask)
     ratio = torch.exp(log_ratio)
-    objective, clipped = clipped_surrogate(ratio, inputs.advantages.unsqueeze(-1), clip_low, clip_high)
+    objective, clipped = clipped_surrogate(ratio, token_advantages(inputs), clip_low, clip_high)
     with torch.no_grad():
         weight = torch.exp(masked_log_ratio(anchor.detach(), inputs.behaviour_logp, mask))
         over = on & (weight > cap) if cap is not None else torch.zeros_like(on)

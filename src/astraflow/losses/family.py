@@ -80,10 +80,11 @@ def check_shapes(inputs: LossInputs) -> None:
                 f"loss input {name} has shape {tuple(value.shape)}, logp has {shape}",
                 hint="every per-token input is [B, T] aligned on predicted tokens",
             )
-    if inputs.logp.dim() != 2 or tuple(inputs.advantages.shape) != shape[:1]:
+    if inputs.logp.dim() != 2 or tuple(inputs.advantages.shape) not in (shape[:1], shape):
         raise PluginError(
-            f"advantages have shape {tuple(inputs.advantages.shape)}, expected ({shape[0]},) for logp {shape}",
-            hint="advantages carry one scalar per sequence",
+            f"advantages have shape {tuple(inputs.advantages.shape)}, expected ({shape[0]},) or {shape}"
+            f" for logp {shape}",
+            hint="advantages carry one scalar per sequence, or one per token (gae)",
         )
 
 

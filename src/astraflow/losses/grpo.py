@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import Field
 
-from astraflow.losses.base import LossInputs
+from astraflow.losses.base import LossInputs, token_advantages
 from astraflow.losses.family import (
     FamilyConfig,
     FamilyLoss,
@@ -42,9 +42,7 @@ class GRPOLoss(FamilyLoss):
         mask = inputs.mask
         log_ratio = masked_log_ratio(inputs.logp, inputs.behaviour_logp, mask)
         ratio = torch.exp(log_ratio)
-        objective, clipped = clipped_surrogate(
-            ratio, inputs.advantages.unsqueeze(-1), cfg.clip_low, cfg.clip_high
-        )
+        objective, clipped = clipped_surrogate(ratio, token_advantages(inputs), cfg.clip_low, cfg.clip_high)
         loss = -self.reduce(objective, inputs)
         metrics = ratio_metrics(ratio, mask, clipped)
         metrics["approx_kl"] = approx_kl(log_ratio, mask)

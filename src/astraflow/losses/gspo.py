@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import Field
 
+from astraflow.errors import PluginError
 from astraflow.losses.base import LossInputs
 from astraflow.losses.family import (
     FamilyConfig,
@@ -39,6 +40,11 @@ class GSPOLoss(FamilyLoss):
         import torch
 
         cfg: GSPOConfig = self.config  # type: ignore[assignment]
+        if inputs.advantages.dim() != 1:
+            raise PluginError(
+                "gspo is a sequence-level objective and got per-token advantages",
+                hint='pair advantage = "gae" with a token-level loss (grpo, dapo, decoupled_ppo, tis, m2po)',
+            )
         mask = inputs.mask
         log_ratio = masked_log_ratio(inputs.logp, inputs.behaviour_logp, mask)
         lengths = mask.sum(dim=-1)

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 
-from astraflow.losses.base import LossInputs
+from astraflow.losses.base import LossInputs, token_advantages
 from astraflow.losses.family import FamilyConfig, FamilyLoss, approx_kl, masked_log_ratio, ratio_metrics
 
 if TYPE_CHECKING:
@@ -84,7 +84,7 @@ class M2POLoss(FamilyLoss):
             cut = second_moment_cut(sq[on], cfg.tau)
         # Ties at the cut are masked too: they are the largest kept values, so dropping them keeps the bound.
         keep = (on & (sq < cut)).to(mask.dtype)
-        objective = keep * ratio * inputs.advantages.unsqueeze(-1)
+        objective = keep * ratio * token_advantages(inputs)
         loss = -self.reduce(objective, inputs)
         metrics = ratio_metrics(ratio, mask, on & (keep == 0))
         with torch.no_grad():

@@ -94,13 +94,15 @@ class MicroBatch:
     behaviour: torch.Tensor
     """[B, L] behaviour logprobs."""
     adv: torch.Tensor
-    """[B] advantages."""
+    """[B] advantages ([B, L] per-token ones once a value model has computed GAE)."""
     sequences: int
     """B: sequences in this micro-batch (0 for an empty filler)."""
     filtered: bool = True
     """Whether any sequence samples with top-p or top-k (known on the host: no device check needed)."""
     versions: torch.Tensor | None = None
     """[B, L] weight version that generated each token of the views (-1 where none)."""
+    rewards: torch.Tensor | None = None
+    """[B] episode rewards (what GAE discounts back over the trained tokens)."""
     one_per_row: bool = False
     """Every row holds one sequence from position 0 (padding only after it): plain causal attention is
     exact for every real token, so no mask needs building."""
@@ -164,6 +166,7 @@ def build(
             mask=torch.zeros((0, 0)).to(device),
             behaviour=torch.zeros((0, 0)).to(device),
             adv=empty_f.to(device),
+            rewards=empty_f.to(device),
             sequences=0,
             versions=torch.zeros((0, 0), dtype=torch.long).to(device),
             filtered=False,
@@ -231,6 +234,7 @@ def build(
         mask=mask.to(device),
         behaviour=behaviour.to(device),
         adv=torch.tensor([s.advantage for s in samples], dtype=torch.float32).to(device),
+        rewards=torch.tensor([s.reward for s in samples], dtype=torch.float32).to(device),
         sequences=b,
         versions=_longs(ver_l).reshape(b, span).to(device),
         # Conservative: a top_k at or above the vocabulary also counts (the exact path, only slower).

@@ -223,10 +223,12 @@ def run_sft(
     seed: int = 0,
     threads: int = 1,
     until_loss: float = 0.0,
+    device: str = "auto",
 ) -> SFTReport:
     """Train model_dir on data for `epochs` (AdamW, loss on trained tokens) and write OUT.
 
     until_loss > 0 stops after the first epoch whose mean loss is at most that (`epochs` is then a cap).
+    device: cpu, cuda, cuda:N or auto (a GPU when one is visible).
     """
     if not (model_dir / "config.json").is_file():
         raise SFTError(f"no model directory at {model_dir}", hint="astraflow model init --out DIR makes one")
@@ -236,10 +238,14 @@ def run_sft(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from astraflow.engines.device import resolve_device
+
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    dev = torch.device(resolve_device(device))
+    model: Any = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model.to(dev)
     examples = [encode_row(tok, r, max_length) for r in rows]
     examples = [e for e in examples if sum(e.mask[1:]) > 0]
     if not examples:
@@ -257,9 +263,9 @@ def run_sft(
         for start in range(0, len(order), batch_size):
             batch = [examples[i] for i in order[start : start + batch_size]]
             width = max(len(e.ids) for e in batch)
-            ids = torch.tensor([e.ids + [pad] * (width - len(e.ids)) for e in batch])
-            mask = torch.tensor([e.mask + [0] * (width - len(e.mask)) for e in batch])
-            attn = torch.tensor([[1] * len(e.ids) + [0] * (width - len(e.ids)) for e in batch])
+            ids = torch.tensor([e.ids + [pad] * (width - len(e.ids)) for e in batch], device=dev)
+            mask = torch.tensor([e.mask + [0] * (width - len(e.mask)) for e in batch], device=dev)
+            attn = torch.tensor([[1] * len(e.ids) + [0] * (width - len(e.ids)) for e in batch], device=dev)
             logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
             target, trained = ids[:, 1:], mask[:, 1:].bool()
             nll = torch.nn.functional.cross_entropy(logits[trained], target[trained], reduction="sum")
@@ -282,6 +288,7 @@ def run_sft(
             break
     report.seconds = time.monotonic() - t0
     out.mkdir(parents=True, exist_ok=True)
+    model.to("cpu")
     model.save_pretrained(str(out))
     tok.save_pretrained(str(out))
     (out / "sft.json").write_text(

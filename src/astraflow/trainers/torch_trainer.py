@@ -8,7 +8,9 @@ or gradient norm is not finite (on any rank) is skipped: gradients zeroed, no op
 taken under each sequence's own sampling settings (temperature, top-p, top-k), like the engine's
 behaviour logprobs, from hidden states a chunk of tokens at a time (trainers/logprobs.py). Micro-batches
 are padded or packed (trainers/packing.py); under torchrun the model is sharded with FSDP2
-(trainers/distributed.py); with `lora` only peft adapters train (trainers/lora.py).
+(trainers/distributed.py); with `lora` only peft adapters train (trainers/lora.py). With
+`advantage = "gae"` a value model trains beside the policy and gives per-token advantages
+(trainers/critic.py).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from astraflow.protocol.messages import TrainSample
 from astraflow.trainers import distributed as dist
 from astraflow.trainers import lora, mismatch, packing
 from astraflow.trainers.base import Trainer
+from astraflow.trainers.critic import Critic
 from astraflow.trainers.logprobs import chunked_token_logprobs
 from astraflow.trainers.packing import MicroBatch
 from astraflow.trainers.policy_lm import PolicyLM, causal_lm, decoder_layers
@@ -44,6 +47,7 @@ _OPTIM_FILE = "optimizer.pt"
 _RNG_FILE = "rng.pt"
 _STATE_FILE = "trainer_state.json"
 _DCP_DIR = "dcp"
+_CRITIC_DIR = "critic"
 
 
 def token_logprobs(
@@ -163,6 +167,39 @@ class TorchTrainer(Trainer):
         pad = causal_lm(model).config.pad_token_id
         self._pad_id = int(pad) if pad is not None else 0
         self._step = 0
+        self.critic = self._make_critic() if policy.advantage == "gae" else None
+
+    def _make_critic(self) -> Critic:
+        """The value model of `advantage = "gae"`: a second copy of the starting model (trainers/critic.py)."""
+        from transformers import AutoModelForCausalLM
+
+        from astraflow.dataflow.estimators import GAEConfig, make_estimator
+
+        if self.sharded:
+            raise AstraflowError(
+                'advantage = "gae" (a value model) does not run on several trainer ranks yet',
+                hint="train with one process (trainer_nproc = 1), or pick another estimator",
+            )
+        gae = make_estimator("gae", self.policy.advantage_options).config
+        assert isinstance(gae, GAEConfig)
+        model = AutoModelForCausalLM.from_pretrained(
+            self.policy.model, dtype=getattr(torch, self.config.dtype)
+        )
+        model.to(self.device).train()  # type: ignore[arg-type]
+        opt = self.policy.optimizer
+        return Critic(
+            model,
+            gae,
+            lr=gae.critic_lr if gae.critic_lr is not None else opt.lr,
+            betas=opt.betas,
+            weight_decay=opt.weight_decay,
+            grad_clip=opt.grad_clip,
+            autocast=self._autocast_ctx,
+        )
+
+    def _autocast_ctx(self) -> Any:
+        """Autocast to compute_dtype when it differs from the parameters' dtype, else nothing."""
+        return torch.autocast(self.device.type, dtype=self._compute) if self._autocast else nullcontext()
 
     @property
     def step_count(self) -> int:
@@ -299,6 +336,9 @@ class TorchTrainer(Trainer):
         parts = [batch[i : i + size] for i in range(0, len(batch), size)]
         updates = [(part, self._micro_batches(part)) for part in parts]
         extras = self._extras([m for _, ms in updates for m in ms], len(batch))
+        # GAE: per-token advantages from the value model's values before any update of this step
+        value_metrics = self.critic.prepare([m for _, ms in updates for m in ms]) if self.critic else {}
+        value_acc: dict[str, list[float]] = {}
         lr = self._set_lr()
         losses_dev: list[torch.Tensor] = []
         norms_dev: list[torch.Tensor] = []
@@ -322,8 +362,11 @@ class TorchTrainer(Trainer):
                 # a NaN or inf would reach every weight through the optimizer: this update is skipped
                 self.optimizer.zero_grad(set_to_none=True)
                 skipped += 1
-                continue
-            self.optimizer.step()
+            else:
+                self.optimizer.step()
+            if self.critic is not None:
+                for name, v in self.critic.update(micros).items():
+                    value_acc.setdefault(name, []).append(v)
         self._step += 1
         # Host-side metrics first: they overlap the device's last kernels.
         out = self._batch_metrics(batch)
@@ -357,6 +400,12 @@ class TorchTrainer(Trainer):
             skipped_updates=float(skipped),
         )
         out.update(mismatch.metrics(mm_host))
+        if self.critic is not None:
+            # adv_* over the per-token advantages before whitening (the per-sequence values are the rewards)
+            for name in ("adv_mean", "adv_std", "adv_abs_mean"):
+                out[name] = value_metrics.pop(f"gae_{name}", 0.0)
+            out.update(value_metrics)
+            out.update({name: sum(vs) / len(vs) for name, vs in value_acc.items()})
         return out
 
     def _mismatch_sums(self, m: MicroBatch, logp: torch.Tensor) -> torch.Tensor:
@@ -375,6 +424,8 @@ class TorchTrainer(Trainer):
         gradients are full CPU tensors on rank 0 ({} elsewhere). For checking layouts and sharding."""
         micros = self._micro_batches(batch)
         extras = self._extras(micros, len(batch))
+        if self.critic is not None:
+            self.critic.prepare(micros)
         self.optimizer.zero_grad(set_to_none=True)
         loss = dist.all_sum([float(self._accumulate(batch, micros, extras, {}))], self.device)[0]
         grads: dict[str, torch.Tensor] = {}
@@ -456,6 +507,8 @@ class TorchTrainer(Trainer):
             save_model(self.model, str(path / _MODEL_FILE))
             torch.save(self.optimizer.state_dict(), path / _OPTIM_FILE)
             torch.save(self._rng_state(), path / _RNG_FILE)
+            if self.critic is not None:
+                self.critic.save(path / _CRITIC_DIR)
         py_version, py_state, py_gauss = random.getstate()
         state = {
             "step": self._step,
@@ -491,6 +544,13 @@ class TorchTrainer(Trainer):
                 torch.load(path / _OPTIM_FILE, map_location=self.device, weights_only=True)
             )
             rng = torch.load(path / _RNG_FILE, weights_only=True)
+            if self.critic is not None:
+                if not Critic.present(path / _CRITIC_DIR):
+                    raise AstraflowError(
+                        f'checkpoint {path} has no value model, and this policy\'s advantage = "gae" needs one',
+                        hint="resume with the estimator the run was started with",
+                    )
+                self.critic.load(path / _CRITIC_DIR)
         torch.set_rng_state(rng["torch"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(list(rng["cuda"]))

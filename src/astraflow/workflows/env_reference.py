@@ -7,10 +7,12 @@ for the word on the first turn, 0.5 later, 0.0 never.
 `--game lookup` is a tool game: `reset` offers one tool, `lookup(key)`, and asks for the value of a key;
 a step's tool calls are answered as tool results (the value, or an error text), and the episode is done
 when the action contains the value: reward 1.0 if the policy called `lookup` first, 0.5 if it
-answered without it, 0.0 never.
+answered without it, 0.0 never. The key and its value follow the task's index (k0 is always "apple");
+with `--draw` both are drawn per task from its seed and index (the key from k0..k{keys-1}), so a model
+cannot learn the answers, only to look them up, and tasks of another seed are held out.
 
-    python -m astraflow.workflows.env_reference --port 8700 [--game lookup]
-    python -m astraflow.workflows.env_reference --sft-rows 64 > lookup-sft.jsonl   # warm-start data
+    python -m astraflow.workflows.env_reference --port 8700 [--game lookup [--draw] [--keys N]]
+    python -m astraflow.workflows.env_reference --sft-rows 64 [--draw --sft-seed S] > lookup-sft.jsonl
 
 It prints `listening on http://127.0.0.1:PORT` once ready (port 0 picks a free one). It serves each
 request on its own thread with a listen backlog of BACKLOG connections, so hundreds of concurrent
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import secrets
 import threading
 from collections import OrderedDict
@@ -44,10 +47,13 @@ LOOKUP_TOOL = {
 
 
 class Game:
-    """The sessions of the word game (or, with tools=True, the lookup game)."""
+    """The sessions of the word game (or, with tools=True, the lookup game; draw=True draws each task's
+    key among `keys` and its value from the task's seed and index)."""
 
-    def __init__(self, tools: bool = False) -> None:
+    def __init__(self, tools: bool = False, *, draw: bool = False, keys: int = len(WORDS)) -> None:
         self.tools = tools
+        self.draw = draw
+        self.keys = keys
         self.sessions: dict[str, dict[str, Any]] = {}
         self.scored: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self.lock = threading.Lock()
@@ -58,9 +64,12 @@ class Game:
         if not isinstance(task, dict):
             raise ValueError("reset needs a 'task' object")
         index = int(task.get("index", 0))
-        word = WORDS[index % len(WORDS)]
+        if self.draw:
+            rng = random.Random(f"{task.get('seed', 0)}:{index}")
+            key, word = f"k{rng.randrange(self.keys)}", rng.choice(WORDS)
+        else:
+            key, word = f"k{index % len(WORDS)}", WORDS[index % len(WORDS)]
         session = secrets.token_hex(8)
-        key = f"k{index % len(WORDS)}"
         with self.lock:
             self.sessions[session] = {
                 "word": word,
@@ -147,13 +156,14 @@ class Game:
         return out
 
 
-def sft_rows(n: int) -> list[dict[str, Any]]:
+def sft_rows(n: int, *, draw: bool = False, keys: int = len(WORDS), seed: int = 0) -> list[dict[str, Any]]:
     """`n` SFT rows (astraflow sft's chat form) that solve the lookup game as a policy sees it: the
-    tools, the system and user messages of `reset`, an assistant tool call, the tool result, the answer."""
-    game = Game(tools=True)
+    tools, the system and user messages of `reset`, an assistant tool call, the tool result, the answer
+    (tasks 0..n-1 of `seed`; give a seed no run uses for held-out tasks)."""
+    game = Game(tools=True, draw=draw, keys=keys)
     rows = []
     for i in range(n):
-        start = game.reset({"task": {"index": i}})
+        start = game.reset({"task": {"index": i, "seed": seed}})
         state = game.sessions.pop(start["session"])
         call = {
             "id": f"call_{i}",
@@ -182,9 +192,11 @@ class Server(ThreadingHTTPServer):
     daemon_threads = True
 
 
-def make_server(port: int = 0, *, tools: bool = False) -> ThreadingHTTPServer:
+def make_server(
+    port: int = 0, *, tools: bool = False, draw: bool = False, keys: int = len(WORDS)
+) -> ThreadingHTTPServer:
     """The reference server bound to 127.0.0.1:port (not yet serving); tools=True: the lookup game."""
-    game = Game(tools)
+    game = Game(tools, draw=draw, keys=keys)
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
@@ -219,12 +231,19 @@ def main() -> None:
     parser.add_argument(
         "--sft-rows", type=int, default=0, help="print this many lookup-game SFT rows and exit"
     )
+    parser.add_argument(
+        "--draw", action="store_true", help="lookup: draw each task's key and value from its seed and index"
+    )
+    parser.add_argument("--keys", type=int, default=len(WORDS), help="lookup --draw: keys k0..k{N-1}")
+    parser.add_argument("--sft-seed", type=int, default=0, help="--sft-rows: the tasks' seed")
     args = parser.parse_args()
+    if args.keys < 1:
+        parser.error("--keys must be at least 1")
     if args.sft_rows:
-        for row in sft_rows(args.sft_rows):
+        for row in sft_rows(args.sft_rows, draw=args.draw, keys=args.keys, seed=args.sft_seed):
             print(json.dumps(row))
         return
-    server = make_server(args.port, tools=args.game == "lookup")
+    server = make_server(args.port, tools=args.game == "lookup", draw=args.draw, keys=args.keys)
     print(f"listening on http://127.0.0.1:{server.server_address[1]}", flush=True)
     try:
         server.serve_forever()
