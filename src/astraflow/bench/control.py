@@ -103,6 +103,7 @@ def run_one(
     heartbeat_s: float,
     procs: int,
     work: Path,
+    grouped: bool = True,
 ) -> dict[str, Any]:
     """One controller with `members` simulated members (2 active RaaS + idle ones + 1 trainer)."""
     work.mkdir(parents=True, exist_ok=True)
@@ -138,6 +139,7 @@ def run_one(
                 out=str(work / f"sim{i}.json"),
                 keys_dir=str(keys_dir) if keys_dir else "",
                 seed=i,
+                grouped=grouped,
             )
             (work / f"sim{i}.spec.json").write_text(json.dumps(asdict(spec)))
             outs.append(work / f"sim{i}.json")
@@ -176,6 +178,7 @@ def run_one(
         "members": len(names),
         "workers": workers,
         "curve": curve,
+        "results": "grouped" if grouped else "single",
         "joined": joined,
         "refused": sum(len(r["refused"]) for r in results),
         "first_refusals": [x for r in results for x in r["refused"]][:3],
@@ -351,28 +354,35 @@ def run(
     procs: int,
     work: Path,
     progress: Any = None,
+    results: tuple[bool, ...] = (True,),
 ) -> dict[str, Any]:
-    """Every (members, curve) combination, then the physical limits; ratios against the first row."""
+    """Every (results mode, curve, members) combination, then the physical limits; ratios against the
+    first row of the same results mode and CURVE setting."""
     rows = []
-    for c in curve:
-        for n in member_counts:
-            if progress is not None:
-                progress(f"controller with {n} simulated workers, CURVE {'on' if c else 'off'} ...")
-            rows.append(
-                run_one(
-                    n,
-                    curve=c,
-                    seconds=seconds,
-                    warmup_steps=warmup_steps,
-                    heartbeat_s=heartbeat_s,
-                    procs=procs,
-                    work=work / f"{'curve' if c else 'plain'}-{n}",
+    for grouped in results:
+        for c in curve:
+            for n in member_counts:
+                mode = "grouped" if grouped else "single"
+                if progress is not None:
+                    progress(
+                        f"controller with {n} simulated workers, CURVE {'on' if c else 'off'}, {mode} results ..."
+                    )
+                rows.append(
+                    run_one(
+                        n,
+                        curve=c,
+                        seconds=seconds,
+                        warmup_steps=warmup_steps,
+                        heartbeat_s=heartbeat_s,
+                        procs=procs,
+                        work=work / f"{'curve' if c else 'plain'}-{mode}-{n}",
+                        grouped=grouped,
+                    )
                 )
-            )
-    for c in curve:
-        base = next(r for r in rows if r["curve"] == c)
+    for key in {(r["results"], r["curve"]) for r in rows}:
+        base = next(r for r in rows if (r["results"], r["curve"]) == key)
         for r in rows:
-            if r["curve"] == c:
+            if (r["results"], r["curve"]) == key:
                 r["sequences_vs_first"] = (
                     round(r["sequences_per_s"] / base["sequences_per_s"], 3)
                     if base["sequences_per_s"]
@@ -395,6 +405,7 @@ def render(res: dict[str, Any]) -> str:
     cols = [
         ("members", "members"),
         ("curve", "curve"),
+        ("results", "results"),
         ("sequences_per_s", "seq/s"),
         ("sequences_vs_first", "vs first"),
         ("steps_per_s", "steps/s"),

@@ -31,7 +31,7 @@ MAX_MEMBERS = 8192
 """Most member rows at once; beyond this a new id is refused until dead ones are pruned."""
 
 _TRAINER_MSGS = (m.BatchRequest, m.VersionPublished)
-_WORKER_MSGS = (m.TaskRequest, m.TaskResult)
+_WORKER_MSGS = (m.TaskRequest, m.TaskResult, m.TaskResults)
 
 
 def cap_hello(msg: m.Hello) -> m.Hello:

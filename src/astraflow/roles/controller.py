@@ -354,6 +354,7 @@ class Controller:
                 m.Bye: self.on_bye,
                 m.TaskRequest: self.on_task_request,
                 m.TaskResult: self.on_task_result,
+                m.TaskResults: self.on_task_results,
                 m.BatchRequest: self.on_batch_request,
                 m.VersionPublished: self.on_version,
             }.get(type(msg)),
@@ -552,41 +553,94 @@ class Controller:
                 status="failed" if status in ("requeued", "failed") else status,
             )
         task = self.ledger.get(msg.task_id)
-        # a lapsed lease still accepts its owner's late result, so that one is checked too
-        if task is not None and task.status in ("leased", "queued") and task.owner == member["id"]:
-            latest = {p["name"]: int(p["version"]) for p in self.store.policies()}
-            sizes = self._task_sizes(task)
-            bad = self.checker.check(
-                msg.episodes,
-                expected=self.admission.task_sequences(task.roles, sizes),
-                roles=task.roles,
-                latest=latest,
-                task_sampling=self._task_sampling(task),
-            )
-            if bad:
-                status = self.member_failed(
-                    member, msg.task_id, msg.epoch, f"invalid result: {bad}", "invalid"
-                )
-                return m.Error(
-                    rid=msg.rid, code="bad_result", message=f"task {msg.task_id}: {bad} ({status})"
-                )
+        bad = self._invalid(member, msg, task, None)
+        if bad is not None:
+            return m.Error(rid=msg.rid, code="bad_result", message=bad)
         try:
-            status = self._store_result(member, msg, task)
+            with self.store.write():
+                status = self._store_result(member, msg, task)
+                if status == "accepted" and task is not None:
+                    # stage state commits with the result that changed it: a kill -9 loses neither
+                    for pol in task.policies:
+                        self.pipeline.save(pol)
         except RefusedResult as exc:
             # rolled back: nothing of the result is kept (advantages that do not fit a float)
             status = self.fail_attempt(member["id"], msg.task_id, msg.epoch, f"invalid result: {exc}")
             return m.Error(rid=msg.rid, code="bad_result", message=f"task {msg.task_id}: {exc} ({status})")
         return m.ResultAck(rid=msg.rid, task_id=msg.task_id, status=status)
 
-    def _store_result(self, member: dict[str, Any], msg: m.TaskResult, task: TaskRow | None) -> str:
-        """Complete the task's lease and store what the result brings, in one transaction; the status."""
+    def on_task_results(self, member: dict[str, Any], msg: m.TaskResults) -> m.Msg:
+        """Group commit: check every result, store the valid ones in one transaction (stage state saved
+        once per policy), then ack each. A result refused while stored rolls the group back, and each
+        result is then handled alone, as a TaskResult would be."""
+        acks: dict[int, m.OutcomeAck] = {}
+        good: list[tuple[int, m.Outcome, TaskRow | None]] = []
+        tasks = self.ledger.get_many(o.task_id for o in msg.results if not o.error)
+        latest: dict[str, int] = {}
+        for i, o in enumerate(msg.results):
+            if o.error:
+                acks[i] = _outcome_ack(o.task_id, self.on_task_result(member, _single(o)))
+                continue
+            task = tasks.get(o.task_id)
+            bad = self._invalid(member, o, task, latest)
+            if bad is not None:
+                acks[i] = m.OutcomeAck(task_id=o.task_id, status="invalid", code="bad_result", message=bad)
+            else:
+                good.append((i, o, task))
+        try:
+            with self.store.write():
+                fed: dict[str, None] = {}
+                for i, o, task in good:
+                    acks[i] = m.OutcomeAck(task_id=o.task_id, status=self._store_result(member, o, task))
+                    if acks[i].status == "accepted" and task is not None:
+                        fed.update(dict.fromkeys(task.policies))
+                for pol in fed:
+                    self.pipeline.save(pol)
+        except RefusedResult:
+            for i, o, _task in good:
+                acks[i] = _outcome_ack(o.task_id, self.on_task_result(member, _single(o)))
+        return m.ResultsAck(rid=msg.rid, acks=[acks[i] for i in range(len(msg.results))])
+
+    def _invalid(
+        self,
+        member: dict[str, Any],
+        res: m.TaskResult | m.Outcome,
+        task: TaskRow | None,
+        latest: dict[str, int] | None,
+    ) -> str | None:
+        """Why a result of a live lease of this member is refused (the attempt is charged), or None.
+        `latest` caches the policies' versions over the results of one message."""
+        # a lapsed lease still accepts its owner's late result, so that one is checked too
+        if task is None or task.status not in ("leased", "queued") or task.owner != member["id"]:
+            return None
+        if not latest:
+            latest = {} if latest is None else latest
+            latest.update({p["name"]: int(p["version"]) for p in self.store.policies()})
+        sizes = self._task_sizes(task)
+        bad = self.checker.check(
+            res.episodes,
+            expected=self.admission.task_sequences(task.roles, sizes),
+            roles=task.roles,
+            latest=latest,
+            task_sampling=self._task_sampling(task),
+        )
+        if not bad:
+            return None
+        status = self.member_failed(member, res.task_id, res.epoch, f"invalid result: {bad}", "invalid")
+        return f"task {res.task_id}: {bad} ({status})"
+
+    def _store_result(
+        self, member: dict[str, Any], res: m.TaskResult | m.Outcome, task: TaskRow | None
+    ) -> str:
+        """Complete the task's lease and store what the result brings (inside the caller's transaction,
+        which also saves the stage state of the task's policies); the status."""
         with self.store.write():
-            status = self.ledger.complete(msg.task_id, msg.epoch, member["id"])
+            status = self.ledger.complete(res.task_id, res.epoch, member["id"])
             if status == "accepted":
                 self.accounting.succeeded(member["id"])
-            if status == "accepted" and self._is_eval(msg.task_id):
+            if status == "accepted" and self._is_eval(res.task_id):
                 assert self.evals is not None
-                self.evals.record(msg.task_id, msg.episodes)
+                self.evals.record(res.task_id, res.episodes)
                 self.made_progress()
             elif status == "accepted":
                 assert task is not None
@@ -594,14 +648,11 @@ class Controller:
                     self.buffer,
                     task.id,
                     task.prompt_key,
-                    msg.episodes,
+                    res.episodes,
                     # decided when the task was leased: a done task keeps a full group of every policy
                     # it fed, even when that policy's budget was taken while the task ran
                     read_only=task.read_only,
                 )
-                # stage state commits with the result that changed it: a kill -9 loses neither
-                for pol in task.policies:
-                    self.pipeline.save(pol)
                 self.made_progress()
         return status
 
@@ -928,7 +979,9 @@ class Controller:
             out.append((ident, reply))
         if not self.parked:
             return out
-        if isinstance(msg, m.TaskResult) and isinstance(reply, m.ResultAck) and reply.status == "accepted":
+        if (
+            isinstance(msg, m.TaskResult) and isinstance(reply, m.ResultAck) and reply.status == "accepted"
+        ) or (isinstance(reply, m.ResultsAck) and any(a.status == "accepted" for a in reply.acks)):
             out += self.wake(("batch",), now)
         elif isinstance(msg, m.BatchRequest) and isinstance(reply, m.BatchReply) and reply.ready:
             out += self.wake(("task",), now)
@@ -1018,6 +1071,20 @@ def with_trainer_metrics(row: dict[str, Any], trainer: dict[str, float]) -> dict
         name = f"trainer/{k}" if k in row and f"trainer/{k}" not in trainer else k
         row.setdefault(name, float(v))
     return row
+
+
+def _single(o: m.Outcome) -> m.TaskResult:
+    """One result of a TaskResults as the TaskResult it stands for."""
+    return m.TaskResult(task_id=o.task_id, epoch=o.epoch, episodes=o.episodes, error=o.error)
+
+
+def _outcome_ack(task_id: int, reply: m.Msg) -> m.OutcomeAck:
+    """The single-result path's reply (ResultAck or Error) as one result's OutcomeAck."""
+    if isinstance(reply, m.ResultAck):
+        return m.OutcomeAck(task_id=task_id, status=reply.status)
+    if isinstance(reply, m.Error):
+        return m.OutcomeAck(task_id=task_id, status="invalid", code=reply.code, message=reply.message)
+    return m.OutcomeAck(task_id=task_id, status="invalid", code="internal", message=type(reply).__name__)
 
 
 def _summary(text: str) -> str:
