@@ -133,7 +133,9 @@ def simulate(spec: SimSpec) -> SimResult:
     res = SimResult()
     rng = random.Random(spec.seed)
     ctx: zmq.Context[Any] = zmq.Context()
-    ctx.setsockopt(zmq.MAX_SOCKETS, len(spec.members) + 64)
+    ctx.set(
+        zmq.MAX_SOCKETS, len(spec.members) + 64
+    )  # a context option (setsockopt would set a socket default)
     keys = Path(spec.keys_dir) if spec.keys_dir else None
     members = [_Member(ctx, spec, ident, keys) for ident in spec.members]
     by_sock = {mem.sock: mem for mem in members}

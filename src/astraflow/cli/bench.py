@@ -686,6 +686,9 @@ def control(
     ),
     out: Path = typer.Option(None, help="Keep the runs' directories here (default: a temporary directory)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+    keep_steps: int = typer.Option(
+        0, help="Retention: trajectories consumed this many steps ago leave state.db for Parquet (0: off)."
+    ),
     results: str = typer.Option(
         "grouped",
         help="How workers send results: grouped (a grant's in one TaskResults), single (a TaskResult each), or both.",
@@ -718,5 +721,6 @@ def control(
             work=out or Path(tmp),
             progress=lambda line: typer.echo(line, err=True),
             results=grouping,
+            keep_steps=keep_steps,
         )
     typer.echo(_json.dumps(res, indent=2) if as_json else render(res))

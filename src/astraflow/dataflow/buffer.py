@@ -12,6 +12,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 
@@ -195,6 +196,8 @@ class Buffer:
             tuple(ids),
         )
         by_id = {int(r["id"]): int(r["n"]) for r in rows}
+        for i, r in self._archived(ids, by_id).items():
+            by_id[i] = sum(len(r[k]) for k in ("tokens", "loss_mask", "logprobs", "versions"))
         return [by_id[i] for i in ids]
 
     def advantages(self, ids: list[int]) -> list[float]:
@@ -206,7 +209,19 @@ class Buffer:
             f"SELECT id, advantage FROM trajectories WHERE id IN ({marks})", tuple(set(ids))
         )
         by_id = {int(r["id"]): float(r["advantage"]) for r in rows}
+        for i, r in self._archived(ids, by_id).items():
+            by_id[i] = float(r["advantage"])
         return [by_id[i] for i in ids]
+
+    def _archived(self, ids: list[int], found: dict[int, Any]) -> dict[int, dict[str, Any]]:
+        """The rows of `ids` missing from `found` that a retention pass moved to the archive
+        (state/archive.py): a recorded batch re-served after its trajectories left state.db."""
+        missing = [i for i in ids if i not in found]
+        if not missing:
+            return {}
+        from astraflow.state import archive
+
+        return archive.rows_by_id(self.store, missing)
 
     def samples(self, ids: list[int], flags: list[bool]) -> list[TrainSample]:
         """The TrainSamples of these trajectories, in this order, with these replay flags."""
@@ -325,7 +340,8 @@ class Buffer:
             f"FROM trajectories WHERE id IN ({marks})",
             tuple(ids),
         )
-        by_id = {r["id"]: r for r in rows}
+        by_id: dict[int, Any] = {r["id"]: r for r in rows}
+        by_id.update(self._archived(ids, by_id))
         out = []
         for i, replay in zip(ids, flags, strict=True):
             r = by_id[i]

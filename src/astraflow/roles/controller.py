@@ -39,6 +39,7 @@ from astraflow.protocol import messages as m
 from astraflow.protocol.codec import DecodeError
 from astraflow.roles import authz
 from astraflow.roles.member_accounting import MemberAccounting
+from astraflow.roles.member_table import MemberTable
 from astraflow.roles.parked import Parked, ParkedRequests, immediate, may_park
 from astraflow.roles.run_control import on_control
 from astraflow.state.member_health import Kind
@@ -107,12 +108,26 @@ class Controller:
         self._finished: bool | None = None
         """Read-through caches of the policies' versions and budgets: both change only when a version is
         recorded (on_version), and heartbeats of thousands of members read them."""
-        self._touches: dict[str, tuple[float, dict[str, int] | None, int | None]] = {}
-        """Heartbeats seen since the last tick: member -> (time, loaded, slots), written in one
-        transaction before the liveness check (a heartbeat then costs no write of its own)."""
+        self.members = MemberTable(store)
+        """Live members' last_seen, loaded versions and slots in memory, flushed every FLUSH_S
+        (roles/member_table.py): a heartbeat costs no write, the liveness check no scan."""
         self.offers: dict[str, tuple[int, list[m.WeightOffer]]] = {}
         """Policy -> (version, the faster weight paths its trainer offered for it); in memory only: after a
         restart workers pull the current version from the weight server until the next one."""
+        self._handlers = cast(
+            "dict[type, Callable[[dict[str, Any], Any], m.Msg]]",
+            {
+                m.Heartbeat: self.on_heartbeat,
+                m.Bye: self.on_bye,
+                m.TaskRequest: self.on_task_request,
+                m.TaskResult: self.on_task_result,
+                m.TaskResults: self.on_task_results,
+                m.BatchRequest: self.on_batch_request,
+                m.VersionPublished: self.on_version,
+            },
+        )
+        """The member messages' handlers, each taking the message type it is keyed by (built once: a
+        heartbeat flood must not rebuild it per message)."""
         self.accounting = MemberAccounting(store, recipe)
         """Per-member failures, quarantine, lease share and heartbeat rate (roles/member_accounting.py)."""
 
@@ -136,7 +151,9 @@ class Controller:
             for p in self.recipe.policy:
                 self.store.ensure_policy(p.name, p.max_staleness)
             # After a restart, members get one timeout to show up again before their leases go back.
-            c.execute("UPDATE members SET last_seen = ? WHERE status = 'alive'", (time.time(),))
+            now = time.time()
+            c.execute("UPDATE members SET last_seen = ? WHERE status = 'alive'", (now,))
+            self.members.load(now)
             self.store.add_event("start" if fresh else "restart", self.recipe.run.name)
             repaired = drop_poisoned(self.store)
             if repaired:
@@ -183,12 +200,7 @@ class Controller:
 
     def flush_touches(self) -> None:
         """Write the heartbeats seen since the last flush (last_seen, loaded version, slots) at once."""
-        if not self._touches:
-            return
-        touches, self._touches = self._touches, {}
-        with self.store.write():
-            for member_id, (t, loaded, slots) in touches.items():
-                self.store.touch_member(member_id, t, loaded, slots)
+        self.members.flush()
 
     def versions_for(self, member: dict[str, Any], beat: m.Heartbeat | None = None) -> list[m.VersionInfo]:
         """The newest versions as `member` should pull them: with `[weights] relays`, each names the
@@ -224,21 +236,21 @@ class Controller:
         """Liveness, lease expiry, queue refill, end-of-run bookkeeping."""
         t = time.time() if now is None else now
         timeout = self.recipe.controller.member_timeout_s
-        self.flush_touches()
+        silent = self.members.silent(t - timeout)  # the front of the heard-from order, not every member
+        if silent:
+            self.flush_touches()  # what the dead last reported stays readable
+        self.members.flush(t)
         with self.store.write():
-            # only the silent ones: reading every live row each tick would cost O(members) per 0.1s
-            for mem in self.store.query(
-                "SELECT id, last_seen FROM members WHERE status = 'alive' AND COALESCE(last_seen, 0) < ?",
-                (t - timeout,),
-            ):
-                self.store.set_member_status(mem["id"], "dead")
-                self.parked.drop(str(mem["id"]).encode())  # its held requests die with it
-                n = self.ledger.release_member(mem["id"])
-                self.store.add_event(
-                    "member_dead",
-                    f"{mem['id']} silent {t - (mem['last_seen'] or 0):.1f}s; {n} leases back",
-                )
-                _log.warning("member %s is dead (silent > %.1fs); %d tasks requeued", mem["id"], timeout, n)
+            for mid, last_seen in silent:
+                self.members.gone(mid)
+                row = self.store.member(mid)
+                if row is None or row["status"] != "alive":
+                    continue
+                self.store.set_member_status(mid, "dead")
+                self.parked.drop(mid.encode())  # its held requests die with it
+                n = self.ledger.release_member(mid)
+                self.store.add_event("member_dead", f"{mid} silent {t - last_seen:.1f}s; {n} leases back")
+                _log.warning("member %s is dead (silent > %.1fs); %d tasks requeued", mid, timeout, n)
             for owner in self.accounting.lapsed(t):
                 self.ledger.give_back_lapsed(owner, t)  # its lapses are its own, not its tasks'
             expired = self.ledger.expire(t)
@@ -332,12 +344,16 @@ class Controller:
         if isinstance(msg, m.Hello):
             return self.on_hello(ident, msg, principal)
         if isinstance(msg, m.StatusRequest):
+            self.flush_touches()
             return m.StatusReply(rid=rid, status=build_status(self.store))
         if isinstance(msg, m.Leave):
             return self.on_leave(msg, principal)
         if isinstance(msg, m.Control):
             return on_control(self, msg, principal)
-        member = self.store.member(member_id)
+        if not isinstance(msg, m.Heartbeat):
+            # heartbeats (the flood of a large cluster) use the kept row; the rest read the store's
+            self.members.forget(member_id)
+        member = self.members.row(member_id)
         if member is None or member["status"] != "alive":
             return m.Error(
                 rid=rid, code="unknown_member", message=f"{member_id!r} has not joined; send Hello"
@@ -347,18 +363,7 @@ class Controller:
             _log.warning("refused %s from %r: %s", type(msg).__name__, member_id[:64], refused[1])
             return m.Error(rid=rid, code=refused[0], message=refused[1])
         # each handler takes the message type it is keyed by
-        handler = cast(
-            "Callable[[dict[str, Any], Any], m.Msg] | None",
-            {
-                m.Heartbeat: self.on_heartbeat,
-                m.Bye: self.on_bye,
-                m.TaskRequest: self.on_task_request,
-                m.TaskResult: self.on_task_result,
-                m.TaskResults: self.on_task_results,
-                m.BatchRequest: self.on_batch_request,
-                m.VersionPublished: self.on_version,
-            }.get(type(msg)),
-        )
+        handler = self._handlers.get(type(msg))
         if handler is None:
             return m.Error(
                 rid=rid,
@@ -380,6 +385,7 @@ class Controller:
                 rid=msg.rid, code="bad_identity", message="member_id must equal the socket identity"
             )
         msg = authz.cap_hello(msg)
+        self.flush_touches()  # the identity checks read last_seen from the store
         refused = authz.hello_refusal(self.store, self.recipe, msg, principal)
         if refused is not None:
             _log.warning("refused Hello of %r as %s: %s", msg.member_id[:64], msg.role, refused[1])
@@ -407,6 +413,7 @@ class Controller:
                 f"{msg.member_id} {msg.role}"
                 + (f"; {released} leases of its previous process back" if released else ""),
             )
+        self.members.joined(msg.member_id, time.time())
         _log.info("member %s joined as %s (%s)", msg.member_id, msg.role, msg.hardware or "?")
         if self._recipe_doc is None:
             self._recipe_doc = self.recipe.model_dump(mode="json")
@@ -427,10 +434,8 @@ class Controller:
         slots = msg.busy + msg.free
         # last_seen needs no durability (a restarted controller gives every member a fresh timer):
         # it is written with the other heartbeats of this tick, before the liveness check reads it
-        self._touches[member["id"]] = (
-            now,
-            dict(msg.loaded) if msg.loaded else None,
-            slots if slots > 0 else None,
+        self.members.touch(
+            member["id"], now, dict(msg.loaded) if msg.loaded else None, slots if slots > 0 else None
         )
         if msg.active or new_error:
             with self.store.write():
@@ -454,6 +459,7 @@ class Controller:
         with self.store.write():
             n = self.ledger.release_member(member["id"])
             self.store.set_member_status(member["id"], "left")
+            self.members.gone(member["id"])
             self.store.add_event("member_left", f"{member['id']} ({msg.reason[:500]}); {n} leases back")
         self.parked.drop(str(member["id"]).encode())
         self.draining.discard(member["id"])
@@ -482,8 +488,7 @@ class Controller:
                 rid=msg.rid, code="draining", message="asked to leave: finish your tasks and say Bye"
             )
         if not self.accounting.may_lease(member):
-            with self.store.write():
-                self.store.touch_member(member["id"], time.time(), dict(msg.loaded) or None)
+            self.members.touch(member["id"], time.time(), dict(msg.loaded) or None)
             return m.TaskGrant(rid=msg.rid, versions=self.versions(), retry_after_s=RETRY_S)
         now = time.time()
         serves = set(member["policies"])
@@ -514,8 +519,8 @@ class Controller:
             return ok
 
         self.refill()
+        self.members.touch(member["id"], now, loaded or None)
         with self.store.write():
-            self.store.touch_member(member["id"], now, loaded or None)
             n = self.accounting.quota(member, authz.task_quota(self.store, self.recipe, member, msg.n))
             leased = self.ledger.lease(member["id"], n, now, accept)
             for t in leased:
@@ -832,7 +837,20 @@ class Controller:
                 self.made_progress(now)
         if row is not None:
             self.emit(row)
+            self.retire(msg.policy, msg.step)
         return m.Ack(rid=msg.rid, detail="recorded" if new else "known")
+
+    def retire(self, policy: str, step: int) -> None:
+        """A retention pass (controller.retention) every `every_steps` steps of a policy: trajectories
+        trained on long ago leave state.db for the archive (state/archive.py), or are dropped."""
+        keep = self.recipe.controller.retention
+        if keep.keep_steps is None or step % keep.every_steps:
+            return
+        from astraflow.state import archive
+
+        n = archive.retire(self.store, self.run_dir, policy, step, keep.keep_steps, keep.action)
+        if n:
+            _log.info("retention: %d trajectories of %s left state.db (%s)", n, policy, keep.action)
 
     def _note_skipped(self, msg: m.VersionPublished) -> None:
         """A step the trainer skipped (non-finite loss or gradient norm) becomes a `step_skipped` event."""
@@ -866,6 +884,12 @@ class Controller:
                 stale.append(ref - int(r["min_version"]))
                 task_ids.append(int(r["task_id"]))
         counts = self.buffer.open_counts(msg.policy)
+        if self.recipe.controller.retention.keep_steps is not None:
+            from astraflow.state.archive import archived_counts
+
+            for k, v in archived_counts(self.store, msg.policy).items():
+                if k in counts:
+                    counts[k] += v
         tasks = self.ledger.counts()
         generated = self.buffer.generated(msg.policy)
         hist = self.rate_hist.setdefault(msg.policy, deque(maxlen=6))

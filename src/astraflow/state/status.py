@@ -7,6 +7,7 @@ import sqlite3
 from typing import Any
 
 from astraflow.dataflow import control, failures
+from astraflow.state.archive import archived_counts
 from astraflow.state.store import Store, skipped_steps
 
 SCHEMA_VERSION = 1
@@ -49,6 +50,8 @@ def build_status(store: Store) -> dict[str, Any]:
             "SELECT status, COUNT(*) AS n FROM trajectories WHERE policy = ? GROUP BY status", (p["name"],)
         ):
             counts[r["status"]] = int(r["n"])
+        for status, n in archived_counts(store, p["name"]).items():
+            counts[status] = counts.get(status, 0) + n  # trajectories a retention pass moved out
         buffers[p["name"]] = counts
     members = [
         {
