@@ -59,12 +59,12 @@ def retire(store: Store, run_dir: Path, policy: str, step: int, keep_steps: int,
     if newest_consumed is None:
         return 0
     top = int(store.scalar("SELECT MAX(id) FROM trajectories") or 0)
-    rows = store.query(
-        f"SELECT {COLUMNS} FROM trajectories WHERE policy = ? AND id < ? AND ("
-        "(status = 'consumed' AND consumed_step <= ?) OR (status IN ('expired', 'dropped') AND id <= ?)) "
-        "ORDER BY id",
-        (policy, top, cut, int(newest_consumed)),
+    where = (
+        "WHERE policy = ? AND id < ? AND ("
+        "(status = 'consumed' AND consumed_step <= ?) OR (status IN ('expired', 'dropped') AND id <= ?))"
     )
+    params = (policy, top, cut, int(newest_consumed))
+    rows = store.query(f"SELECT {COLUMNS} FROM trajectories {where} ORDER BY id", params)
     if not rows:
         return 0
     first, last = int(rows[0]["id"]), int(rows[-1]["id"])
@@ -77,7 +77,8 @@ def retire(store: Store, run_dir: Path, policy: str, step: int, keep_steps: int,
         counts[r["status"]] = counts.get(r["status"], 0) + 1
     now = time.time()
     with store.write() as c:
-        c.executemany("DELETE FROM trajectories WHERE id = ?", [(int(r["id"]),) for r in rows])
+        # the controller is the only writer and runs the pass in one go: the same rows as selected
+        c.execute(f"DELETE FROM trajectories {where}", params)
         c.executemany(
             "INSERT INTO archived (file, policy, status, rows, first_id, last_id, created) VALUES (?, ?, ?, ?, ?, ?, ?)",
             [(name, policy, s, n, first, last, now) for s, n in sorted(counts.items())],
@@ -89,7 +90,9 @@ def _write(path: Path, rows: list[Any]) -> None:
     pa = _pyarrow()
     path.parent.mkdir(parents=True, exist_ok=True)
     cols = [c.strip() for c in COLUMNS.split(",")]
-    table = pa.table({c: [r[c] for r in rows] for c in cols})
+    table = pa.table(
+        dict(zip(cols, (list(col) for col in zip(*(tuple(r) for r in rows), strict=True)), strict=True))
+    )
     tmp = path.with_suffix(".parquet.tmp")
     pa.parquet.write_table(table, tmp)
     with open(tmp, "rb") as f:
