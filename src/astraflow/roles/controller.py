@@ -138,6 +138,11 @@ class Controller:
         from astraflow.config.recipe_change import check_recipe_change
         from astraflow.rundir import git_sha
 
+        keep = self.recipe.controller.retention
+        if keep.keep_steps is not None and keep.action == "archive":
+            from astraflow.state.archive import require_pyarrow
+
+            require_pyarrow()  # a missing pyarrow is the user's to fix before the run, not at its first pass
         mine = self.recipe.model_dump(mode="json")
         run = self.store.run()
         if run is not None:

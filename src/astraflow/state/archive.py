@@ -41,6 +41,11 @@ def _pyarrow() -> Any:
     return pyarrow
 
 
+def require_pyarrow() -> None:
+    """Raise the one-line error (with the install hint) when pyarrow is missing."""
+    _pyarrow()
+
+
 def run_dir_of(store: Store) -> Path:
     """The run directory of a store (the folder of its state.db)."""
     row = store.conn.execute("PRAGMA database_list").fetchone()
