@@ -18,8 +18,15 @@ from tests.chaos.cluster import Cluster, ro
 @pytest.mark.timeout(600)  # its subprocesses have their own, longer limits
 def test_kill_9_raas_mid_run_loses_no_task(tiny_model: Path, tmp_path: Path) -> None:
     steps = 12
+    # 24 new tokens instead of the quickstart's 3: a grant's episodes take long enough that raas-0 is
+    # caught holding leases it has not reported yet (it sends a grant's results together, in one message)
     with Cluster(
-        tmp_path, tiny_model, steps, "controller.member_timeout_s=2.0", "rollout.lease_timeout_s=60"
+        tmp_path,
+        tiny_model,
+        steps,
+        "controller.member_timeout_s=2.0",
+        "rollout.lease_timeout_s=60",
+        "policy.sampling.max_new_tokens=24",
     ) as c:
         ctl = c.controller()
         raas = [c.raas(i) for i in range(2)]

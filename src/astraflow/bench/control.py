@@ -38,8 +38,10 @@ ACTIVE = 2
 """RaaS members that lease and answer tasks; every other simulated worker only heartbeats."""
 
 
-def recipe(heartbeat_s: float, members: int) -> dict[str, Any]:
-    """The quickstart's shape with no model: the controller reads no weights and checks ids >= 0."""
+def recipe(heartbeat_s: float, members: int, keep_steps: int = 0) -> dict[str, Any]:
+    """The quickstart's shape with no model: the controller reads no weights and checks ids >= 0;
+    `keep_steps` > 0 turns on retention (archive to Parquet every 10 steps)."""
+    retention = {"keep_steps": keep_steps, "every_steps": 10} if keep_steps else {}
     return {
         "run": {"name": "control-bench", "seed": 0, "steps": 1_000_000},
         "policy": [
@@ -57,6 +59,7 @@ def recipe(heartbeat_s: float, members: int) -> dict[str, Any]:
             "heartbeat_interval_s": heartbeat_s,
             # a loaded 2-core machine delays a simulator's beats; no member should be declared dead
             "member_timeout_s": max(30.0, 20 * heartbeat_s),
+            "retention": retention,
         },
     }
 
@@ -103,6 +106,8 @@ def run_one(
     heartbeat_s: float,
     procs: int,
     work: Path,
+    grouped: bool = True,
+    keep_steps: int = 0,
 ) -> dict[str, Any]:
     """One controller with `members` simulated members (2 active RaaS + idle ones + 1 trainer)."""
     work.mkdir(parents=True, exist_ok=True)
@@ -113,7 +118,7 @@ def run_one(
     run_dir = work / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     ctl, addr = start_controller(
-        work, keys=work / "keys" if curve else None, recipe_doc=recipe(heartbeat_s, workers)
+        work, keys=work / "keys" if curve else None, recipe_doc=recipe(heartbeat_s, workers, keep_steps)
     )
     sims: list[subprocess.Popen[bytes]] = []
     outs: list[Path] = []
@@ -138,6 +143,7 @@ def run_one(
                 out=str(work / f"sim{i}.json"),
                 keys_dir=str(keys_dir) if keys_dir else "",
                 seed=i,
+                grouped=grouped,
             )
             (work / f"sim{i}.spec.json").write_text(json.dumps(asdict(spec)))
             outs.append(work / f"sim{i}.json")
@@ -166,6 +172,7 @@ def run_one(
         ctl.kill()
         ctl.wait()
     results = [json.loads(o.read_text()) for o in outs if o.is_file()]
+    state = _state_size(run_dir)
     steps = [s for r in results for s in r["steps"] if t0 <= s[0] <= t1]
     n_steps = len(steps)
     seqs = sum(s[2] for s in steps)
@@ -176,6 +183,7 @@ def run_one(
         "members": len(names),
         "workers": workers,
         "curve": curve,
+        "results": "grouped" if grouped else "single",
         "joined": joined,
         "refused": sum(len(r["refused"]) for r in results),
         "first_refusals": [x for r in results for x in r["refused"]][:3],
@@ -196,6 +204,32 @@ def run_one(
             sum(r["heartbeats"] / max(1e-9, r["ended"] - r["started"]) for r in results), 1
         ),
         "controller_rss_mb": round(rss, 1),
+        **state,
+    }
+
+
+def _state_size(run_dir: Path) -> dict[str, Any]:
+    """state.db's size (with its WAL), the trajectories it holds, the last step and the archive's size."""
+    from astraflow.state.store import Store
+
+    db = run_dir / "state.db"
+    size = sum(f.stat().st_size for f in run_dir.glob("state.db*") if f.is_file())
+    archive = (
+        sum(f.stat().st_size for f in (run_dir / "archive").glob("*.parquet"))
+        if (run_dir / "archive").is_dir()
+        else 0
+    )
+    store = Store.open_readonly(db)
+    try:
+        rows = int(store.scalar("SELECT COUNT(*) FROM trajectories") or 0)
+        step = int(store.policy(POLICY)["step"])
+    finally:
+        store.close()
+    return {
+        "last_step": step,
+        "state_db_mb": round(size / 2**20, 2),
+        "trajectories_in_db": rows,
+        "archive_mb": round(archive / 2**20, 2),
     }
 
 
@@ -351,28 +385,37 @@ def run(
     procs: int,
     work: Path,
     progress: Any = None,
+    results: tuple[bool, ...] = (True,),
+    keep_steps: int = 0,
 ) -> dict[str, Any]:
-    """Every (members, curve) combination, then the physical limits; ratios against the first row."""
+    """Every (results mode, curve, members) combination, then the physical limits; ratios against the
+    first row of the same results mode and CURVE setting."""
     rows = []
-    for c in curve:
-        for n in member_counts:
-            if progress is not None:
-                progress(f"controller with {n} simulated workers, CURVE {'on' if c else 'off'} ...")
-            rows.append(
-                run_one(
-                    n,
-                    curve=c,
-                    seconds=seconds,
-                    warmup_steps=warmup_steps,
-                    heartbeat_s=heartbeat_s,
-                    procs=procs,
-                    work=work / f"{'curve' if c else 'plain'}-{n}",
+    for grouped in results:
+        for c in curve:
+            for n in member_counts:
+                mode = "grouped" if grouped else "single"
+                if progress is not None:
+                    progress(
+                        f"controller with {n} simulated workers, CURVE {'on' if c else 'off'}, {mode} results ..."
+                    )
+                rows.append(
+                    run_one(
+                        n,
+                        curve=c,
+                        seconds=seconds,
+                        warmup_steps=warmup_steps,
+                        heartbeat_s=heartbeat_s,
+                        procs=procs,
+                        work=work / f"{'curve' if c else 'plain'}-{mode}-{n}",
+                        grouped=grouped,
+                        keep_steps=keep_steps,
+                    )
                 )
-            )
-    for c in curve:
-        base = next(r for r in rows if r["curve"] == c)
+    for key in {(r["results"], r["curve"]) for r in rows}:
+        base = next(r for r in rows if (r["results"], r["curve"]) == key)
         for r in rows:
-            if r["curve"] == c:
+            if (r["results"], r["curve"]) == key:
                 r["sequences_vs_first"] = (
                     round(r["sequences_per_s"] / base["sequences_per_s"], 3)
                     if base["sequences_per_s"]
@@ -395,6 +438,7 @@ def render(res: dict[str, Any]) -> str:
     cols = [
         ("members", "members"),
         ("curve", "curve"),
+        ("results", "results"),
         ("sequences_per_s", "seq/s"),
         ("sequences_vs_first", "vs first"),
         ("steps_per_s", "steps/s"),
@@ -407,6 +451,10 @@ def render(res: dict[str, Any]) -> str:
         ("heartbeats_per_s", "beats/s"),
         ("controller_rss_mb", "RSS MB"),
         ("rss_kb_per_extra_member", "KB/member"),
+        ("last_step", "steps"),
+        ("state_db_mb", "state.db MB"),
+        ("trajectories_in_db", "rows in db"),
+        ("archive_mb", "archive MB"),
     ]
     lines = ["  ".join(h for _, h in cols)]
     for r in res["rows"]:

@@ -2,8 +2,8 @@
 
 One process runs a slice of the bench's members on one thread: each member has its own DEALER socket,
 routing id (and CURVE key when the bench runs with keys), says Hello, and heartbeats at the recipe's
-interval. Members given the `raas` role lease tasks and answer each at once with trivial episodes of
-the task's group size; the `trainer` member takes each batch and announces the next version at once.
+interval. Members given the `raas` role lease tasks and answer them at once with trivial episodes of
+the task's group size (all of a grant in one TaskResults, or one TaskResult each); the `trainer` member takes each batch and announces the next version at once.
 No model runs anywhere: what the bench measures is the controller's own cost per message.
 
 Run as `python -m astraflow.bench.control_sim SPEC.json`; the spec and the result are JSON files
@@ -50,6 +50,8 @@ class SimSpec:
     keys_dir: str = ""
     """Directory of NAME.key_secret files (one per member) and controller.key; "" = no CURVE."""
     seed: int = 0
+    grouped: bool = True
+    """Answer a grant's tasks in one TaskResults (group commit); False: one TaskResult each."""
 
 
 @dataclass
@@ -131,7 +133,9 @@ def simulate(spec: SimSpec) -> SimResult:
     res = SimResult()
     rng = random.Random(spec.seed)
     ctx: zmq.Context[Any] = zmq.Context()
-    ctx.setsockopt(zmq.MAX_SOCKETS, len(spec.members) + 64)
+    ctx.set(
+        zmq.MAX_SOCKETS, len(spec.members) + 64
+    )  # a context option (setsockopt would set a socket default)
     keys = Path(spec.keys_dir) if spec.keys_dir else None
     members = [_Member(ctx, spec, ident, keys) for ident in spec.members]
     by_sock = {mem.sock: mem for mem in members}
@@ -218,15 +222,25 @@ def _on_reply(mem: _Member, msg: m.Msg, spec: SimSpec, res: SimResult, rng: rand
             return
         if msg.tasks:
             res.task_latency_s.append(took)
+        outcomes = []
         for task in msg.tasks:
             eps = _episodes(task, spec.policy, mem.version, rng)
             mem.held.add(task.task_id)
-            mem.send(m.TaskResult(task_id=task.task_id, epoch=task.epoch, episodes=eps))
+            outcomes.append(m.Outcome(task_id=task.task_id, epoch=task.epoch, episodes=eps))
             res.results_sent += 1
             res.sequences_sent += len(eps)
+        if spec.grouped and outcomes:
+            mem.send(m.TaskResults(results=outcomes))
+        for o in outcomes if not spec.grouped else []:
+            mem.send(m.TaskResult(task_id=o.task_id, epoch=o.epoch, episodes=o.episodes))
         mem.send(m.TaskRequest(n=spec.slots, loaded={spec.policy: mem.version}, wait_s=TASK_WAIT_S), "task")
     elif isinstance(msg, m.ResultAck):
         mem.held.discard(msg.task_id)
+    elif isinstance(msg, m.ResultsAck):
+        for ack in msg.acks:
+            mem.held.discard(ack.task_id)
+            if ack.status != "accepted" and len(res.errors) < 20:
+                res.errors.append(f"{mem.ident}: task {ack.task_id}: {ack.status} {ack.code} {ack.message}")
     elif isinstance(msg, m.BatchReply):
         if msg.done:
             return

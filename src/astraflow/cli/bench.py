@@ -742,6 +742,13 @@ def control(
     ),
     out: Path = typer.Option(None, help="Keep the runs' directories here (default: a temporary directory)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+    keep_steps: int = typer.Option(
+        0, help="Retention: trajectories consumed this many steps ago leave state.db for Parquet (0: off)."
+    ),
+    results: str = typer.Option(
+        "grouped",
+        help="How workers send results: grouped (a grant's in one TaskResults), single (a TaskResult each), or both.",
+    ),
 ) -> None:
     """One live controller fed by simulated members: sequences/s, steps/s, CPU per step, request
     latency and RSS per member, for each member count; raw ZeroMQ and SQLite rates as the limits."""
@@ -754,8 +761,11 @@ def control(
     modes = {"off": [False], "on": [True], "off,on": [False, True], "on,off": [True, False]}.get(
         curve.replace(" ", "")
     )
-    if not counts or min(counts) < 1 or modes is None:
-        raise typer.BadParameter("--members takes counts >= 1 (e.g. 2,100,1000); --curve off, on or off,on")
+    grouping = {"grouped": (True,), "single": (False,), "both": (True, False)}.get(results.strip())
+    if not counts or min(counts) < 1 or modes is None or grouping is None:
+        raise typer.BadParameter(
+            "--members takes counts >= 1 (e.g. 2,100,1000); --curve off, on or off,on; --results grouped, single or both"
+        )
     with tempfile.TemporaryDirectory() as tmp:
         res = run(
             counts,
@@ -766,5 +776,7 @@ def control(
             procs=procs,
             work=out or Path(tmp),
             progress=lambda line: typer.echo(line, err=True),
+            results=grouping,
+            keep_steps=keep_steps,
         )
     typer.echo(_json.dumps(res, indent=2) if as_json else render(res))

@@ -298,6 +298,17 @@ class WeightsConfig(_Model):
         return self
 
 
+class RetentionConfig(_Model):
+    """Which trajectories leave state.db during a run, so it stays small (state/archive.py)."""
+
+    keep_steps: int | None = Field(None, ge=1)
+    """Trajectories a policy consumed this many steps before its current one (and expired or dropped ones older than those) leave state.db; none (the default) keeps every trajectory there. With `drop` it must be at least every trainable policy's checkpoint_every, so a restarted trainer finds its recorded batches."""
+    action: Literal["archive", "drop"] = "archive"
+    """archive: move them to Parquet files in the run directory's archive/ (needs pyarrow: pip install 'astraflow[parquet]'), read by export, the dashboard's sample browser and resume; drop: delete them (status still counts them)."""
+    every_steps: int = Field(10, ge=1)
+    """Run a retention pass every this many steps of a policy."""
+
+
 class ControllerConfig(_Model):
     """The controller's socket and liveness settings."""
 
@@ -327,6 +338,8 @@ class ControllerConfig(_Model):
     """No progress for this long: the controller stops the run and `astraflow up` exits 1."""
     batch_part_bytes: int = Field(16 << 20, ge=1024, le=32 << 20)
     """Most bytes of samples in one BatchReply: a larger batch is sent in parts (at most half a member's 64 MiB message limit); a sequence larger than this is refused at ingest."""
+    retention: RetentionConfig = RetentionConfig()
+    """Trajectories that leave state.db during the run (off by default)."""
 
 
 class SinkSpec(_Model):
@@ -388,6 +401,14 @@ class Recipe(_Model):
             raise ValueError(f"service names must be unique, got {services}")
         if self.controller.stall_fail_s < self.controller.stall_warn_s:
             raise ValueError("controller.stall_fail_s must be at least controller.stall_warn_s")
+        keep = self.controller.retention
+        if keep.keep_steps is not None and keep.action == "drop":
+            short = [p.name for p in self.policy if p.trainable and p.checkpoint_every > keep.keep_steps]
+            if short:
+                raise ValueError(
+                    f"controller.retention.keep_steps ({keep.keep_steps}) with drop must be at least the "
+                    f"checkpoint_every of policies {short}: a restarted trainer asks again for its batches since"
+                )
         return self
 
     def budget(self, name: str) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 
@@ -153,13 +154,31 @@ class Buffer:
     def sample_bytes(self, ids: list[int]) -> list[int]:
         """The stored bytes of each trajectory's per-token lists, in the order of `ids`: what they take
         in a TrainSample (the same msgpack encoding), read without loading them."""
+        if not ids:
+            return []
         by_id = trajectories.token_bytes(self.store, ids)
+        for i, r in self._archived(ids, by_id).items():
+            by_id[i] = sum(len(r[k]) for k in ("tokens", "loss_mask", "logprobs", "versions"))
         return [by_id[i] for i in ids]
 
     def advantages(self, ids: list[int]) -> list[float]:
         """The stored advantage of each trajectory, in the order of `ids`, read without their tokens."""
+        if not ids:
+            return []
         by_id = trajectories.advantages(self.store, ids)
+        for i, r in self._archived(ids, by_id).items():
+            by_id[i] = float(r["advantage"])
         return [by_id[i] for i in ids]
+
+    def _archived(self, ids: list[int], found: dict[int, Any]) -> dict[int, dict[str, Any]]:
+        """The rows of `ids` missing from `found` that a retention pass moved to the archive
+        (state/archive.py): a recorded batch re-served after its trajectories left state.db."""
+        missing = [i for i in ids if i not in found]
+        if not missing:
+            return {}
+        from astraflow.state import archive
+
+        return archive.rows_by_id(self.store, missing)
 
     def samples(self, ids: list[int], flags: list[bool]) -> list[TrainSample]:
         """The TrainSamples of these trajectories, in this order, with these replay flags."""
@@ -242,7 +261,10 @@ class Buffer:
         return sorted(chosen, key=lambda it: (it.task_id, it.arrival))
 
     def _samples(self, ids: list[int], flags: list[bool]) -> list[TrainSample]:
-        by_id = trajectories.sample_rows(self.store, ids)
+        if not ids:
+            return []
+        by_id: dict[int, Any] = dict(trajectories.sample_rows(self.store, ids))
+        by_id.update(self._archived(ids, by_id))
         out = []
         for i, replay in zip(ids, flags, strict=True):
             r = by_id[i]

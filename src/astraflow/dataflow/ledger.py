@@ -104,6 +104,17 @@ class Ledger:
         rows = self.store.query("SELECT * FROM tasks WHERE id = ?", (task_id,))
         return _row(rows[0]) if rows else None
 
+    def get_many(self, task_ids: Iterable[int]) -> dict[int, TaskRow]:
+        """Task id -> task, for those of `task_ids` that exist (one query)."""
+        ids = sorted(set(task_ids))
+        if not ids:
+            return {}
+        marks = ",".join("?" for _ in ids)
+        return {
+            int(r["id"]): _row(r)
+            for r in self.store.query(f"SELECT * FROM tasks WHERE id IN ({marks})", tuple(ids))
+        }
+
     def lease(
         self,
         member_id: str,

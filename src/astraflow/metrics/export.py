@@ -25,42 +25,36 @@ def metric_rows(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def trajectory_rows(run_dir: Path, page: int = 5000, *, text: bool = True) -> Iterator[dict[str, Any]]:
-    """Every stored trajectory, oldest first, with token lists as JSON text (read in pages); with
-    `text`, also decoded by its policy's tokenizer: `text` (the whole sequence, special tokens kept)
+    """Every trajectory of the run (in state.db or archived by a retention pass), by id, with token
+    lists as JSON text (read in pages); with `text`, also decoded by its policy's tokenizer: `text` (the whole sequence, special tokens kept)
     and `generated` (a JSON list of the policy's turns: each run of trained tokens, decoded)."""
-    from astraflow.state.views import all_samples, open_for_reading
+    from astraflow.state.views import every_sample, open_for_reading
 
     decoders = _Decoders(run_dir) if text else None
     store = open_for_reading(run_dir / "state.db", busy_timeout_s=5.0)
     try:
-        after = 0
-        while True:
-            batch = all_samples(store, after, page)
-            if not batch:
-                return
-            for s in batch:
-                row: dict[str, Any] = {
-                    "id": s.id,
-                    "task_id": s.task_id,
-                    "policy": s.policy,
-                    "prompt_key": s.prompt_key,
-                    "reward": s.reward,
-                    "advantage": s.advantage,
-                    "status": s.status,
-                    "consumed_step": s.consumed_step,
-                    "tokens": json.dumps(s.tokens),
-                    "loss_mask": json.dumps(s.loss_mask),
-                    "versions": json.dumps(s.versions),
-                    "logprobs": json.dumps(s.logprobs),
-                }
-                if decoders is not None:
-                    tok = decoders.get(s.policy)
-                    row["text"] = str(tok.decode(s.tokens))
-                    row["generated"] = json.dumps(
-                        [str(tok.decode(run)) for run in _trained_runs(s.tokens, s.loss_mask)]
-                    )
-                yield row
-            after = batch[-1].id
+        for s in every_sample(store, page):
+            row: dict[str, Any] = {
+                "id": s.id,
+                "task_id": s.task_id,
+                "policy": s.policy,
+                "prompt_key": s.prompt_key,
+                "reward": s.reward,
+                "advantage": s.advantage,
+                "status": s.status,
+                "consumed_step": s.consumed_step,
+                "tokens": json.dumps(s.tokens),
+                "loss_mask": json.dumps(s.loss_mask),
+                "versions": json.dumps(s.versions),
+                "logprobs": json.dumps(s.logprobs),
+            }
+            if decoders is not None:
+                tok = decoders.get(s.policy)
+                row["text"] = str(tok.decode(s.tokens))
+                row["generated"] = json.dumps(
+                    [str(tok.decode(run)) for run in _trained_runs(s.tokens, s.loss_mask)]
+                )
+            yield row
     finally:
         store.close()
 

@@ -11,7 +11,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 # Caps on what a peer may send, checked by the decoder before a message reaches a handler
 # (docs/protocol.md "Limits"); frames as a whole are capped by the transport's MAXMSGSIZE.
@@ -287,6 +287,41 @@ class ResultAck(Msg, kw_only=True):
     status: str
 
 
+MAX_RESULTS = 1024
+"""Most task results one TaskResults message carries."""
+
+
+class Outcome(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One task's result inside TaskResults: the fields of a TaskResult."""
+
+    task_id: int
+    epoch: int
+    episodes: Annotated[list[Episode], msgspec.Meta(max_length=4096)] = []
+    error: Text = ""
+
+
+class TaskResults(Msg, kw_only=True):
+    """The results of several leased tasks, stored in one transaction (group commit)."""
+
+    results: Annotated[list[Outcome], msgspec.Meta(max_length=MAX_RESULTS)]
+
+
+class OutcomeAck(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """What became of one result of a TaskResults: a ResultAck's status, or `invalid` with the
+    code and message the single-result path answers as an Error."""
+
+    task_id: int
+    status: str
+    code: str = ""
+    message: str = ""
+
+
+class ResultsAck(Msg, kw_only=True):
+    """Reply to TaskResults: one OutcomeAck per result, in the order sent."""
+
+    acks: list[OutcomeAck] = []
+
+
 # ----- training ----------------------------------------------------------------------------------
 
 
@@ -405,6 +440,8 @@ Message = (
     | TaskGrant
     | TaskResult
     | ResultAck
+    | TaskResults
+    | ResultsAck
     | BatchRequest
     | BatchReply
     | VersionPublished

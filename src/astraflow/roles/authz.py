@@ -30,11 +30,11 @@ MAX_FIELD = 128
 """Longest stored free-form Hello field (region, hardware, host, policy names)."""
 MAX_POLICIES = 32
 """Most policies one Hello may list."""
-MAX_MEMBERS = 8192
+MAX_MEMBERS = 16384
 """Most member rows at once; beyond this a new id is refused until dead ones are pruned."""
 
 _TRAINER_MSGS = (m.BatchRequest, m.VersionPublished)
-_WORKER_MSGS = (m.TaskRequest, m.TaskResult)
+_WORKER_MSGS = (m.TaskRequest, m.TaskResult, m.TaskResults)
 
 
 def cap_hello(msg: m.Hello) -> m.Hello:

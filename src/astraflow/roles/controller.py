@@ -39,6 +39,7 @@ from astraflow.protocol import messages as m
 from astraflow.protocol.codec import DecodeError
 from astraflow.roles import authz
 from astraflow.roles.member_accounting import MemberAccounting
+from astraflow.roles.member_table import MemberTable
 from astraflow.roles.parked import Parked, ParkedRequests, immediate, may_park
 from astraflow.roles.run_control import on_control
 from astraflow.state.member_health import Kind
@@ -107,12 +108,26 @@ class Controller:
         self._finished: bool | None = None
         """Read-through caches of the policies' versions and budgets: both change only when a version is
         recorded (on_version), and heartbeats of thousands of members read them."""
-        self._touches: dict[str, tuple[float, dict[str, int] | None, int | None]] = {}
-        """Heartbeats seen since the last tick: member -> (time, loaded, slots), written in one
-        transaction before the liveness check (a heartbeat then costs no write of its own)."""
+        self.members = MemberTable(store)
+        """Live members' last_seen, loaded versions and slots in memory, flushed every FLUSH_S
+        (roles/member_table.py): a heartbeat costs no write, the liveness check no scan."""
         self.offers: dict[str, tuple[int, list[m.WeightOffer]]] = {}
         """Policy -> (version, the faster weight paths its trainer offered for it); in memory only: after a
         restart workers pull the current version from the weight server until the next one."""
+        self._handlers = cast(
+            "dict[type, Callable[[dict[str, Any], Any], m.Msg]]",
+            {
+                m.Heartbeat: self.on_heartbeat,
+                m.Bye: self.on_bye,
+                m.TaskRequest: self.on_task_request,
+                m.TaskResult: self.on_task_result,
+                m.TaskResults: self.on_task_results,
+                m.BatchRequest: self.on_batch_request,
+                m.VersionPublished: self.on_version,
+            },
+        )
+        """The member messages' handlers, each taking the message type it is keyed by (built once: a
+        heartbeat flood must not rebuild it per message)."""
         self.accounting = MemberAccounting(store, recipe)
         """Per-member failures, quarantine, lease share and heartbeat rate (roles/member_accounting.py)."""
 
@@ -123,6 +138,11 @@ class Controller:
         from astraflow.config.recipe_change import check_recipe_change
         from astraflow.rundir import git_sha
 
+        keep = self.recipe.controller.retention
+        if keep.keep_steps is not None and keep.action == "archive":
+            from astraflow.state.archive import require_pyarrow
+
+            require_pyarrow()  # a missing pyarrow is the user's to fix before the run, not at its first pass
         mine = self.recipe.model_dump(mode="json")
         run = self.store.run()
         if run is not None:
@@ -136,7 +156,9 @@ class Controller:
             for p in self.recipe.policy:
                 self.store.ensure_policy(p.name, p.max_staleness)
             # After a restart, members get one timeout to show up again before their leases go back.
-            c.execute("UPDATE members SET last_seen = ? WHERE status = 'alive'", (time.time(),))
+            now = time.time()
+            c.execute("UPDATE members SET last_seen = ? WHERE status = 'alive'", (now,))
+            self.members.load(now)
             self.store.add_event("start" if fresh else "restart", self.recipe.run.name)
             repaired = drop_poisoned(self.store)
             if repaired:
@@ -183,12 +205,7 @@ class Controller:
 
     def flush_touches(self) -> None:
         """Write the heartbeats seen since the last flush (last_seen, loaded version, slots) at once."""
-        if not self._touches:
-            return
-        touches, self._touches = self._touches, {}
-        with self.store.write():
-            for member_id, (t, loaded, slots) in touches.items():
-                self.store.touch_member(member_id, t, loaded, slots)
+        self.members.flush()
 
     def versions_for(self, member: dict[str, Any], beat: m.Heartbeat | None = None) -> list[m.VersionInfo]:
         """The newest versions as `member` should pull them: with `[weights] relays`, each names the
@@ -224,21 +241,21 @@ class Controller:
         """Liveness, lease expiry, queue refill, end-of-run bookkeeping."""
         t = time.time() if now is None else now
         timeout = self.recipe.controller.member_timeout_s
-        self.flush_touches()
+        silent = self.members.silent(t - timeout)  # the front of the heard-from order, not every member
+        if silent:
+            self.flush_touches()  # what the dead last reported stays readable
+        self.members.flush(t)
         with self.store.write():
-            # only the silent ones: reading every live row each tick would cost O(members) per 0.1s
-            for mem in self.store.query(
-                "SELECT id, last_seen FROM members WHERE status = 'alive' AND COALESCE(last_seen, 0) < ?",
-                (t - timeout,),
-            ):
-                self.store.set_member_status(mem["id"], "dead")
-                self.parked.drop(str(mem["id"]).encode())  # its held requests die with it
-                n = self.ledger.release_member(mem["id"])
-                self.store.add_event(
-                    "member_dead",
-                    f"{mem['id']} silent {t - (mem['last_seen'] or 0):.1f}s; {n} leases back",
-                )
-                _log.warning("member %s is dead (silent > %.1fs); %d tasks requeued", mem["id"], timeout, n)
+            for mid, last_seen in silent:
+                self.members.gone(mid)
+                row = self.store.member(mid)
+                if row is None or row["status"] != "alive":
+                    continue
+                self.store.set_member_status(mid, "dead")
+                self.parked.drop(mid.encode())  # its held requests die with it
+                n = self.ledger.release_member(mid)
+                self.store.add_event("member_dead", f"{mid} silent {t - last_seen:.1f}s; {n} leases back")
+                _log.warning("member %s is dead (silent > %.1fs); %d tasks requeued", mid, timeout, n)
             for owner in self.accounting.lapsed(t):
                 self.ledger.give_back_lapsed(owner, t)  # its lapses are its own, not its tasks'
             expired = self.ledger.expire(t)
@@ -332,13 +349,17 @@ class Controller:
         if isinstance(msg, m.Hello):
             return self.on_hello(ident, msg, principal)
         if isinstance(msg, m.StatusRequest):
+            self.flush_touches()
             room = self.admission.room(self.roles, self.group_sizes)
             return m.StatusReply(rid=rid, status=build_status(self.store, room))
         if isinstance(msg, m.Leave):
             return self.on_leave(msg, principal)
         if isinstance(msg, m.Control):
             return on_control(self, msg, principal)
-        member = self.store.member(member_id)
+        if not isinstance(msg, m.Heartbeat):
+            # heartbeats (the flood of a large cluster) use the kept row; the rest read the store's
+            self.members.forget(member_id)
+        member = self.members.row(member_id)
         if member is None or member["status"] != "alive":
             return m.Error(
                 rid=rid, code="unknown_member", message=f"{member_id!r} has not joined; send Hello"
@@ -348,17 +369,7 @@ class Controller:
             _log.warning("refused %s from %r: %s", type(msg).__name__, member_id[:64], refused[1])
             return m.Error(rid=rid, code=refused[0], message=refused[1])
         # each handler takes the message type it is keyed by
-        handler = cast(
-            "Callable[[dict[str, Any], Any], m.Msg] | None",
-            {
-                m.Heartbeat: self.on_heartbeat,
-                m.Bye: self.on_bye,
-                m.TaskRequest: self.on_task_request,
-                m.TaskResult: self.on_task_result,
-                m.BatchRequest: self.on_batch_request,
-                m.VersionPublished: self.on_version,
-            }.get(type(msg)),
-        )
+        handler = self._handlers.get(type(msg))
         if handler is None:
             return m.Error(
                 rid=rid,
@@ -380,6 +391,7 @@ class Controller:
                 rid=msg.rid, code="bad_identity", message="member_id must equal the socket identity"
             )
         msg = authz.cap_hello(msg)
+        self.flush_touches()  # the identity checks read last_seen from the store
         refused = authz.hello_refusal(self.store, self.recipe, msg, principal)
         if refused is not None:
             _log.warning("refused Hello of %r as %s: %s", msg.member_id[:64], msg.role, refused[1])
@@ -407,6 +419,7 @@ class Controller:
                 f"{msg.member_id} {msg.role}"
                 + (f"; {released} leases of its previous process back" if released else ""),
             )
+        self.members.joined(msg.member_id, time.time())
         _log.info("member %s joined as %s (%s)", msg.member_id, msg.role, msg.hardware or "?")
         if self._recipe_doc is None:
             self._recipe_doc = self.recipe.model_dump(mode="json")
@@ -427,10 +440,8 @@ class Controller:
         slots = msg.busy + msg.free
         # last_seen needs no durability (a restarted controller gives every member a fresh timer):
         # it is written with the other heartbeats of this tick, before the liveness check reads it
-        self._touches[member["id"]] = (
-            now,
-            dict(msg.loaded) if msg.loaded else None,
-            slots if slots > 0 else None,
+        self.members.touch(
+            member["id"], now, dict(msg.loaded) if msg.loaded else None, slots if slots > 0 else None
         )
         if msg.active or new_error:
             with self.store.write():
@@ -454,6 +465,7 @@ class Controller:
         with self.store.write():
             n = self.ledger.release_member(member["id"])
             self.store.set_member_status(member["id"], "left")
+            self.members.gone(member["id"])
             self.store.add_event("member_left", f"{member['id']} ({msg.reason[:500]}); {n} leases back")
         self.parked.drop(str(member["id"]).encode())
         self.draining.discard(member["id"])
@@ -482,8 +494,7 @@ class Controller:
                 rid=msg.rid, code="draining", message="asked to leave: finish your tasks and say Bye"
             )
         if not self.accounting.may_lease(member):
-            with self.store.write():
-                self.store.touch_member(member["id"], time.time(), dict(msg.loaded) or None)
+            self.members.touch(member["id"], time.time(), dict(msg.loaded) or None)
             return m.TaskGrant(rid=msg.rid, versions=self.versions(), retry_after_s=RETRY_S)
         now = time.time()
         serves = set(member["policies"])
@@ -514,8 +525,8 @@ class Controller:
             return ok
 
         self.refill()
+        self.members.touch(member["id"], now, loaded or None)
         with self.store.write():
-            self.store.touch_member(member["id"], now, loaded or None)
             n = self.accounting.quota(member, authz.task_quota(self.store, self.recipe, member, msg.n))
             leased = self.ledger.lease(member["id"], n, now, accept)
             for t in leased:
@@ -553,41 +564,94 @@ class Controller:
                 status="failed" if status in ("requeued", "failed") else status,
             )
         task = self.ledger.get(msg.task_id)
-        # a lapsed lease still accepts its owner's late result, so that one is checked too
-        if task is not None and task.status in ("leased", "queued") and task.owner == member["id"]:
-            latest = {p["name"]: int(p["version"]) for p in self.store.policies()}
-            sizes = self._task_sizes(task)
-            bad = self.checker.check(
-                msg.episodes,
-                expected=self.admission.task_sequences(task.roles, sizes),
-                roles=task.roles,
-                latest=latest,
-                task_sampling=self._task_sampling(task),
-            )
-            if bad:
-                status = self.member_failed(
-                    member, msg.task_id, msg.epoch, f"invalid result: {bad}", "invalid"
-                )
-                return m.Error(
-                    rid=msg.rid, code="bad_result", message=f"task {msg.task_id}: {bad} ({status})"
-                )
+        bad = self._invalid(member, msg, task, None)
+        if bad is not None:
+            return m.Error(rid=msg.rid, code="bad_result", message=bad)
         try:
-            status = self._store_result(member, msg, task)
+            with self.store.write():
+                status = self._store_result(member, msg, task)
+                if status == "accepted" and task is not None:
+                    # stage state commits with the result that changed it: a kill -9 loses neither
+                    for pol in task.policies:
+                        self.pipeline.save(pol)
         except RefusedResult as exc:
             # rolled back: nothing of the result is kept (advantages that do not fit a float)
             status = self.fail_attempt(member["id"], msg.task_id, msg.epoch, f"invalid result: {exc}")
             return m.Error(rid=msg.rid, code="bad_result", message=f"task {msg.task_id}: {exc} ({status})")
         return m.ResultAck(rid=msg.rid, task_id=msg.task_id, status=status)
 
-    def _store_result(self, member: dict[str, Any], msg: m.TaskResult, task: TaskRow | None) -> str:
-        """Complete the task's lease and store what the result brings, in one transaction; the status."""
+    def on_task_results(self, member: dict[str, Any], msg: m.TaskResults) -> m.Msg:
+        """Group commit: check every result, store the valid ones in one transaction (stage state saved
+        once per policy), then ack each. A result refused while stored rolls the group back, and each
+        result is then handled alone, as a TaskResult would be."""
+        acks: dict[int, m.OutcomeAck] = {}
+        good: list[tuple[int, m.Outcome, TaskRow | None]] = []
+        tasks = self.ledger.get_many(o.task_id for o in msg.results if not o.error)
+        latest: dict[str, int] = {}
+        for i, o in enumerate(msg.results):
+            if o.error:
+                acks[i] = _outcome_ack(o.task_id, self.on_task_result(member, _single(o)))
+                continue
+            task = tasks.get(o.task_id)
+            bad = self._invalid(member, o, task, latest)
+            if bad is not None:
+                acks[i] = m.OutcomeAck(task_id=o.task_id, status="invalid", code="bad_result", message=bad)
+            else:
+                good.append((i, o, task))
+        try:
+            with self.store.write():
+                fed: dict[str, None] = {}
+                for i, o, task in good:
+                    acks[i] = m.OutcomeAck(task_id=o.task_id, status=self._store_result(member, o, task))
+                    if acks[i].status == "accepted" and task is not None:
+                        fed.update(dict.fromkeys(task.policies))
+                for pol in fed:
+                    self.pipeline.save(pol)
+        except RefusedResult:
+            for i, o, _task in good:
+                acks[i] = _outcome_ack(o.task_id, self.on_task_result(member, _single(o)))
+        return m.ResultsAck(rid=msg.rid, acks=[acks[i] for i in range(len(msg.results))])
+
+    def _invalid(
+        self,
+        member: dict[str, Any],
+        res: m.TaskResult | m.Outcome,
+        task: TaskRow | None,
+        latest: dict[str, int] | None,
+    ) -> str | None:
+        """Why a result of a live lease of this member is refused (the attempt is charged), or None.
+        `latest` caches the policies' versions over the results of one message."""
+        # a lapsed lease still accepts its owner's late result, so that one is checked too
+        if task is None or task.status not in ("leased", "queued") or task.owner != member["id"]:
+            return None
+        if not latest:
+            latest = {} if latest is None else latest
+            latest.update({p["name"]: int(p["version"]) for p in self.store.policies()})
+        sizes = self._task_sizes(task)
+        bad = self.checker.check(
+            res.episodes,
+            expected=self.admission.task_sequences(task.roles, sizes),
+            roles=task.roles,
+            latest=latest,
+            task_sampling=self._task_sampling(task),
+        )
+        if not bad:
+            return None
+        status = self.member_failed(member, res.task_id, res.epoch, f"invalid result: {bad}", "invalid")
+        return f"task {res.task_id}: {bad} ({status})"
+
+    def _store_result(
+        self, member: dict[str, Any], res: m.TaskResult | m.Outcome, task: TaskRow | None
+    ) -> str:
+        """Complete the task's lease and store what the result brings (inside the caller's transaction,
+        which also saves the stage state of the task's policies); the status."""
         with self.store.write():
-            status = self.ledger.complete(msg.task_id, msg.epoch, member["id"])
+            status = self.ledger.complete(res.task_id, res.epoch, member["id"])
             if status == "accepted":
                 self.accounting.succeeded(member["id"])
-            if status == "accepted" and self._is_eval(msg.task_id):
+            if status == "accepted" and self._is_eval(res.task_id):
                 assert self.evals is not None
-                self.evals.record(msg.task_id, msg.episodes)
+                self.evals.record(res.task_id, res.episodes)
                 self.made_progress()
             elif status == "accepted":
                 assert task is not None
@@ -595,14 +659,11 @@ class Controller:
                     self.buffer,
                     task.id,
                     task.prompt_key,
-                    msg.episodes,
+                    res.episodes,
                     # decided when the task was leased: a done task keeps a full group of every policy
                     # it fed, even when that policy's budget was taken while the task ran
                     read_only=task.read_only,
                 )
-                # stage state commits with the result that changed it: a kill -9 loses neither
-                for pol in task.policies:
-                    self.pipeline.save(pol)
                 self.made_progress()
         return status
 
@@ -782,7 +843,20 @@ class Controller:
                 self.made_progress(now)
         if row is not None:
             self.emit(row)
+            self.retire(msg.policy, msg.step)
         return m.Ack(rid=msg.rid, detail="recorded" if new else "known")
+
+    def retire(self, policy: str, step: int) -> None:
+        """A retention pass (controller.retention) every `every_steps` steps of a policy: trajectories
+        trained on long ago leave state.db for the archive (state/archive.py), or are dropped."""
+        keep = self.recipe.controller.retention
+        if keep.keep_steps is None or step % keep.every_steps:
+            return
+        from astraflow.state import archive
+
+        n = archive.retire(self.store, self.run_dir, policy, step, keep.keep_steps, keep.action)
+        if n:
+            _log.info("retention: %d trajectories of %s left state.db (%s)", n, policy, keep.action)
 
     def _note_skipped(self, msg: m.VersionPublished) -> None:
         """A step the trainer skipped (non-finite loss or gradient norm) becomes a `step_skipped` event."""
@@ -816,6 +890,12 @@ class Controller:
                 stale.append(ref - int(r["min_version"]))
                 task_ids.append(int(r["task_id"]))
         counts = self.buffer.open_counts(msg.policy)
+        if self.recipe.controller.retention.keep_steps is not None:
+            from astraflow.state.archive import archived_counts
+
+            for k, v in archived_counts(self.store, msg.policy).items():
+                if k in counts:
+                    counts[k] += v
         tasks = self.ledger.counts()
         generated = self.buffer.generated(msg.policy)
         hist = self.rate_hist.setdefault(msg.policy, deque(maxlen=6))
@@ -929,7 +1009,9 @@ class Controller:
             out.append((ident, reply))
         if not self.parked:
             return out
-        if isinstance(msg, m.TaskResult) and isinstance(reply, m.ResultAck) and reply.status == "accepted":
+        if (
+            isinstance(msg, m.TaskResult) and isinstance(reply, m.ResultAck) and reply.status == "accepted"
+        ) or (isinstance(reply, m.ResultsAck) and any(a.status == "accepted" for a in reply.acks)):
             out += self.wake(("batch",), now)
         elif isinstance(msg, m.BatchRequest) and isinstance(reply, m.BatchReply) and reply.ready:
             out += self.wake(("task",), now)
@@ -1019,6 +1101,20 @@ def with_trainer_metrics(row: dict[str, Any], trainer: dict[str, float]) -> dict
         name = f"trainer/{k}" if k in row and f"trainer/{k}" not in trainer else k
         row.setdefault(name, float(v))
     return row
+
+
+def _single(o: m.Outcome) -> m.TaskResult:
+    """One result of a TaskResults as the TaskResult it stands for."""
+    return m.TaskResult(task_id=o.task_id, epoch=o.epoch, episodes=o.episodes, error=o.error)
+
+
+def _outcome_ack(task_id: int, reply: m.Msg) -> m.OutcomeAck:
+    """The single-result path's reply (ResultAck or Error) as one result's OutcomeAck."""
+    if isinstance(reply, m.ResultAck):
+        return m.OutcomeAck(task_id=task_id, status=reply.status)
+    if isinstance(reply, m.Error):
+        return m.OutcomeAck(task_id=task_id, status="invalid", code=reply.code, message=reply.message)
+    return m.OutcomeAck(task_id=task_id, status="invalid", code="internal", message=type(reply).__name__)
 
 
 def _summary(text: str) -> str:

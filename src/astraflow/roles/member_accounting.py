@@ -135,8 +135,7 @@ class MemberAccounting:
         """Cap a lease request so one worker holds at most max_member_share of the open tasks while
         another healthy worker of its role is alive (one key cannot take the whole admission window)."""
         mid = str(member["id"])
-        peers = member_health.alive_workers(self.store, str(member["role"]))
-        if not any(p["id"] != mid and not p["quarantined"] for p in peers):
+        if not member_health.healthy_peer(self.store, str(member["role"]), mid):
             return n
         held, open_ = member_health.held_and_open(self.store, mid)
         cap = max(1, math.ceil(self.cfg.max_member_share * open_))

@@ -23,7 +23,7 @@ RESULT_ATTEMPTS = 30
 TASK_WAIT_S = 1.0
 """How long a TaskRequest asks the controller to hold it when nothing may be leased (a long poll)."""
 MAX_ERROR_CHARS = 8000
-"""Longest traceback sent in TaskResult.error (the controller logs it)."""
+"""Longest traceback sent in a result's error (the controller logs it)."""
 
 
 @dataclass
@@ -285,6 +285,8 @@ class RaaS:
             for t in running:
                 t.cancel()
             ticker.cancel()
+            if getattr(self, "result_sender", None) is not None:
+                self.result_sender.close()
             self._write_stats(force=True)
             for e in self.engines.values():
                 e.close()
@@ -347,8 +349,7 @@ class RaaS:
 
     async def _run_task(self, task: Any) -> None:
         """Run one task's group of episodes and report the result (or the error)."""
-        from astraflow.errors import ConnectError
-        from astraflow.protocol.messages import TaskResult
+        from astraflow.protocol.messages import Outcome
 
         self.active.add(task.task_id)
         try:
@@ -369,29 +370,24 @@ class RaaS:
                 self.workflow.run_group(dict(task.sample), clients, sizes),
                 timeout=self.recipe.rollout.task_timeout_s,
             )
-            result = TaskResult(task_id=task.task_id, epoch=task.epoch, episodes=list(episodes))
+            result = Outcome(task_id=task.task_id, epoch=task.epoch, episodes=list(episodes))
         except asyncio.CancelledError:
             raise
         except TimeoutError:
             _log.error("task %d ran past rollout.task_timeout_s; reporting it failed", task.task_id)
-            result = TaskResult(task_id=task.task_id, epoch=task.epoch, error="task_timeout")
+            result = Outcome(task_id=task.task_id, epoch=task.epoch, error="task_timeout")
         except Exception as exc:
             _log.error(
                 "task %d failed: %s", task.task_id, "".join(traceback.format_exception_only(exc)).strip()
             )
             # the whole traceback goes to the controller's log; the tail keeps the exception line
             tb = "".join(traceback.format_exception(exc))
-            result = TaskResult(task_id=task.task_id, epoch=task.epoch, error=tb[-MAX_ERROR_CHARS:])
+            result = Outcome(task_id=task.task_id, epoch=task.epoch, error=tb[-MAX_ERROR_CHARS:])
         try:
-            for attempt in range(RESULT_ATTEMPTS):
-                try:
-                    await asyncio.wrap_future(self.client.submit(result))
-                    self.tasks_done += 1
-                    break
-                except ConnectError:
-                    if attempt + 1 == RESULT_ATTEMPTS:
-                        raise
-                    await asyncio.sleep(1.0)  # the controller may be restarting; results are idempotent
+            ack = await self._results().deliver(result)
+            self.tasks_done += 1
+            if ack.status == "invalid":
+                _log.warning("result of task %d refused: %s %s", task.task_id, ack.code, ack.message)
         except Exception as exc:
             _log.warning(
                 "result of task %d not delivered (%s); its lease will expire and requeue it",
@@ -401,6 +397,15 @@ class RaaS:
         finally:
             self.busy -= 1
             self.active.discard(task.task_id)
+
+    def _results(self) -> Any:
+        """The group-commit sender of this worker's results (roles/result_sender.py), made on first use."""
+        from astraflow.roles.result_sender import ResultSender
+
+        sender = getattr(self, "result_sender", None)
+        if sender is None:
+            sender = self.result_sender = ResultSender(self.client.submit, attempts=RESULT_ATTEMPTS)
+        return sender
 
     def _maybe_pull_weights(self) -> None:
         """Hand the announced versions to the weight pipeline; it fetches what is newer."""

@@ -49,6 +49,15 @@ def alive_workers(store: Store, role: str) -> list[dict[str, Any]]:
     return [dict(r) for r in rows]
 
 
+def healthy_peer(store: Store, role: str, member_id: str) -> bool:
+    """Whether a live member of the role other than `member_id` is out of quarantine (an index
+    lookup of at most two rows, not a read of every member)."""
+    rows = store.query(
+        "SELECT id FROM members WHERE status = 'alive' AND role = ? AND quarantined = '' LIMIT 2", (role,)
+    )
+    return any(r["id"] != member_id for r in rows)
+
+
 def held_and_open(store: Store, member_id: str) -> tuple[int, int]:
     """(leases the member holds, tasks queued or leased in all)."""
     r = store.query(

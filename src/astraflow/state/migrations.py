@@ -183,12 +183,37 @@ def m0005_member_accounting(db: Database) -> None:
     members.add_column("quarantined_until", float, not_null_default=0.0)
 
 
+def m0006_member_index(db: Database) -> None:
+    """Members indexed by status and role: the controller asks for a healthy peer of a role on every
+    task request, and a cluster may have thousands of members."""
+    db.table("members").create_index(["status", "role", "quarantined"])
+
+
+def m0007_archived(db: Database) -> None:
+    """Trajectories moved out of state.db by a retention pass: per file, policy and status, how many
+    and which ids (state/archive.py); file is '' for dropped ones."""
+    db.table("archived").create(
+        {
+            "file": str,
+            "policy": str,
+            "status": str,
+            "rows": int,
+            "first_id": int,
+            "last_id": int,
+            "created": float,
+        }
+    )
+    db.table("archived").create_index(["policy", "status"])
+
+
 MIGRATIONS: list[tuple[str, Migration]] = [
     ("0001_initial", m0001_initial),
     ("0002_sequence_roles", m0002_sequence_roles),
     ("0003_eval_ledger", m0003_eval_ledger),
     ("0004_status_index", m0004_status_index),
     ("0005_member_accounting", m0005_member_accounting),
+    ("0006_member_index", m0006_member_index),
+    ("0007_archived", m0007_archived),
 ]
 """Every migration in the order applied; append only."""
 

@@ -7,6 +7,7 @@ import sqlite3
 from typing import Any
 
 from astraflow.state import failure_counts, paused, trajectories
+from astraflow.state.archive import archived_counts
 from astraflow.state.demand import build_demand
 from astraflow.state.store import Store, skipped_steps
 
@@ -46,7 +47,10 @@ def build_status(store: Store, room: dict[str, int] | None = None) -> dict[str, 
                 "skipped_steps": skipped.get(p["name"], []),
             }
         )
-        buffers[p["name"]] = trajectories.status_counts(store, p["name"])
+        counts = trajectories.status_counts(store, p["name"])
+        for status, n in archived_counts(store, p["name"]).items():
+            counts[status] = counts.get(status, 0) + n  # trajectories a retention pass moved out
+        buffers[p["name"]] = counts
     members = [
         {
             "id": m["id"],

@@ -257,6 +257,26 @@ class Store:
                 )
             return cur.rowcount > 0
 
+    def touch_members(self, touches: dict[str, tuple[float, dict[str, int] | None, int | None]]) -> None:
+        """`touch_member` for many members in one transaction: id -> (now, loaded or None, slots or None)."""
+        with self.write() as c:
+            c.executemany(
+                "UPDATE members SET last_seen = ? WHERE id = ? AND status = 'alive'",
+                [(t, mid) for mid, (t, _, _) in touches.items()],
+            )
+            c.executemany(
+                "UPDATE members SET loaded = ? WHERE id = ? AND status = 'alive'",
+                [
+                    (json.dumps(ld, sort_keys=True), mid)
+                    for mid, (_, ld, _) in touches.items()
+                    if ld is not None
+                ],
+            )
+            c.executemany(
+                "UPDATE members SET slots = ? WHERE id = ? AND status = 'alive'",
+                [(n, mid) for mid, (_, _, n) in touches.items() if n is not None],
+            )
+
     def set_member_status(self, member_id: str, status: str) -> None:
         """Set alive | dead | left."""
         with self.write() as c:

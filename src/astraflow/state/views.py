@@ -7,6 +7,7 @@ polling them while the controller writes costs the run nothing but a WAL read sn
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -85,7 +86,45 @@ def recent_samples(store: Store, policy: str, limit: int = 50, with_logprobs: bo
         "WHERE policy = ? ORDER BY id DESC LIMIT ?",
         (policy, limit),
     )
-    return [_sample(r, with_logprobs) for r in rows]
+    out = [_sample(r, with_logprobs) for r in rows]
+    if len(out) < limit:
+        out += _archived_newest(store, policy, limit - len(out), with_logprobs)
+    return out
+
+
+def _archived_newest(store: Store, policy: str, limit: int, with_logprobs: bool) -> list[Sample]:
+    """The newest archived trajectories of a policy (state/archive.py), newest first; newest files first."""
+    from astraflow.state import archive
+
+    out: list[Sample] = []
+    base = archive.run_dir_of(store)
+    for name, _, _ in reversed(archive.files(store)):
+        if not (base / name).is_file():
+            continue
+        rows = [r for r in archive.read_file(base / name) if r["policy"] == policy]
+        out += [_sample(r, with_logprobs) for r in sorted(rows, key=lambda r: -int(r["id"]))]
+        if len(out) >= limit:
+            break
+    return sorted(out, key=lambda smp: -smp.id)[:limit]
+
+
+def every_sample(store: Store, page: int = 10_000) -> Iterator[Sample]:
+    """Every trajectory of the run, by id: those in state.db and those a retention pass archived."""
+    import heapq
+
+    from astraflow.state import archive
+
+    def stored() -> Iterator[Sample]:
+        after = 0
+        while True:
+            batch = all_samples(store, after, page)
+            if not batch:
+                return
+            yield from batch
+            after = batch[-1].id
+
+    archived = (_sample(r, True) for r in archive.iter_rows(store))
+    yield from heapq.merge(stored(), archived, key=lambda smp: smp.id)
 
 
 def all_samples(store: Store, after_id: int = 0, limit: int = 10_000) -> list[Sample]:
