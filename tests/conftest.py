@@ -13,6 +13,7 @@ os.environ.setdefault("ASTRAFLOW_DEVICE", "cpu")
 
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+import threading  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -20,14 +21,26 @@ import zmq  # noqa: E402
 
 
 def _collect_context_without_blocking(self: zmq.Context) -> None:  # type: ignore[type-arg]
-    """A context some test dropped unterminated is destroyed with LINGER 0 when collected: pyzmq's own
+    """A context some test dropped unterminated is closed without blocking the collector: pyzmq's own
     __del__ closes its sockets with their linger (infinite by default) and can block in term(), which
-    hung an unrelated test that happened to trigger the garbage collection."""
-    if not getattr(self, "_shadow", False) and not self.closed:
+    hung an unrelated test that happened to trigger the garbage collection. Its sockets get LINGER 0 and
+    the context's term() runs on a daemon thread: term() still waits for any socket a live thread holds
+    (it hung the suite's main thread inside an import once), and that wait must not be the test's."""
+    if getattr(self, "_shadow", False) or self.closed:
+        return
+    for sock in list(getattr(self, "_sockets", ()) or ()):
         try:
-            self.destroy(linger=0)
+            sock.setsockopt(zmq.LINGER, 0)
         except Exception:
             pass
+    threading.Thread(target=_term_quietly, args=(self,), name="zmq-context-collector", daemon=True).start()
+
+
+def _term_quietly(ctx: zmq.Context) -> None:  # type: ignore[type-arg]
+    try:
+        ctx.term()
+    except Exception:
+        pass
 
 
 zmq.Context.__del__ = _collect_context_without_blocking  # type: ignore[method-assign]
