@@ -83,9 +83,7 @@ def _engine(
         got = member.wait_for(want, 0.5)
         if got is None:
             continue
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        at = time.time()
+        at = time.time()  # the member's thread synchronised its own stream before handing it over
         ok = packed.digest(got.buf) == got.digest
         out.put((name, got.version, at, ok))
         want = got.version + 1
@@ -239,7 +237,7 @@ def run_preset(
             t0 = time.time()
             hub.publish(v, weights)
             if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
+                torch.cuda.current_stream(dev).synchronize()  # the packing (not the broadcast's stream)
             packs.append(time.time() - t0)
             arrived = pool.wait(v, RECEIVE_TIMEOUT_S)
             times.append(max(arrived.values()) - t0)
@@ -273,7 +271,7 @@ def _churn(
     pool.kill(victim)  # mid-broadcast (the publish returned; the sender thread is sending)
     pool.start("engine-new", engines)  # takes the dead engine's device
     if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
+        torch.cuda.current_stream(dev).synchronize()
     # the killed member's generation fails at its collective timeout; survivors and the newcomer
     # register again and get the newest version: publish the next one once the newcomer registered
     _wait_joined(hub, engines + 1, RECEIVE_TIMEOUT_S)

@@ -293,7 +293,9 @@ class TorchEngine(RolloutEngine):
             for name, value in tensors.items():
                 self._params[name].copy_(value, non_blocking=True)
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            # this stream only: a device-wide sync would also wait for a weight receive posted on a
+            # transport's own stream (a broadcast waiting for the trainer's next version)
+            torch.cuda.current_stream(self.device).synchronize()
         with self._applied:
             self._version = version
             self._applied.notify_all()
@@ -305,7 +307,7 @@ class TorchEngine(RolloutEngine):
         for chunk in _chunks(seqs):
             self.runner.prefill([s for s, _ in chunk], [i for _, i in chunk])
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # the recompute belongs to the weight update's time
+            torch.cuda.current_stream(self.device).synchronize()  # the recompute is the update's time
 
     def _admit(self, batch: list[_Pending]) -> None:
         """Give each request a slot; prefill each distinct prompt once and share its KV."""
@@ -331,7 +333,7 @@ class TorchEngine(RolloutEngine):
             self._take([s for _, slots in chunk for s in slots], logits)
         if self.timeline is not None:
             if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
+                torch.cuda.current_stream(self.device).synchronize()
             self.timeline.append(("prefill", time.perf_counter()))
         self._finish_done()
 

@@ -46,6 +46,24 @@ class Payload:
     version: int
     buf: torch.Tensor
     digest: str
+    ready: Any = None
+    """A CUDA event after the kernels that wrote `buf` (None on a CPU)."""
+
+
+def _side_stream(device: torch.device) -> Any:
+    """A stream of the broadcast thread's own (None on a CPU).
+
+    NCCL's `Work.wait()` makes the *current* stream wait for the collective. On the default stream,
+    a receive posted for the next header would hold every kernel the process queues after it (an
+    engine's decoding, a digest) until the trainer sends again; on a stream of its own it holds
+    nothing but the broadcast."""
+    return torch.cuda.Stream(device) if device.type == "cuda" else None
+
+
+def _on(stream: Any) -> Any:
+    import contextlib
+
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
 def _group(store: Any, prefix: str, rank: int, size: int, device: torch.device, timeout_s: float) -> Any:
@@ -123,6 +141,7 @@ class BroadcastHub:
         self._layout_set = False
         self._cond = threading.Condition()
         self._closed = False
+        self._stream = _side_stream(device)
         self._thread = threading.Thread(target=self._run, name="astraflow-broadcast", daemon=True)
         self._thread.start()
 
@@ -135,12 +154,16 @@ class BroadcastHub:
         buf = torch.empty(layout.nbytes, dtype=torch.uint8, device=self.device)
         packed.pack(weights, layout, buf)
         digest = packed.digest(buf)
+        ready = None
+        if buf.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(buf.device))
         if not self._layout_set:
             self.store.set(f"{self.token}/bucket", str(self.bucket_bytes))
             self.store.set(f"{self.token}/layout", layout.to_json().decode())
             self._layout_set = True
         with self._cond:
-            self._latest = Payload(version, buf, digest)
+            self._latest = Payload(version, buf, digest, ready)
             self._pending = True
             self._cond.notify()
         return digest
@@ -154,6 +177,10 @@ class BroadcastHub:
         self._pg = None
 
     def _run(self) -> None:
+        with _on(self._stream):
+            self._loop()
+
+    def _loop(self) -> None:
         keepalive_at = time.monotonic() + self.timeout_s / 3
         while True:
             with self._cond:
@@ -210,6 +237,8 @@ class BroadcastHub:
 
     def _send(self, p: Payload) -> None:
         n = p.buf.numel()
+        if p.ready is not None:
+            torch.cuda.current_stream(p.buf.device).wait_event(p.ready)  # the packing is done
         _send_header(self._pg, self.device, _VERSION, p.version, n, self.generation, p.digest)
         for start in range(0, n, self.bucket_bytes):
             _bcast(self._pg, p.buf[start : start + self.bucket_bytes])
@@ -232,6 +261,7 @@ class BroadcastMember:
         self._bucket_bytes = 0
         self._cond = threading.Condition()
         self._closed = False
+        self._stream = _side_stream(device)
         self._thread = threading.Thread(target=self._run, name="astraflow-broadcast-member", daemon=True)
         self._thread.start()
 
@@ -256,6 +286,10 @@ class BroadcastMember:
         return self._thread.is_alive()
 
     def _run(self) -> None:
+        with _on(self._stream):
+            self._serve()
+
+    def _serve(self) -> None:
         import torch.distributed as dist
 
         host, _, port = self.address.rpartition(":")
@@ -322,6 +356,8 @@ class BroadcastMember:
             bucket = max(1, self._bucket_bytes)
             for start in range(0, nbytes, bucket):
                 _bcast(pg, buf[start : start + bucket])
+            if self._stream is not None:
+                self._stream.synchronize()  # whole before a reader on another stream sees it
             with self._cond:
                 self.latest = Payload(version, buf, digest)
                 self._cond.notify_all()
