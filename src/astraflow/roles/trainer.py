@@ -257,7 +257,9 @@ class TrainerLoop:
         metrics = dict(self.trainer.step(batch))
         dev = self.cuda_device
         if dev is not None and dev.type == "cuda":
-            torch.cuda.synchronize(dev)  # the optimizer's kernels may still run: count them here
+            # the optimizer's kernels may still run: count them here (this stream only: a device-wide
+            # sync would also wait for the last version's copies to the host on the publisher's stream)
+            torch.cuda.current_stream(dev).synchronize()
         compute_s = time.monotonic() - t_step
         self.guard.after_step(self.trainer.step_count, metrics)  # reports a skipped step; raises at the limit
         if self.pol.trainer_sleep_s > 0:

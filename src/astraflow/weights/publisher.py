@@ -149,6 +149,6 @@ def _to_bytes_on_side_stream(weights: dict[str, Any], ready: Any) -> Any:
     stream = torch.cuda.Stream(dev)
     stream.wait_event(ready)
     with torch.cuda.stream(stream):
-        blob = state_dict_to_bytes(weights)
-    stream.synchronize()
+        blob = state_dict_to_bytes(weights, pinned=True)
+    stream.synchronize()  # the queued copies into the pinned blob are done
     return blob

@@ -25,12 +25,16 @@ _DTYPES = {
 
 
 def state_dict_to_bytes(
-    sd: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
+    sd: dict[str, torch.Tensor], metadata: dict[str, str] | None = None, *, pinned: bool = False
 ) -> bytes | memoryview:
     """Serialize a state_dict (any device, tied weights allowed) to safetensors bytes.
 
     Written straight into one buffer (header, then each tensor's bytes, one copy per tensor) rather
     than through safetensors.save, which copies every tensor twice; the format is the same.
+    `pinned` (device tensors, CUDA present): the buffer is page-locked host memory (torch's host
+    allocator keeps freed blocks for the next version) and the copies are queued without waiting, so
+    the caller must synchronise the current stream before reading the bytes. Copies into fresh
+    pageable memory run at page-fault speed and hold the stream for each tensor.
     """
     meta = {"format": "pt", **(metadata or {})}
     tensors = {name: t.detach() for name, t in sd.items()}
@@ -53,7 +57,8 @@ def state_dict_to_bytes(
     head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned, as safetensors writes it
     base = 8 + len(head)
     # torch.empty leaves the pages untouched (bytearray(n) zeroes them first: a second pass)
-    dst = torch.empty(base + offset, dtype=torch.uint8)
+    pinned = pinned and torch.cuda.is_available() and any(t.is_cuda for t in tensors.values())
+    dst = torch.empty(base + offset, dtype=torch.uint8, pin_memory=pinned)
     out = memoryview(dst.numpy()).cast("B")  # type: ignore[arg-type]  # an ndarray is a buffer
     struct.pack_into("<Q", out, 0, len(head))
     out[8:base] = head
@@ -63,7 +68,8 @@ def state_dict_to_bytes(
             start, end = header[name]["data_offsets"]  # type: ignore[index]
             if end > start:
                 src = t.contiguous().reshape(-1).view(torch.uint8)
-                dst[base + start : base + end].copy_(src)  # device to host when t is not on the CPU
+                # device to host when t is not on the CPU (queued, not waited for, into pinned memory)
+                dst[base + start : base + end].copy_(src, non_blocking=pinned)
     return out
 
 
