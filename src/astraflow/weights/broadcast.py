@@ -8,7 +8,11 @@ itself (rank 0) and the workers that joined. Workers are elastic, so membership 
 - when joiners are waiting, the hub tells the current group to regroup, opens generation g+1 with the
   old members and the joiners, and broadcasts the current version again (a late joiner gets it);
 - every collective has a timeout; when one fails (a worker died mid-broadcast), the hub drops that
-  generation and its members register again. The trainer's thread never waits on any of it: `publish`
+  generation and its members register again;
+- no collective waits while nothing is sent: before each message the hub rings a bell in the store
+  (one key per message of a generation) and only then do the members post their receives. A receive
+  left posted between versions would hold its stream and, on a GPU, a spinning kernel; a member whose
+  hub is gone learns it from the store. The trainer's thread never waits on any of it: `publish`
   only hands the newest version to the hub's thread, which skips versions it had no time to send.
 
 Each version is one packed buffer (weights/packed.py), sent in buckets, preceded by a small header
@@ -18,6 +22,7 @@ plane announced before anything is applied. NCCL and gloo authenticate nothing: 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import secrets
@@ -32,7 +37,8 @@ from astraflow import log
 from astraflow.weights import packed
 
 _log = log.get("weights.broadcast")
-_VERSION, _KEEPALIVE, _REGROUP = 1, 2, 3
+_VERSION, _REGROUP = 1, 3
+_DROPPED = "dropped"
 _HEADER = 4
 _DIGEST = 64
 JOIN_POLL_S = 0.5
@@ -135,6 +141,8 @@ class BroadcastHub:
         self.sent: dict[int, int] = {}
         """Version -> workers it reached (for the bench and the logs)."""
         self._seen_joins = 0
+        self._bell = 0
+        """The next message's number in the current generation."""
         self._pg: Any = None
         self._latest: Payload | None = None
         self._pending = False
@@ -181,7 +189,6 @@ class BroadcastHub:
             self._loop()
 
     def _loop(self) -> None:
-        keepalive_at = time.monotonic() + self.timeout_s / 3
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._closed or self._pending, timeout=JOIN_POLL_S)
@@ -191,21 +198,22 @@ class BroadcastHub:
                 self._pending = False
             try:
                 joined = self._regroup_if_joined(payload is not None)
-                if self._pg is None:
-                    continue
-                if payload is not None and (send or joined):
+                if self._pg is not None and payload is not None and (send or joined):
                     self._send(payload)
-                elif time.monotonic() >= keepalive_at:
-                    _send_header(self._pg, self.device, _KEEPALIVE, -1, 0, self.generation)
-                else:
-                    continue
-                keepalive_at = time.monotonic() + self.timeout_s / 3
             except Exception as exc:  # a member died or hung: drop the generation, members re-register
                 _log.warning(
                     "broadcast generation %d failed (%s); members must join again", self.generation, exc
                 )
                 self._pg = None
                 self.members = []
+                with contextlib.suppress(Exception):
+                    self._ring(_DROPPED)  # members waiting for the next message register again
+
+    def _ring(self, what: str = "1") -> None:
+        """Tell the generation's members that a message follows (they post their receives now), or
+        that the generation is dropped."""
+        self.store.set(f"{self.token}/g{self.generation}/bell/{self._bell}", what)
+        self._bell += 1
 
     def _joiners(self) -> list[str]:
         count = int(self.store.add(f"{self.token}/njoin", 0))
@@ -223,12 +231,13 @@ class BroadcastHub:
             return False
         g = self.generation + 1
         if self._pg is not None:
+            self._ring()
             _send_header(self._pg, self.device, _REGROUP, -1, 0, g)
         tickets = self.members + joiners
         self.store.set(f"{self.token}/g{g}/members", json.dumps(tickets))
         for t in joiners:
             self.store.set(f"{self.token}/assign/{t}", str(g))
-        self.generation, self._pg = g, None
+        self.generation, self._pg, self._bell = g, None, 0
         # members keep their tickets ("member#join number") across generations
         self.members = tickets
         self._pg = _group(self.store, f"{self.token}/g{g}/", 0, len(tickets) + 1, self.device, self.timeout_s)
@@ -239,6 +248,7 @@ class BroadcastHub:
         n = p.buf.numel()
         if p.ready is not None:
             torch.cuda.current_stream(p.buf.device).wait_event(p.ready)  # the packing is done
+        self._ring()
         _send_header(self._pg, self.device, _VERSION, p.version, n, self.generation, p.digest)
         for start in range(0, n, self.bucket_bytes):
             _bcast(self._pg, p.buf[start : start + self.bucket_bytes])
@@ -335,13 +345,29 @@ class BroadcastMember:
                 self.layout = packed.Layout.from_json(store.get(f"{self.token}/layout"))
                 self._bucket_bytes = int(store.get(f"{self.token}/bucket"))
             pg = _group(store, f"{self.token}/g{g}/", rank, len(tickets) + 1, self.device, self.timeout_s)
-            g = self._receive(pg)
+            g = self._receive(store, g, pg)
             if g < 0:
                 return
 
-    def _receive(self, pg: Any) -> int:
-        """Receive versions until the hub regroups (returns the next generation) or we close (-1)."""
+    def _bell(self, store: Any, key: str) -> bool:
+        """Wait for the hub's bell `key` (False once closed); raises when the hub dropped the
+        generation or its store is gone."""
         while not self._closed:
+            try:
+                store.wait([key], datetime.timedelta(seconds=1))
+            except Exception:  # noqa: BLE001 - a timeout, or the store is gone: tell them apart
+                store.add(f"{self.token}/njoin", 0)  # raises when the hub is gone
+                continue
+            if store.get(key).decode() == _DROPPED:
+                raise RuntimeError("the hub dropped this generation")
+            return True
+        return False
+
+    def _receive(self, store: Any, g: int, pg: Any) -> int:
+        """Receive versions until the hub regroups (returns the next generation) or we close (-1)."""
+        bell = 0
+        while self._bell(store, f"{self.token}/g{g}/bell/{bell}"):
+            bell += 1
             head = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
             _bcast(pg, head)
             op, version, nbytes, arg = (int(x) for x in head.tolist())
