@@ -23,7 +23,7 @@ from astraflow.engines.base import Completion
 from astraflow.models.init import init_model
 from astraflow.protocol.codec import decode, encode
 from astraflow.protocol.messages import Episode, SamplingParams, Sequence, TaskResult
-from astraflow.workflows.tools import Tools
+from astraflow.workflows.common.tools import Tools
 from astraflow.workflows.transcript import Transcript, TranscriptError, TranscriptFull
 
 torch.set_num_threads(1)

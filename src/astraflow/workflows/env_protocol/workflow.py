@@ -13,7 +13,7 @@ text (raw), the policy's turn is the action, until `done`, `max_turns` or the co
 `reward` scores the episode and ends the session. With `tools`, the chat template renders them, the
 policy's tool calls (parsed from its turn) go with the action, and the tool results come back as
 `tool` messages (with their `tool_call_id`). A non-2xx answer or malformed JSON fails the episode
-with the server's message. astraflow.workflows.env_reference is a small reference server.
+with the server's message. astraflow.workflows.env_protocol.reference is a small reference server.
 
 Retries: a call whose request never fully reached the server (connection refused or reset while
 connecting or sending) is retried, as is `reward` (idempotent by the protocol: a server answers the
@@ -36,8 +36,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from astraflow.errors import AstraflowError
 from astraflow.protocol.messages import Scalar
 from astraflow.workflows.base import Episode, PolicyClient, Workflow
-from astraflow.workflows.loopback_http import in_daemon_thread
-from astraflow.workflows.openai_tools import parse_tool_calls
+from astraflow.workflows.common.loopback_http import in_daemon_thread
+from astraflow.workflows.openai.tool_calls import parse_tool_calls
 from astraflow.workflows.transcript import Transcript, TranscriptFull
 
 
