@@ -63,6 +63,34 @@ class EnginePolicyClient:
         )
 
 
+def _install_signal_handlers(
+    loop: asyncio.AbstractEventLoop, stop: asyncio.Event, drain: asyncio.Event
+) -> None:
+    """SIGTERM and SIGINT: the first drains (finish or return the leases, then leave); a second stops at
+    once, and so does the first when the process that started this worker died (the kernel's death
+    signal from `up`: the controller goes down with it, so a drain would only wait on it)."""
+    parent = os.getppid()
+
+    def on_signal() -> None:
+        if drain.is_set() or os.getppid() != parent:
+            if not drain.is_set():
+                _log.info("the launcher that started this worker is gone: stopping")
+            stop.set()
+        else:
+            _log.info("asked to stop: draining (no new tasks; finishing the running ones)")
+            drain.set()
+
+    def on_os_signal(_signum: int, _frame: Any) -> None:
+        # a plain handler that stays installed after the loop ends: a SIGTERM during shutdown is harmless
+        try:
+            loop.call_soon_threadsafe(on_signal)
+        except RuntimeError:
+            pass  # the loop is closed: the worker is already leaving
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_os_signal)
+
+
 def sample_seed(run_seed: int, task_id: int, role: str, call: int) -> int:
     """The sampling seed of a task's `call`-th generate call for `role`: a 48-bit hash of the four, so
     a task samples the same tokens from the same weights whichever worker runs it, whenever, and next
@@ -190,113 +218,120 @@ class RaaS:
         return {p: e.version for p, e in self.engines.items()}
 
     async def run(self) -> int:
-        """The main loop; returns when the controller says stop or on SIGTERM."""
-        from astraflow.errors import ConnectError
-        from astraflow.protocol.messages import Error, TaskGrant, TaskRequest
-
-        loop = asyncio.get_running_loop()
+        """The main loop; returns when the controller says stop or on SIGTERM: lease tasks while there
+        are free slots, drain the running ones when asked to, then close everything."""
         stop = asyncio.Event()
         drain = asyncio.Event()
-
-        parent = os.getppid()
-
-        def on_signal() -> None:
-            # the first signal drains (finish or return the leases, then leave); a second one stops at once,
-            # and so does the first when the process that started this worker died (the kernel's death
-            # signal from `up`: the controller goes down with it, so a drain would only wait on it)
-            if drain.is_set() or os.getppid() != parent:
-                if not drain.is_set():
-                    _log.info("the launcher that started this worker is gone: stopping")
-                stop.set()
-            else:
-                _log.info("asked to stop: draining (no new tasks; finishing the running ones)")
-                drain.set()
-
-        def on_os_signal(_signum: int, _frame: Any) -> None:
-            # a plain handler that stays installed after the loop ends: a SIGTERM during shutdown is harmless
-            try:
-                loop.call_soon_threadsafe(on_signal)
-            except RuntimeError:
-                pass  # the loop is closed: the worker is already leaving
-
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, on_os_signal)
+        _install_signal_handlers(asyncio.get_running_loop(), stop, drain)
         ticker = asyncio.create_task(self._tick(stop))
         running: set[asyncio.Task[None]] = set()
         try:
-            while not stop.is_set() and not self.client.stop_requested and not drain.is_set():
-                self._maybe_pull_weights()
-                free = self.slots - self.busy
-                if free <= 0:
-                    await asyncio.sleep(0.02)
-                    continue
-                # a long poll, unless weights are on their way: the controller is then asked again as
-                # soon as they are loaded (the lease rule looks at the loaded version)
-                wait = 0.0 if self._pull_pending() else TASK_WAIT_S
-                try:
-                    reply = await self._ask(TaskRequest(n=free, loaded=self.loaded(), wait_s=wait), stop)
-                except ConnectError:
-                    _log.warning("controller not answering; asking again until it is back")
-                    # a revoked key or a wrong address: exit with the reason instead of asking forever
-                    await asyncio.to_thread(self.client.check_reachable)
-                    await asyncio.sleep(1.0)
-                    continue
-                if reply is None:
-                    break
-                if isinstance(reply, Error):
-                    if reply.code == "draining":
-                        _log.info("the controller asks this worker to leave: draining")
-                        drain.set()
-                        break
-                    _log.warning("task request refused: %s %s", reply.code, reply.message)
-                    await asyncio.sleep(0.5)
-                    continue
-                if not isinstance(reply, TaskGrant):
-                    await asyncio.sleep(0.1)
-                    continue
-                if reply.stop:
-                    break
-                for task in reply.tasks:
-                    self.busy += 1
-                    t = asyncio.create_task(self._run_task(task))
-                    running.add(t)
-                    t.add_done_callback(running.discard)
-                if not reply.tasks:
-                    self._maybe_pull_weights()  # the reply may name a new version
-                    if self._pull_pending():
-                        await self._until_loaded(stop, timeout=max(0.02, reply.retry_after_s or 0.1))
-                    elif wait == 0.0:
-                        try:
-                            await asyncio.wait_for(stop.wait(), timeout=max(0.02, reply.retry_after_s or 0.1))
-                        except TimeoutError:
-                            pass
+            await self._lease_loop(stop, drain, running)
             if drain.is_set() and running and not stop.is_set():
-                self.draining = True
-                timeout = self.recipe.rollout.drain_timeout_s
-                _log.info("waiting up to %.0fs for %d running tasks", timeout, len(running))
-                stopper = asyncio.ensure_future(stop.wait())
-                await asyncio.wait({*running, stopper}, timeout=timeout, return_when=asyncio.ALL_COMPLETED)
-                stopper.cancel()
-                if running:
-                    _log.warning(
-                        "%d tasks still running after the drain; returning their leases", len(running)
-                    )
+                await self._drain(running, stop)
         finally:
-            for t in running:
-                t.cancel()
-            ticker.cancel()
-            if getattr(self, "result_sender", None) is not None:
-                self.result_sender.close()
-            self._write_stats(force=True)
-            for e in self.engines.values():
-                e.close()
-            for t in self.weights.transports.values():
-                t.close()
+            self._shut_down(running, ticker)
         if self.fatal:
             _log.error("stopping: %s", self.fatal)
             return 1
         _log.info("stopping after %d tasks", self.tasks_done)
         return 0
+
+    async def _lease_loop(
+        self, stop: asyncio.Event, drain: asyncio.Event, running: set[asyncio.Task[None]]
+    ) -> None:
+        """Ask for as many tasks as there are free slots and start each one, until told to stop or drain."""
+        from astraflow.errors import ConnectError
+        from astraflow.protocol.messages import TaskRequest
+
+        while not stop.is_set() and not self.client.stop_requested and not drain.is_set():
+            self._maybe_pull_weights()
+            free = self.slots - self.busy
+            if free <= 0:
+                await asyncio.sleep(0.02)
+                continue
+            # a long poll, unless weights are on their way: the controller is then asked again as
+            # soon as they are loaded (the lease rule looks at the loaded version)
+            wait = 0.0 if self._pull_pending() else TASK_WAIT_S
+            try:
+                reply = await self._ask(TaskRequest(n=free, loaded=self.loaded(), wait_s=wait), stop)
+            except ConnectError:
+                _log.warning("controller not answering; asking again until it is back")
+                # a revoked key or a wrong address: exit with the reason instead of asking forever
+                await asyncio.to_thread(self.client.check_reachable)
+                await asyncio.sleep(1.0)
+                continue
+            if reply is None or not await self._on_task_reply(reply, wait, stop, drain, running):
+                break
+
+    async def _on_task_reply(
+        self,
+        reply: Any,
+        wait: float,
+        stop: asyncio.Event,
+        drain: asyncio.Event,
+        running: set[asyncio.Task[None]],
+    ) -> bool:
+        """Act on the controller's answer to a TaskRequest; False when the worker must stop asking."""
+        from astraflow.protocol.messages import Error, TaskGrant
+
+        if isinstance(reply, Error):
+            if reply.code == "draining":
+                _log.info("the controller asks this worker to leave: draining")
+                drain.set()
+                return False
+            _log.warning("task request refused: %s %s", reply.code, reply.message)
+            await asyncio.sleep(0.5)
+            return True
+        if not isinstance(reply, TaskGrant):
+            await asyncio.sleep(0.1)
+            return True
+        if reply.stop:
+            return False
+        for task in reply.tasks:
+            self.busy += 1
+            t = asyncio.create_task(self._run_task(task))
+            running.add(t)
+            t.add_done_callback(running.discard)
+        if not reply.tasks:
+            await self._idle(reply.retry_after_s, wait, stop)
+        return True
+
+    async def _idle(self, retry_after_s: float, wait: float, stop: asyncio.Event) -> None:
+        """Nothing was granted: wait for weights on their way, or (after a short poll) the retry delay."""
+        self._maybe_pull_weights()  # the reply may name a new version
+        pause = max(0.02, retry_after_s or 0.1)
+        if self._pull_pending():
+            await self._until_loaded(stop, timeout=pause)
+        elif wait == 0.0:
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=pause)
+            except TimeoutError:
+                pass
+
+    async def _drain(self, running: set[asyncio.Task[None]], stop: asyncio.Event) -> None:
+        """Let the running tasks finish, up to the recipe's drain timeout (or until a second signal)."""
+        self.draining = True
+        timeout = self.recipe.rollout.drain_timeout_s
+        _log.info("waiting up to %.0fs for %d running tasks", timeout, len(running))
+        stopper = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({*running, stopper}, timeout=timeout, return_when=asyncio.ALL_COMPLETED)
+        stopper.cancel()
+        if running:
+            _log.warning("%d tasks still running after the drain; returning their leases", len(running))
+
+    def _shut_down(self, running: set[asyncio.Task[None]], ticker: asyncio.Task[None]) -> None:
+        """Cancel what still runs, flush the stats, close engines and weight transports."""
+        for t in running:
+            t.cancel()
+        ticker.cancel()
+        if getattr(self, "result_sender", None) is not None:
+            self.result_sender.close()
+        self._write_stats(force=True)
+        for e in self.engines.values():
+            e.close()
+        for t in self.weights.transports.values():
+            t.close()
 
     def _pull_pending(self) -> bool:
         """Weights of some policy are being fetched, or fetched and not yet applied by its engine."""
