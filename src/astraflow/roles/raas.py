@@ -12,11 +12,15 @@ import time
 import traceback
 import zlib
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from astraflow import log
 from astraflow.engines.base import Completion, GenerationRequest, RolloutEngine
 from astraflow.protocol.messages import SamplingParams
+from astraflow.roles.raas_sections import RaaSSections
+
+if TYPE_CHECKING:
+    from astraflow.config.recipe import WeightsConfig
 
 _log = log.get("raas")
 RESULT_ATTEMPTS = 30
@@ -148,7 +152,7 @@ class RaaS:
     def __init__(
         self,
         client: Any,
-        recipe: Any,
+        sections: RaaSSections,
         *,
         policies: list[str],
         engine_override: str | None,
@@ -158,15 +162,14 @@ class RaaS:
         from transformers import AutoTokenizer
 
         from astraflow import plugins
-        from astraflow.config.load import role_map
 
         self.client = client
-        self.recipe = recipe
+        self.sections = sections
         self.slots = slots
-        self.roles = role_map(recipe)
-        wf_cls = plugins.load("workflows", recipe.workflow.name)
-        self.workflow = wf_cls(wf_cls.Config.model_validate(recipe.workflow.options))
-        needed = sorted(set(self.roles.values()))
+        self.roles = sections.roles
+        wf_cls = plugins.load("workflows", sections.workflow.name)
+        self.workflow = wf_cls(wf_cls.Config.model_validate(sections.workflow.options))
+        needed = sorted(sections.policies)
         if policies:
             missing = [p for p in needed if p not in policies]
             if missing:
@@ -177,7 +180,7 @@ class RaaS:
         self.engines: dict[str, RolloutEngine] = {}
         self.clients: dict[str, EnginePolicyClient] = {}
         for name in needed:
-            pol = recipe.get_policy(name)
+            pol = sections.policies[name]
             engine_name = engine_override or pol.engine
             eng_cls = plugins.load("engines", engine_name)
             cfg = (
@@ -185,9 +188,7 @@ class RaaS:
                 if getattr(eng_cls, "Config", None)
                 else None
             )
-            engine = eng_cls(
-                pol.model, cfg, seed=recipe.run.seed * 1_000_003 + zlib.crc32(member_id.encode())
-            )
+            engine = eng_cls(pol.model, cfg, seed=sections.seed * 1_000_003 + zlib.crc32(member_id.encode()))
             tok = AutoTokenizer.from_pretrained(pol.model)
             stop = [tok.eos_token_id] if tok.eos_token_id is not None else []
             self.engines[name] = engine
@@ -210,7 +211,9 @@ class RaaS:
         self._held_lock = threading.Lock()
         self.recv_buffers: Any = None
         """Receive buffers the ZeroMQ pulls reuse (weights/client.py: RecvBuffers), made on the first pull."""
-        self.weights = make_weight_sync(self.engines, recipe, member_id, self.pull_stats, self._fetch)
+        self.weights = make_weight_sync(
+            self.engines, sections.weights, member_id, self.pull_stats, self._fetch
+        )
         """The per-policy weight pipeline (roles/weight_sync.py)."""
 
     def loaded(self) -> dict[str, int]:
@@ -312,7 +315,7 @@ class RaaS:
     async def _drain(self, running: set[asyncio.Task[None]], stop: asyncio.Event) -> None:
         """Let the running tasks finish, up to the recipe's drain timeout (or until a second signal)."""
         self.draining = True
-        timeout = self.recipe.rollout.drain_timeout_s
+        timeout = self.sections.rollout.drain_timeout_s
         _log.info("waiting up to %.0fs for %d running tasks", timeout, len(running))
         stopper = asyncio.ensure_future(stop.wait())
         await asyncio.wait({*running, stopper}, timeout=timeout, return_when=asyncio.ALL_COMPLETED)
@@ -397,13 +400,13 @@ class RaaS:
                     sizes[role],
                     pol in task.read_only,
                     dict(task.sampling),
-                    (self.recipe.run.seed, task.task_id, role),
+                    (self.sections.seed, task.task_id, role),
                 )
                 for role, pol in task.roles.items()
             }
             episodes = await asyncio.wait_for(
                 self.workflow.run_group(dict(task.sample), clients, sizes),
-                timeout=self.recipe.rollout.task_timeout_s,
+                timeout=self.sections.rollout.task_timeout_s,
             )
             result = Outcome(task_id=task.task_id, epoch=task.epoch, episodes=list(episodes))
         except asyncio.CancelledError:
@@ -452,7 +455,7 @@ class RaaS:
         """The versions this worker keeps for deltas and serves as a relay (made on the first pull)."""
         from astraflow.weights.fetch import HeldWeights
 
-        cfg = self.recipe.weights
+        cfg = self.sections.weights
         held = getattr(self, "held_weights", None)
         if held is None:
             relay = None
@@ -473,7 +476,7 @@ class RaaS:
         from astraflow.weights.fetch import fetch_version
         from astraflow.weights.shared_buffer import Received
 
-        cfg = self.recipe.weights
+        cfg = self.sections.weights
         with self._held_lock:  # two policies' pulls run on their own threads
             held = self._held_weights()
             if self.recv_buffers is None:
@@ -494,9 +497,9 @@ class RaaS:
 
 
 def make_weight_sync(
-    engines: dict[str, RolloutEngine], recipe: Any, member_id: str, stats: Any, fetch: Any = None
+    engines: dict[str, RolloutEngine], w: WeightsConfig, member_id: str, stats: Any, fetch: Any = None
 ) -> Any:
-    """The worker side of every weight transport the recipe allows, driven per policy."""
+    """The worker side of every weight transport `[weights]` allows, driven per policy."""
     import torch
 
     from astraflow.roles.weight_sync import WeightSync
@@ -504,7 +507,6 @@ def make_weight_sync(
 
     devices = [getattr(e, "device", None) for e in engines.values()]
     device = next((d for d in devices if isinstance(d, torch.device)), torch.device("cpu"))
-    w = recipe.weights
     transports: dict[str, Any] = {"zmq": ZmqTransport(fetch)}
     if "ipc" in w.transports:
         transports["shm"] = SharedTransport(device)
@@ -576,7 +578,7 @@ def run_raas(
     try:
         worker = RaaS(
             client,
-            recipe,
+            RaaSSections.of(recipe),
             policies=policies,
             engine_override=engine,
             slots=n_slots,
