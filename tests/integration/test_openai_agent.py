@@ -80,7 +80,7 @@ class RecordingEngine:
 def _client(model_dir: Path) -> tuple[Any, RecordingEngine]:
     from transformers import AutoTokenizer
 
-    from astraflow.roles.raas import EnginePolicyClient
+    from astraflow.roles.policy_client import EnginePolicyClient
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     engine = RecordingEngine(model_dir)

@@ -40,7 +40,7 @@ def _client(model_dir: Path) -> Any:
     from transformers import AutoTokenizer
 
     from astraflow.engines.torch_engine import TorchEngine
-    from astraflow.roles.raas import EnginePolicyClient
+    from astraflow.roles.policy_client import EnginePolicyClient
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     engine = TorchEngine(str(model_dir), seed=0, device="cpu")

@@ -1,26 +1,25 @@
 """The RaaS service: pulls tasks when it has free slots, runs workflow episodes against its engines,
-and pulls new weights as versions appear, applying them between decode steps."""
+and pulls new weights as versions appear, applying them between decode steps.
+
+Over 400 lines because it is one class, the worker, with its task loop, result reporting, weight
+pulls and stats; what a workflow sees of a policy is in roles/policy_client.py, the weight pipeline
+in roles/weight_sync.py, the recipe sections it reads in roles/raas_sections.py."""
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
 import signal
 import threading
 import time
 import traceback
 import zlib
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from astraflow import log
-from astraflow.engines.base import Completion, GenerationRequest, RolloutEngine
-from astraflow.protocol.messages import SamplingParams
+from astraflow.engines.base import RolloutEngine
+from astraflow.roles.policy_client import EnginePolicyClient, TaskPolicyClient
 from astraflow.roles.raas_sections import RaaSSections
-
-if TYPE_CHECKING:
-    from astraflow.config.recipe import WeightsConfig
 
 _log = log.get("raas")
 RESULT_ATTEMPTS = 30
@@ -28,43 +27,6 @@ TASK_WAIT_S = 1.0
 """How long a TaskRequest asks the controller to hold it when nothing may be leased (a long poll)."""
 MAX_ERROR_CHARS = 8000
 """Longest traceback sent in a result's error (the controller logs it)."""
-
-
-@dataclass
-class EnginePolicyClient:
-    """The PolicyClient a workflow sees: one policy's tokenizer and engine, with recipe sampling."""
-
-    policy: str
-    tokenizer: Any
-    engine: RolloutEngine
-    sampling: Any
-    stop_ids: list[int]
-
-    group_size: int = 1
-
-    async def generate(self, prompt_ids: list[int], n: int = 1, **overrides: Any) -> list[Completion]:
-        """Sample n completions with the recipe's sampling settings (overridable per call); each
-        completion carries the settings the engine reports it used (never rewritten here)."""
-        from astraflow.workflows.transcript import check_overrides
-
-        check_overrides(overrides)
-        req = GenerationRequest(
-            prompt_ids=list(prompt_ids),
-            max_new_tokens=int(overrides.get("max_new_tokens", self.sampling.max_new_tokens)),
-            sampling=self.sampling_params(**overrides),
-            stop_ids=list(overrides.get("stop_ids", self.stop_ids)),
-            seed=overrides.get("seed"),  # the engine's own stream when None
-        )
-        # One n-sample call, so an engine can prefill the prompt once for the whole group.
-        return await self.engine.generate_n(req, n) if n > 1 else await self.engine.generate([req])
-
-    def sampling_params(self, **overrides: Any) -> SamplingParams:
-        """The settings a generate call with these overrides asks the engine for."""
-        return SamplingParams(
-            temperature=float(overrides.get("temperature", self.sampling.temperature)),
-            top_p=float(overrides.get("top_p", self.sampling.top_p)),
-            top_k=int(overrides.get("top_k", self.sampling.top_k)),
-        )
 
 
 def _install_signal_handlers(
@@ -93,57 +55,6 @@ def _install_signal_handlers(
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_os_signal)
-
-
-def sample_seed(run_seed: int, task_id: int, role: str, call: int) -> int:
-    """The sampling seed of a task's `call`-th generate call for `role`: a 48-bit hash of the four, so
-    a task samples the same tokens from the same weights whichever worker runs it, whenever, and next
-    to whatever else (sample i of an n-sample call uses seed + i)."""
-    digest = hashlib.blake2b(f"{run_seed}:{task_id}:{role}:{call}".encode(), digest_size=6).digest()
-    return int.from_bytes(digest, "big")
-
-
-@dataclass
-class TaskPolicyClient:
-    """One task's view of a policy: its group size in the task and the task's sampling overrides."""
-
-    base: EnginePolicyClient
-    group_size: int
-    read_only: bool = False
-    defaults: dict[str, Any] | None = None
-    """Sampling overrides the task carries (an eval task's), under the workflow's own."""
-    seeds: tuple[int, int, str] | None = None
-    """(run seed, task id, role): each generate call without a seed of its own gets sample_seed of
-    them and its call index; None leaves the engine's own stream."""
-    calls: int = 0
-
-    @property
-    def policy(self) -> str:
-        """The policy's name."""
-        return self.base.policy
-
-    @property
-    def tokenizer(self) -> Any:
-        """The policy's tokenizer."""
-        return self.base.tokenizer
-
-    @property
-    def sampling(self) -> Any:
-        """The recipe's sampling settings of the policy (what generate uses without overrides)."""
-        return self.base.sampling
-
-    async def generate(self, prompt_ids: list[int], n: int = 1, **overrides: Any) -> list[Completion]:
-        """The engine client's generate, with the task's overrides under the workflow's own and, without
-        a seed, the task's next one."""
-        merged = {**(self.defaults or {}), **overrides}
-        if self.seeds is not None and merged.get("seed") is None:
-            merged["seed"] = sample_seed(*self.seeds, self.calls)
-        self.calls += 1
-        return await self.base.generate(prompt_ids, n, **merged)
-
-    def sampling_params(self, **overrides: Any) -> SamplingParams:
-        """The settings a generate call with these overrides asks the engine for."""
-        return self.base.sampling_params(**{**(self.defaults or {}), **overrides})
 
 
 class RaaS:
@@ -211,6 +122,8 @@ class RaaS:
         self._held_lock = threading.Lock()
         self.recv_buffers: Any = None
         """Receive buffers the ZeroMQ pulls reuse (weights/client.py: RecvBuffers), made on the first pull."""
+        from astraflow.roles.weight_sync import make_weight_sync
+
         self.weights = make_weight_sync(
             self.engines, sections.weights, member_id, self.pull_stats, self._fetch
         )
@@ -496,27 +409,6 @@ class RaaS:
         return Received(info.version, fetched.state_dict, fetched.nbytes, _on_release=fetched.release)
 
 
-def make_weight_sync(
-    engines: dict[str, RolloutEngine], w: WeightsConfig, member_id: str, stats: Any, fetch: Any = None
-) -> Any:
-    """The worker side of every weight transport `[weights]` allows, driven per policy."""
-    import torch
-
-    from astraflow.roles.weight_sync import WeightSync
-    from astraflow.weights.transport import BroadcastTransport, SharedTransport, ZmqTransport
-
-    devices = [getattr(e, "device", None) for e in engines.values()]
-    device = next((d for d in devices if isinstance(d, torch.device)), torch.device("cpu"))
-    transports: dict[str, Any] = {"zmq": ZmqTransport(fetch)}
-    if "ipc" in w.transports:
-        transports["shm"] = SharedTransport(device)
-    if "broadcast" in w.transports:
-        transports["broadcast"] = BroadcastTransport(
-            device, member_id=member_id, timeout_s=w.broadcast_timeout_s
-        )
-    return WeightSync(engines, transports, list(w.transports), stats)
-
-
 def engine_alive(engine: Any) -> bool:
     """Whether an engine can still decode: its `healthy()` if it has one, else its decode thread's liveness."""
     healthy = getattr(engine, "healthy", None)
@@ -524,29 +416,6 @@ def engine_alive(engine: Any) -> bool:
         return bool(healthy())
     thread = getattr(engine, "_thread", None)
     return thread.is_alive() if isinstance(thread, threading.Thread) else True
-
-
-async def in_daemon_thread(fn: Any, *args: Any) -> Any:
-    """Run a blocking call in a daemon thread: a pull stuck on a vanished trainer never blocks exit."""
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future[Any] = loop.create_future()
-
-    def settle(setter: Any, value: Any) -> None:
-        try:
-            loop.call_soon_threadsafe(lambda: fut.done() or setter(value))
-        except RuntimeError:
-            pass  # the loop is gone: the worker is exiting and nobody waits for this pull
-
-    def work() -> None:
-        try:
-            result = fn(*args)
-        except BaseException as exc:  # handed to the awaiting coroutine
-            settle(fut.set_exception, exc)
-        else:
-            settle(fut.set_result, result)
-
-    threading.Thread(target=work, daemon=True, name=f"pull-{getattr(fn, '__name__', 'call')}").start()
-    return await fut
 
 
 def run_raas(
