@@ -37,12 +37,7 @@ SQL_ALLOWED = {
     "dataflow/ledger.py": "the task ledger's statements; to move into state/ once its rework lands",
     "roles/controller.py": "two writes at start-up; to move into state/ once its rework lands",
     # still to do
-    "dataflow/poisoned.py": "the poisoned-row repair at start-up (still to move)",
-    "dataflow/stall.py": "one read for the stall report (still to move)",
     "bench/control.py": "the control benchmark reads its run's state.db (still to move)",
-    "bench/e2e.py": "the e2e benchmark reads its run's state.db (still to move)",
-    "bench/pipeline.py": "the pipeline benchmark reads its run's state.db (still to move)",
-    "tui/bench.py": "the dashboard's benchmark tab reads state.db (still to move)",
     # not state.db: a metric sink's own SQLite file, which the user names in the recipe
     "metrics/builtin_sinks.py": "the sqlite metric sink writes its own database, not state.db",
 }

@@ -60,7 +60,7 @@ def run(args: argparse.Namespace, seed: int, workdir: Path) -> dict[str, float]:
     from astraflow.models.init import init_model
     from astraflow.protocol.messages import TrainSample
     from astraflow.trainers.torch_trainer import TorchTrainer
-    from astraflow.workflows.quickstart import QuickstartConfig, QuickstartWorkflow
+    from astraflow.workflows.quickstart.workflow import QuickstartConfig, QuickstartWorkflow
 
     if args.dims:
         import dataclasses

@@ -51,7 +51,7 @@ def warm_start(out: Path) -> Path:
             [
                 py,
                 "-m",
-                "astraflow.workflows.env_reference",
+                "astraflow.workflows.env_protocol.reference",
                 "--sft-rows",
                 "256",
                 "--draw",

@@ -153,7 +153,7 @@ def test_multi_turn_transcript_with_per_turn_overrides(harness: Harness) -> None
     from transformers import AutoTokenizer
 
     from astraflow.config.recipe import SamplingConfig
-    from astraflow.roles.raas import EnginePolicyClient
+    from astraflow.roles.policy_client import EnginePolicyClient
     from astraflow.workflows.transcript import Transcript
 
     tok = AutoTokenizer.from_pretrained(harness.models.a)

@@ -215,7 +215,7 @@ def _free_port() -> int:
 @pytest.mark.timeout(660)  # its subprocesses have their own, longer limits
 def test_env_server_smoke_starts_the_reference_server_as_a_service(bpe_model: Path, tmp_path: Path) -> None:
     port = _free_port()  # the recipe's 8700 may be taken on a shared machine; same command otherwise
-    command = ["python", "-m", "astraflow.workflows.env_reference", "--port", str(port)]
+    command = ["python", "-m", "astraflow.workflows.env_protocol.reference", "--port", str(port)]
     recs = _up(
         ROOT / "recipes/env_server/smoke.toml",
         tmp_path / "run",

@@ -96,7 +96,9 @@ def test_each_fault_is_a_fail_finding(tmp_path: Path) -> None:
     dead = d.check_controller(f"tcp://127.0.0.1:{free_port()}", None, None, timeout_s=0.5)
     # the probe names the cause when it finds one (nothing listening), else the request timed out
     assert dead.level == "fail" and ("did not answer" in dead.message or "nothing listens" in dead.message)
-    assert "math_verify" in d.imported_roots("astraflow.workflows.math_rl")  # via its process-pool target
+    assert "math_verify" in d.imported_roots(
+        "astraflow.workflows.math.workflow"
+    )  # via its process-pool target
     assert d.extra_modules()["math_verify"] == "math"
     r = load_recipe(RECIPE, ['workflow.name="no-such-workflow"'])
     assert [f.level for f in d.check_plugins(r) if "no-such-workflow" in f.message] == ["fail"]

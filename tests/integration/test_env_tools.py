@@ -28,8 +28,8 @@ import torch
 from astraflow.engines.base import Completion
 from astraflow.models.init import init_model
 from astraflow.protocol.messages import SamplingParams
-from astraflow.workflows.env_protocol import EnvServerConfig, EnvServerError, EnvServerWorkflow
-from astraflow.workflows.env_reference import BACKLOG, LOOKUP_TOOL, make_server
+from astraflow.workflows.env_protocol.reference import BACKLOG, LOOKUP_TOOL, make_server
+from astraflow.workflows.env_protocol.workflow import EnvServerConfig, EnvServerError, EnvServerWorkflow
 
 torch.set_num_threads(1)
 CALL = '<tool_call>{"name": "lookup", "arguments": {"key": "k0"}}</tool_call>'
@@ -68,12 +68,12 @@ class ScriptedPolicy:
 
 @pytest.fixture
 def reference_server() -> Iterator[Callable[..., str]]:
-    """Starts `python -m astraflow.workflows.env_reference` processes; returns their URL."""
+    """Starts `python -m astraflow.workflows.env_protocol.reference` processes; returns their URL."""
     procs: list[subprocess.Popen[str]] = []
 
     def start(*args: str) -> str:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "astraflow.workflows.env_reference", "--port", "0", *args],
+            [sys.executable, "-m", "astraflow.workflows.env_protocol.reference", "--port", "0", *args],
             stdout=subprocess.PIPE,
             text=True,
         )

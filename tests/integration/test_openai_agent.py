@@ -22,9 +22,9 @@ import torch
 from astraflow.engines.base import Completion, GenerationRequest
 from astraflow.errors import AstraflowError
 from astraflow.models.init import init_model
-from astraflow.workflows.env_protocol import EnvServerConfig, EnvServerWorkflow
-from astraflow.workflows.openai_agent import AgentEndpoint, OpenAIAgentConfig, OpenAIAgentWorkflow
-from astraflow.workflows.openai_tools import forced_ids
+from astraflow.workflows.env_protocol.workflow import EnvServerConfig, EnvServerWorkflow
+from astraflow.workflows.openai.agent import AgentEndpoint, OpenAIAgentConfig, OpenAIAgentWorkflow
+from astraflow.workflows.openai.tool_calls import forced_ids
 
 openai = pytest.importorskip("openai")
 torch.set_num_threads(1)
@@ -80,7 +80,7 @@ class RecordingEngine:
 def _client(model_dir: Path) -> tuple[Any, RecordingEngine]:
     from transformers import AutoTokenizer
 
-    from astraflow.roles.raas import EnginePolicyClient
+    from astraflow.roles.policy_client import EnginePolicyClient
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     engine = RecordingEngine(model_dir)
@@ -179,7 +179,7 @@ def test_openai_client_agent_records_the_engines_exact_tokens(model_dir: Path) -
 
 
 def test_stop_strings_cut_the_record_at_the_engines_tokens(model_dir: Path) -> None:
-    from astraflow.workflows.openai_endpoint import cut_at_stop
+    from astraflow.workflows.openai.endpoint import cut_at_stop
 
     client, engine = _client(model_dir)
     tok = client.tokenizer
@@ -227,7 +227,7 @@ def test_agent_without_a_numeric_reward_fails_clearly(model_dir: Path) -> None:
 
 def test_env_server_protocol_against_the_reference_server(model_dir: Path) -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "astraflow.workflows.env_reference", "--port", "0"],
+        [sys.executable, "-m", "astraflow.workflows.env_protocol.reference", "--port", "0"],
         stdout=subprocess.PIPE,
         text=True,
     )

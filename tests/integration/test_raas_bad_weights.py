@@ -15,6 +15,7 @@ def test_unfit_weights_are_reported_and_survived(tiny_model: Path) -> None:
     import torch
 
     from astraflow.roles.raas import RaaS, engine_alive
+    from astraflow.roles.raas_sections import RaaSSections
     from astraflow.roles.weight_sync import State
     from astraflow.weights.server import WeightServer
     from astraflow.weights.snapshot import state_dict_to_bytes
@@ -22,7 +23,9 @@ def test_unfit_weights_are_reported_and_survived(tiny_model: Path) -> None:
     torch.set_num_threads(1)
     recipe = Recipe.model_validate({"policy": [{"name": "main", "model": str(tiny_model)}]})
     client = SimpleNamespace(versions={})
-    raas = RaaS(client, recipe, policies=[], engine_override=None, slots=1, member_id="raas-t")
+    raas = RaaS(
+        client, RaaSSections.of(recipe), policies=[], engine_override=None, slots=1, member_id="raas-t"
+    )
     server = WeightServer("127.0.0.1", chunk_bytes=1 << 20, keep_versions=2)
     try:
         bad = {"no.such.parameter": torch.zeros(3, 3)}

@@ -8,9 +8,9 @@ import json
 import socket
 from typing import Any
 
-from astraflow.workflows import loopback_http
-from astraflow.workflows.loopback_http import LoopbackServer
-from astraflow.workflows.openai_endpoint import MAX_MESSAGES, EpisodeEndpoint
+from astraflow.workflows.common import loopback_http
+from astraflow.workflows.common.loopback_http import LoopbackServer
+from astraflow.workflows.openai.endpoint import MAX_MESSAGES, EpisodeEndpoint
 
 
 def _http(port: int, token: str, body: bytes, length: str | None = None) -> tuple[int, dict[str, Any]]:

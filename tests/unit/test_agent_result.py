@@ -9,7 +9,7 @@ import pytest
 from astraflow.config.load import validate_plugins
 from astraflow.config.recipe import PolicyConfig, Recipe
 from astraflow.errors import AstraflowError, RecipeError
-from astraflow.workflows.openai_agent import agent_result
+from astraflow.workflows.openai.agent import agent_result
 
 ROLES = ("proposer", "solver")
 

@@ -14,9 +14,9 @@ from astraflow.errors import AstraflowError
 from astraflow.models.bpe import build_bpe_tokenizer
 from astraflow.protocol.messages import SamplingParams
 from astraflow.sandbox import SandboxPool
-from astraflow.workflows.code_check import outputs_match
-from astraflow.workflows.code_data import generate_functions, humaneval, normalize
-from astraflow.workflows.code_rl import CodeConfig, CodeWorkflow, program
+from astraflow.workflows.code.check import outputs_match
+from astraflow.workflows.code.data import generate_functions, humaneval, normalize
+from astraflow.workflows.code.workflow import CodeConfig, CodeWorkflow, program
 
 
 def test_humaneval_canonical_solutions_pass_and_wrong_ones_fail() -> None:

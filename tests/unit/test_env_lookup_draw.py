@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from astraflow.workflows.env_reference import WORDS, Game, sft_rows
+from astraflow.workflows.env_protocol.reference import WORDS, Game, sft_rows
 
 
 def _ask(game: Game, seed: int, index: int) -> tuple[str, str]:

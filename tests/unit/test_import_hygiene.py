@@ -15,7 +15,7 @@ LIGHT_MODULES = (
     "astraflow.dataflow.advantages",
     "astraflow.losses.grpo",
     "astraflow.data.order",
-    "astraflow.workflows.quickstart",
+    "astraflow.workflows.quickstart.workflow",
     "astraflow.launch.up",
 )
 

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from astraflow.workflows import loopback_http
-from astraflow.workflows.loopback_http import EventStream, LoopbackServer
+from astraflow.workflows.common import loopback_http
+from astraflow.workflows.common.loopback_http import EventStream, LoopbackServer
 
 
 def _post(url: str, token: str) -> tuple[int, str, bytes]:

@@ -15,9 +15,9 @@ from astraflow.engines.base import Completion
 from astraflow.errors import AstraflowError
 from astraflow.models.bpe import build_bpe_tokenizer
 from astraflow.protocol.messages import SamplingParams
-from astraflow.workflows.math_data import last_boxed, load_math, normalize
-from astraflow.workflows.math_rl import MathConfig, MathWorkflow
-from astraflow.workflows.verifier_pool import VerifierPool
+from astraflow.workflows.common.verifier_pool import VerifierPool
+from astraflow.workflows.math.data import last_boxed, load_math, normalize
+from astraflow.workflows.math.workflow import MathConfig, MathWorkflow
 
 ROWS = {
     "gsm8k": {"question": "Tom has 3 apples and buys 4. How many?", "answer": "3 + 4 = 7\n#### 7"},
@@ -96,7 +96,7 @@ def test_preloaded_modules_are_imported_before_the_first_call_is_timed(
 
 
 def test_math_verify_scores_equivalent_answers_through_the_pool() -> None:
-    pool = VerifierPool("astraflow.workflows.math_reward:boxed_reward", workers=1, timeout_s=30)
+    pool = VerifierPool("astraflow.workflows.math.reward:boxed_reward", workers=1, timeout_s=30)
 
     async def go() -> list[Any]:
         cases = [

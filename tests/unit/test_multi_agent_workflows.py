@@ -13,8 +13,8 @@ import pytest
 from astraflow.engines.base import Completion
 from astraflow.models.bpe import build_bpe_tokenizer
 from astraflow.protocol.messages import SamplingParams
-from astraflow.workflows.code_multi import CodeMultiAgentWorkflow, CodeMultiConfig
-from astraflow.workflows.math_multi import MathMultiAgentWorkflow, MathMultiConfig, verdict
+from astraflow.workflows.code.multi_agent import CodeMultiAgentWorkflow, CodeMultiConfig
+from astraflow.workflows.math.multi_agent import MathMultiAgentWorkflow, MathMultiConfig, verdict
 
 
 class Scripted:

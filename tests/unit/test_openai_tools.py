@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 
 from astraflow.models.bpe import build_bpe_tokenizer
-from astraflow.workflows.loopback_http import HttpError
-from astraflow.workflows.openai_stream import text_pieces
-from astraflow.workflows.openai_tools import (
+from astraflow.workflows.common.loopback_http import HttpError
+from astraflow.workflows.openai.stream import text_pieces
+from astraflow.workflows.openai.tool_calls import (
     api_message,
     check_template,
     check_tools,

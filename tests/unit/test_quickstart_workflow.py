@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from astraflow.engines.base import Completion
 from astraflow.models.init import build_tokenizer
 from astraflow.protocol.messages import SamplingParams
-from astraflow.workflows.quickstart import QuickstartConfig, QuickstartWorkflow, make_sample, score
+from astraflow.workflows.quickstart.workflow import QuickstartConfig, QuickstartWorkflow, make_sample, score
 
 
 class ScriptedClient:
@@ -117,6 +117,6 @@ def test_workflow_module_imports_no_torch() -> None:
     import subprocess
     import sys
 
-    code = "import sys, astraflow.workflows.quickstart; print('torch' in sys.modules)"
+    code = "import sys, astraflow.workflows.quickstart.workflow; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == "False"

@@ -17,7 +17,7 @@ from astraflow.config.recipe import SamplingConfig
 from astraflow.engines.base import Completion
 from astraflow.engines.torch_engine import TorchEngine
 from astraflow.models.init import init_model
-from astraflow.roles.raas import EnginePolicyClient, TaskPolicyClient, sample_seed
+from astraflow.roles.policy_client import EnginePolicyClient, TaskPolicyClient, sample_seed
 
 torch.set_num_threads(1)
 PROMPT = [1, 14, 5, 6, 18]

@@ -23,7 +23,7 @@ from astraflow.dataflow.buffer import Buffer
 from astraflow.engines.torch_engine import TorchEngine
 from astraflow.models.init import init_model
 from astraflow.protocol.messages import SamplingParams, Sequence, TrainSample
-from astraflow.roles.raas import EnginePolicyClient, TaskPolicyClient
+from astraflow.roles.policy_client import EnginePolicyClient, TaskPolicyClient
 from astraflow.state.store import Store
 from astraflow.trainers.torch_trainer import TorchTrainer
 from astraflow.workflows.base import completion_sequence

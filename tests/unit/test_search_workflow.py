@@ -10,7 +10,7 @@ from typing import Any
 from astraflow.engines.base import Completion
 from astraflow.models.bpe import build_bpe_tokenizer
 from astraflow.protocol.messages import SamplingParams
-from astraflow.workflows.search_rl import Index, SearchConfig, SearchWorkflow, f1
+from astraflow.workflows.search.workflow import Index, SearchConfig, SearchWorkflow, f1
 
 ROOT = Path(__file__).resolve().parents[2]
 CORPUS = ROOT / "recipes/search/data/corpus.jsonl"

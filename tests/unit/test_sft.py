@@ -11,7 +11,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from astraflow.trainers.sft import SFTError, encode_row, run_sft
-from astraflow.workflows.quickstart import make_sample
+from astraflow.workflows.quickstart.workflow import make_sample
 
 
 def _rows(seed: int, n: int) -> list[dict[str, str]]:

@@ -16,7 +16,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from astraflow.trainers.sft import SFTError, encode_row, read_rows, run_sft
-from astraflow.workflows.env_reference import LOOKUP_TOOL, sft_rows
+from astraflow.workflows.env_protocol.reference import LOOKUP_TOOL, sft_rows
 
 
 @pytest.fixture(scope="module")

@@ -17,9 +17,9 @@ from astraflow.engines.base import Completion
 from astraflow.errors import AstraflowError
 from astraflow.models.bpe import build_bpe_tokenizer
 from astraflow.protocol.messages import SamplingParams
-from astraflow.workflows.textworld_games import alfworld_rows, clean, make_games
-from astraflow.workflows.textworld_rl import TextWorldConfig, TextWorldWorkflow, command_of
-from astraflow.workflows.textworld_worker import GameCrashed
+from astraflow.workflows.textworld.games import alfworld_rows, clean, make_games
+from astraflow.workflows.textworld.worker import GameCrashed
+from astraflow.workflows.textworld.workflow import TextWorldConfig, TextWorldWorkflow, command_of
 
 pytest.importorskip("textworld")
 
@@ -117,7 +117,7 @@ def test_alfworld_loader_reads_a_synthetic_folder_in_alfworlds_layout(tmp_path: 
 
 
 def _engine_pids() -> list[int]:
-    """This process's game-engine children (textworld_worker processes)."""
+    """This process's game-engine children (astraflow.workflows.textworld.worker processes)."""
     pids = []
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
@@ -127,7 +127,7 @@ def _engine_pids() -> list[int]:
             cmd = (d / "cmdline").read_bytes()
         except (OSError, IndexError, ValueError):
             continue
-        if ppid == os.getpid() and b"textworld_worker" in cmd:
+        if ppid == os.getpid() and b"astraflow.workflows.textworld.worker" in cmd:
             pids.append(int(d.name))
     return pids
 

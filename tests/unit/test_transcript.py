@@ -23,7 +23,7 @@ from astraflow.engines.base import Completion
 from astraflow.models.init import init_model
 from astraflow.protocol.codec import decode, encode
 from astraflow.protocol.messages import Episode, SamplingParams, Sequence, TaskResult
-from astraflow.workflows.tools import Tools
+from astraflow.workflows.common.tools import Tools
 from astraflow.workflows.transcript import Transcript, TranscriptError, TranscriptFull
 
 torch.set_num_threads(1)
@@ -40,7 +40,7 @@ def _client(model_dir: Path) -> Any:
     from transformers import AutoTokenizer
 
     from astraflow.engines.torch_engine import TorchEngine
-    from astraflow.roles.raas import EnginePolicyClient
+    from astraflow.roles.policy_client import EnginePolicyClient
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     engine = TorchEngine(str(model_dir), seed=0, device="cpu")

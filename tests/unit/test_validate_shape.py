@@ -18,7 +18,7 @@ from astraflow.config.recipe import Recipe
 from astraflow.dataflow.validate import ResultChecker
 from astraflow.protocol.messages import Episode, SamplingParams, Sequence
 from astraflow.workflows.base import PolicyClient, Workflow
-from astraflow.workflows.collab import CollabWorkflow
+from astraflow.workflows.quickstart.collab import CollabWorkflow
 
 COLLAB = Path(__file__).resolve().parents[2] / "recipes/collab"
 ROLES = {"proposer": "proposer", "solver": "solver", "judge": "fixed"}

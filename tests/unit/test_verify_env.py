@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 
-from astraflow.workflows.verify_env import VerifyEnvConfig, VerifyEnvWorkflow, env_latency
+from astraflow.workflows.quickstart.verify import VerifyEnvConfig, VerifyEnvWorkflow, env_latency
 
 
 def test_environment_latency_is_seeded_long_tailed_and_capped() -> None:

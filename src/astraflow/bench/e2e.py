@@ -26,13 +26,14 @@ last (process start-up, model loading and the first step's compilation are left 
 from __future__ import annotations
 
 import json
-import sqlite3
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from astraflow.metrics.role_stats import read_stats
+from astraflow.state import trajectories
+from astraflow.state.store import Store
 
 SAMPLE_S = 0.2
 """Seconds between two GPU utilisation samples."""
@@ -119,16 +120,11 @@ def _mean(xs: list[float]) -> float | None:
 
 def generated_in(run_dir: Path, t0: float, t1: float) -> dict[str, tuple[int, int]]:
     """Per policy, (trajectories, their generated tokens) stored from tasks whose result came in [t0, t1]."""
-    db = sqlite3.connect(f"file:{run_dir / 'state.db'}?mode=ro", uri=True)
+    store = Store.open_readonly(run_dir / "state.db")
     try:
-        rows = db.execute(
-            "SELECT t.policy, COUNT(*), COALESCE(SUM(t.length), 0) FROM trajectories t "
-            "JOIN tasks k ON t.task_id = k.id WHERE k.updated BETWEEN ? AND ? GROUP BY t.policy",
-            (t0, t1),
-        ).fetchall()
+        return trajectories.generated_between(store, t0, t1)
     finally:
-        db.close()
-    return {str(p): (int(n), int(tok)) for p, n, tok in rows}
+        store.close()
 
 
 def read_policies(

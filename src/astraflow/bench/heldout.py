@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from astraflow.workflows.quickstart import QuickstartConfig, QuickstartWorkflow
+from astraflow.workflows.quickstart.workflow import QuickstartConfig, QuickstartWorkflow
 
 CORPUS_SEED = 1000
 """Default seed of the pre-training corpus (the RL prompts use run.seed, the held-out set HELDOUT_SEED)."""

@@ -18,6 +18,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from astraflow.state.store import StateError, Store
+from astraflow.state.tasks import done_lease_span
+
 MODES = ("sync", "async")
 """Baseline first."""
 
@@ -79,16 +82,14 @@ def read_pace(run_dir: Path, res: ModeResult, workers: int, slots: int) -> None:
         )
     if len(times) > 1 and max(times) > min(times):
         res.steps_per_s = (len(times) - 1) / (max(times) - min(times))
-    db = sqlite3.connect(f"file:{run_dir / 'state.db'}?mode=ro", uri=True)
+    store = Store.open_readonly(run_dir / "state.db")
     try:
-        first, last, busy = db.execute(
-            "SELECT MIN(leased_at), MAX(updated), SUM(updated - leased_at) FROM tasks "
-            "WHERE status = 'done' AND leased_at > 0"
-        ).fetchone()
+        span = done_lease_span(store)
     finally:
-        db.close()
-    if first is not None and last > first and workers * slots > 0:
-        res.raas_idle = max(0.0, 1.0 - float(busy) / (workers * slots * (last - first)))
+        store.close()
+    if span is not None and span[1] > span[0] and workers * slots > 0:
+        first, last, busy = span
+        res.raas_idle = max(0.0, 1.0 - busy / (workers * slots * (last - first)))
 
 
 def run_mode(
@@ -102,7 +103,7 @@ def run_mode(
     if res.ok:
         try:
             read_pace(run_dir, res, workers, slots)
-        except (OSError, sqlite3.Error, ValueError, KeyError) as exc:
+        except (OSError, sqlite3.Error, StateError, ValueError, KeyError) as exc:
             res.ok, res.error = False, f"could not read the run back: {exc}"
     return res
 

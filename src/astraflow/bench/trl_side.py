@@ -30,7 +30,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
-    from astraflow.workflows.quickstart import QuickstartConfig, QuickstartWorkflow, score
+    from astraflow.workflows.quickstart.workflow import QuickstartConfig, QuickstartWorkflow, score
 
     tok = AutoTokenizer.from_pretrained(spec["model"])
     wf = QuickstartWorkflow(QuickstartConfig.model_validate(spec["workflow_options"]))

@@ -10,34 +10,24 @@ is composed anew. A `poisoned_dropped` event says what was done.
 
 from __future__ import annotations
 
-import json
-
+from astraflow.state import batches, trajectories
 from astraflow.state.store import Store
-
-NULL_FLOATS = "reward IS NULL OR advantage IS NULL OR temperature IS NULL OR top_p IS NULL"
-"""A trajectory row with one of these NULL cannot become a TrainSample."""
 
 
 def drop_poisoned(store: Store) -> str:
     """Repair the store (inside one write); returns what was done ('' when nothing was poisoned)."""
-    with store.write() as c:
-        bad = {int(r[0]) for r in c.execute(f"SELECT id FROM trajectories WHERE {NULL_FLOATS}")}
+    with store.write():
+        bad = trajectories.null_float_ids(store)
         if not bad:
             return ""
         forgotten: list[str] = []
-        for r in c.execute("SELECT policy, step, traj_ids FROM batches").fetchall():
-            ids = json.loads(r["traj_ids"])
+        for policy, step, ids in batches.all_batches(store):
             if bad.isdisjoint(ids):
                 continue
             # never delivered (building its samples always failed): no trainer trained this step
-            c.execute("DELETE FROM batches WHERE policy = ? AND step = ?", (r["policy"], r["step"]))
-            c.executemany(
-                "UPDATE trajectories SET status = 'buffered', consumed_step = NULL "
-                "WHERE id = ? AND consumed_step = ? AND status = 'consumed'",
-                [(i, r["step"]) for i in ids if i not in bad],
-            )
-            forgotten.append(f"{r['policy']} step {r['step']}")
-        c.executemany("UPDATE trajectories SET status = 'dropped' WHERE id = ?", [(i,) for i in sorted(bad)])
+            batches.forget_batch(store, policy, step, [i for i in ids if i not in bad])
+            forgotten.append(f"{policy} step {step}")
+        trajectories.mark_dropped(store, sorted(bad))
         detail = f"{len(bad)} trajectories with a NULL (NaN) reward or advantage dropped" + (
             f"; undeliverable batches forgotten and composed again: {', '.join(forgotten)}"
             if forgotten

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from astraflow.state.tasks import newest_open_error
+
 
 @dataclass
 class Progress:
@@ -78,12 +80,7 @@ def last_task_failure(ctl: Any) -> str:
     """The first line of the newest task error still on a queued or leased task ('' if none): a
     workflow whose every result is refused (e.g. more sequences than it declares) stalls the run, and
     this says why where the stall is reported."""
-    rows = ctl.store.query(
-        "SELECT error FROM tasks WHERE error != '' AND status IN ('queued', 'leased') ORDER BY updated DESC LIMIT 1"
-    )
-    if not rows:
-        return ""
-    lines = [ln for ln in str(rows[0]["error"]).splitlines() if ln.strip()]
+    lines = [ln for ln in newest_open_error(ctl.store).splitlines() if ln.strip()]
     return lines[-1][:300] if lines else ""
 
 

@@ -1,11 +1,10 @@
-"""The embedded rollout engine: continuous batching over a preallocated slot KV cache.
+"""The embedded rollout engine's async face: the contract, the request queue and the decode thread.
 
-One background thread owns the model. Coroutines enqueue requests; at every decode step the thread
-admits queued requests into free slots (continuous batching: they join the running batch, and a
-finished row frees its slot at once). Requests with the same prompt (a GRPO group) are prefilled
-once and the prompt's KV is copied into each sample's slot. Qwen3 models run our own forward
-(engines/qwen3_forward.py), on a GPU with Triton kernels and one CUDA graph per batch bucket; other
-architectures run transformers' forward without a cache (engines/runners.py).
+Coroutines enqueue requests; the decode thread takes them into free slots at every step (continuous
+batching: they join the running batch, and a finished row frees its slot at once) and runs the model
+through engines/decode_loop.py (slots, shared prefill, decode steps, weight copies). Qwen3 models run
+our own forward (engines/qwen3_forward.py), on a GPU with Triton kernels and one CUDA graph per batch
+bucket; other architectures run transformers' forward without a cache (engines/runners.py).
 
 New weights are checked (engines/weights.py), staged by `load_weights` and copied into the parameters
 in place between two decode steps, so an in-flight sequence carries on under the new version and
@@ -17,28 +16,25 @@ decode loop ever fails, every waiting and later call raises EngineFailedError an
 from __future__ import annotations
 
 import asyncio
-import random
 import threading
 import time
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from astraflow import log
 from astraflow.engines.base import Completion, GenerationRequest, RolloutEngine
+from astraflow.engines.decode_loop import DecodeLoop
 from astraflow.engines.device import resolve_device
-from astraflow.engines.sampler import Sampler
+from astraflow.engines.engine_stats import EngineStats
 from astraflow.engines.torch_engine_config import TorchEngineConfig
 from astraflow.engines.weights import check_weights
 from astraflow.errors import AstraflowError, EngineFailedError
 
 _log = log.get("engines.torch")
-
-_PREFILL_TOKENS = 16384
-"""Most (padded) prompt tokens one prefill forward takes; longer admissions are split."""
 
 
 @dataclass
@@ -48,29 +44,6 @@ class _Pending:
     request: GenerationRequest
     future: asyncio.Future[Completion]
     loop: asyncio.AbstractEventLoop
-
-
-@dataclass
-class _Row:
-    """A running sequence; it occupies the KV slot equal to its index in the engine's row list."""
-
-    pending: _Pending
-    seed: int
-    generator: torch.Generator | None
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    finish_reason: str = ""
-
-    @property
-    def prompt(self) -> list[int]:
-        """The request's prompt."""
-        return self.pending.request.prompt_ids
-
-    @property
-    def cached(self) -> int:
-        """Positions whose KV is in the slot: the prompt and every token but the last (the next input)."""
-        return len(self.prompt) + len(self.tokens) - 1
 
 
 class TorchEngine(RolloutEngine):
@@ -114,20 +87,16 @@ class TorchEngine(RolloutEngine):
         # Taken after the runner re-pointed fused weights, so updates copy into what decode reads.
         self._params = self.model.state_dict()
         self._vocab = int(self.model.config.vocab_size)
-        self._sampler = Sampler(self.device, self.runner.uses_triton)
-        self._rng = random.Random(seed)
-        self._version = 0
+        self._decode: DecodeLoop[_Pending] = DecodeLoop(
+            self.runner, self._params, self.device, cfg.max_batch, seed=seed
+        )
         self._queue: deque[_Pending] = deque()
-        self._rows: list[_Row] = []
         self._staged: tuple[int, dict[str, torch.Tensor]] | None = None
         self._cond = threading.Condition()
         self._closed = False
         self._failure: BaseException | None = None
         self._applied = threading.Condition(threading.Lock())
         self._stats = EngineStats()
-        self.timeline: list[tuple[str, float]] | None = None
-        """When a list, the decode thread appends ("prefill", time) after each admission's prefill
-        (with the device synchronised): the rollout bench splits prefill from decode with it."""
         self._thread = threading.Thread(target=self._worker, name="torch-engine", daemon=True)
         self._thread.start()
 
@@ -164,7 +133,7 @@ class TorchEngine(RolloutEngine):
     @property
     def version(self) -> int:
         """The weight version decode steps currently use."""
-        return self._version
+        return self._decode.version
 
     def capacity(self) -> int:
         """Most sequences decoded together."""
@@ -195,7 +164,17 @@ class TorchEngine(RolloutEngine):
     def wait_version(self, version: int, timeout: float | None = None) -> bool:
         """Block until weights of `version` (or newer) are in use; False on timeout."""
         with self._applied:
-            return self._applied.wait_for(lambda: self._version >= version, timeout=timeout)
+            return self._applied.wait_for(lambda: self._decode.version >= version, timeout=timeout)
+
+    @property
+    def timeline(self) -> list[tuple[str, float]] | None:
+        """When a list, the decode thread appends ("prefill", time) after each admission's prefill
+        (with the device synchronised): the rollout bench splits prefill from decode with it."""
+        return self._decode.timeline
+
+    @timeline.setter
+    def timeline(self, value: list[tuple[str, float]] | None) -> None:
+        self._decode.timeline = value
 
     # ----- checks -------------------------------------------------------------------------------
 
@@ -234,220 +213,66 @@ class TorchEngine(RolloutEngine):
             _log.exception("the decode loop failed")
             with self._cond:
                 self._failure = exc
-                waiting = list(self._queue) + [r.pending for r in self._rows]
+                waiting = list(self._queue) + self._decode.drop()
                 self._queue.clear()
-                self._rows.clear()
             err = EngineFailedError(f"the rollout engine's decode loop failed: {self.failure}")
             for p in waiting:
                 _resolve(p, exc=err)
 
     def _loop(self) -> None:
         while True:
-            with self._cond:
-                self._cond.wait_for(
-                    lambda: self._closed or self._queue or self._staged is not None or self._rows
-                )
-                if self._queue and not self._rows and not self._closed:
-                    # Concurrent callers enqueue within a moment of each other; gather them into one batch.
-                    deadline = time.monotonic() + self.config.batch_wait_s
-                    while len(self._queue) < self.config.max_batch and not self._closed:
-                        remaining = deadline - time.monotonic()
-                        if remaining <= 0:
-                            break
-                        self._cond.wait(remaining)
-                if self._closed:
-                    failed = list(self._queue) + [r.pending for r in self._rows]
-                    self._queue.clear()
-                    self._rows.clear()
-                    break
-                free = self.config.max_batch - len(self._rows)
-                admitted = [self._queue.popleft() for _ in range(min(free, len(self._queue)))]
-            # A safe point: every running row has its next input token and nothing is in flight.
-            # Each phase below ends with the device synchronised (sampling copies tokens to the host),
-            # so its wall time is the time the GPU spent on it plus the host's share (EngineStats).
-            t0 = time.perf_counter()
-            applied = self._apply_staged()
-            if applied and self._rows:
-                self._recompute_cache()
-            t1 = time.perf_counter()
-            if applied:
-                self._stats.applied(self._version, t1 - t0)
-            if admitted:
-                self._admit(admitted)
-            t2 = time.perf_counter()
-            rows = len(self._rows)
-            if rows:
-                self._step()
-            self._stats.add(t1 - t0, t2 - t1, time.perf_counter() - t2, rows)
+            admitted = self._next_work()
+            if admitted is None:
+                break
+            self._pass(admitted)
+        with self._cond:
+            failed = list(self._queue) + self._decode.drop()
+            self._queue.clear()
         for p in failed:
             _resolve(p, exc=RuntimeError("engine closed"))
 
-    def _apply_staged(self) -> bool:
-        """Copy staged weights into the parameters; True when something was applied."""
+    def _next_work(self) -> list[_Pending] | None:
+        """Wait for something to do; the requests to admit now (None once closed)."""
+        with self._cond:
+            self._cond.wait_for(
+                lambda: self._closed or self._queue or self._staged is not None or self._decode.rows
+            )
+            if self._queue and not self._decode.rows and not self._closed:
+                # Concurrent callers enqueue within a moment of each other; gather them into one batch.
+                deadline = time.monotonic() + self.config.batch_wait_s
+                while len(self._queue) < self.config.max_batch and not self._closed:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        break
+                    self._cond.wait(remaining)
+            if self._closed:
+                return None
+            return [self._queue.popleft() for _ in range(min(self._decode.free, len(self._queue)))]
+
+    def _pass(self, admitted: list[_Pending]) -> None:
+        """One pass at a safe point (every running row has its next input token and nothing is in
+        flight): apply staged weights, admit, step. Each phase ends with the device synchronised
+        (sampling copies tokens to the host), so its wall time is the time the GPU spent on it plus the
+        host's share (EngineStats)."""
+        t0 = time.perf_counter()
         with self._cond:
             staged, self._staged = self._staged, None
-        if staged is None:
-            return False
-        version, tensors = staged
-        with torch.no_grad():
-            for name, value in tensors.items():
-                self._params[name].copy_(value, non_blocking=True)
-        if self.device.type == "cuda":
-            # this stream only: a device-wide sync would also wait for a weight receive posted on a
-            # transport's own stream (a broadcast waiting for the trainer's next version)
-            torch.cuda.current_stream(self.device).synchronize()
-        with self._applied:
-            self._version = version
-            self._applied.notify_all()
-        return True
-
-    def _recompute_cache(self) -> None:
-        """Rebuild the running rows' KV under the weights just applied."""
-        seqs = [(r.prompt + r.tokens[:-1], i) for i, r in enumerate(self._rows)]
-        for chunk in _chunks(seqs):
-            self.runner.prefill([s for s, _ in chunk], [i for _, i in chunk])
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()  # the recompute is the update's time
-
-    def _admit(self, batch: list[_Pending]) -> None:
-        """Give each request a slot; prefill each distinct prompt once and share its KV."""
-        for p in batch:
-            if p.request.max_new_tokens <= 0:
-                _resolve(p, Completion([], [], [], "length", p.request.sampling))
-        groups: dict[tuple[int, ...], list[int]] = {}
-        for p in batch:
-            if p.request.max_new_tokens <= 0:
-                continue
-            seed = p.request.seed if p.request.seed is not None else self._rng.getrandbits(62)
-            gen = None  # noise comes from (seed, token index) alone (Sampler): no generator per row
-            groups.setdefault(tuple(p.request.prompt_ids), []).append(len(self._rows))
-            self._rows.append(_Row(p, seed, gen))
-        for chunk in _chunks([(list(prompt), slots) for prompt, slots in groups.items()]):
-            logits = self.runner.prefill([prompt for prompt, _ in chunk], [slots[0] for _, slots in chunk])
-            members: list[int] = []
-            for i, (prompt, slots) in enumerate(chunk):
-                self.runner.copy_slot(slots[0], slots[1:], len(prompt))
-                members += [i] * len(slots)
-            if len(members) > len(chunk):
-                logits = logits[torch.tensor(members, device=logits.device)]
-            self._take([s for _, slots in chunk for s in slots], logits)
-        if self.timeline is not None:
-            if self.device.type == "cuda":
-                torch.cuda.current_stream(self.device).synchronize()
-            self.timeline.append(("prefill", time.perf_counter()))
-        self._finish_done()
-
-    def _step(self) -> None:
-        """One decode step for every running row."""
-        rows = self._rows
-        logits = self.runner.decode([r.tokens[-1] for r in rows], [r.cached for r in rows])
-        self._take(list(range(len(rows))), logits)
-        self._finish_done()
-
-    def _take(self, idx: list[int], logits: torch.Tensor) -> None:
-        """Sample the next token of rows `idx` from their logits and record it."""
-        rows = [self._rows[i] for i in idx]
-        reqs = [r.pending.request for r in rows]
-        tokens, logps = self._sampler.sample(
-            logits,
-            [q.sampling for q in reqs],
-            [r.seed for r in rows],
-            [len(r.tokens) for r in rows],
-            [r.generator for r in rows],
-        )
-        version = self._version
-        for row, req, tok, lp in zip(rows, reqs, tokens, logps, strict=True):
-            row.tokens.append(tok)
-            row.logprobs.append(lp)
-            row.versions.append(version)
-            if tok in req.stop_ids:
-                row.finish_reason = "stop"
-            elif len(row.tokens) >= req.max_new_tokens:
-                row.finish_reason = "length"
-
-    def _finish_done(self) -> None:
-        """Deliver finished rows and compact the rest into slots 0..n-1 (highest index first, so a
-        row moved down is never one that has finished)."""
-        rows = self._rows
-        done: list[tuple[_Pending, Completion]] = []
-        for i in [i for i, r in enumerate(rows) if r.finish_reason][::-1]:
-            r = rows[i]
-            done.append(
-                (
-                    r.pending,
-                    Completion(r.tokens, r.logprobs, r.versions, r.finish_reason, r.pending.request.sampling),
-                )
-            )
-            last = len(rows) - 1
-            if i != last:
-                self.runner.move_slot(last, i, rows[last].cached)
-                rows[i] = rows[last]
-            rows.pop()
-        _resolve_all(done[::-1])
-
-
-class EngineStats:
-    """Cumulative wall time of the decode thread's phases (each ends with the device synchronised).
-
-    busy_s = weight_s + prefill_s + decode_s: the time the engine kept its device working (kernels plus
-    the host work between them); over a worker's wall time it is the engine's busy fraction. Written by
-    the decode thread, read by others: plain float updates under the GIL, snapshots may be a step old."""
-
-    def __init__(self) -> None:
-        self.started = time.time()
-        self.weight_s = 0.0
-        self.prefill_s = 0.0
-        self.decode_s = 0.0
-        self.decode_steps = 0
-        self.row_steps = 0
-        self.applies: deque[tuple[int, float, float]] = deque(maxlen=256)
-        """(version, wall time it was applied, seconds the copy and the KV recompute took)."""
-        self.n_applied = 0
-
-    def add(self, weight_s: float, prefill_s: float, decode_s: float, rows: int) -> None:
-        """One pass of the decode loop."""
-        self.weight_s += weight_s
-        self.prefill_s += prefill_s
-        self.decode_s += decode_s
+        if staged is not None:
+            self._decode.apply_weights(*staged)
+            with self._applied:
+                self._applied.notify_all()
+            if self._decode.rows:
+                self._decode.recompute_cache()
+        t1 = time.perf_counter()
+        if staged is not None:
+            self._stats.applied(staged[0], t1 - t0)
+        if admitted:
+            _resolve_all(self._decode.admit([(p.request, p) for p in admitted]))
+        t2 = time.perf_counter()
+        rows = len(self._decode.rows)
         if rows:
-            self.decode_steps += 1
-            self.row_steps += rows
-
-    def applied(self, version: int, seconds: float) -> None:
-        """A weight version went live."""
-        self.applies.append((version, time.time(), seconds))
-        self.n_applied += 1
-
-    def snapshot(self) -> dict[str, Any]:
-        """The counters as plain numbers."""
-        return {
-            "started": self.started,
-            "busy_s": self.weight_s + self.prefill_s + self.decode_s,
-            "weight_s": self.weight_s,
-            "prefill_s": self.prefill_s,
-            "decode_s": self.decode_s,
-            "decode_steps": self.decode_steps,
-            "row_steps": self.row_steps,
-            "n_applied": self.n_applied,
-            "applies": [list(a) for a in self.applies],
-        }
-
-
-def _chunks(items: list[tuple[list[int], Any]]) -> list[list[tuple[list[int], Any]]]:
-    """Split (sequence, tag) items into prefill calls of at most _PREFILL_TOKENS padded tokens."""
-    out: list[list[tuple[list[int], Any]]] = []
-    cur: list[tuple[list[int], Any]] = []
-    width = 0
-    for item in items:
-        w = max(width, len(item[0]))
-        if cur and w * (len(cur) + 1) > _PREFILL_TOKENS:
-            out.append(cur)
-            cur, w = [], len(item[0])
-        cur.append(item)
-        width = w
-    if cur:
-        out.append(cur)
-    return out
+            _resolve_all(self._decode.step())
+        self._stats.add(t1 - t0, t2 - t1, time.perf_counter() - t2, rows)
 
 
 def _resolve_all(done: list[tuple[_Pending, Completion]]) -> None:

@@ -1,22 +1,25 @@
 """The RaaS service: pulls tasks when it has free slots, runs workflow episodes against its engines,
-and pulls new weights as versions appear, applying them between decode steps."""
+and pulls new weights as versions appear, applying them between decode steps.
+
+Over 400 lines because it is one class, the worker, with its task loop, result reporting, weight
+pulls and stats; what a workflow sees of a policy is in roles/policy_client.py, the weight pipeline
+in roles/weight_sync.py, the recipe sections it reads in roles/raas_sections.py."""
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
 import signal
 import threading
 import time
 import traceback
 import zlib
-from dataclasses import dataclass
 from typing import Any
 
 from astraflow import log
-from astraflow.engines.base import Completion, GenerationRequest, RolloutEngine
-from astraflow.protocol.messages import SamplingParams
+from astraflow.engines.base import RolloutEngine
+from astraflow.roles.policy_client import EnginePolicyClient, TaskPolicyClient
+from astraflow.roles.raas_sections import RaaSSections
 
 _log = log.get("raas")
 RESULT_ATTEMPTS = 30
@@ -26,92 +29,32 @@ MAX_ERROR_CHARS = 8000
 """Longest traceback sent in a result's error (the controller logs it)."""
 
 
-@dataclass
-class EnginePolicyClient:
-    """The PolicyClient a workflow sees: one policy's tokenizer and engine, with recipe sampling."""
+def _install_signal_handlers(
+    loop: asyncio.AbstractEventLoop, stop: asyncio.Event, drain: asyncio.Event
+) -> None:
+    """SIGTERM and SIGINT: the first drains (finish or return the leases, then leave); a second stops at
+    once, and so does the first when the process that started this worker died (the kernel's death
+    signal from `up`: the controller goes down with it, so a drain would only wait on it)."""
+    parent = os.getppid()
 
-    policy: str
-    tokenizer: Any
-    engine: RolloutEngine
-    sampling: Any
-    stop_ids: list[int]
+    def on_signal() -> None:
+        if drain.is_set() or os.getppid() != parent:
+            if not drain.is_set():
+                _log.info("the launcher that started this worker is gone: stopping")
+            stop.set()
+        else:
+            _log.info("asked to stop: draining (no new tasks; finishing the running ones)")
+            drain.set()
 
-    group_size: int = 1
+    def on_os_signal(_signum: int, _frame: Any) -> None:
+        # a plain handler that stays installed after the loop ends: a SIGTERM during shutdown is harmless
+        try:
+            loop.call_soon_threadsafe(on_signal)
+        except RuntimeError:
+            pass  # the loop is closed: the worker is already leaving
 
-    async def generate(self, prompt_ids: list[int], n: int = 1, **overrides: Any) -> list[Completion]:
-        """Sample n completions with the recipe's sampling settings (overridable per call); each
-        completion carries the settings the engine reports it used (never rewritten here)."""
-        from astraflow.workflows.transcript import check_overrides
-
-        check_overrides(overrides)
-        req = GenerationRequest(
-            prompt_ids=list(prompt_ids),
-            max_new_tokens=int(overrides.get("max_new_tokens", self.sampling.max_new_tokens)),
-            sampling=self.sampling_params(**overrides),
-            stop_ids=list(overrides.get("stop_ids", self.stop_ids)),
-            seed=overrides.get("seed"),  # the engine's own stream when None
-        )
-        # One n-sample call, so an engine can prefill the prompt once for the whole group.
-        return await self.engine.generate_n(req, n) if n > 1 else await self.engine.generate([req])
-
-    def sampling_params(self, **overrides: Any) -> SamplingParams:
-        """The settings a generate call with these overrides asks the engine for."""
-        return SamplingParams(
-            temperature=float(overrides.get("temperature", self.sampling.temperature)),
-            top_p=float(overrides.get("top_p", self.sampling.top_p)),
-            top_k=int(overrides.get("top_k", self.sampling.top_k)),
-        )
-
-
-def sample_seed(run_seed: int, task_id: int, role: str, call: int) -> int:
-    """The sampling seed of a task's `call`-th generate call for `role`: a 48-bit hash of the four, so
-    a task samples the same tokens from the same weights whichever worker runs it, whenever, and next
-    to whatever else (sample i of an n-sample call uses seed + i)."""
-    digest = hashlib.blake2b(f"{run_seed}:{task_id}:{role}:{call}".encode(), digest_size=6).digest()
-    return int.from_bytes(digest, "big")
-
-
-@dataclass
-class TaskPolicyClient:
-    """One task's view of a policy: its group size in the task and the task's sampling overrides."""
-
-    base: EnginePolicyClient
-    group_size: int
-    read_only: bool = False
-    defaults: dict[str, Any] | None = None
-    """Sampling overrides the task carries (an eval task's), under the workflow's own."""
-    seeds: tuple[int, int, str] | None = None
-    """(run seed, task id, role): each generate call without a seed of its own gets sample_seed of
-    them and its call index; None leaves the engine's own stream."""
-    calls: int = 0
-
-    @property
-    def policy(self) -> str:
-        """The policy's name."""
-        return self.base.policy
-
-    @property
-    def tokenizer(self) -> Any:
-        """The policy's tokenizer."""
-        return self.base.tokenizer
-
-    @property
-    def sampling(self) -> Any:
-        """The recipe's sampling settings of the policy (what generate uses without overrides)."""
-        return self.base.sampling
-
-    async def generate(self, prompt_ids: list[int], n: int = 1, **overrides: Any) -> list[Completion]:
-        """The engine client's generate, with the task's overrides under the workflow's own and, without
-        a seed, the task's next one."""
-        merged = {**(self.defaults or {}), **overrides}
-        if self.seeds is not None and merged.get("seed") is None:
-            merged["seed"] = sample_seed(*self.seeds, self.calls)
-        self.calls += 1
-        return await self.base.generate(prompt_ids, n, **merged)
-
-    def sampling_params(self, **overrides: Any) -> SamplingParams:
-        """The settings a generate call with these overrides asks the engine for."""
-        return self.base.sampling_params(**{**(self.defaults or {}), **overrides})
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_os_signal)
 
 
 class RaaS:
@@ -120,7 +63,7 @@ class RaaS:
     def __init__(
         self,
         client: Any,
-        recipe: Any,
+        sections: RaaSSections,
         *,
         policies: list[str],
         engine_override: str | None,
@@ -130,15 +73,14 @@ class RaaS:
         from transformers import AutoTokenizer
 
         from astraflow import plugins
-        from astraflow.config.load import role_map
 
         self.client = client
-        self.recipe = recipe
+        self.sections = sections
         self.slots = slots
-        self.roles = role_map(recipe)
-        wf_cls = plugins.load("workflows", recipe.workflow.name)
-        self.workflow = wf_cls(wf_cls.Config.model_validate(recipe.workflow.options))
-        needed = sorted(set(self.roles.values()))
+        self.roles = sections.roles
+        wf_cls = plugins.load("workflows", sections.workflow.name)
+        self.workflow = wf_cls(wf_cls.Config.model_validate(sections.workflow.options))
+        needed = sorted(sections.policies)
         if policies:
             missing = [p for p in needed if p not in policies]
             if missing:
@@ -149,7 +91,7 @@ class RaaS:
         self.engines: dict[str, RolloutEngine] = {}
         self.clients: dict[str, EnginePolicyClient] = {}
         for name in needed:
-            pol = recipe.get_policy(name)
+            pol = sections.policies[name]
             engine_name = engine_override or pol.engine
             eng_cls = plugins.load("engines", engine_name)
             cfg = (
@@ -157,9 +99,7 @@ class RaaS:
                 if getattr(eng_cls, "Config", None)
                 else None
             )
-            engine = eng_cls(
-                pol.model, cfg, seed=recipe.run.seed * 1_000_003 + zlib.crc32(member_id.encode())
-            )
+            engine = eng_cls(pol.model, cfg, seed=sections.seed * 1_000_003 + zlib.crc32(member_id.encode()))
             tok = AutoTokenizer.from_pretrained(pol.model)
             stop = [tok.eos_token_id] if tok.eos_token_id is not None else []
             self.engines[name] = engine
@@ -182,7 +122,11 @@ class RaaS:
         self._held_lock = threading.Lock()
         self.recv_buffers: Any = None
         """Receive buffers the ZeroMQ pulls reuse (weights/client.py: RecvBuffers), made on the first pull."""
-        self.weights = make_weight_sync(self.engines, recipe, member_id, self.pull_stats, self._fetch)
+        from astraflow.roles.weight_sync import make_weight_sync
+
+        self.weights = make_weight_sync(
+            self.engines, sections.weights, member_id, self.pull_stats, self._fetch
+        )
         """The per-policy weight pipeline (roles/weight_sync.py)."""
 
     def loaded(self) -> dict[str, int]:
@@ -190,113 +134,120 @@ class RaaS:
         return {p: e.version for p, e in self.engines.items()}
 
     async def run(self) -> int:
-        """The main loop; returns when the controller says stop or on SIGTERM."""
-        from astraflow.errors import ConnectError
-        from astraflow.protocol.messages import Error, TaskGrant, TaskRequest
-
-        loop = asyncio.get_running_loop()
+        """The main loop; returns when the controller says stop or on SIGTERM: lease tasks while there
+        are free slots, drain the running ones when asked to, then close everything."""
         stop = asyncio.Event()
         drain = asyncio.Event()
-
-        parent = os.getppid()
-
-        def on_signal() -> None:
-            # the first signal drains (finish or return the leases, then leave); a second one stops at once,
-            # and so does the first when the process that started this worker died (the kernel's death
-            # signal from `up`: the controller goes down with it, so a drain would only wait on it)
-            if drain.is_set() or os.getppid() != parent:
-                if not drain.is_set():
-                    _log.info("the launcher that started this worker is gone: stopping")
-                stop.set()
-            else:
-                _log.info("asked to stop: draining (no new tasks; finishing the running ones)")
-                drain.set()
-
-        def on_os_signal(_signum: int, _frame: Any) -> None:
-            # a plain handler that stays installed after the loop ends: a SIGTERM during shutdown is harmless
-            try:
-                loop.call_soon_threadsafe(on_signal)
-            except RuntimeError:
-                pass  # the loop is closed: the worker is already leaving
-
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, on_os_signal)
+        _install_signal_handlers(asyncio.get_running_loop(), stop, drain)
         ticker = asyncio.create_task(self._tick(stop))
         running: set[asyncio.Task[None]] = set()
         try:
-            while not stop.is_set() and not self.client.stop_requested and not drain.is_set():
-                self._maybe_pull_weights()
-                free = self.slots - self.busy
-                if free <= 0:
-                    await asyncio.sleep(0.02)
-                    continue
-                # a long poll, unless weights are on their way: the controller is then asked again as
-                # soon as they are loaded (the lease rule looks at the loaded version)
-                wait = 0.0 if self._pull_pending() else TASK_WAIT_S
-                try:
-                    reply = await self._ask(TaskRequest(n=free, loaded=self.loaded(), wait_s=wait), stop)
-                except ConnectError:
-                    _log.warning("controller not answering; asking again until it is back")
-                    # a revoked key or a wrong address: exit with the reason instead of asking forever
-                    await asyncio.to_thread(self.client.check_reachable)
-                    await asyncio.sleep(1.0)
-                    continue
-                if reply is None:
-                    break
-                if isinstance(reply, Error):
-                    if reply.code == "draining":
-                        _log.info("the controller asks this worker to leave: draining")
-                        drain.set()
-                        break
-                    _log.warning("task request refused: %s %s", reply.code, reply.message)
-                    await asyncio.sleep(0.5)
-                    continue
-                if not isinstance(reply, TaskGrant):
-                    await asyncio.sleep(0.1)
-                    continue
-                if reply.stop:
-                    break
-                for task in reply.tasks:
-                    self.busy += 1
-                    t = asyncio.create_task(self._run_task(task))
-                    running.add(t)
-                    t.add_done_callback(running.discard)
-                if not reply.tasks:
-                    self._maybe_pull_weights()  # the reply may name a new version
-                    if self._pull_pending():
-                        await self._until_loaded(stop, timeout=max(0.02, reply.retry_after_s or 0.1))
-                    elif wait == 0.0:
-                        try:
-                            await asyncio.wait_for(stop.wait(), timeout=max(0.02, reply.retry_after_s or 0.1))
-                        except TimeoutError:
-                            pass
+            await self._lease_loop(stop, drain, running)
             if drain.is_set() and running and not stop.is_set():
-                self.draining = True
-                timeout = self.recipe.rollout.drain_timeout_s
-                _log.info("waiting up to %.0fs for %d running tasks", timeout, len(running))
-                stopper = asyncio.ensure_future(stop.wait())
-                await asyncio.wait({*running, stopper}, timeout=timeout, return_when=asyncio.ALL_COMPLETED)
-                stopper.cancel()
-                if running:
-                    _log.warning(
-                        "%d tasks still running after the drain; returning their leases", len(running)
-                    )
+                await self._drain(running, stop)
         finally:
-            for t in running:
-                t.cancel()
-            ticker.cancel()
-            if getattr(self, "result_sender", None) is not None:
-                self.result_sender.close()
-            self._write_stats(force=True)
-            for e in self.engines.values():
-                e.close()
-            for t in self.weights.transports.values():
-                t.close()
+            self._shut_down(running, ticker)
         if self.fatal:
             _log.error("stopping: %s", self.fatal)
             return 1
         _log.info("stopping after %d tasks", self.tasks_done)
         return 0
+
+    async def _lease_loop(
+        self, stop: asyncio.Event, drain: asyncio.Event, running: set[asyncio.Task[None]]
+    ) -> None:
+        """Ask for as many tasks as there are free slots and start each one, until told to stop or drain."""
+        from astraflow.errors import ConnectError
+        from astraflow.protocol.messages import TaskRequest
+
+        while not stop.is_set() and not self.client.stop_requested and not drain.is_set():
+            self._maybe_pull_weights()
+            free = self.slots - self.busy
+            if free <= 0:
+                await asyncio.sleep(0.02)
+                continue
+            # a long poll, unless weights are on their way: the controller is then asked again as
+            # soon as they are loaded (the lease rule looks at the loaded version)
+            wait = 0.0 if self._pull_pending() else TASK_WAIT_S
+            try:
+                reply = await self._ask(TaskRequest(n=free, loaded=self.loaded(), wait_s=wait), stop)
+            except ConnectError:
+                _log.warning("controller not answering; asking again until it is back")
+                # a revoked key or a wrong address: exit with the reason instead of asking forever
+                await asyncio.to_thread(self.client.check_reachable)
+                await asyncio.sleep(1.0)
+                continue
+            if reply is None or not await self._on_task_reply(reply, wait, stop, drain, running):
+                break
+
+    async def _on_task_reply(
+        self,
+        reply: Any,
+        wait: float,
+        stop: asyncio.Event,
+        drain: asyncio.Event,
+        running: set[asyncio.Task[None]],
+    ) -> bool:
+        """Act on the controller's answer to a TaskRequest; False when the worker must stop asking."""
+        from astraflow.protocol.messages import Error, TaskGrant
+
+        if isinstance(reply, Error):
+            if reply.code == "draining":
+                _log.info("the controller asks this worker to leave: draining")
+                drain.set()
+                return False
+            _log.warning("task request refused: %s %s", reply.code, reply.message)
+            await asyncio.sleep(0.5)
+            return True
+        if not isinstance(reply, TaskGrant):
+            await asyncio.sleep(0.1)
+            return True
+        if reply.stop:
+            return False
+        for task in reply.tasks:
+            self.busy += 1
+            t = asyncio.create_task(self._run_task(task))
+            running.add(t)
+            t.add_done_callback(running.discard)
+        if not reply.tasks:
+            await self._idle(reply.retry_after_s, wait, stop)
+        return True
+
+    async def _idle(self, retry_after_s: float, wait: float, stop: asyncio.Event) -> None:
+        """Nothing was granted: wait for weights on their way, or (after a short poll) the retry delay."""
+        self._maybe_pull_weights()  # the reply may name a new version
+        pause = max(0.02, retry_after_s or 0.1)
+        if self._pull_pending():
+            await self._until_loaded(stop, timeout=pause)
+        elif wait == 0.0:
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=pause)
+            except TimeoutError:
+                pass
+
+    async def _drain(self, running: set[asyncio.Task[None]], stop: asyncio.Event) -> None:
+        """Let the running tasks finish, up to the recipe's drain timeout (or until a second signal)."""
+        self.draining = True
+        timeout = self.sections.rollout.drain_timeout_s
+        _log.info("waiting up to %.0fs for %d running tasks", timeout, len(running))
+        stopper = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({*running, stopper}, timeout=timeout, return_when=asyncio.ALL_COMPLETED)
+        stopper.cancel()
+        if running:
+            _log.warning("%d tasks still running after the drain; returning their leases", len(running))
+
+    def _shut_down(self, running: set[asyncio.Task[None]], ticker: asyncio.Task[None]) -> None:
+        """Cancel what still runs, flush the stats, close engines and weight transports."""
+        for t in running:
+            t.cancel()
+        ticker.cancel()
+        if getattr(self, "result_sender", None) is not None:
+            self.result_sender.close()
+        self._write_stats(force=True)
+        for e in self.engines.values():
+            e.close()
+        for t in self.weights.transports.values():
+            t.close()
 
     def _pull_pending(self) -> bool:
         """Weights of some policy are being fetched, or fetched and not yet applied by its engine."""
@@ -362,13 +313,13 @@ class RaaS:
                     sizes[role],
                     pol in task.read_only,
                     dict(task.sampling),
-                    (self.recipe.run.seed, task.task_id, role),
+                    (self.sections.seed, task.task_id, role),
                 )
                 for role, pol in task.roles.items()
             }
             episodes = await asyncio.wait_for(
                 self.workflow.run_group(dict(task.sample), clients, sizes),
-                timeout=self.recipe.rollout.task_timeout_s,
+                timeout=self.sections.rollout.task_timeout_s,
             )
             result = Outcome(task_id=task.task_id, epoch=task.epoch, episodes=list(episodes))
         except asyncio.CancelledError:
@@ -417,7 +368,7 @@ class RaaS:
         """The versions this worker keeps for deltas and serves as a relay (made on the first pull)."""
         from astraflow.weights.fetch import HeldWeights
 
-        cfg = self.recipe.weights
+        cfg = self.sections.weights
         held = getattr(self, "held_weights", None)
         if held is None:
             relay = None
@@ -438,7 +389,7 @@ class RaaS:
         from astraflow.weights.fetch import fetch_version
         from astraflow.weights.shared_buffer import Received
 
-        cfg = self.recipe.weights
+        cfg = self.sections.weights
         with self._held_lock:  # two policies' pulls run on their own threads
             held = self._held_weights()
             if self.recv_buffers is None:
@@ -458,28 +409,6 @@ class RaaS:
         return Received(info.version, fetched.state_dict, fetched.nbytes, _on_release=fetched.release)
 
 
-def make_weight_sync(
-    engines: dict[str, RolloutEngine], recipe: Any, member_id: str, stats: Any, fetch: Any = None
-) -> Any:
-    """The worker side of every weight transport the recipe allows, driven per policy."""
-    import torch
-
-    from astraflow.roles.weight_sync import WeightSync
-    from astraflow.weights.transport import BroadcastTransport, SharedTransport, ZmqTransport
-
-    devices = [getattr(e, "device", None) for e in engines.values()]
-    device = next((d for d in devices if isinstance(d, torch.device)), torch.device("cpu"))
-    w = recipe.weights
-    transports: dict[str, Any] = {"zmq": ZmqTransport(fetch)}
-    if "ipc" in w.transports:
-        transports["shm"] = SharedTransport(device)
-    if "broadcast" in w.transports:
-        transports["broadcast"] = BroadcastTransport(
-            device, member_id=member_id, timeout_s=w.broadcast_timeout_s
-        )
-    return WeightSync(engines, transports, list(w.transports), stats)
-
-
 def engine_alive(engine: Any) -> bool:
     """Whether an engine can still decode: its `healthy()` if it has one, else its decode thread's liveness."""
     healthy = getattr(engine, "healthy", None)
@@ -487,29 +416,6 @@ def engine_alive(engine: Any) -> bool:
         return bool(healthy())
     thread = getattr(engine, "_thread", None)
     return thread.is_alive() if isinstance(thread, threading.Thread) else True
-
-
-async def in_daemon_thread(fn: Any, *args: Any) -> Any:
-    """Run a blocking call in a daemon thread: a pull stuck on a vanished trainer never blocks exit."""
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future[Any] = loop.create_future()
-
-    def settle(setter: Any, value: Any) -> None:
-        try:
-            loop.call_soon_threadsafe(lambda: fut.done() or setter(value))
-        except RuntimeError:
-            pass  # the loop is gone: the worker is exiting and nobody waits for this pull
-
-    def work() -> None:
-        try:
-            result = fn(*args)
-        except BaseException as exc:  # handed to the awaiting coroutine
-            settle(fut.set_exception, exc)
-        else:
-            settle(fut.set_result, result)
-
-    threading.Thread(target=work, daemon=True, name=f"pull-{getattr(fn, '__name__', 'call')}").start()
-    return await fut
 
 
 def run_raas(
@@ -541,7 +447,7 @@ def run_raas(
     try:
         worker = RaaS(
             client,
-            recipe,
+            RaaSSections.of(recipe),
             policies=policies,
             engine_override=engine,
             slots=n_slots,

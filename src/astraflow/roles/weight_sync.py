@@ -16,10 +16,14 @@ import threading
 import time
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from astraflow import log
 from astraflow.protocol.messages import VersionInfo
+
+if TYPE_CHECKING:
+    from astraflow.config.recipe import WeightsConfig
+    from astraflow.engines.base import RolloutEngine
 
 _log = log.get("raas.weights")
 RETRY_S = 0.5
@@ -136,7 +140,6 @@ class WeightSync:
                 pass  # an engine applies in its own thread; look at its version again
 
     async def _fetch(self, ps: PolicySync, info: VersionInfo) -> None:
-        from astraflow.roles.raas import in_daemon_thread
         from astraflow.weights.transport import choose
 
         engine = self.engines[ps.policy]
@@ -196,3 +199,46 @@ def _release_when_applied(engine: Any, version: int, got: Any) -> None:
         got.release()
 
     threading.Thread(target=wait, name=f"release-{version}", daemon=True).start()
+
+
+def make_weight_sync(
+    engines: dict[str, RolloutEngine], w: WeightsConfig, member_id: str, stats: Any, fetch: Any = None
+) -> WeightSync:
+    """The worker side of every weight transport `[weights]` allows, driven per policy."""
+    import torch
+
+    from astraflow.weights.transport import BroadcastTransport, SharedTransport, ZmqTransport
+
+    devices = [getattr(e, "device", None) for e in engines.values()]
+    device = next((d for d in devices if isinstance(d, torch.device)), torch.device("cpu"))
+    transports: dict[str, Any] = {"zmq": ZmqTransport(fetch)}
+    if "ipc" in w.transports:
+        transports["shm"] = SharedTransport(device)
+    if "broadcast" in w.transports:
+        transports["broadcast"] = BroadcastTransport(
+            device, member_id=member_id, timeout_s=w.broadcast_timeout_s
+        )
+    return WeightSync(engines, transports, list(w.transports), stats)
+
+
+async def in_daemon_thread(fn: Any, *args: Any) -> Any:
+    """Run a blocking call in a daemon thread: a pull stuck on a vanished trainer never blocks exit."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[Any] = loop.create_future()
+
+    def settle(setter: Any, value: Any) -> None:
+        try:
+            loop.call_soon_threadsafe(lambda: fut.done() or setter(value))
+        except RuntimeError:
+            pass  # the loop is gone: the worker is exiting and nobody waits for this pull
+
+    def work() -> None:
+        try:
+            result = fn(*args)
+        except BaseException as exc:  # handed to the awaiting coroutine
+            settle(fut.set_exception, exc)
+        else:
+            settle(fut.set_result, result)
+
+    threading.Thread(target=work, daemon=True, name=f"pull-{getattr(fn, '__name__', 'call')}").start()
+    return await fut

@@ -44,3 +44,23 @@ def replayed_count(store: Store, policy: str) -> int:
         sum(1 for f in json.loads(r["replay"]) if f)
         for r in store.query("SELECT replay FROM batches WHERE policy = ?", (policy,))
     )
+
+
+def all_batches(store: Store) -> list[tuple[str, int, list[int]]]:
+    """(policy, step, trajectory ids) of every recorded batch."""
+    return [
+        (str(r["policy"]), int(r["step"]), json.loads(r["traj_ids"]))
+        for r in store.query("SELECT policy, step, traj_ids FROM batches")
+    ]
+
+
+def forget_batch(store: Store, policy: str, step: int, rebuffer: list[int]) -> None:
+    """Delete the batch of (policy, step), never delivered, and buffer again those of `rebuffer` that it
+    consumed, so the step is composed anew."""
+    with store.write() as c:
+        c.execute("DELETE FROM batches WHERE policy = ? AND step = ?", (policy, step))
+        c.executemany(
+            "UPDATE trajectories SET status = 'buffered', consumed_step = NULL "
+            "WHERE id = ? AND consumed_step = ? AND status = 'consumed'",
+            [(i, step) for i in rebuffer],
+        )

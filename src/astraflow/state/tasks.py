@@ -44,3 +44,21 @@ def open_task_roles(store: Store) -> list[tuple[dict[str, str], list[str], int]]
             "GROUP BY roles, read_only"
         )
     ]
+
+
+def newest_open_error(store: Store) -> str:
+    """The newest error recorded on a task still queued or leased ('' if none)."""
+    rows = store.query(
+        "SELECT error FROM tasks WHERE error != '' AND status IN ('queued', 'leased') ORDER BY updated DESC LIMIT 1"
+    )
+    return str(rows[0]["error"]) if rows else ""
+
+
+def done_lease_span(store: Store) -> tuple[float, float, float] | None:
+    """Over tasks done after a lease: (first lease, last result, summed lease-to-result seconds); None
+    when there are none."""
+    row = store.query(
+        "SELECT MIN(leased_at), MAX(updated), SUM(updated - leased_at) FROM tasks "
+        "WHERE status = 'done' AND leased_at > 0"
+    )[0]
+    return None if row[0] is None else (float(row[0]), float(row[1]), float(row[2]))

@@ -182,3 +182,28 @@ def mixed_by_version(store: Store, policy: str, tol: float) -> list[tuple[int, f
             (tol, policy),
         )
     ]
+
+
+NULL_FLOATS = "reward IS NULL OR advantage IS NULL OR temperature IS NULL OR top_p IS NULL"
+"""A trajectory row with one of these NULL cannot become a TrainSample (SQLite stores a NaN as NULL)."""
+
+
+def null_float_ids(store: Store) -> set[int]:
+    """Ids of trajectories with a NULL where a float belongs (NULL_FLOATS)."""
+    return {int(r[0]) for r in store.query(f"SELECT id FROM trajectories WHERE {NULL_FLOATS}")}
+
+
+def mark_dropped(store: Store, ids: list[int]) -> None:
+    """Mark these trajectories dropped (never to be trained on)."""
+    with store.write() as c:
+        c.executemany("UPDATE trajectories SET status = 'dropped' WHERE id = ?", [(i,) for i in ids])
+
+
+def generated_between(store: Store, t0: float, t1: float) -> dict[str, tuple[int, int]]:
+    """Per policy, (trajectories, their generated tokens) stored from tasks whose result came in [t0, t1]."""
+    rows = store.query(
+        "SELECT t.policy, COUNT(*), COALESCE(SUM(t.length), 0) FROM trajectories t "
+        "JOIN tasks k ON t.task_id = k.id WHERE k.updated BETWEEN ? AND ? GROUP BY t.policy",
+        (t0, t1),
+    )
+    return {str(p): (int(n), int(tok)) for p, n, tok in rows}

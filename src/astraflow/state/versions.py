@@ -15,3 +15,8 @@ def published_version(store: Store, policy: str) -> int:
     """The policy's newest published version (0 before its first step, or for an unknown policy)."""
     rows = store.query("SELECT version FROM policies WHERE name = ?", (policy,))
     return int(rows[0]["version"]) if rows else 0
+
+
+def newest_version(store: Store) -> int:
+    """The highest version recorded for any policy (0 when none is)."""
+    return int(store.scalar("SELECT MAX(version) FROM versions") or 0)

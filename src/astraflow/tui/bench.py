@@ -154,6 +154,7 @@ def writer_rate(run_dir: Path, seconds: float, reader_interval_s: float | None) 
     """Write transactions per second (a version, a metrics row and an event each, as the controller
     writes per step) with or without a dashboard source polling beside them."""
     from astraflow.state.store import Store
+    from astraflow.state.versions import newest_version
     from astraflow.tui.source import RunDirSource
 
     stop = threading.Event()
@@ -167,7 +168,7 @@ def writer_rate(run_dir: Path, seconds: float, reader_interval_s: float | None) 
 
     th = threading.Thread(target=reader, daemon=True) if reader_interval_s else None
     store = Store.open(run_dir / "state.db")
-    base = int(store.scalar("SELECT MAX(version) FROM versions") or 0) + 1
+    base = newest_version(store) + 1
     if th is not None:
         th.start()
     n, t0 = 0, time.perf_counter()

@@ -7,7 +7,7 @@ from typing import Any
 from pydantic import Field
 
 from astraflow.workflows.base import Episode, PolicyClient
-from astraflow.workflows.quickstart import QuickstartConfig, QuickstartWorkflow, score
+from astraflow.workflows.quickstart.workflow import QuickstartConfig, QuickstartWorkflow, score
 from astraflow.workflows.transcript import Transcript
 
 

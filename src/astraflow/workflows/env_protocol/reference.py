@@ -11,8 +11,8 @@ answered without it, 0.0 never. The key and its value follow the task's index (k
 with `--draw` both are drawn per task from its seed and index (the key from k0..k{keys-1}), so a model
 cannot learn the answers, only to look them up, and tasks of another seed are held out.
 
-    python -m astraflow.workflows.env_reference --port 8700 [--game lookup [--draw] [--keys N]]
-    python -m astraflow.workflows.env_reference --sft-rows 64 [--draw --sft-seed S] > lookup-sft.jsonl
+    python -m astraflow.workflows.env_protocol.reference --port 8700 [--game lookup [--draw] [--keys N]]
+    python -m astraflow.workflows.env_protocol.reference --sft-rows 64 [--draw --sft-seed S] > lookup-sft.jsonl
 
 It prints `listening on http://127.0.0.1:PORT` once ready (port 0 picks a free one). It serves each
 request on its own thread with a listen backlog of BACKLOG connections, so hundreds of concurrent

@@ -14,9 +14,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from astraflow.protocol.messages import Scalar
 from astraflow.workflows.base import Episode, PolicyClient, Workflow
-from astraflow.workflows.math_data import generate_arithmetic, load_math, normalize
+from astraflow.workflows.common.verifier_pool import VerifierPool
+from astraflow.workflows.math.data import generate_arithmetic, load_math, normalize
 from astraflow.workflows.transcript import Transcript
-from astraflow.workflows.verifier_pool import VerifierPool
 
 DEFAULT_INSTRUCTION = "Solve the problem. Put the final answer in \\boxed{}."
 
@@ -68,7 +68,7 @@ class MathWorkflow(Workflow):
         if self._pool is None:
             cfg = self.config
             self._pool = VerifierPool(
-                "astraflow.workflows.math_reward:boxed_reward",
+                "astraflow.workflows.math.reward:boxed_reward",
                 cfg.verifier_workers,
                 cfg.verify_timeout_s,
                 preload=("math_verify",),  # its sympy import is not a check's time

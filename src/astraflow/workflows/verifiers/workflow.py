@@ -4,7 +4,7 @@ its rubric's score the reward.
 The environment is loaded with `verifiers.load_environment(env_id, **env_args)` (the classic API of
 verifiers 0.3: `SingleTurnEnv`, `MultiTurnEnv`, `ToolEnv`, ... with a `Rubric`). Each episode runs the
 environment's own rollout (`run_rollout`, scoring included) against the policy through a per-episode
-OpenAI-compatible endpoint (see openai_endpoint.py), so every model call it makes is recorded with the
+OpenAI-compatible endpoint (see workflows/openai/endpoint.py), so every model call it makes is recorded with the
 engine's exact tokens, logprobs and versions; the multi-turn trajectory becomes one Sequence.
 Tasks are the rows of the environment's dataset (`get_dataset()`), unless the recipe names a file.
 """
@@ -22,8 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from astraflow.errors import AstraflowError
 from astraflow.protocol.messages import Scalar
 from astraflow.workflows.base import Episode, PolicyClient, Workflow
-from astraflow.workflows.loopback_http import LoopbackServer
-from astraflow.workflows.openai_agent import AgentEndpoint, serve_episode
+from astraflow.workflows.common.loopback_http import LoopbackServer
+from astraflow.workflows.openai.agent import AgentEndpoint, serve_episode
 
 ROW_KEYS = ("prompt", "answer", "info", "task", "example_id")
 

@@ -15,7 +15,7 @@ into trajectories, one Sequence each:
 Either way the engine is prompted with exactly the ids that are recorded, so what the trainer scores
 is what the engine saw and produced. A trajectory extended later is superseded by its extension; the
 episode's Sequences are the trajectories nobody extended (n > 1 branches each become one).
-Streaming (openai_stream.py) and tool calls (openai_tools.py) go through the same path.
+Streaming (stream.py) and tool calls (tool_calls.py) go through the same path.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from astraflow.engines.base import Completion
 from astraflow.errors import AstraflowError
 from astraflow.protocol.messages import MIN_TEMPERATURE, Sequence
 from astraflow.workflows.base import PolicyClient
-from astraflow.workflows.loopback_http import EventStream, HttpError
-from astraflow.workflows.openai_stream import Answer, chat_chunks, completion_chunks
-from astraflow.workflows.openai_tools import (
+from astraflow.workflows.common.loopback_http import EventStream, HttpError
+from astraflow.workflows.openai.stream import Answer, chat_chunks, completion_chunks
+from astraflow.workflows.openai.tool_calls import (
     api_message,
     check_template,
     check_tools,

@@ -26,8 +26,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from astraflow.errors import AstraflowError
 from astraflow.protocol.messages import Scalar
 from astraflow.workflows.base import Episode, PolicyClient, Workflow
-from astraflow.workflows.loopback_http import LoopbackServer, in_daemon_thread
-from astraflow.workflows.openai_endpoint import EpisodeEndpoint
+from astraflow.workflows.common.loopback_http import LoopbackServer, in_daemon_thread
+from astraflow.workflows.openai.endpoint import EpisodeEndpoint
 
 CALLABLE = re.compile(r"^[^:]+:[A-Za-z_][A-Za-z0-9_]*$")
 

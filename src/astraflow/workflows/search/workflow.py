@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from astraflow.errors import AstraflowError
 from astraflow.protocol.messages import Scalar
 from astraflow.workflows.base import Episode, PolicyClient, Workflow
-from astraflow.workflows.tools import Tools
+from astraflow.workflows.common.tools import Tools
 from astraflow.workflows.transcript import Transcript, TranscriptFull
 
 ACTION = re.compile(r"<(search|read|answer)>(.*?)(?:</\1>|$)", re.S)

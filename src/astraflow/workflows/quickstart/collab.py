@@ -29,7 +29,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from astraflow.workflows.base import Episode, PolicyClient, Workflow, completion_sequence
-from astraflow.workflows.quickstart import score
+from astraflow.workflows.quickstart.workflow import score
 
 READ_ONLY_TRIES = 2
 """Solver attempts per proposal when the solver's sequences are not kept (only its success is needed)."""

@@ -25,7 +25,7 @@ import re
 import uuid
 from typing import Any
 
-from astraflow.workflows.loopback_http import HttpError
+from astraflow.workflows.common.loopback_http import HttpError
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 """One tool-call block of generated text."""

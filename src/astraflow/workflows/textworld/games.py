@@ -1,6 +1,6 @@
 """Text games for the `textworld` workflow: generated offline with TextWorld, or ALFWorld's games read
 from a local copy of its data; and a thin wrapper that plays one game (inside a game-engine process:
-textworld_worker.py).
+worker.py).
 
 TextWorld (`pip install 'astraflow[textworld]'`) generates a game with its own generator and compiles it
 with the Inform 7 compiler it ships (no network): a `.z8` story file plus its `.json` game description,

@@ -5,7 +5,7 @@ Runs inside VerifierPool workers (math-verify uses sympy, which can take unbound
 
 from __future__ import annotations
 
-from astraflow.workflows.math_data import last_boxed
+from astraflow.workflows.math.data import last_boxed
 
 
 def boxed_reward(completion: str, gold: str) -> tuple[float, bool]:

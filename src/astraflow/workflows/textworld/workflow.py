@@ -4,8 +4,8 @@ game's own: its score normalized by the max score (or 1 for a won game, `reward 
 
 Games: generated offline with TextWorld into `games_dir` (the controller generates the missing ones on
 first start), any TextWorld story files already there, or ALFWorld's games from a local copy of its
-data (`alfworld_dir`). See textworld_games.py. Each game runs in a game-engine process of its own
-(textworld_worker.py), driven from the tool thread pool, never on the event loop: a game step past
+data (`alfworld_dir`). See games.py. Each game runs in a game-engine process of its own
+(worker.py), driven from the tool thread pool, never on the event loop: a game step past
 `env_timeout_s` kills that process and ends the episode with reward 0; a crashed engine fails the
 episode (its task is retried) and leaves the RaaS running.
 """
@@ -22,9 +22,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from astraflow.errors import AstraflowError
 from astraflow.protocol.messages import Scalar
 from astraflow.workflows.base import Episode, PolicyClient, Workflow
-from astraflow.workflows.textworld_games import alfworld_rows, game_rows, make_games, safe_command
-from astraflow.workflows.textworld_worker import GameWorker, GameWorkers
-from astraflow.workflows.tools import Tools
+from astraflow.workflows.common.tools import Tools
+from astraflow.workflows.textworld.games import alfworld_rows, game_rows, make_games, safe_command
+from astraflow.workflows.textworld.worker import GameWorker, GameWorkers
 from astraflow.workflows.transcript import Transcript, TranscriptFull
 
 SYSTEM = (

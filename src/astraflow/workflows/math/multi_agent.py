@@ -23,8 +23,8 @@ from pydantic import ConfigDict
 
 from astraflow.protocol.messages import Scalar, Sequence
 from astraflow.workflows.base import Episode, PolicyClient, Workflow
-from astraflow.workflows.math_data import last_boxed, normalize
-from astraflow.workflows.math_rl import MathConfig, MathWorkflow
+from astraflow.workflows.math.data import last_boxed, normalize
+from astraflow.workflows.math.workflow import MathConfig, MathWorkflow
 from astraflow.workflows.transcript import PolicyTurn, Transcript
 
 VERIFIER_INSTRUCTION = (

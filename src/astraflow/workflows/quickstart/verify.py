@@ -30,8 +30,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from astraflow.workflows.base import Episode, PolicyClient, Workflow, completion_sequence
-from astraflow.workflows.quickstart import score
-from astraflow.workflows.tools import Tools
+from astraflow.workflows.common.tools import Tools
+from astraflow.workflows.quickstart.workflow import score
 
 READ_ONLY_VERDICTS = 1
 """Verifier verdicts per answer when the verifier's sequences are not kept (nothing needs more)."""

@@ -25,9 +25,9 @@ from astraflow.errors import AstraflowError
 from astraflow.protocol.messages import Scalar, Sequence
 from astraflow.sandbox import SandboxConfig, SandboxLimits, SandboxPool
 from astraflow.workflows.base import Episode, PolicyClient, Workflow
-from astraflow.workflows.code_check import candidate, check, extract_code
-from astraflow.workflows.code_data import normalize
-from astraflow.workflows.code_rl import CodeConfig, CodeWorkflow, prompt_transcript
+from astraflow.workflows.code.check import candidate, check, extract_code
+from astraflow.workflows.code.data import normalize
+from astraflow.workflows.code.workflow import CodeConfig, CodeWorkflow, prompt_transcript
 from astraflow.workflows.transcript import Transcript
 
 TESTER_INSTRUCTION = (

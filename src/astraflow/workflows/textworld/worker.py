@@ -12,7 +12,7 @@ Each worker process plays one game at a time and answers JSON lines on its stdin
 Every answer is {"ok": true, "text": str, "admissible": [str], "done": bool, "won": bool, "score": float}
 or {"ok": false, "error": str, "hint": str}. The RaaS side (`GameWorkers`) keeps idle workers for the
 next episode; a worker that died (exit code or signal) or overran a timeout is killed and replaced, and
-the episode fails with an error naming the game. Run `python -m astraflow.workflows.textworld_worker`.
+the episode fails with an error naming the game. Run `python -m astraflow.workflows.textworld.worker`.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class GameWorker:
 
     def __init__(self) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "astraflow.workflows.textworld_worker"],
+            [sys.executable, "-m", "astraflow.workflows.textworld.worker"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=None,  # the engine's own messages land in the RaaS log
@@ -134,7 +134,7 @@ def _answer(game: Any, text: str) -> dict[str, Any]:
 
 
 def _serve(requests: IO[str], answers: IO[str]) -> None:
-    from astraflow.workflows.textworld_games import GameSession, _textworld
+    from astraflow.workflows.textworld.games import GameSession, _textworld
 
     game: GameSession | None = None
     out: dict[str, Any]

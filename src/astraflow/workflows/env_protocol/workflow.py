@@ -13,7 +13,7 @@ text (raw), the policy's turn is the action, until `done`, `max_turns` or the co
 `reward` scores the episode and ends the session. With `tools`, the chat template renders them, the
 policy's tool calls (parsed from its turn) go with the action, and the tool results come back as
 `tool` messages (with their `tool_call_id`). A non-2xx answer or malformed JSON fails the episode
-with the server's message. astraflow.workflows.env_reference is a small reference server.
+with the server's message. astraflow.workflows.env_protocol.reference is a small reference server.
 
 Retries: a call whose request never fully reached the server (connection refused or reset while
 connecting or sending) is retried, as is `reward` (idempotent by the protocol: a server answers the
@@ -36,8 +36,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from astraflow.errors import AstraflowError
 from astraflow.protocol.messages import Scalar
 from astraflow.workflows.base import Episode, PolicyClient, Workflow
-from astraflow.workflows.loopback_http import in_daemon_thread
-from astraflow.workflows.openai_tools import parse_tool_calls
+from astraflow.workflows.common.loopback_http import in_daemon_thread
+from astraflow.workflows.openai.tool_calls import parse_tool_calls
 from astraflow.workflows.transcript import Transcript, TranscriptFull
 
 
@@ -178,14 +178,7 @@ class EnvServerWorkflow(Workflow):
         done, steps, n_calls = False, 0, 0
         try:
             while not done and steps < cfg.max_turns:
-                pending = list(results)
-                if observation is not None and (observation or not results):  # as before without tools
-                    pending.append({"role": "user", "content": observation})
-                if cfg.chat:
-                    if pending:
-                        tr.add_messages(pending)
-                else:
-                    tr.add_text(observation or "")
+                _feed(tr, cfg.chat, observation, results)
                 turn = await tr.generate()
                 steps += 1
                 action: dict[str, Any] = {"session": session, "action": turn.text}
@@ -197,21 +190,11 @@ class EnvServerWorkflow(Workflow):
                         n_calls += len(calls)
                 out = await self.call("step", action)
                 results = _tool_results(out.get("tool_results"), calls)
-                observation = out.get("observation") if results else self._text(out, "observation", "step")
-                if observation is not None and not isinstance(observation, str):
-                    raise EnvServerError(
-                        f"env server step: 'observation' must be a string, got {observation!r}"
-                    )
-                flag = out.get("done")
-                if not isinstance(flag, bool):
-                    raise EnvServerError(f"env server step: 'done' must be a boolean, got {flag!r}")
-                done = flag
+                observation, done = _step_outcome(out, bool(results))
         except TranscriptFull:
             pass  # out of context: the episode ends here and is scored as it stands
         end = await self.call("reward", {"session": session})
-        reward = end.get("reward")
-        if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
-            raise EnvServerError(f"env server reward: 'reward' must be a finite number, got {reward!r}")
+        reward = _reward(end)
         if not tr.turns:
             raise EnvServerError("the episode ended before the policy's first turn")
         info: dict[str, Scalar] = {"turns": float(steps), "done": float(done)}
@@ -220,7 +203,7 @@ class EnvServerWorkflow(Workflow):
         extra = end.get("info") or {}
         if isinstance(extra, dict):
             info.update({f"env_{k}"[:255]: float(v) for k, v in extra.items() if isinstance(v, int | float)})
-        return Episode(sequences=[tr.sequence(float(reward))], info=info)
+        return Episode(sequences=[tr.sequence(reward)], info=info)
 
 
 class _Unsent(Exception):
@@ -238,6 +221,40 @@ class _Lost(Exception):
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
+
+
+def _feed(tr: Transcript, chat: bool, observation: str | None, results: list[dict[str, Any]]) -> None:
+    """Give the policy the last step's tool results and observation (an empty observation beside tool
+    results adds no user message; without tools every observation is one)."""
+    pending = list(results)
+    if observation is not None and (observation or not results):
+        pending.append({"role": "user", "content": observation})
+    if chat:
+        if pending:
+            tr.add_messages(pending)
+    else:
+        tr.add_text(observation or "")
+
+
+def _step_outcome(out: dict[str, Any], has_results: bool) -> tuple[str | None, bool]:
+    """step's (observation, done), checked; the observation may be absent only beside tool results."""
+    observation = (
+        out.get("observation") if has_results else EnvServerWorkflow._text(out, "observation", "step")
+    )
+    if observation is not None and not isinstance(observation, str):
+        raise EnvServerError(f"env server step: 'observation' must be a string, got {observation!r}")
+    done = out.get("done")
+    if not isinstance(done, bool):
+        raise EnvServerError(f"env server step: 'done' must be a boolean, got {done!r}")
+    return observation, done
+
+
+def _reward(end: dict[str, Any]) -> float:
+    """reward's 'reward', checked to be a finite number."""
+    reward = end.get("reward")
+    if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
+        raise EnvServerError(f"env server reward: 'reward' must be a finite number, got {reward!r}")
+    return float(reward)
 
 
 def _tools(value: Any) -> list[dict[str, Any]] | None:

@@ -1,0 +1,54 @@
+"""The embedded engine's counters: how long its decode thread kept the device busy, and on what."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any
+
+
+class EngineStats:
+    """Cumulative wall time of the decode thread's phases (each ends with the device synchronised).
+
+    busy_s = weight_s + prefill_s + decode_s: the time the engine kept its device working (kernels plus
+    the host work between them); over a worker's wall time it is the engine's busy fraction. Written by
+    the decode thread, read by others: plain float updates under the GIL, snapshots may be a step old."""
+
+    def __init__(self) -> None:
+        self.started = time.time()
+        self.weight_s = 0.0
+        self.prefill_s = 0.0
+        self.decode_s = 0.0
+        self.decode_steps = 0
+        self.row_steps = 0
+        self.applies: deque[tuple[int, float, float]] = deque(maxlen=256)
+        """(version, wall time it was applied, seconds the copy and the KV recompute took)."""
+        self.n_applied = 0
+
+    def add(self, weight_s: float, prefill_s: float, decode_s: float, rows: int) -> None:
+        """One pass of the decode loop."""
+        self.weight_s += weight_s
+        self.prefill_s += prefill_s
+        self.decode_s += decode_s
+        if rows:
+            self.decode_steps += 1
+            self.row_steps += rows
+
+    def applied(self, version: int, seconds: float) -> None:
+        """A weight version went live."""
+        self.applies.append((version, time.time(), seconds))
+        self.n_applied += 1
+
+    def snapshot(self) -> dict[str, Any]:
+        """The counters as plain numbers."""
+        return {
+            "started": self.started,
+            "busy_s": self.weight_s + self.prefill_s + self.decode_s,
+            "weight_s": self.weight_s,
+            "prefill_s": self.prefill_s,
+            "decode_s": self.decode_s,
+            "decode_steps": self.decode_steps,
+            "row_steps": self.row_steps,
+            "n_applied": self.n_applied,
+            "applies": [list(a) for a in self.applies],
+        }

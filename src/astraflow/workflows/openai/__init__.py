@@ -1,0 +1,1 @@
+"""Agents written against the OpenAI API: an episode-scoped endpoint that records every call (`openai_agent`)."""

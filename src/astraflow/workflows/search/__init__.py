@@ -1,0 +1,1 @@
+"""The search workload: question answering with a BM25 search tool over a local corpus (`search`)."""

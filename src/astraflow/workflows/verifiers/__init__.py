@@ -1,0 +1,1 @@
+"""Environments of the `verifiers` library, run against the episode endpoint (`verifiers`)."""
