@@ -3,11 +3,11 @@
 # command (docs/benchmarks.md, "GPU: held-out accuracy against TRL"):
 #   1. a random-init Qwen3 "small" (`astraflow model init`),
 #   2. pre-trained from scratch by `astraflow sft` on generated 3-digit sums until it answers SFT_TARGET
-#      of a validation set (bench/heldout.py pretrain: one epoch at a time),
+#      of a validation set (bench/heldout.py pretrain: one round of SFT_ROWS rows at a time),
 #   3. `astraflow bench trl recipes/gpu/arith.toml --heldout N`: RL through `astraflow up`, then the same
 #      model, prompts, reward and settings through TRL's GRPOTrainer, each saving weights every EVERY
 #      steps; one evaluator scores every checkpoint of both on held-out sums (greedy, exact answer).
-# It prints the table (and writes everything under OUT). About 3-4 minutes on an H100.
+# It prints the table (and writes everything under OUT). The first run took 159 s on an H100.
 #
 #   scripts/gpu_trl.sh [OUT]             the GPU run (default OUT: runs/gpu-trl)
 #   SMOKE=1 scripts/gpu_trl.sh [OUT]     the same path on a CPU with tiny sizes (a minute or two)
@@ -18,7 +18,8 @@
 # Needs `python3 -m astraflow` importable with its entry points (an installed astraflow, or its wheel)
 # and TRL: WHEELS=DIR installs DIR/*.whl into /tmp/site first (pip --no-index) and takes TRL from there;
 # TRL_PATH=DIR names a pip --target directory that holds trl; otherwise `bench trl` installs it (network).
-# Sizes: PRESET, LENGTH, CORPUS, SFT_TARGET, SFT_EPOCHS, SFT_LR, STEPS, EVERY, HELDOUT, DEVICE; EXTRA_SET
+# Sizes: PRESET, LENGTH, CORPUS, SFT_TARGET, SFT_EPOCHS (rounds), SFT_ROWS (rows a round), SFT_LR, STEPS,
+# EVERY, HELDOUT, DEVICE; EXTRA_SET
 # adds `--set` overrides for both sides (space-separated a.b=v items).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -37,10 +38,11 @@ fi
 OUT=${1:-runs/gpu-trl}
 if [ "${SMOKE:-0}" = "1" ]; then
     : "${PRESET:=tiny}" "${LENGTH:=2}" "${CORPUS:=400}" "${SFT_TARGET:=0}" "${SFT_EPOCHS:=1}" "${SFT_LR:=3e-3}"
-    : "${STEPS:=4}" "${EVERY:=2}" "${HELDOUT:=16}" "${DEVICE:=cpu}"
+    : "${STEPS:=4}" "${EVERY:=2}" "${HELDOUT:=16}" "${DEVICE:=cpu}" "${SFT_ROWS:=200}"
     : "${EXTRA_SET:=policy.group_size=4 policy.batch_prompts=4 rollout.slots=4}"
 else
-    : "${PRESET:=small}" "${LENGTH:=3}" "${CORPUS:=20000}" "${SFT_TARGET:=0.3}" "${SFT_EPOCHS:=12}" "${SFT_LR:=1e-3}"
+    : "${PRESET:=small}" "${LENGTH:=3}" "${CORPUS:=20000}" "${SFT_TARGET:=0.3}" "${SFT_EPOCHS:=40}" "${SFT_LR:=1e-3}"
+    : "${SFT_ROWS:=2000}"
     : "${STEPS:=50}" "${EVERY:=5}" "${HELDOUT:=512}" "${DEVICE:=cuda}" "${EXTRA_SET:=}"
 fi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -67,7 +69,7 @@ $PY -m astraflow.bench.heldout corpus --task add --length "$LENGTH" --rows "$COR
 echo "== pre-training from scratch: astraflow sft on $CORPUS generated sums ($PRESET, $DEVICE)"
 $PY -m astraflow.bench.heldout pretrain --model "$OUT/base" --data "$OUT/corpus.jsonl" --out "$OUT/sft" \
     --task add --length "$LENGTH" --target "$SFT_TARGET" --max-epochs "$SFT_EPOCHS" --lr "$SFT_LR" \
-    --device "$DEVICE" 2>&1 | grep -E '^sft epoch' | tee "$OUT/sft.log"
+    --rows-per-round "$SFT_ROWS" --device "$DEVICE" 2>&1 | grep -E '^sft (epoch|round)' | tee "$OUT/sft.log"
 t1=$(date +%s)
 echo "== RL: astraflow up, then TRL GRPOTrainer ($STEPS steps each), held-out accuracy of every checkpoint"
 $PY -m astraflow bench trl recipes/gpu/arith.toml --out "$OUT/bench" --steps "$STEPS" --device "$DEVICE" \

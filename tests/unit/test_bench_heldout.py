@@ -84,3 +84,57 @@ def test_heldout_curves_and_time_to_trl_final(tmp_path: Path, monkeypatch: pytes
     text = format_heldout(res, "seed 0")
     assert "astraflow 12.0s, trl 30.0s, astraflow/trl 0.40x" in text
     assert any(line.split() == ["4", "14.0", "0.700", "30.0", "0.500"] for line in text.splitlines())
+
+
+def test_pretrain_rounds_are_successive_slices_of_the_corpus(
+    tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Real SFT rounds of 3 rows over a 5-row corpus: each round trains on the next slice (wrapping),
+    and an unreachable target runs every round, then keeps the last round's model."""
+    import json
+
+    from astraflow.trainers import sft
+
+    rows = heldout.corpus_rows({"task": "add", "length": 1}, 5)
+    data = tmp_path / "corpus.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    seen: list[list[str]] = []
+    real = sft.run_sft
+
+    def recording(model: Path, part: Path, out: Path, **kw: Any) -> Any:
+        seen.append([json.loads(line)["prompt"] for line in part.read_text().splitlines()])
+        return real(model, part, out, **kw)
+
+    monkeypatch.setattr(sft, "run_sft", recording)
+    lines: list[str] = []
+    heldout.pretrain(
+        tiny_model,
+        data,
+        tmp_path / "out",
+        options={"task": "add", "length": 1},
+        target=1.1,
+        max_epochs=2,
+        lr=1e-3,
+        batch_size=2,
+        device="cpu",
+        validation=4,
+        rows_per_round=3,
+        say=lines.append,
+    )
+    prompts = [r["prompt"] for r in rows]
+    assert seen == [prompts[0:3], prompts[3:5] + prompts[0:1]]
+    assert [line.split(":")[0] for line in lines] == ["sft round 1", "sft round 2"]
+    assert (tmp_path / "out" / "config.json").is_file()
+    with pytest.raises(SystemExit, match="fewer than --rows-per-round 9"):
+        heldout.pretrain(
+            tiny_model,
+            data,
+            tmp_path / "out2",
+            options={"task": "add", "length": 1},
+            target=0.5,
+            max_epochs=1,
+            lr=1e-3,
+            batch_size=2,
+            device="cpu",
+            rows_per_round=9,
+        )

@@ -435,7 +435,8 @@ def run_bench(
     if steps is not None:
         overrides = [*overrides, f"run.steps={steps}"]
     if heldout:
-        overrides = [*overrides, f"policy.checkpoint_every={checkpoint_every}"]
+        # every checkpoint stays on disk: the evaluator scores each one afterwards
+        overrides = [*overrides, f"policy.checkpoint_every={checkpoint_every}", "policy.keep_checkpoints=0"]
     recipe = load_recipe(recipe_path, overrides)
     validate_plugins(recipe)
     if recipe.dataset.path:

@@ -164,6 +164,8 @@ class PolicyConfig(_Model):
     """Data-algorithm stages (before rollout, after rollout, buffer, batching) in this order."""
     checkpoint_every: int = Field(10, ge=1)
     """Save a trainer checkpoint every this many steps (and at the end)."""
+    keep_checkpoints: int = Field(2, ge=0)
+    """How many of the newest checkpoints the trainer keeps on disk (older ones are deleted once a newer one is complete); 0 keeps every one (for scoring each checkpoint afterwards)."""
     threads: int = Field(1, ge=1)
     """torch threads of this policy's trainer process."""
     trainer_sleep_s: float = Field(0.0, ge=0)

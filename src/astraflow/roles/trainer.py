@@ -285,7 +285,7 @@ class TrainerLoop:
         t_ckpt = time.monotonic()
         step = self.trainer.step_count
         if step % self.pol.checkpoint_every == 0 or step >= self.budget:
-            save_checkpoint(self.trainer, self.ckpt_root)
+            save_checkpoint(self.trainer, self.ckpt_root, self.pol.keep_checkpoints)
         return time.monotonic() - t_ckpt
 
     def publish(self, metrics: dict[str, float]) -> None:
@@ -325,7 +325,7 @@ class TrainerLoop:
         if 0 < step < self.budget:
             # the controller ended the run early (an operator's stop): keep the last step
             if step % self.pol.checkpoint_every:
-                save_checkpoint(self.trainer, self.ckpt_root)
+                save_checkpoint(self.trainer, self.ckpt_root, self.pol.keep_checkpoints)
             _log.info("run stopped by the controller at step %d of %d", step, self.budget)
         _log.info("policy %s reached %d steps", self.policy, step)
         if self.recipe.eval is not None:

@@ -22,7 +22,7 @@ def latest_checkpoint(root: Path) -> Path | None:
 
 
 def save_checkpoint(trainer: Any, root: Path, keep: int = 2) -> Path:
-    """Write step-N atomically (a COMPLETE marker last) and keep only the newest `keep`."""
+    """Write step-N atomically (a COMPLETE marker last) and keep only the newest `keep` (0: all)."""
     import shutil
 
     step = trainer.step_count
@@ -38,6 +38,6 @@ def save_checkpoint(trainer: Any, root: Path, keep: int = 2) -> Path:
         (d for d in root.iterdir() if re.fullmatch(r"step-\d+", d.name)),
         key=lambda d: int(d.name.split("-")[1]),
     )
-    for old in ckpts[:-keep]:
+    for old in ckpts[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final
