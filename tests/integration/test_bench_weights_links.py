@@ -17,7 +17,7 @@ def test_links_and_pulls_in_one_and_k_streams() -> None:
     weights = {f"w{i}": torch.randn(512, 1024) for i in range(4)}  # 8 MiB
     peer = Peer("cpu")
     try:
-        rows = {r["path"]: r for r in _zmq(peer, weights, 1, 0)}
+        rows = {r["path"]: r for r in _zmq(peer, weights, 1)}
     finally:
         peer.close()
     k = default_connections()

@@ -92,8 +92,9 @@ def _row(name: str, seconds: list[float], nbytes: int, limit_s: float | None) ->
     }
 
 
-def run(model_dir: Path, device: str, repeats: int = REPEATS) -> dict[str, Any]:
-    """Measure every path; the result is what `--json` prints."""
+def run(model_dir: Path, device: str, repeats: int = REPEATS, connections: int = 0) -> dict[str, Any]:
+    """Measure every path; the result is what `--json` prints. `connections`: the ZeroMQ pull's
+    connections (and the link's streams) compared with one (0: the pull's default)."""
     import torch
 
     torch.set_num_threads(1 if device == "cpu" else 4)  # on a CPU the receiver needs a core too
@@ -140,7 +141,7 @@ def run(model_dir: Path, device: str, repeats: int = REPEATS) -> dict[str, Any]:
         if dev.type == "cuda" and torch.cuda.device_count() >= 2:  # pragma: no cover - needs 2 GPUs
             out["paths"] += _two_gpus(versions, repeats, nbytes, layout)
         out["paths"].append(_broadcast(peer, versions, repeats, nbytes, limit_s))
-        zmq_rows = _zmq(peer, versions[0], repeats, nbytes)
+        zmq_rows = _zmq(peer, versions[0], repeats, connections)
         out["paths"] += zmq_rows
     finally:
         peer.close()
@@ -203,7 +204,7 @@ def _broadcast(
     return _row("host to host: gloo broadcast (loopback, CPU tensors)", times, nbytes, None)
 
 
-def _zmq(peer: Peer, weights: dict[str, Any], repeats: int, nbytes: int) -> list[dict[str, Any]]:
+def _zmq(peer: Peer, weights: dict[str, Any], repeats: int, connections: int = 0) -> list[dict[str, Any]]:
     """The ZeroMQ pull over loopback, plain and CURVE, over one connection and over the default
     number, beside the link's raw throughput of the same bytes measured in one stream and in as many
     streams as the pull's connections: a kernel TCP socket and raw ZeroMQ, plain and CURVE."""
@@ -216,7 +217,7 @@ def _zmq(peer: Peer, weights: dict[str, Any], repeats: int, nbytes: int) -> list
     from astraflow.weights.snapshot import state_dict_to_bytes
 
     blob = state_dict_to_bytes({k: v.cpu() for k, v in weights.items()})
-    k = default_connections()
+    k = connections or default_connections()
     counts = sorted({1, k})
     rows = []
     link: dict[int, float] = {}
@@ -261,7 +262,6 @@ def _zmq(peer: Peer, weights: dict[str, Any], repeats: int, nbytes: int) -> list
                     row["vs_curve_limit"] = best_curve / row["seconds"]
         finally:
             server.close()
-    _ = nbytes
     return rows
 
 
