@@ -6,10 +6,12 @@ is asked again on another connection, and only when every connection corrupts do
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -178,3 +180,51 @@ def test_chunks_corrupted_on_every_connection_fail_the_pull(blob: bytes) -> None
     finally:
         proxy.close()
         server.close()
+
+
+def _io_threads() -> dict[str, int]:
+    """CPU nanoseconds of each libzmq I/O thread of this process, by thread id."""
+    out = {}
+    for task in glob.glob("/proc/self/task/*"):
+        try:
+            with open(f"{task}/comm") as comm, open(f"{task}/schedstat") as stat:
+                if comm.read().startswith("ZMQbg/IO"):
+                    out[task] = int(stat.read().split()[0])
+        except FileNotFoundError:
+            pass  # a thread that ended meanwhile
+    return out
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads per-thread CPU time from /proc")
+def test_a_curve_pull_over_four_connections_encrypts_on_four_io_threads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    before = _io_threads()
+    server = WeightServer(keypair=KeyPair(*zmq.curve_keypair()), chunk_bytes=1 << 20, io_threads=4)
+    served: dict[str, int] = {}
+    for _ in range(500):  # a new thread names itself once it runs
+        served = {t: ns for t, ns in _io_threads().items() if t not in before}
+        if len(served) >= 4:
+            break
+        time.sleep(0.01)
+    seen: dict[str, int] = {}
+    close = wclient._Puller.__exit__
+
+    def read_then_close(self: wclient._Puller, *exc: object) -> None:
+        seen.update(_io_threads())  # the puller's I/O threads end with its context
+        close(self, *exc)
+
+    monkeypatch.setattr(wclient._Puller, "__exit__", read_then_close)
+    try:
+        blob = os.urandom(64 << 20)
+        sha = server.publish("p", 1, blob).sha256
+        served = {t: ns for t, ns in _io_threads().items() if t not in before}
+        assert fetch_weights(server.address, "p", 1, expect_sha256=sha, connections=4) == blob
+    finally:
+        server.close()
+    encrypt = [seen[t] - ns for t, ns in served.items() if t in seen]
+    decrypt = [ns for t, ns in seen.items() if t not in served and t not in before]
+    # each connection's encryption (server) and decryption (puller) ran on a thread of its own: at
+    # least three threads a side did a real share of the work (one connection may open late)
+    for side in (encrypt, decrypt):
+        assert sum(ns > max(side) / 4 for ns in side) >= 3, side
