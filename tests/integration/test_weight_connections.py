@@ -19,6 +19,7 @@ import zmq
 
 from astraflow.errors import WeightIntegrityError
 from astraflow.transport.keys import KeyPair
+from astraflow.weights import chunk_pull
 from astraflow.weights import client as wclient
 from astraflow.weights.client import fetch_weights
 from astraflow.weights.server import WeightServer
@@ -119,7 +120,7 @@ class PathFaults:
 
 @pytest.fixture(autouse=True)
 def one_connection_per_mib(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(wclient, "CONNECTION_BYTES", 1 << 20)
+    monkeypatch.setattr(chunk_pull, "CONNECTION_BYTES", 1 << 20)
 
 
 @pytest.fixture
@@ -161,7 +162,7 @@ def test_a_chunk_corrupted_on_one_connection_is_asked_again_on_another(
     server, endpoint, sha = _serve(blob, None)  # no CURVE: a flipped byte reaches the puller
     proxy = PathFaults(int(endpoint.rsplit(":", 1)[1]), tamper={1}, tamper_at=CHUNK // 2)
     try:
-        with caplog.at_level(logging.WARNING, logger="astraflow.weights.client"):
+        with caplog.at_level(logging.WARNING, logger="astraflow.weights.chunk_pull"):
             got = fetch_weights(proxy.address, "p", 1, expect_sha256=sha, connections=4, timeout_s=60)
         assert got == blob and proxy.flipped == [1]
         assert "failed its sha256 on one connection" in caplog.text

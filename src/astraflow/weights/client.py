@@ -2,32 +2,24 @@
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import mmap
 import os
 import threading
 import time
-from collections import deque
-from concurrent.futures import Future
 
 import zmq
 from zmq.utils import z85
 
-from astraflow import log
 from astraflow.errors import AstraflowError, ConnectError, ProtocolError, WeightIntegrityError
 from astraflow.protocol.messages import Error, Msg, WeightChunk, WeightManifest, WeightRequest
+from astraflow.weights.chunk_pull import ChunkPull
 from astraflow.weights.connection import PullConnection
-from astraflow.weights.manifest import LEAF_BYTES, blob_digest, check_manifest, chunk_span, hash_pool
-
-_log = log.get("weights.client")
+from astraflow.weights.manifest import LEAF_BYTES, blob_digest, check_manifest
 
 DEFAULT_WINDOW = 8
 """Chunk requests kept in flight on each connection: enough to hide a round trip, few enough not to
 flood the server."""
-CONNECTION_BYTES = 16 << 20
-"""A pull opens one more connection per this many bytes of a blob, up to its `connections`: a
-connection costs a handshake (a few round trips), worth it only when it then carries several chunks."""
 
 
 def default_connections() -> int:
@@ -219,10 +211,8 @@ class _Puller:
         self.max_chunk_bytes = max_chunk_bytes
         self.endpoint, self.server_key = split_address(addr)
         self.ctx = zmq.Context(io_threads=self.connections)
-        self.conns = [self._open()]
-
-    def _open(self) -> PullConnection:
-        return PullConnection(self.ctx, self.endpoint, self.server_key, self.addr, self.max_chunk_bytes)
+        self.conns: list[PullConnection] = []
+        self.open()
 
     def __enter__(self) -> _Puller:
         return self
@@ -232,13 +222,15 @@ class _Puller:
             conn.close()
         self.ctx.term()
 
-    def _timeout(self, what: str) -> ConnectError:
+    def timeout_error(self, what: str) -> ConnectError:
+        """The error of a pull that did not get `what` in time."""
         return ConnectError(
             f"weight server at {self.addr} did not send {what} within {self.timeout_s:g}s",
             hint="is the trainer (or relaying RaaS) still running, and is its port reachable from here?",
         )
 
-    def _check_error(self, msg: Msg, policy: str, version: int) -> None:
+    def check_error(self, msg: Msg, policy: str, version: int) -> None:
+        """Raise the error an Error reply stands for (nothing for any other reply)."""
         if isinstance(msg, Error):
             if msg.code == "not_yet":
                 raise NotYetError(f"relay at {self.addr}: {msg.message}", hint="ask again shortly")
@@ -258,7 +250,7 @@ class _Puller:
         while True:
             now = time.monotonic()
             if now >= min(self.deadline, self.last_heard + self.idle_s):
-                raise self._timeout(f"the manifest of {policy}@{version}")
+                raise self.timeout_error(f"the manifest of {policy}@{version}")
             if now >= resend_at:
                 conn.send(req)
                 resend_at = now + self.retry_s
@@ -269,7 +261,7 @@ class _Puller:
                 conn.data(None)  # a late answer to an earlier pull's chunk request
             if msg is None or msg.rid != req.rid:
                 continue
-            self._check_error(msg, policy, version)
+            self.check_error(msg, policy, version)
             if not isinstance(msg, WeightManifest) or (msg.policy, msg.version) != (policy, version):
                 raise ProtocolError(
                     f"weight server at {self.addr} answered a manifest request with {msg!r:.120}", hint=""
@@ -277,143 +269,12 @@ class _Puller:
             return msg
 
     def chunks(self, manifest: WeightManifest, kind: str, window: int, dest: memoryview) -> None:
-        """Fill `dest` with every chunk, up to `window` requests in flight on each connection, each
-        chunk received in place and its sha256 checked on the hashing threads while the next arrive.
+        """Fill `dest` with every chunk over this puller's connections (weights/chunk_pull.py), each
+        received in place and its sha256 checked on the hashing threads while the next arrive."""
+        ChunkPull(self, manifest, kind, window, dest).run()
 
-        Extra connections open one after another (each once the one before finished its handshake,
-        so the server has placed that one on an I/O thread and puts the next on another). The
-        requests of a connection that drops or stays silent for retry_s go to the others; a
-        connection that delivers a chunk failing its sha256 gets no more requests and the chunk is
-        asked again elsewhere; WeightIntegrityError once no connection is left to ask.
-        """
-        n = len(manifest.chunk_sha256)
-        want = self._wanted(manifest)
-        pending = deque(range(n))
-        got = [False] * n
-        remaining = n
-        inflight: dict[int, tuple[int, PullConnection, float]] = {}  # rid -> (chunk, conn, resend at)
-        checks: deque[tuple[int, PullConnection, Future[str]]] = deque()
-        pool = hash_pool()
-        poller = zmq.Poller()
-        for conn in self.conns:
-            conn.load = 0
-            conn.events()
-            poller.register(conn.sock, zmq.POLLIN)
-            poller.register(conn.monitor, zmq.POLLIN)
-
-        def ask(index: int, conn: PullConnection) -> None:
-            req = WeightRequest(
-                rid=next(self.rids), policy=manifest.policy, version=manifest.version, chunk=index, kind=kind
-            )
-            inflight[req.rid] = (index, conn, time.monotonic() + self.retry_s)
-            conn.load += 1
-            conn.send(req)
-
-        def requeue(conn: PullConnection, *, due_only: float | None = None) -> None:
-            """Its requests (only those due for a resend, with `due_only` = now) go to the front."""
-            for rid, (index, c, at) in list(inflight.items()):
-                if c is conn and (due_only is None or due_only >= at):
-                    del inflight[rid]
-                    conn.load -= 1
-                    pending.appendleft(index)
-                    if due_only is not None:
-                        conn.ok = False
-
-        while True:
-            while checks and (remaining == 0 or checks[0][2].done()):
-                index, conn, digest = checks.popleft()
-                if digest.result() != manifest.chunk_sha256[index]:
-                    self._retire(conn, manifest, index)
-                    requeue(conn)
-                    got[index] = False
-                    remaining += 1
-                    pending.appendleft(index)
-            if remaining == 0:
-                return
-            now = time.monotonic()
-            if now >= min(self.deadline, self.last_heard + self.idle_s):
-                raise self._timeout(f"all {n} chunks of {manifest.policy}@{manifest.version}")
-            if len(self.conns) < want and self.conns[-1].handshaken:
-                conn = self._open()
-                self.conns.append(conn)
-                poller.register(conn.sock, zmq.POLLIN)
-                poller.register(conn.monitor, zmq.POLLIN)
-            for conn in self.conns:
-                requeue(conn, due_only=now)
-            while pending:
-                picked = self._pick(window)
-                if picked is None:
-                    break
-                ask(pending.popleft(), picked)
-            next_resend = min((t for _, _, t in inflight.values()), default=self.deadline)
-            wait_s = min(self.deadline, next_resend, self.last_heard + self.idle_s) - now
-            ready = dict(poller.poll(max(0, int(wait_s * 1000))))
-            for conn in list(self.conns):
-                while conn.sock in ready:  # every reply it holds, before its link events
-                    msg = conn.recv(0)
-                    if msg is None:
-                        break
-                    self.last_heard = time.monotonic()
-                    entry = inflight.pop(msg.rid, None)
-                    if entry is None:
-                        if isinstance(msg, WeightChunk):
-                            conn.data(None)
-                        continue  # a late answer to a request already asked again
-                    index = entry[0]
-                    conn.load -= 1
-                    self._check_error(msg, manifest.policy, manifest.version)
-                    if not isinstance(msg, WeightChunk) or msg.index != index:
-                        if isinstance(msg, WeightChunk):
-                            conn.data(None)
-                        raise ProtocolError(
-                            f"weight server at {self.addr} answered chunk {index} with {type(msg).__name__}",
-                            hint="",
-                        )
-                    start, end = chunk_span(manifest, index)
-                    if got[index]:
-                        conn.data(None)
-                    elif msg.nbytes != end - start or conn.data(dest[start:end]) != end - start:
-                        if msg.nbytes != end - start:
-                            conn.data(None)
-                        raise WeightIntegrityError(
-                            f"chunk {index} of {manifest.policy}@{manifest.version} from {self.addr} has the wrong size",
-                            hint="the server or the network corrupted it; retry, or pull from another peer",
-                        )
-                    else:
-                        got[index] = True
-                        remaining -= 1
-                        checks.append((index, conn, pool.submit(_sha_hex, dest[start:end])))
-                if conn.monitor in ready and conn.events():
-                    requeue(conn)  # the link dropped: the replies it carried are lost with it
-
-    def _wanted(self, manifest: WeightManifest) -> int:
-        """Connections worth opening for a blob: one per CONNECTION_BYTES, up to `connections`."""
-        return min(self.connections, max(1, -(-manifest.nbytes // CONNECTION_BYTES)))
-
-    def _pick(self, window: int) -> PullConnection | None:
-        """The connection for the next request: the least loaded one believed to deliver, else (none
-        is) the least loaded of the rest, as a probe; None while every candidate is full."""
-        usable = [c for c in self.conns if not c.retired]
-        candidates = [c for c in usable if c.ok] or usable
-        free = [c for c in candidates if c.load < window]
-        return min(free, key=lambda c: c.load, default=None)
-
-    def _retire(self, conn: PullConnection, manifest: WeightManifest, index: int) -> None:
-        """A chunk from `conn` failed its sha256: no more requests on it; raise when none is left."""
-        conn.retired = True
-        if all(c.retired for c in self.conns) and len(self.conns) >= self._wanted(manifest):
-            raise WeightIntegrityError(
-                f"chunk {index} of {manifest.policy}@{manifest.version} from {self.addr} fails its sha256",
-                hint="the server or the network corrupted it; retry, or pull from another peer",
-            )
-        _log.warning(
-            "chunk %d of %s@%d from %s failed its sha256 on one connection: asking the others",
-            index,
-            manifest.policy,
-            manifest.version,
-            self.addr,
-        )
-
-
-def _sha_hex(view: memoryview) -> str:
-    return hashlib.sha256(view).hexdigest()
+    def open(self) -> PullConnection:
+        """One more connection to the server."""
+        conn = PullConnection(self.ctx, self.endpoint, self.server_key, self.addr, self.max_chunk_bytes)
+        self.conns.append(conn)
+        return conn
