@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The weight paths and the one-GPU run on a CUDA machine, in one call (about 3 minutes on one H100):
 #   1. astraflow bench weights on cuda for the Qwen3-0.6B shape (same GPU by CUDA IPC, GPU to GPU when
-#      there are two, gloo broadcast, the ZeroMQ pull with and without CURVE beside raw TCP, the blob
-#      digest's hashing rate, the trainer's publish and the receiver's apply);
+#      there are two, gloo broadcast, the ZeroMQ pull with and without CURVE over 1 and over
+#      min(4, cores) connections beside the link measured in as many streams (kernel TCP, raw ZeroMQ,
+#      raw CURVE), the blob digest's hashing rate, the trainer's publish and the receiver's apply);
 #   2. astraflow bench e2e recipes/gpu/single.toml with every role on GPU 0 (samples/s, weight sync a
 #      step = publish + fetch + load + apply, the version's lag to decoding, busy fractions).
 # Needs the CLI importable by $PYTHON (an install, or PYTHONPATH=src with its dependencies) and a GPU.
@@ -24,7 +25,7 @@ fi
 echo "model ready after $(($(date +%s) - start)) s"
 
 echo "== astraflow bench weights --model $MODEL --device cuda --repeats 3"
-timeout 120 "$PY" -m astraflow bench weights --model "$MODEL" --device cuda --repeats 3 --json \
+timeout 300 "$PY" -m astraflow bench weights --model "$MODEL" --device cuda --repeats 3 --json \
     > "$OUT/weights.json" 2> "$OUT/weights.err"
 echo "rc $? after $(($(date +%s) - start)) s"
 "$PY" -c "import json; from astraflow.bench.weights import format_lines; print('\n'.join(format_lines(json.load(open('$OUT/weights.json')))))" \

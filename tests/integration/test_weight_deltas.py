@@ -19,6 +19,7 @@ import zmq
 
 from astraflow.transport.keys import KeyPair
 from astraflow.weights import client as wclient
+from astraflow.weights.connection import PullConnection
 from astraflow.weights.fetch import HeldWeights, fetch_version
 from astraflow.weights.manifest import blob_digest
 from astraflow.weights.publisher import publish_delta
@@ -128,16 +129,16 @@ def test_a_pull_that_dies_mid_transfer_loses_nothing(
         held = HeldWeights()
         fetch_version([small.address], POLICY, 0, expect_sha256=shas[0], held=held)
         kept = bytes(held.get(POLICY).blob)  # type: ignore[union-attr]
-        data = wclient._Puller._data
+        data = PullConnection.data
         seen: list[int] = []
 
-        def stop_midway(self: wclient._Puller, dest: memoryview | None) -> int:
+        def stop_midway(self: PullConnection, dest: memoryview | None) -> int:
             seen.append(1)
             if len(seen) == 4:
                 small.close()  # the server goes away after a few chunks of version 1
             return data(self, dest)
 
-        monkeypatch.setattr(wclient._Puller, "_data", stop_midway)
+        monkeypatch.setattr(PullConnection, "data", stop_midway)
         with pytest.raises(Exception, match="did not send"):
             fetch_version(
                 [small.address], POLICY, 1, expect_sha256=shas[1], held=held, window=1, idle_timeout_s=1.0
@@ -201,18 +202,18 @@ def test_a_relay_killed_mid_transfer_sends_the_worker_to_the_trainer(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     proc, relay, shas = relay_proc
-    data = wclient._Puller._data
+    data = PullConnection.data
     seen: list[int] = []
     killed: list[int] = []
 
-    def kill_midway(self: wclient._Puller, dest: memoryview | None) -> int:
+    def kill_midway(self: PullConnection, dest: memoryview | None) -> int:
         seen.append(1)
         if len(seen) == 4 and not killed:
             os.kill(proc.pid, signal.SIGKILL)  # the relay dies after a few chunks of the version
             killed.append(len(seen))
         return data(self, dest)
 
-    monkeypatch.setattr(wclient._Puller, "_data", kill_midway)
+    monkeypatch.setattr(PullConnection, "data", kill_midway)
     held = HeldWeights()
     got = fetch_version(
         [relay, trainer.address], POLICY, 1, expect_sha256=shas[1], held=held, window=1, idle_timeout_s=1.0

@@ -326,7 +326,7 @@ def test_weight_server_serves_few_connections_of_one_key(tmp_path: Path) -> None
     blob = os.urandom(200_000)
     addr = server.address.split("#", 1)[0]
     flood = [
-        Raw(addr, pairs["raas-1"], pairs["trainer-main"].public, f"flood-{i}") for i in range(3 * PER_KEY)
+        Raw(addr, pairs["raas-1"], pairs["trainer-main"].public, f"flood-{i}") for i in range(PER_KEY + 8)
     ]
     try:
         server.publish("main", 1, blob)

@@ -282,7 +282,7 @@ def test_squatting_revoked_keys_and_weight_pulls(tiny_model: Path, tmp_path: Pat
             "type": "weights", "refused": 1, "answered": 0
         }  # fmt: skip
         puller = c.rogue(c.key("raas-1", "raas"))
-        pulls = puller.do("weights", addr=addr, connections=3 * PER_KEY, quiet_s=2.0)
+        pulls = puller.do("weights", addr=addr, connections=PER_KEY + 8, quiet_s=2.0)
         assert pulls["refused"] == 0 and pulls["answered"] == PER_KEY, pulls
 
         # revoke: the squatter's open connection routes nothing; raas-1 pulls nothing more, and its

@@ -92,8 +92,9 @@ def _row(name: str, seconds: list[float], nbytes: int, limit_s: float | None) ->
     }
 
 
-def run(model_dir: Path, device: str, repeats: int = REPEATS) -> dict[str, Any]:
-    """Measure every path; the result is what `--json` prints."""
+def run(model_dir: Path, device: str, repeats: int = REPEATS, connections: int = 0) -> dict[str, Any]:
+    """Measure every path; the result is what `--json` prints. `connections`: the ZeroMQ pull's
+    connections (and the link's streams) compared with one (0: the pull's default)."""
     import torch
 
     torch.set_num_threads(1 if device == "cpu" else 4)  # on a CPU the receiver needs a core too
@@ -103,7 +104,13 @@ def run(model_dir: Path, device: str, repeats: int = REPEATS) -> dict[str, Any]:
 
     layout = packed.plan(sd)
     nbytes = layout.nbytes
-    out: dict[str, Any] = {"device": _device_name(dev), "model": str(model_dir), "bytes": nbytes, "paths": []}
+    out: dict[str, Any] = {
+        "device": _device_name(dev),
+        "cores": os.cpu_count(),
+        "model": str(model_dir),
+        "bytes": nbytes,
+        "paths": [],
+    }
     versions = [{k: v + (i % 2) if v.is_floating_point() else v for k, v in sd.items()} for i in range(2)]
 
     # the physical limit: one copy of the same bytes on the device
@@ -134,7 +141,7 @@ def run(model_dir: Path, device: str, repeats: int = REPEATS) -> dict[str, Any]:
         if dev.type == "cuda" and torch.cuda.device_count() >= 2:  # pragma: no cover - needs 2 GPUs
             out["paths"] += _two_gpus(versions, repeats, nbytes, layout)
         out["paths"].append(_broadcast(peer, versions, repeats, nbytes, limit_s))
-        zmq_rows = _zmq(peer, versions[0], repeats, nbytes)
+        zmq_rows = _zmq(peer, versions[0], repeats, connections)
         out["paths"] += zmq_rows
     finally:
         peer.close()
@@ -197,20 +204,37 @@ def _broadcast(
     return _row("host to host: gloo broadcast (loopback, CPU tensors)", times, nbytes, None)
 
 
-def _zmq(peer: Peer, weights: dict[str, Any], repeats: int, nbytes: int) -> list[dict[str, Any]]:
-    """The ZeroMQ pull over loopback, plain and CURVE, beside raw ZeroMQ throughput of the same bytes."""
+def _zmq(peer: Peer, weights: dict[str, Any], repeats: int, connections: int = 0) -> list[dict[str, Any]]:
+    """The ZeroMQ pull over loopback, plain and CURVE, over one connection and over the default
+    number, beside the link's raw throughput of the same bytes measured in one stream and in as many
+    streams as the pull's connections: a kernel TCP socket and raw ZeroMQ, plain and CURVE."""
     import zmq
 
     from astraflow.transport.keys import KeyPair
+    from astraflow.weights.client import default_connections
     from astraflow.weights.manifest import blob_digest, hash_pool
     from astraflow.weights.server import WeightServer
     from astraflow.weights.snapshot import state_dict_to_bytes
 
     blob = state_dict_to_bytes({k: v.cpu() for k, v in weights.items()})
-    link_s = _raw(peer, blob, repeats, None)
-    rows = [_row("limit: raw ZeroMQ TCP, loopback", [link_s], len(blob), link_s)]
-    curve_s = _raw(peer, blob, repeats, KeyPair(*zmq.curve_keypair()))
-    rows.append(_row("limit: raw ZeroMQ TCP with CURVE, loopback", [curve_s], len(blob), link_s))
+    k = connections or default_connections()
+    counts = sorted({1, k})
+    rows = []
+    link: dict[int, float] = {}
+    curve: dict[int, float] = {}
+    for n in counts:
+        tcp_s = _tcp(peer, blob, repeats, n)
+        rows.append(_row(f"limit: TCP socket, loopback, {_streams(n)}", [tcp_s], len(blob), None))
+        zmq_s = _raw(peer, blob, repeats, None, n)
+        rows.append(_row(f"limit: raw ZeroMQ TCP, loopback, {_streams(n)}", [zmq_s], len(blob), None))
+        link[n] = min(tcp_s, zmq_s)
+        curve[n] = _raw(peer, blob, repeats, KeyPair(*zmq.curve_keypair()), n)
+        rows.append(
+            _row(f"limit: raw ZeroMQ TCP with CURVE, loopback, {_streams(n)}", [curve[n]], len(blob), None)
+        )
+    best_link, best_curve = min(link.values()), min(curve.values())
+    for r in rows:
+        r["vs_limit"] = best_link / r["seconds"]
     hashing = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -220,71 +244,124 @@ def _zmq(peer: Peer, weights: dict[str, Any], repeats: int, nbytes: int) -> list
     rows.append(
         _row(f"limit: blob digest, {threads} hashing threads (a puller's check)", hashing, len(blob), None)
     )
-    for curve in (False, True):
-        keypair = KeyPair(*zmq.curve_keypair()) if curve else None
+    for use_curve in (False, True):
+        keypair = KeyPair(*zmq.curve_keypair()) if use_curve else None
         server = WeightServer("127.0.0.1", keypair=keypair)
-        pulls, publishes, applies, ends = [], [], [], []
         try:
-            for v in range(repeats + 1):
-                t0 = time.time()
-                m = server.publish("bench", v, blob)
-                published = time.time()
-                got = peer.ask(op="zmq", address=server.address, version=v, sha256=m.sha256)
-                if v > 0:  # the first pull maps the receiver's buffer and allocates its parameters
-                    publishes.append(published - t0)
-                    pulls.append(got["pull_s"])
-                    applies.append(got["apply_s"])
-                    ends.append(got["done"] - t0)
+            for n in counts:
+                rows.append(_pull(peer, server, blob, repeats, n, best_link))
+                row = rows[-1]
+                row["path"] = (
+                    f"host to host: ZeroMQ pull {'with' if use_curve else 'without'} CURVE, loopback, "
+                    f"{n} connection{'s' if n > 1 else ''}"
+                )
+                row["vs_link_1_stream"] = link[1] / row["seconds"]
+                row["vs_link_k_streams"] = link[k] / row["seconds"]
+                row["k_streams"] = k
+                if use_curve:
+                    row["vs_curve_limit"] = best_curve / row["seconds"]
         finally:
             server.close()
-        row = _row(
-            f"host to host: ZeroMQ pull {'with' if curve else 'without'} CURVE, loopback",
-            pulls,
-            len(blob),
-            link_s,
-        )
-        row.update(
-            publish_s=statistics.median(publishes),
-            apply_s=statistics.median(applies),
-            end_to_end_s=statistics.median(ends),
-        )
-        if curve:
-            row["vs_curve_limit"] = curve_s / row["seconds"]
-        rows.append(row)
-    _ = nbytes
     return rows
 
 
-def _raw(peer: Peer, blob: Any, repeats: int, keypair: Any) -> float:
-    """Median seconds to push the blob's bytes in 4 MiB frames to the peer, copied nowhere (with
-    `keypair`: a CURVE server, so the link's encryption is in the time)."""
+def _streams(n: int) -> str:
+    return f"{n} stream{'s' if n > 1 else ''}"
+
+
+def _pull(
+    peer: Peer, server: Any, blob: Any, repeats: int, connections: int, link_s: float
+) -> dict[str, Any]:
+    """Median pull over `connections` connections, with the publish and apply around it."""
+    pulls, publishes, applies, ends = [], [], [], []
+    base = 1000 * connections  # versions of this round: a fresh one each pull, as a trainer publishes
+    for v in range(base, base + repeats + 1):
+        t0 = time.time()
+        m = server.publish("bench", v, blob)
+        published = time.time()
+        got = peer.ask(op="zmq", address=server.address, version=v, sha256=m.sha256, connections=connections)
+        if v > base:  # the first pull maps the receiver's buffer and allocates its parameters
+            publishes.append(published - t0)
+            pulls.append(got["pull_s"])
+            applies.append(got["apply_s"])
+            ends.append(got["done"] - t0)
+    row = _row("", pulls, len(blob), link_s)
+    row.update(
+        publish_s=statistics.median(publishes),
+        apply_s=statistics.median(applies),
+        end_to_end_s=statistics.median(ends),
+    )
+    return row
+
+
+def _raw(peer: Peer, blob: Any, repeats: int, keypair: Any, streams: int = 1) -> float:
+    """Median seconds to push the blob's bytes in 4 MiB frames to the peer over `streams` sockets,
+    each in its own context (its own I/O thread on both sides), copied nowhere (with `keypair`: CURVE
+    servers, so the link's encryption is in the time). A first round, which connects, is not counted."""
     import zmq
 
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.PUSH)
+    ctxs = [zmq.Context() for _ in range(streams)]
+    socks = [c.socket(zmq.PUSH) for c in ctxs]
     server_key = ""
-    if keypair is not None:
-        sock.setsockopt(zmq.CURVE_SERVER, 1)
-        sock.setsockopt(zmq.CURVE_SECRETKEY, keypair.secret)
-        server_key = keypair.public.decode()
-    port = sock.bind_to_random_port("tcp://127.0.0.1")
-    address = f"tcp://127.0.0.1:{port}"
+    addresses = []
+    for sock in socks:
+        if keypair is not None:
+            sock.setsockopt(zmq.CURVE_SERVER, 1)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, keypair.secret)
+            server_key = keypair.public.decode()
+        addresses.append(f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}")
     raw = []
+    frames = [memoryview(blob)[i : i + (4 << 20)] for i in range(0, len(blob), 4 << 20)]
     try:
-        for _ in range(repeats):
+        for _ in range(repeats + 1):
             t0 = time.time()
             assert peer.proc.stdin is not None and peer.proc.stdout is not None
-            cmd = {"op": "raw", "address": address, "nbytes": len(blob), "server_key": server_key}
+            cmd = {"op": "raw", "addresses": addresses, "nbytes": len(blob), "server_key": server_key}
             peer.proc.stdin.write(json.dumps(cmd) + "\n")
             peer.proc.stdin.flush()
-            view = memoryview(blob)
-            for i in range(0, len(blob), 4 << 20):
-                sock.send(view[i : i + (4 << 20)], copy=False)
+            for i, frame in enumerate(frames):
+                socks[i % streams].send(frame, copy=False)
             raw.append(json.loads(peer.proc.stdout.readline())["done"] - t0)
     finally:
-        sock.close(0)
-        ctx.term()
-    return statistics.median(raw)
+        for sock, ctx in zip(socks, ctxs, strict=True):
+            sock.close(0)
+            ctx.term()
+    return statistics.median(raw[1:])
+
+
+def _tcp(peer: Peer, blob: Any, repeats: int, streams: int) -> float:
+    """Median seconds to send the blob over `streams` kernel TCP sockets on loopback (a thread a
+    stream on both sides), received into a reused buffer: the link without ZeroMQ. Connecting is
+    not timed."""
+    import socket
+    import threading
+
+    listeners = [socket.create_server(("127.0.0.1", 0)) for _ in range(streams)]
+    ports = [s.getsockname()[1] for s in listeners]
+    cmd = {"op": "tcp", "ports": ports, "nbytes": len(blob), "rounds": repeats + 1}
+    assert peer.proc.stdin is not None and peer.proc.stdout is not None
+    peer.proc.stdin.write(json.dumps(cmd) + "\n")
+    peer.proc.stdin.flush()
+    conns = [s.accept()[0] for s in listeners]
+    view = memoryview(blob)
+    share = -(-len(blob) // streams)
+    parts = [view[i * share : (i + 1) * share] for i in range(streams)]
+    times = []
+    try:
+        for _ in range(repeats + 1):  # the first round (the peer's buffers' first touch) is not counted
+            t0 = time.time()
+            senders = [
+                threading.Thread(target=c.sendall, args=(p,)) for c, p in zip(conns, parts, strict=True)
+            ]
+            for t in senders:
+                t.start()
+            for t in senders:
+                t.join()
+            times.append(json.loads(peer.proc.stdout.readline())["done"] - t0)
+    finally:
+        for c in conns + listeners:
+            c.close()
+    return statistics.median(times[1:])
 
 
 def _two_gpus(
@@ -354,21 +431,29 @@ def _device_name(dev: Any) -> str:
 
     if dev.type == "cuda":
         return f"{torch.cuda.get_device_name(dev)} x{torch.cuda.device_count()}"
-    return f"CPU {platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
+    return f"CPU {platform.processor() or platform.machine()}"
 
 
 def format_lines(res: dict[str, Any]) -> list[str]:
     """The human-readable report."""
-    lines = [f"weights bench on {res['device']}: {res['bytes'] / 1e6:.1f} MB a version ({res['model']})"]
+    lines = [
+        f"weights bench on {res['device']}, {res.get('cores')} cores: {res['bytes'] / 1e6:.1f} MB a version"
+        f" ({res['model']}); the pulls' % is of the link's fastest raw measure, 1 or K streams"
+    ]
     for r in res["paths"]:
         gbs = f"{r['gb_per_s']:8.2f} GB/s" if r["gb_per_s"] is not None else " " * 13
         vs = f"  {100 * r['vs_limit']:5.1f}% of its limit" if r["vs_limit"] is not None else ""
+        if "vs_link_1_stream" in r:
+            vs += (
+                f" ({100 * r['vs_link_1_stream']:.1f}% of 1 stream, "
+                f"{100 * r['vs_link_k_streams']:.1f}% of {r['k_streams']} streams)"
+            )
         if "vs_curve_limit" in r:
             vs += f", {100 * r['vs_curve_limit']:5.1f}% of raw CURVE"
-        lines.append(f"  {r['path']:58} {1000 * r['seconds']:10.2f} ms  {gbs}{vs}")
+        lines.append(f"  {r['path']:66} {1000 * r['seconds']:10.2f} ms  {gbs}{vs}")
         if "end_to_end_s" in r:
             lines.append(
-                f"  {'':58} publish {1000 * r['publish_s']:.1f} ms + pull + apply {1000 * r['apply_s']:.1f} ms"
+                f"  {'':66} publish {1000 * r['publish_s']:.1f} ms + pull + apply {1000 * r['apply_s']:.1f} ms"
                 f" = {1000 * r['end_to_end_s']:.1f} ms end to end"
             )
     d = res["delta"]
@@ -399,7 +484,6 @@ def _serve(device: str) -> None:
     )
     params: dict[str, Any] = {}
     offer = None
-    ctx = zmq.Context()
     pulls: dict[str, Any] = {}
 
     def apply(tensors: dict[str, Any]) -> None:
@@ -436,21 +520,40 @@ def _serve(device: str) -> None:
                 assert p is not None and m.layout is not None and packed.digest(p.buf) == p.digest
                 apply(packed.views(p.buf, m.layout))
             elif op == "raw":
-                if cmd["address"] not in pulls:  # one connection for every round: none loses frames
-                    pull = pulls[cmd["address"]] = ctx.socket(zmq.PULL)
-                    if cmd.get("server_key"):
-                        public, secret = zmq.curve_keypair()
-                        pull.setsockopt(zmq.CURVE_PUBLICKEY, public)
-                        pull.setsockopt(zmq.CURVE_SECRETKEY, secret)
-                        pull.setsockopt(zmq.CURVE_SERVERKEY, cmd["server_key"].encode())
-                    pull.connect(cmd["address"])
+                socks = []
+                for address in cmd["addresses"]:  # one connection (and context) each for every round
+                    if address not in pulls:
+                        pull = pulls[address] = zmq.Context().socket(zmq.PULL)
+                        if cmd.get("server_key"):
+                            public, secret = zmq.curve_keypair()
+                            pull.setsockopt(zmq.CURVE_PUBLICKEY, public)
+                            pull.setsockopt(zmq.CURVE_SECRETKEY, secret)
+                            pull.setsockopt(zmq.CURVE_SERVERKEY, cmd["server_key"].encode())
+                        pull.connect(address)
+                    socks.append(pulls[address])
+                poller = zmq.Poller()
+                for sock in socks:
+                    poller.register(sock, zmq.POLLIN)
                 n = 0
                 while n < cmd["nbytes"]:
-                    n += len(pulls[cmd["address"]].recv(copy=False))
+                    for sock, _ in poller.poll():
+                        while n < cmd["nbytes"]:
+                            try:
+                                n += len(sock.recv(zmq.NOBLOCK, copy=False))
+                            except zmq.Again:
+                                break
+            elif op == "tcp":
+                _tcp_rounds(cmd["ports"], cmd["nbytes"], cmd["rounds"])
+                continue
             elif op == "zmq":
                 t0 = time.perf_counter()
                 blob = fetch_weights(
-                    cmd["address"], "bench", cmd["version"], expect_sha256=cmd["sha256"], into=buffers
+                    cmd["address"],
+                    "bench",
+                    cmd["version"],
+                    expect_sha256=cmd["sha256"],
+                    into=buffers,
+                    connections=cmd["connections"],
                 )
                 t1 = time.perf_counter()
                 apply(bytes_to_state_dict(blob))
@@ -461,6 +564,38 @@ def _serve(device: str) -> None:
             print(json.dumps({"done": time.time()}), flush=True)
         except Exception as exc:
             print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}), flush=True)
+
+
+def _tcp_rounds(ports: list[int], nbytes: int, rounds: int) -> None:
+    """The receiving side of `_tcp`: connect a socket a port, then each round receive the blob's
+    share on each (a thread a socket, into a reused buffer) and say when all arrived."""
+    import socket
+    import threading
+
+    socks = [socket.create_connection(("127.0.0.1", p)) for p in ports]
+    share = -(-nbytes // len(socks))
+    sizes = [min(share, nbytes - i * share) for i in range(len(socks))]
+    bufs = [bytearray(4 << 20) for _ in socks]
+
+    def drain(sock: socket.socket, size: int, buf: bytearray) -> None:
+        view = memoryview(buf)
+        while size > 0:
+            got = sock.recv_into(view[: min(size, len(view))])
+            if not got:
+                raise ConnectionError("the sender closed early")
+            size -= got
+
+    try:
+        for _ in range(rounds):
+            readers = [threading.Thread(target=drain, args=a) for a in zip(socks, sizes, bufs, strict=True)]
+            for t in readers:
+                t.start()
+            for t in readers:
+                t.join()
+            print(json.dumps({"done": time.time()}), flush=True)
+    finally:
+        for sock in socks:
+            sock.close()
 
 
 if __name__ == "__main__":

@@ -322,6 +322,15 @@ def weights(
     repeats: Annotated[
         int, typer.Option("--repeats", min=1, help="Versions sent on each path (the median counts).")
     ] = 5,
+    connections: Annotated[
+        int,
+        typer.Option(
+            "--connections",
+            min=0,
+            max=8,
+            help="ZeroMQ pull connections (and link streams) measured beside one; 0: min(4, cores).",
+        ),
+    ] = 0,
     json_: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
 ) -> None:
     """Seconds per version and GB/s on each weight path, beside the copy limit measured in the same run."""
@@ -336,7 +345,7 @@ def weights(
             from astraflow.errors import AstraflowError
 
             raise AstraflowError("--device cuda but no CUDA device is visible", hint="use --device cpu")
-    res = run(model, device, repeats)
+    res = run(model, device, repeats, connections)
     if json_:
         typer.echo(json.dumps(res, indent=2))
         return

@@ -281,6 +281,10 @@ class WeightsConfig(_Model):
     region costs the trainer one upload per version."""
     relay_wait_s: float = Field(10.0, ge=0)
     """How long a worker waits for a relay still fetching a version before pulling from the trainer."""
+    pull_connections: int = Field(0, ge=0, le=8)
+    """zmq: connections one pull spreads a version's chunks over (one per 16 MiB of it at most), each
+    its own CURVE session on its own I/O thread on both sides, so encryption and hashing use several
+    cores; a connection that drops hands its chunks to the others. 0: min(4, the worker's cores)."""
     transports: list[Literal["ipc", "broadcast", "zmq"]] = ["ipc", "zmq"]
     """Paths a version may take, fastest first as a worker tries them: ipc (same host: shared memory, or
     CUDA IPC of the trainer's GPU buffer), broadcast (torch.distributed groups, weights in the clear:

@@ -405,6 +405,7 @@ class RaaS:
             max_chain=cfg.max_chain,
             relay_wait_s=cfg.relay_wait_s,
             into=self.recv_buffers,
+            connections=cfg.pull_connections,
         )
         return Received(info.version, fetched.state_dict, fetched.nbytes, _on_release=fetched.release)
 

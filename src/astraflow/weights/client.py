@@ -2,27 +2,29 @@
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import mmap
 import os
 import threading
 import time
-from collections import deque
-from concurrent.futures import Future
 
 import zmq
 from zmq.utils import z85
 
 from astraflow.errors import AstraflowError, ConnectError, ProtocolError, WeightIntegrityError
-from astraflow.protocol.codec import DecodeError, decode, encode
 from astraflow.protocol.messages import Error, Msg, WeightChunk, WeightManifest, WeightRequest
-from astraflow.transport.keys import KeyPair
-from astraflow.transport.security import curve_client, member_credentials
-from astraflow.weights.manifest import LEAF_BYTES, blob_digest, check_manifest, chunk_span, hash_pool
+from astraflow.weights.chunk_pull import ChunkPull
+from astraflow.weights.connection import PullConnection
+from astraflow.weights.manifest import LEAF_BYTES, blob_digest, check_manifest
 
 DEFAULT_WINDOW = 8
-"""Chunk requests kept in flight: enough to hide a round trip, few enough not to flood the server."""
+"""Chunk requests kept in flight on each connection: enough to hide a round trip, few enough not to
+flood the server."""
+
+
+def default_connections() -> int:
+    """Connections a pull spreads over unless told: min(4, this machine's cores)."""
+    return max(1, min(4, os.cpu_count() or 1))
 
 
 class VersionUnavailableError(AstraflowError):
@@ -53,15 +55,19 @@ def fetch_weights(
     max_chunk_bytes: int = 64 << 20,
     idle_timeout_s: float | None = None,
     into: RecvBuffers | None = None,
+    connections: int = 0,
 ) -> memoryview:
     """Download and verify a version's blob (a writable buffer, from `into` when given: give it back
-    there once read); WeightIntegrityError on any checksum mismatch.
+    there once read) over up to `connections` connections (0: default_connections()), each its own
+    CURVE session on its own I/O thread; WeightIntegrityError on any checksum mismatch that no
+    other connection could repair.
 
     Raises ConnectError when the server does not answer within timeout_s (for the whole pull) and
     VersionUnavailableError when it does not hold the version; with idle_timeout_s, ConnectError as
     soon as the server was silent that long.
     """
-    with _Puller(addr, timeout_s, max_chunk_bytes, idle_timeout_s) as puller:
+    conns = connections or default_connections()
+    with _Puller(addr, timeout_s, max_chunk_bytes, idle_timeout_s, conns) as puller:
         manifest = puller.manifest(policy, version, kind)
         if expect_sha256 and manifest.sha256 != expect_sha256:
             raise WeightIntegrityError(
@@ -82,8 +88,10 @@ def fetch_chain(
     window: int = DEFAULT_WINDOW,
     max_chunk_bytes: int = 64 << 20,
     idle_timeout_s: float | None = None,
+    connections: int = 0,
 ) -> list[memoryview]:
-    """Download and verify the deltas base+1 .. version (each from the version before), in order.
+    """Download and verify the deltas base+1 .. version (each from the version before), in order,
+    over up to `connections` connections as fetch_weights.
 
     Raises VersionUnavailableError when the server lacks one of them, or when together they exceed
     max_bytes (a full snapshot is then the cheaper pull); ConnectError and WeightIntegrityError as
@@ -91,7 +99,8 @@ def fetch_chain(
     """
     if version <= base:
         raise ValueError(f"no chain from {base} to {version}")
-    with _Puller(addr, timeout_s, max_chunk_bytes, idle_timeout_s) as puller:
+    conns = connections or default_connections()
+    with _Puller(addr, timeout_s, max_chunk_bytes, idle_timeout_s, conns) as puller:
         manifests = [puller.manifest(policy, v, "delta") for v in range(base + 1, version + 1)]
         total = sum(m.nbytes for m in manifests)
         if total > max_bytes:
@@ -178,10 +187,16 @@ def split_address(addr: str) -> tuple[str, bytes | None]:
 
 
 class _Puller:
-    """One DEALER to one weight server, with a deadline shared by every request of a pull."""
+    """Connections to one weight server (one at first; more, each on its own libzmq I/O thread, once
+    a blob is big enough), with a deadline shared by every request of a pull."""
 
     def __init__(
-        self, addr: str, timeout_s: float, max_chunk_bytes: int, idle_timeout_s: float | None = None
+        self,
+        addr: str,
+        timeout_s: float,
+        max_chunk_bytes: int,
+        idle_timeout_s: float | None = None,
+        connections: int = 1,
     ) -> None:
         self.addr = addr
         self.timeout_s = timeout_s
@@ -192,76 +207,30 @@ class _Puller:
         # a lost request (server restarted, peer dropped) is asked again after this long
         self.retry_s = max(0.5, min(5.0, timeout_s / 6))
         self.rids = itertools.count(1)
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, max_chunk_bytes + (64 << 10))
-        self.sock.setsockopt(zmq.ROUTING_ID, b"w-" + os.urandom(8).hex().encode())
-        endpoint, server_key = split_address(addr)
-        if server_key is not None:
-            creds = member_credentials()
-            # without member credentials (a test, a tool) a throwaway key pair still encrypts and
-            # checks the server; a server restricted to member keys then refuses it
-            pair = creds.keypair if creds is not None else KeyPair(*zmq.curve_keypair())
-            curve_client(self.sock, pair, server_key)
-        self.sock.connect(endpoint)
+        self.connections = max(1, connections)
+        self.max_chunk_bytes = max_chunk_bytes
+        self.endpoint, self.server_key = split_address(addr)
+        self.ctx = zmq.Context(io_threads=self.connections)
+        self.conns: list[PullConnection] = []
+        self.open()
 
     def __enter__(self) -> _Puller:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.sock.close(0)
+        for conn in self.conns:
+            conn.close()
         self.ctx.term()
 
-    def _send(self, req: WeightRequest) -> None:
-        try:
-            self.sock.send(encode(req), zmq.NOBLOCK)
-        except zmq.Again:
-            # no connection to queue to (a refused CURVE handshake drops it): the request is
-            # re-sent after retry_s, and the pull fails with ConnectError at its deadline
-            pass
-
-    def _recv(self, wait_s: float) -> Msg | None:
-        """The next reply's first frame, decoded; a WeightChunk's bytes are left for `_data`."""
-        if not self.sock.poll(max(0, int(wait_s * 1000))):
-            return None
-        head = self.sock.recv(copy=False)
-        self.last_heard = time.monotonic()
-        try:
-            msg = decode(head.buffer)
-        except DecodeError as exc:
-            self._skip_rest()
-            raise ProtocolError(
-                f"weight server {self.addr} sent an undecodable reply: {exc}", hint=""
-            ) from None
-        if isinstance(msg, WeightChunk) != bool(head.more):
-            self._skip_rest()
-            raise ProtocolError(f"weight server {self.addr} sent a reply with the wrong frames", hint="")
-        return msg
-
-    def _skip_rest(self) -> None:
-        """Drop the remaining frames of the current reply."""
-        while self.sock.getsockopt(zmq.RCVMORE):
-            self.sock.recv(copy=False)
-
-    def _data(self, dest: memoryview | None) -> int:
-        """Receive a WeightChunk's bytes straight into `dest` (None: drop them); their length."""
-        if dest is None:
-            n = len(self.sock.recv(copy=False))
-        else:
-            n = self.sock.recv_into(dest)
-        if self.sock.getsockopt(zmq.RCVMORE):
-            self._skip_rest()
-            raise ProtocolError(f"weight server {self.addr} sent a chunk with extra frames", hint="")
-        return n
-
-    def _timeout(self, what: str) -> ConnectError:
+    def timeout_error(self, what: str) -> ConnectError:
+        """The error of a pull that did not get `what` in time."""
         return ConnectError(
             f"weight server at {self.addr} did not send {what} within {self.timeout_s:g}s",
             hint="is the trainer (or relaying RaaS) still running, and is its port reachable from here?",
         )
 
-    def _check_error(self, msg: Msg, policy: str, version: int) -> None:
+    def check_error(self, msg: Msg, policy: str, version: int) -> None:
+        """Raise the error an Error reply stands for (nothing for any other reply)."""
         if isinstance(msg, Error):
             if msg.code == "not_yet":
                 raise NotYetError(f"relay at {self.addr}: {msg.message}", hint="ask again shortly")
@@ -273,22 +242,26 @@ class _Puller:
             raise ProtocolError(f"weight server at {self.addr} answered {msg.code}: {msg.message}", hint="")
 
     def manifest(self, policy: str, version: int, kind: str) -> WeightManifest:
+        """Ask for a manifest on the first connection, again every retry_s until the deadline."""
+        conn = self.conns[0]
         req = WeightRequest(rid=next(self.rids), policy=policy, version=version, kind=kind)
-        self._send(req)
+        conn.send(req)
         resend_at = time.monotonic() + self.retry_s
         while True:
             now = time.monotonic()
             if now >= min(self.deadline, self.last_heard + self.idle_s):
-                raise self._timeout(f"the manifest of {policy}@{version}")
+                raise self.timeout_error(f"the manifest of {policy}@{version}")
             if now >= resend_at:
-                self._send(req)
+                conn.send(req)
                 resend_at = now + self.retry_s
-            msg = self._recv(min(self.deadline, resend_at, self.last_heard + self.idle_s) - now)
+            msg = conn.recv(min(self.deadline, resend_at, self.last_heard + self.idle_s) - now)
+            if msg is not None:
+                self.last_heard = time.monotonic()
             if isinstance(msg, WeightChunk):
-                self._data(None)  # a late answer to an earlier pull's chunk request
+                conn.data(None)  # a late answer to an earlier pull's chunk request
             if msg is None or msg.rid != req.rid:
                 continue
-            self._check_error(msg, policy, version)
+            self.check_error(msg, policy, version)
             if not isinstance(msg, WeightManifest) or (msg.policy, msg.version) != (policy, version):
                 raise ProtocolError(
                     f"weight server at {self.addr} answered a manifest request with {msg!r:.120}", hint=""
@@ -296,79 +269,12 @@ class _Puller:
             return msg
 
     def chunks(self, manifest: WeightManifest, kind: str, window: int, dest: memoryview) -> None:
-        """Fill `dest` with every chunk, `window` requests in flight, each chunk received in place and
-        its sha256 checked on the hashing threads while the next ones arrive."""
-        n = len(manifest.chunk_sha256)
-        got = [False] * n
-        inflight: dict[int, tuple[int, float]] = {}  # rid -> (chunk index, resend time)
-        todo = iter(range(n))
-        remaining = n
-        checks: deque[tuple[int, Future[str]]] = deque()
-        pool = hash_pool()
+        """Fill `dest` with every chunk over this puller's connections (weights/chunk_pull.py), each
+        received in place and its sha256 checked on the hashing threads while the next arrive."""
+        ChunkPull(self, manifest, kind, window, dest).run()
 
-        def ask(index: int) -> None:
-            req = WeightRequest(
-                rid=next(self.rids), policy=manifest.policy, version=manifest.version, chunk=index, kind=kind
-            )
-            inflight[req.rid] = (index, time.monotonic() + self.retry_s)
-            self._send(req)
-
-        for index in itertools.islice(todo, window):
-            ask(index)
-        while remaining:
-            now = time.monotonic()
-            if now >= min(self.deadline, self.last_heard + self.idle_s):
-                raise self._timeout(f"all {n} chunks of {manifest.policy}@{manifest.version}")
-            for rid, (index, resend_at) in list(inflight.items()):
-                if now >= resend_at:
-                    del inflight[rid]
-                    ask(index)
-            next_resend = min((t for _, t in inflight.values()), default=self.deadline)
-            msg = self._recv(min(self.deadline, next_resend, self.last_heard + self.idle_s) - now)
-            if msg is None:
-                continue
-            entry = inflight.pop(msg.rid, None)
-            if entry is None:
-                if isinstance(msg, WeightChunk):
-                    self._data(None)
-                continue  # a late answer to a request we already re-sent
-            self._check_error(msg, manifest.policy, manifest.version)
-            index = entry[0]
-            if not isinstance(msg, WeightChunk) or msg.index != index:
-                if isinstance(msg, WeightChunk):
-                    self._data(None)
-                raise ProtocolError(
-                    f"weight server at {self.addr} answered chunk {index} with {type(msg).__name__}", hint=""
-                )
-            start, end = chunk_span(manifest, index)
-            if got[index]:
-                self._data(None)
-            elif msg.nbytes != end - start or self._data(dest[start:end]) != end - start:
-                if msg.nbytes != end - start:
-                    self._data(None)
-                raise WeightIntegrityError(
-                    f"chunk {index} of {manifest.policy}@{manifest.version} from {self.addr} has the wrong size",
-                    hint="the server or the network corrupted it; retry, or pull from another peer",
-                )
-            else:
-                got[index] = True
-                remaining -= 1
-                checks.append((index, pool.submit(_sha_hex, dest[start:end])))
-                while checks and checks[0][1].done():
-                    self._check_chunk(manifest, *checks.popleft())
-            nxt = next(todo, None)
-            if nxt is not None:
-                ask(nxt)
-        while checks:
-            self._check_chunk(manifest, *checks.popleft())
-
-    def _check_chunk(self, manifest: WeightManifest, index: int, digest: Future[str]) -> None:
-        if digest.result() != manifest.chunk_sha256[index]:
-            raise WeightIntegrityError(
-                f"chunk {index} of {manifest.policy}@{manifest.version} from {self.addr} fails its sha256",
-                hint="the server or the network corrupted it; retry, or pull from another peer",
-            )
-
-
-def _sha_hex(view: memoryview) -> str:
-    return hashlib.sha256(view).hexdigest()
+    def open(self) -> PullConnection:
+        """One more connection to the server."""
+        conn = PullConnection(self.ctx, self.endpoint, self.server_key, self.addr, self.max_chunk_bytes)
+        self.conns.append(conn)
+        return conn

@@ -116,13 +116,15 @@ def fetch_version(
     relay_wait_s: float = 10.0,
     window: int | None = None,
     into: RecvBuffers | None = None,
+    connections: int = 0,
 ) -> Fetched:
     """Pull `policy@version` from the first source (relays first, the trainer last) that serves it.
 
     With `delta` and a held version at most `max_chain` behind, the delta chain is tried first. The
     result is held in `held` (when given) as the base of the next delta; without `held`, a full pull
-    lands in a buffer from `into` (when given), which `Fetched.release` hands back. Raises the last source's
-    error when no way worked.
+    lands in a buffer from `into` (when given), which `Fetched.release` hands back. Each pull spreads
+    over up to `connections` connections to its source (0: weights/client.py's default). Raises the
+    last source's error when no way worked.
     """
     from astraflow.weights.client import (
         DEFAULT_WINDOW,
@@ -175,6 +177,7 @@ def fetch_version(
                     timeout_s=timeout_s,
                     idle_timeout_s=idle_timeout_s,
                     window=win,
+                    connections=connections,
                 ),
                 src,
             )
@@ -199,6 +202,7 @@ def fetch_version(
                 expect_sha256=expect_sha256,
                 window=win,
                 into=into if held is None else None,
+                connections=connections,
             ),
             src,
         )

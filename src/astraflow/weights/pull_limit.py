@@ -8,8 +8,10 @@ for them) and a real puller retries. Plain (no CURVE) servers are not limited: t
 
 from __future__ import annotations
 
-PER_KEY = 8
-"""Connections of one key served at once (a RaaS pulls over one connection per pull, one pull at a time per policy)."""
+PER_KEY = 16
+"""Connections of one key served at once: a RaaS pulls one version per policy at a time, each over up
+to `[weights] pull_connections` (at most 8; by default 4) connections, and a finished pull's
+connections count for IDLE_S more."""
 IDLE_S = 2.0
 """A connection that asked nothing for this long no longer counts against its key."""
 

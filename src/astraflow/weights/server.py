@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any
@@ -65,8 +66,11 @@ class WeightServer:
         advertise_host: str | None = None,
         keypair: KeyPair | None = None,
         pull_keys: KeyStore | None = None,
+        io_threads: int = 0,
     ) -> None:
-        """Bind on bind_host (port 0 = a free one) and start serving; `address` is what peers dial."""
+        """Bind on bind_host (port 0 = a free one) and start serving; `address` is what peers dial.
+        io_threads: libzmq I/O threads (0: min(4, cores)); each connection's CURVE encryption runs
+        on one of them, so a pull over several connections encrypts on several cores."""
         if chunk_bytes <= 0 or keep_versions <= 0 or keep_deltas < 0:
             raise ValueError("chunk_bytes and keep_versions must be positive, keep_deltas not negative")
         self.chunk_bytes = chunk_bytes
@@ -81,7 +85,7 @@ class WeightServer:
         self._lock = threading.Lock()
         self._limit = PullLimit()
         """Connections served per key (weights/pull_limit.py)."""
-        self._ctx = zmq.Context()
+        self._ctx = zmq.Context(io_threads=io_threads or max(1, min(4, os.cpu_count() or 1)))
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, _MAX_REQUEST_BYTES)
