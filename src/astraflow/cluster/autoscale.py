@@ -1,7 +1,8 @@
 """The autoscaler: one policy, shared by every backend, that sizes the RaaS pool from the controller's
 demand (`status.demand`, astraflow.state.demand).
 
-A worker is added while work waits: at least `up_queued` tasks are queued and at least
+A worker is added while work waits: at least `up_queued` tasks are queued that a worker could lease
+(`demand.waiting`: not those of policies whose admission an operator paused) and at least
 `up_busy_fraction` of the alive workers' slots hold a lease (queued tasks with free slots wait on the
 staleness bound, not on workers, and more workers would not help). A worker is removed while the pool
 idles: at least `down_idle_fraction` of the slots hold no lease, whether or not tasks are queued
@@ -52,7 +53,7 @@ class Autoscaler:
             return self._change("remove", f"{count} workers, more than max {cfg.max}", now, demand, workers)
         slots = int(demand.get("slots") or 0)
         busy = int(demand.get("busy_slots") or 0)
-        queued = int(demand.get("queued") or 0)
+        queued = int(demand.get("waiting", demand.get("queued")) or 0)
         pressure = queued >= cfg.up_queued and slots > 0 and busy >= cfg.up_busy_fraction * slots
         idle = slots > 0 and (slots - busy) >= cfg.down_idle_fraction * slots
         self.pressure_since = (
