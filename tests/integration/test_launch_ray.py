@@ -209,7 +209,7 @@ def test_quickstart_through_launch_ray_replaces_and_autoscales(
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=120)
     text = out.read_text()
-    assert "raas-0 stopped (its actor died): replacing it" in text, text[-3000:]
+    assert "raas-0 stopped (its actor died): replacing it (1/3)" in text, text[-3000:]
     assert sorted(_steps(run_dir)) == list(range(1, STEPS + 1))
     with ro(run_dir) as db:
         group = 8
