@@ -256,7 +256,7 @@ class RolloutConfig(_Model):
     """GPUs of the RaaS processes `astraflow up` starts, as CUDA_VISIBLE_DEVICES (e.g. "0"); with several
     local workers and several GPUs, worker i gets the (i mod n)-th alone; empty = every GPU `up` sees."""
     autoscale: AutoscaleConfig = AutoscaleConfig()
-    """Growing and shrinking the RaaS pool with demand (`launch ray` only, not yet `up`)."""
+    """Growing and shrinking the RaaS pool with demand (`up` and `launch ray`; `launch k8s` through an HPA)."""
 
 
 class WeightsConfig(_Model):
