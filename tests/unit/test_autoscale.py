@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from astraflow.cluster.autoscale import Autoscaler, Decision, idlest
 from astraflow.config.recipe import AutoscaleConfig
+from astraflow.launch.autoscale import Autoscaler, Decision, idlest
 
 
 def demand(queued: int, leased: dict[str, int], slots: int = 2) -> dict[str, Any]:

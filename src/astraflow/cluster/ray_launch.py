@@ -25,11 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from astraflow import log
-from astraflow.cluster.autoscale import Autoscaler
 from astraflow.cluster.plan import Member, Plan
 from astraflow.cluster.ray_placement import Placement, RayOptions
 from astraflow.cluster.ray_role import RoleProcess
 from astraflow.errors import AstraflowError
+from astraflow.launch.autoscale import Autoscaler
 from astraflow.launch.restarts import restart_rules, rule_for
 
 _log = log.get("launch")

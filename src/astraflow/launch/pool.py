@@ -1,7 +1,7 @@
 """The RaaS workers of `astraflow up`: started as children of the launcher and, with
 `rollout.autoscale.enabled`, grown and drained with the controller's demand.
 
-The policy is the one every backend shares (cluster/autoscale.py); this module acts on it for local
+The policy is the one every backend shares (launch/autoscale.py); this module acts on it for local
 children: it reads the live controller's demand with the run's operator key every `interval_s`,
 starts a worker under the lowest free member name (`raas-0` … `raas-<max-1>`, a key made for each), or
 drains one with the `Leave` of `astraflow ctl drain` (the worker takes no new task, finishes or hands
@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from astraflow import log
-from astraflow.cluster.autoscale import Autoscaler
 from astraflow.errors import AstraflowError
+from astraflow.launch.autoscale import Autoscaler
 from astraflow.launch.supervisor import Child, Supervisor
 from astraflow.metrics.role_stats import STATS_ENV
 
