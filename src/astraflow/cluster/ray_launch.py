@@ -29,7 +29,7 @@ from astraflow.cluster.plan import Member, Plan
 from astraflow.cluster.ray_placement import Placement, RayOptions
 from astraflow.cluster.ray_role import RoleProcess
 from astraflow.errors import AstraflowError
-from astraflow.launch.autoscale import Autoscaler
+from astraflow.launch.autoscale import Autoscaler, overdue
 from astraflow.launch.restarts import restart_rules, rule_for
 
 _log = log.get("launch")
@@ -267,18 +267,13 @@ class RayRun:
         if self.autoscaler is None:
             return
         demand = self.last_status.get("demand", {})
-        alive = {w["id"] for w in demand.get("workers", [])}
         now = time.monotonic()
-        running = [s.member.name for s in self.workers() if not s.draining]
-        pending = sum(1 for s in self.workers() if s.draining or s.member.name not in alive)
-        for s in self.workers():
-            if (
-                s.draining
-                and now - s.drain_at > self.recipe.rollout.drain_timeout_s + 30
-                and s.actor is not None
-            ):
-                s.actor.signal.remote(signal.SIGTERM)  # the Leave did not reach it: SIGTERM drains too
-        decision = self.autoscaler.decide(demand, running, pending, now)
+        draining = {s.member.name: s.drain_at for s in self.workers() if s.draining}
+        for name in overdue(draining, now, self.recipe.rollout.drain_timeout_s):
+            if self.slots[name].actor is not None:
+                self.slots[name].actor.signal.remote(signal.SIGTERM)
+        workers = [s.member.name for s in self.workers()]
+        decision = self.autoscaler.decide_pool(demand, workers, draining, now)
         _log.debug(
             "autoscale: %s (%s); queued %s, slots %s/%s busy",
             decision.action,

@@ -16,6 +16,7 @@ module only decides, so it is tested without any of them.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -70,6 +71,17 @@ class Autoscaler:
             return self._change("remove", f"{slots - busy}/{slots} slots idle", now, demand, workers)
         return Decision("hold", "within bounds")
 
+    def decide_pool(
+        self, demand: dict[str, Any], workers: list[str], draining: Mapping[str, float], now: float
+    ) -> Decision:
+        """decide() for the workers a backend runs (`workers`, those draining included; `draining`:
+        name -> when it was asked to leave): a worker draining, or started and not yet listed alive
+        by the controller, puts the pool in motion."""
+        alive = {w["id"] for w in demand.get("workers", [])}
+        running = [w for w in workers if w not in draining]
+        pending = sum(1 for w in workers if w in draining or w not in alive)
+        return self.decide(demand, running, pending, now)
+
     def _change(
         self,
         action: Literal["add", "remove"],
@@ -90,3 +102,13 @@ def idlest(demand: dict[str, Any], workers: list[str]) -> str:
     least warmed-up engine); a worker the controller does not list yet holds none."""
     leased = {w["id"]: int(w.get("leased", 0)) for w in demand.get("workers", [])}
     return min(reversed(workers), key=lambda w: leased.get(w, 0))
+
+
+DRAIN_GRACE_S = 30.0
+"""Beyond rollout.drain_timeout_s, how long a drained worker may take to leave before it gets SIGTERM."""
+
+
+def overdue(draining: Mapping[str, float], now: float, drain_timeout_s: float) -> list[str]:
+    """Workers asked to drain too long ago (the Leave did not reach them): a backend sends them
+    SIGTERM, which drains too."""
+    return [w for w, asked in draining.items() if now - asked > drain_timeout_s + DRAIN_GRACE_S]

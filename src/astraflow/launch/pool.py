@@ -6,7 +6,7 @@ children: it reads the live controller's demand with the run's operator key ever
 starts a worker under the lowest free member name (`raas-0` … `raas-<max-1>`, a key made for each), or
 drains one with the `Leave` of `astraflow ctl drain` (the worker takes no new task, finishes or hands
 back the ones it holds, says Bye and exits 0: nothing is lost). A drained worker that is still there
-`drain_timeout_s` + 30 s later gets SIGTERM, which drains it too. A worker that dies is restarted by
+`drain_timeout_s` + 30 s later gets SIGTERM, which drains it too (the Leave did not reach it). A worker that dies is restarted by
 the launcher's restart policy (launch/restarts.py) like any other, unless the pool drained it.
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 
 from astraflow import log
 from astraflow.errors import AstraflowError
-from astraflow.launch.autoscale import Autoscaler
+from astraflow.launch.autoscale import Autoscaler, overdue
 from astraflow.launch.supervisor import Child, Supervisor
 from astraflow.metrics.role_stats import STATS_ENV
 
@@ -106,18 +106,15 @@ class LocalPool:
         demand = self._demand(address)
         if demand is None:
             return
-        alive = {w["id"] for w in demand.get("workers", [])}
-        workers = [c for c in self.sup.children if c.role == "raas" and c.running]
-        self.draining = {n: t for n, t in self.draining.items() if any(c.name == n for c in workers)}
-        for c in workers:
-            asked = self.draining.get(c.name)
-            if asked is not None and now - asked > self.rollout.drain_timeout_s + 30 and c.proc is not None:
-                c.proc.send_signal(signal.SIGTERM)  # the Leave did not reach it: SIGTERM drains too
-        running = [c.name for c in workers if c.name not in self.draining]
-        pending = sum(1 for c in workers if c.name in self.draining or c.name not in alive)
-        decision = self.autoscaler.decide(demand, running, pending, now)
+        workers = {c.name: c for c in self.sup.children if c.role == "raas" and c.running}
+        self.draining = {n: t for n, t in self.draining.items() if n in workers}
+        for name in overdue(self.draining, now, self.rollout.drain_timeout_s):
+            proc = workers[name].proc
+            if proc is not None:
+                proc.send_signal(signal.SIGTERM)
+        decision = self.autoscaler.decide_pool(demand, list(workers), self.draining, now)
         if decision.action == "add":
-            free = [n for n in self.names if n not in {c.name for c in workers}]
+            free = [n for n in self.names if n not in workers]
             if free:
                 self.start(free[0])
                 _log.info("autoscale: added %s (%s)", free[0], decision.reason)
