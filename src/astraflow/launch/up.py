@@ -18,7 +18,7 @@ from typing import Any
 from astraflow import log
 from astraflow.launch.pool import LocalPool, check_bounds, pool_names
 from astraflow.launch.progress import Progress
-from astraflow.launch.restarts import restart_or_fail, restart_rules
+from astraflow.launch.restarts import MAX_RAAS_RESTARTS, restart_or_fail, restart_rules
 from astraflow.launch.supervisor import Child, Supervisor, _die_with_parent, astraflow_cmd, tail_log
 from astraflow.models.dirs import check_models
 
@@ -81,7 +81,7 @@ def run_up(
     run_dir: Path,
     *,
     offline: bool = False,
-    max_raas_restarts: int = 3,
+    max_raas_restarts: int = MAX_RAAS_RESTARTS,
     viewer: list[str] | None = None,
 ) -> int:
     """Run a whole recipe on this machine; returns the exit code (0 when every policy reached its budget).
