@@ -121,9 +121,12 @@ def test_up_adds_a_worker_while_work_waits_and_drains_one_while_idle(
     try:
         pid = _stop_while_holding(run_dir, proc, out)
         _wait("the launcher to add raas-1", lambda: "autoscale: added raas-1" in out.read_text(), proc, out)
-        os.kill(pid, signal.SIGCONT)
-        # admission is held from here until a drain is seen, so the run cannot end before it
+        # admission is held from here until a drain is seen, so the run cannot end before it: only the
+        # tasks already leased can still finish once the worker goes on
         _astraflow("ctl", "pause", "--run-dir", str(run_dir))
+        os.kill(pid, signal.SIGCONT)
+        steps = "SELECT COUNT(*) FROM metrics WHERE policy='main'"
+        assert _rows(run_dir, steps)[0][0] < STEPS, "the run was over before the pause"
         _wait("a drain", lambda: "autoscale: draining" in out.read_text(), proc, out)
         drained = out.read_text().split("autoscale: draining ")[1].split()[0]
         left = "SELECT detail FROM events WHERE kind='member_left'"
