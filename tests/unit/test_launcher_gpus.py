@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from astraflow.launch.pool import worker_gpus
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_several_workers_take_one_listed_gpu_each_in_turn() -> None:
@@ -33,3 +39,14 @@ def test_an_autoscaled_local_pool_has_a_name_per_worker_up_to_max_and_starts_wit
         AstraflowError, match=r"rollout.local_workers \(4\) is outside rollout.autoscale.min..max \(1..3\)"
     ):
         check_bounds(outside)
+
+
+def test_up_refuses_a_starting_pool_outside_the_bounds_before_it_builds_anything(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "astraflow", "up", str(ROOT / "recipes/quickstart/recipe.toml"), "--no-dash"]
+    cmd += ["--run-dir", str(tmp_path / "run"), "--set", "rollout.autoscale.enabled=true"]
+    cmd += ["--set", "rollout.local_workers=3", "--set", "rollout.autoscale.max=2"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "rollout.local_workers (3) is outside rollout.autoscale.min..max (1..2)" in out.stderr
+    # neither the run directory nor the recipe's model (policy.model_init) was made
+    assert "Traceback" not in out.stderr and sorted(p.name for p in tmp_path.iterdir()) == []

@@ -93,8 +93,8 @@ def run_up(
     from astraflow.launch.services import start_services
     from astraflow.rundir import prepare
 
-    check_models(recipe)
     check_bounds(recipe.rollout)
+    check_models(recipe)
     prepare(run_dir, recipe)
     resolved = str(run_dir / "recipe.resolved.json")
     addr_file = run_dir / "controller.addr"
