@@ -1,7 +1,12 @@
 """`astraflow launch ray` on a real local Ray cluster (a head node and a worker node on this machine,
-`fake_gpu` standing in for GPUs): the quickstart runs as Ray actors, a RaaS actor killed with
-kill -9 is replaced, and the autoscaler adds a worker under load and drains one while admission is
-paused, with nothing lost: every step once, every done task one group, no trajectory trained twice."""
+in a network namespace of the test's own so everything stays on loopback; `fake_gpu` stands in for
+GPUs): the quickstart runs as Ray actors, the autoscaler adds a worker while work waits, a RaaS actor
+killed with kill -9 is replaced, and the autoscaler drains a worker while admission is paused, with
+nothing lost: every step once, every done task one group, no trajectory trained twice.
+
+Each phase waits for what the run records, never for the clock: the only worker is stopped (SIGSTOP)
+while it holds a lease and tasks wait, so the run cannot progress, and cannot end, until the
+autoscaler's new worker has been seen; admission is then paused until the drain is seen."""
 
 from __future__ import annotations
 
@@ -12,9 +17,9 @@ import sqlite3
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,7 +27,7 @@ from tests.chaos.cluster import free_port, ro
 from tests.integration.ray_local import GPU_RESOURCE, LocalRay, skip_reason
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = 60
+STEPS = 40
 pytestmark = pytest.mark.skipif(bool(skip_reason()), reason=skip_reason() or "")
 
 
@@ -50,9 +55,9 @@ def _wait(
         time.sleep(0.2)
 
 
-def _info(run_dir: Path, member: str) -> dict[str, object]:
+def _info(run_dir: Path, member: str) -> dict[str, Any]:
     path = run_dir / "launch" / "ray" / f"{member}.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
+    return dict(json.loads(path.read_text())) if path.is_file() else {}
 
 
 def _rows(run_dir: Path, sql: str, *args: object) -> list[tuple[object, ...]]:
@@ -66,10 +71,6 @@ def _rows(run_dir: Path, sql: str, *args: object) -> list[tuple[object, ...]]:
         return []
 
 
-def _alive(run_dir: Path) -> set[str]:
-    return {str(r[0]) for r in _rows(run_dir, "SELECT id FROM members WHERE status='alive' AND role='raas'")}
-
-
 def _steps(run_dir: Path) -> list[int]:
     return [
         int(str(r[0])) for r in _rows(run_dir, "SELECT step FROM metrics WHERE policy='main' ORDER BY id")
@@ -81,6 +82,10 @@ def _leased_by(run_dir: Path, member: str) -> list[int]:
     return [int(str(r[0])) for r in _rows(run_dir, sql, member)]
 
 
+def _queued(run_dir: Path) -> int:
+    return len(_rows(run_dir, "SELECT id FROM tasks WHERE status='queued'"))
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -89,8 +94,50 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _astraflow(cluster: LocalRay, *args: str) -> str:
+    """`astraflow ARGS` inside the cluster's namespace; its stdout (it must exit 0)."""
+    done = cluster.run([sys.executable, "-m", "astraflow", *args])
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def _demand(cluster: LocalRay, run_dir: Path) -> dict[str, Any]:
+    """The live controller's demand, asked as an observer from the cluster's namespace."""
+    keys = run_dir / "keys"
+    args = ["status", "--json", "--controller", (run_dir / "controller.addr").read_text().strip()]
+    args += [
+        "--key",
+        str(keys / "members/observer.key_secret"),
+        "--controller-key",
+        str(keys / "controller.key"),
+    ]
+    return dict(json.loads(_astraflow(cluster, *args))["demand"])
+
+
+def _stop_while_holding(
+    cluster: LocalRay, run_dir: Path, proc: subprocess.Popen[bytes], out: Path
+) -> list[int]:
+    """SIGSTOP raas-0's role at a moment the live controller sees it holding a lease while tasks
+    wait (retried until it does); returns the tasks it holds."""
+    for _ in range(30):
+        _wait(
+            "raas-0 to hold a lease while tasks wait",
+            lambda: _info(run_dir, "raas-0") and _leased_by(run_dir, "raas-0") and _queued(run_dir),
+            proc,
+            out,
+        )
+        pid = int(_info(run_dir, "raas-0")["pid"])
+        os.kill(pid, signal.SIGSTOP)
+        demand = _demand(cluster, run_dir)
+        held = {w["id"]: w["leased"] for w in demand["workers"]}.get("raas-0", 0)
+        if held and demand["queued"]:
+            return _leased_by(run_dir, "raas-0")
+        os.kill(pid, signal.SIGCONT)
+    pytest.fail(f"raas-0 was never stopped holding a lease while tasks waited:\n{out.read_text()[-4000:]}")
+
+
 # a Ray cluster and five role processes on two loaded cores: well past the suite's 300 s default
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_quickstart_through_launch_ray_replaces_and_autoscales(
     ray_cluster: LocalRay, tiny_model: Path, tmp_path: Path
 ) -> None:
@@ -103,9 +150,13 @@ def test_quickstart_through_launch_ray_replaces_and_autoscales(
         "rollout.slots=2",
         "rollout.local_workers=1",
         "rollout.drain_timeout_s=5",
+        # a worker stopped on purpose stays a member holding its leases while the autoscaler acts
+        # (a replacement under its name joins once it fell silent this long)
+        "controller.member_timeout_s=30",
         "rollout.autoscale.enabled=true",
         "rollout.autoscale.min=1",
         "rollout.autoscale.max=2",
+        "rollout.autoscale.up_busy_fraction=0.5",
         "rollout.autoscale.window_s=0",
         "rollout.autoscale.cooldown_s=1",
         "rollout.autoscale.interval_s=0.5",
@@ -117,56 +168,28 @@ def test_quickstart_through_launch_ray_replaces_and_autoscales(
     cmd += ["--trainer-gpus", "--gpu-resource", GPU_RESOURCE, "--metrics-bind", f"127.0.0.1:{metrics_port}"]
     cmd += [a for s in sets for a in ("--set", s)]
     with open(out, "wb") as sink:
-        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=ray_cluster.env, cwd=tmp_path)
-    try:
-        # tasks wait and both slots of raas-0 are busy: the autoscaler adds raas-1
-        _wait("the autoscaler to add raas-1", lambda: "autoscale: added raas-1" in out.read_text(), proc, out)
-        # kill -9 the process of raas-0's actor, the only worker so far: the driver replaces it, and the
-        # run waits for a worker meanwhile, so admission is paused well before the budget is reached
-        victim = _info(run_dir, "raas-0")
-        held = _leased_by(run_dir, "raas-0")
-        os.kill(int(str(victim["actor_pid"])), signal.SIGKILL)
-        # with admission held the pool idles, and the autoscaler drains a worker
-        subprocess.run(
-            [sys.executable, "-m", "astraflow", "ctl", "pause", "--run-dir", str(run_dir)],
-            check=True,
-            env=ray_cluster.env,
-            capture_output=True,
-            timeout=60,
+        proc = subprocess.Popen(
+            ray_cluster.cmd(cmd), stdout=sink, stderr=subprocess.STDOUT, env=ray_cluster.env, cwd=tmp_path
         )
+    try:
+        # the only worker hangs holding a lease while tasks wait: the run is held until a worker is added
+        held = _stop_while_holding(ray_cluster, run_dir, proc, out)
+        _wait("the autoscaler to add raas-1", lambda: "autoscale: added raas-1" in out.read_text(), proc, out)
+        # admission is held from here until the drain is seen, so the run cannot end before it
+        _astraflow(ray_cluster, "ctl", "pause", "--run-dir", str(run_dir))
         assert max(_steps(run_dir), default=0) < STEPS, "the run was over before the kill"
+        # kill -9 the process of raas-0's actor: the driver replaces it, and its role (stopped) dies with it
+        victim = _info(run_dir, "raas-0")
+        os.kill(int(victim["actor_pid"]), signal.SIGKILL)
         trainer = _info(run_dir, "trainer-main")
         assert trainer["resources"] == {"CPU": 0.5, GPU_RESOURCE: 1.0}, trainer
         assert trainer["placement_group"], "the GPU role was not placed by a placement group"
-        # the live controller's demand (with its admission room), from any node through RUN/controller.addr
-        keys = run_dir / "keys"
-        assert "0.0.0.0" not in (run_dir / "controller.addr").read_text()  # the address other nodes reach
-        status = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "astraflow",
-                "status",
-                "--json",
-                "--controller",
-                (run_dir / "controller.addr").read_text().strip(),
-            ]
-            + [
-                "--key",
-                str(keys / "members/observer.key_secret"),
-                "--controller-key",
-                str(keys / "controller.key"),
-            ],
-            env=ray_cluster.env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        assert status.returncode == 0, status.stderr
-        demand = json.loads(status.stdout)["demand"]
+        # the address other nodes reach, on loopback inside the namespace
+        assert (run_dir / "controller.addr").read_text().startswith("tcp://127.0.0.1:")
+        demand = _demand(ray_cluster, run_dir)
         assert isinstance(demand["room"]["main"], int) and demand["slots"] >= 0, demand
-        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=30) as r:
-            assert 'astraflow_up{run="quickstart"} 1' in r.read().decode()
+        scrape = f"import urllib.request as u; print(u.urlopen('http://127.0.0.1:{metrics_port}/metrics').read().decode())"
+        assert 'astraflow_up{run="quickstart"} 1' in ray_cluster.run([sys.executable, "-c", scrape]).stdout
         _wait(
             "raas-0 to be replaced",
             lambda: _info(run_dir, "raas-0").get("actor_pid") not in (None, victim["actor_pid"]),
@@ -174,24 +197,19 @@ def test_quickstart_through_launch_ray_replaces_and_autoscales(
             out,
         )
         # the role died with its actor: no orphan keeps the member's name
-        _wait("the killed role to exit", lambda: not _pid_alive(int(str(victim["pid"]))), proc, out, 30)
+        _wait("the killed role to exit", lambda: not _pid_alive(int(victim["pid"])), proc, out, 60)
+        # with admission paused the pool idles, and the autoscaler drains a worker
         _wait("a drain", lambda: "autoscale: draining" in out.read_text(), proc, out)
         drained = out.read_text().split("autoscale: draining ")[1].split()[0]
         _wait(f"{drained} to leave", lambda: f"{drained} left (exit 0)" in out.read_text(), proc, out)
-        subprocess.run(
-            [sys.executable, "-m", "astraflow", "ctl", "resume", "--run-dir", str(run_dir)],
-            check=True,
-            env=ray_cluster.env,
-            capture_output=True,
-            timeout=60,
-        )
-        assert proc.wait(timeout=300) == 0, out.read_text()[-4000:]
+        _astraflow(ray_cluster, "ctl", "resume", "--run-dir", str(run_dir))
+        assert proc.wait(timeout=400) == 0, out.read_text()[-4000:]
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=120)
     text = out.read_text()
-    assert "raas-0 stopped (its actor died): replacing it" in text, text[-3000:]
+    assert "raas-0 stopped (its actor died): replacing it (1/3)" in text, text[-3000:]
     assert sorted(_steps(run_dir)) == list(range(1, STEPS + 1))
     with ro(run_dir) as db:
         group = 8
@@ -200,7 +218,9 @@ def test_quickstart_through_launch_ray_replaces_and_autoscales(
         assert done and all(per_task.get(t) == group for t in done), "a task done twice or partly"
         assert set(per_task) <= set(done), "trajectories of a task that is not done"
         assert not db.execute("SELECT COUNT(*) FROM tasks WHERE status='failed'").fetchone()[0]
-        for t in held:  # what the killed worker held was taken back and done again, or is still queued
+        for t in (
+            held
+        ):  # what the stopped and killed worker held was taken back and done again, or is still queued
             status, epoch = db.execute("SELECT status, epoch FROM tasks WHERE id=?", (t,)).fetchone()
             assert status in ("done", "queued") and (status == "queued" or epoch >= 2), (t, status, epoch)
         ids = [i for (row,) in db.execute("SELECT traj_ids FROM batches") for i in json.loads(row)]
@@ -209,16 +229,9 @@ def test_quickstart_through_launch_ray_replaces_and_autoscales(
         assert any(e.startswith(drained) for e in events), events
     # every actor and placement group was released: the cluster's resources are whole again
     probe = (
-        "import ray, sys; ray.init(address=sys.argv[1], log_to_driver=False); "
-        "import json; print(json.dumps(ray.available_resources()))"
+        "import json, ray, sys, time; ray.init(address=sys.argv[1], log_to_driver=False); "
+        "print(json.dumps(ray.available_resources())); time.sleep(2); print(json.dumps(ray.available_resources()))"
     )
-    probe += "; import time; time.sleep(2); print(json.dumps(ray.available_resources()))"
-    left = subprocess.run(
-        [sys.executable, "-c", probe, ray_cluster.address],
-        capture_output=True,
-        text=True,
-        env=ray_cluster.env,
-        timeout=120,
-    )
+    left = ray_cluster.run([sys.executable, "-c", probe, ray_cluster.address])
     avail = json.loads(left.stdout.strip().splitlines()[-1])
     assert avail.get(GPU_RESOURCE) == 2.0 and avail.get("CPU") == 6.0, avail

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from astraflow.cluster.autoscale import Autoscaler, idlest
 from astraflow.config.recipe import AutoscaleConfig
+from astraflow.launch.autoscale import Autoscaler, Decision, idlest, overdue
 
 
 def demand(queued: int, leased: dict[str, int], slots: int = 2) -> dict[str, Any]:
@@ -98,3 +98,26 @@ def test_autoscale_bounds_may_change_on_a_restarted_run() -> None:
     assert check_recipe_change(new, grown, allow=True)
     with pytest.raises(RecipeError):
         check_recipe_change(new, grown, allow=False)
+
+
+def test_tasks_of_paused_policies_do_not_call_for_workers() -> None:
+    # every slot busy and five tasks queued, but admission is paused for all of them: a new worker
+    # would lease none, so none is added (and one that idles is drained)
+    a = scaler(window_s=0, cooldown_s=0)
+    paused = {**demand(5, {"raas-0": 2}), "waiting": 0}
+    assert a.decide(paused, ["raas-0"], 0, 1.0).action == "hold"
+    assert a.decide({**paused, "waiting": 1}, ["raas-0"], 0, 2.0).action == "add"
+    idle = {**demand(5, {"raas-0": 2, "raas-1": 0}), "waiting": 0}
+    assert a.decide(idle, ["raas-0", "raas-1"], 0, 3.0) == Decision("remove", "2/4 slots idle", "raas-1")
+
+
+def test_a_pool_in_motion_holds_and_an_overdue_drain_is_named() -> None:
+    a = scaler(window_s=0, cooldown_s=0)
+    busy = demand(5, {"raas-0": 2})
+    # raas-1 was started and the controller does not list it yet: hold
+    assert a.decide_pool(busy, ["raas-0", "raas-1"], {}, 1.0).action == "hold"
+    # raas-1 is draining: hold, whatever the demand
+    both = demand(5, {"raas-0": 2, "raas-1": 0})
+    assert a.decide_pool(both, ["raas-0", "raas-1"], {"raas-1": 0.5}, 2.0).action == "hold"
+    assert a.decide_pool(busy, ["raas-0"], {}, 3.0).action == "add"
+    assert overdue({"raas-1": 100.0, "raas-2": 130.0}, 140.0, drain_timeout_s=5) == ["raas-1"]

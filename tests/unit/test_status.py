@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from astraflow.dataflow.buffer import Buffer
+from astraflow.dataflow.control import RunControl
 from astraflow.dataflow.ledger import Ledger
 from astraflow.protocol.messages import SamplingParams, Sequence
 from astraflow.state.status import build_status
@@ -82,6 +83,7 @@ def test_status_schema_and_values(tmp_path: Path) -> None:
     assert doc["buffers"] == {"main": {"buffered": 1, "consumed": 0, "expired": 0, "dropped": 0}}
     assert doc["demand"] == {
         "queued": 1,
+        "waiting": 1,
         "leased": 1,
         "raas": 1,
         "slots": 4,
@@ -105,6 +107,30 @@ def test_demand_pace_and_room(tmp_path: Path) -> None:
     assert doc["demand"]["pace"] == {"main": 6.0}
     assert doc["demand"]["room"] == {"main": 3}
     assert doc["demand"]["idle_fraction"] == 1.0 and doc["demand"]["raas"] == 1
+
+
+def test_demand_waiting_leaves_out_tasks_of_paused_policies(tmp_path: Path) -> None:
+    store = Store.open(tmp_path / "state.db")
+    led = Ledger(store)
+    led.enqueue("a", {}, {"actor": "main"}, 1)
+    led.enqueue("b", {}, {"actor": "main", "critic": "judge"}, 1)
+    led.enqueue("c", {}, {"actor": "judge"}, 1)
+    led.enqueue("d", {}, {"actor": "main", "critic": "judge"}, 1, read_only=["judge"])
+    control = RunControl(store)
+    assert build_status(store)["demand"]["waiting"] == 4
+    control.pause("main")
+    # a is main's alone, d feeds main only; b still feeds judge, c is judge's
+    assert {k: build_status(store)["demand"][k] for k in ("queued", "waiting")} == {"queued": 4, "waiting": 2}
+    assert [control.may_lease(f) for f in (["main"], ["main", "judge"], ["judge"], [])] == [
+        False,
+        True,
+        True,
+        True,
+    ]
+    control.pause("")
+    assert build_status(store)["demand"]["waiting"] == 0
+    control.resume("")
+    assert build_status(store)["demand"]["waiting"] == 4
 
 
 def test_status_of_empty_store(tmp_path: Path) -> None:

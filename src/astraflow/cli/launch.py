@@ -92,7 +92,8 @@ def ray_(
     names = [f"raas-{i}" for i in range(max(len(plan.raas), scale.max if scale.enabled else 0))]
     prepare_run(r, plan, raas_names=names)
     from astraflow import log
-    from astraflow.cluster.ray_launch import RayOptions, run_on_ray
+    from astraflow.cluster.ray_launch import run_on_ray
+    from astraflow.cluster.ray_placement import RayOptions
 
     log.setup("launch")
     log.add_file(plan.run_dir / "logs" / "launch.log")

@@ -32,6 +32,7 @@ def up(
     """Run a recipe end to end on this machine; exits 0 when every policy reaches its step budget."""
     from astraflow import log
     from astraflow.config.load import load_recipe, validate_plugins
+    from astraflow.launch.pool import check_bounds
     from astraflow.launch.up import run_up
     from astraflow.models.dirs import check_models
     from astraflow.rundir import default_run_dir
@@ -40,6 +41,7 @@ def up(
     logger = log.setup("up")
     r = load_recipe(recipe, set_ or [])
     validate_plugins(r)
+    check_bounds(r.rollout)
     check_models(r, source=Path(recipe))  # before the run directory: a missing model changes nothing
     rd = run_dir or default_run_dir(r)
     if no_dash or not wants_dashboard():

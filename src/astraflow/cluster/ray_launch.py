@@ -3,19 +3,16 @@ this process, the driver.
 
 The driver attaches to a running Ray cluster (`--address`, or RAY_ADDRESS as `ray job submit` sets
 it) or starts a local one, then places one actor per role (`ray_role.RoleProcess`: the actor runs the
-role's `astraflow` command as its child): the controller first (bound to all interfaces of its node;
-members get its node's address), then one trainer per trainable policy and the RaaS workers. A role
-that needs GPUs gets a placement group of one bundle (its CPUs and GPUs on one node; a trainer's
-ranks run under torchrun inside its actor), kept across restarts so a replacement lands on the
-same reservation. The run directory (state, keys, logs, checkpoints) must be on a filesystem every
-node sees.
+role's `astraflow` command as its child; `ray_placement` says where and how): the controller first
+(bound to all interfaces of its node; members get its node's address), then one trainer per trainable
+policy and the RaaS workers. The run directory (state, keys, logs, checkpoints) must be on a
+filesystem every node sees.
 
-Supervision is the driver's loop, as in `astraflow up`: a RaaS actor that dies (its process killed,
-its node lost) is replaced under the same member name, a trainer restarts from its checkpoint, and
-the run ends when every trainer has finished (the controller then stops the workers and exits). With
-`rollout.autoscale.enabled` the loop also reads the controller's demand and adds or drains workers
-(`autoscale.Autoscaler`). Ray is not asked to restart actors itself (max_restarts 0): a restarted
-actor would rerun its constructor, not the role.
+Supervision is the driver's loop, as in `astraflow up`, under the same restart policy
+(launch/restarts.py): a RaaS actor that dies (its process killed, its node lost) is replaced under the
+same member name, a trainer restarts from its checkpoint, and the run ends when every trainer has
+finished (the controller then stops the workers and exits). With `rollout.autoscale.enabled` the loop
+also reads the controller's demand and adds or drains workers (`autoscale.Autoscaler`).
 """
 
 from __future__ import annotations
@@ -28,44 +25,14 @@ from pathlib import Path
 from typing import Any
 
 from astraflow import log
-from astraflow.cluster.autoscale import Autoscaler
 from astraflow.cluster.plan import Member, Plan
+from astraflow.cluster.ray_placement import Placement, RayOptions
 from astraflow.cluster.ray_role import RoleProcess
-from astraflow.cluster.slurm import OFFLINE_ENV
 from astraflow.errors import AstraflowError
+from astraflow.launch.autoscale import Autoscaler, overdue
+from astraflow.launch.restarts import restart_rules, rule_for
 
 _log = log.get("launch")
-
-
-@dataclass(frozen=True)
-class RayOptions:
-    """How the run is placed on the Ray cluster; everything else comes from the recipe."""
-
-    address: str = ""
-    """Ray cluster to attach to ('': RAY_ADDRESS, else the one `ray start` last started on this
-    machine, else a new local cluster that ends with the run)."""
-    port: int = 0
-    """The controller's TCP port on its node (0: a free port)."""
-    gpu_resource: str = "GPU"
-    """The Ray resource GPUs are counted in (a custom name stands in for GPUs, as in the tests)."""
-    trainer_gpus: bool = False
-    """One GPU resource per trainer rank (policy.trainer_nproc of them per trainer)."""
-    gpus_per_raas: float = 0.0
-    """GPU resources per RaaS worker."""
-    cpus_per_role: float = 1.0
-    """CPUs Ray reserves for each role's actor."""
-    offline: bool = False
-    """Set every library's offline switch in every role."""
-    max_restarts: int = 3
-    """Replacements of one RaaS worker before the run fails."""
-    trainer_restarts: int = 2
-    """Restarts of one trainer (from its checkpoint) before the run fails."""
-    start_timeout_s: float = 300.0
-    """Longest wait for a placement group or the controller to come up."""
-    stop_grace_s: float = 60.0
-    """Seconds the controller and workers get to stop by themselves once the trainers are done."""
-    metrics_bind: str = ""
-    """HOST:PORT of the Prometheus /metrics endpoint the driver serves ('' : none)."""
 
 
 @dataclass
@@ -99,107 +66,14 @@ class RayRun:
         self.controller: Slot | None = None
         self.address = ""
         self.actor_cls: Any = ray.remote(RoleProcess)
+        self.place = Placement(ray, plan, opts)
+        self.rules = restart_rules(recipe, opts.max_restarts)
         self.autoscaler = Autoscaler(recipe.rollout.autoscale) if recipe.rollout.autoscale.enabled else None
         self.client: Any = None
         self.stop_signal = 0
         self.last_status: dict[str, Any] | None = None
 
     # ----- placing roles ------------------------------------------------------------------------
-
-    def env(self, member: Member | None) -> dict[str, str]:
-        """Variables of one role's process."""
-        from astraflow.metrics.role_stats import STATS_ENV
-
-        env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        env["TOKENIZERS_PARALLELISM"] = "false"
-        if self.opts.offline:
-            env.update(OFFLINE_ENV)
-        if member is not None and member.role == "raas":
-            env[STATS_ENV] = str(self.plan.run_dir / "logs" / f"{member.name}.stats.jsonl")
-        return env
-
-    def argv(self, m: Member) -> list[str]:
-        """The role's `astraflow` arguments (the same as `up` and `launch slurm` give it)."""
-        keys = self.plan.keys
-        args = [
-            "join",
-            "--role",
-            m.role,
-            "--controller",
-            self.address,
-            "--member-id",
-            m.name,
-            "--key",
-            str(self.plan.secret(m.name)),
-            "--controller-key",
-            str(keys / "controller.key"),
-            "--connect-timeout",
-            "600",
-        ]
-        if m.role == "trainer":
-            args += [
-                "--policy",
-                str(m.policy),
-                "--checkpoint-dir",
-                str(self.plan.run_dir / "checkpoints" / str(m.policy)),
-            ]
-            args += ["--keys", str(keys)]
-            if m.nproc > 1:
-                args += ["--nproc", str(m.nproc)]
-        else:
-            args += ["--slots", str(self.plan.slots)]
-        return args
-
-    def gpus(self, m: Member) -> float:
-        """GPU resources of a role."""
-        if m.role == "trainer":
-            return float(m.nproc) if self.opts.trainer_gpus else 0.0
-        return self.opts.gpus_per_raas
-
-    def placement(self, slot: Slot, timeout_s: float) -> dict[str, Any]:
-        """Actor options: its CPUs, and for a GPU role its placement group (made once per member)."""
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        opts: dict[str, Any] = {"num_cpus": self.opts.cpus_per_role, "max_concurrency": 4, "max_restarts": 0}
-        gpus = self.gpus(slot.member)
-        if not gpus:
-            return opts
-        if slot.pg is None:
-            slot.pg = self._placement_group(slot.member.name, gpus, timeout_s)
-        res = self.opts.gpu_resource
-        opts.update(num_gpus=gpus) if res == "GPU" else opts.update(resources={res: gpus})
-        opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-            placement_group=slot.pg, placement_group_bundle_index=0
-        )
-        return opts
-
-    def _placement_group(self, name: str, gpus: float, timeout_s: float) -> Any:
-        """One bundle (the role's CPUs and GPUs on one node), reserved before the actor is placed."""
-        from ray.util.placement_group import placement_group, remove_placement_group
-
-        res = self.opts.gpu_resource
-        largest = max(
-            (float(n.get("Resources", {}).get(res, 0)) for n in self.ray.nodes() if n.get("Alive")),
-            default=0.0,
-        )
-        if largest < gpus:
-            raise AstraflowError(
-                f"{name} needs {gpus:g} {res} on one node; the largest node of the Ray cluster has {largest:g}",
-                hint="add a node with more GPUs, lower policy.trainer_nproc or --gpus-per-raas, or name "
-                "the resource your nodes declare with --gpu-resource",
-            )
-        pg = placement_group(
-            [{"CPU": self.opts.cpus_per_role, res: gpus}], strategy="STRICT_PACK", name=f"astraflow-{name}"
-        )
-        try:
-            self.ray.get(pg.ready(), timeout=timeout_s)
-        except self.ray.exceptions.GetTimeoutError:
-            remove_placement_group(pg)
-            raise AstraflowError(
-                f"no node could reserve {gpus:g} {res} for {name} within {timeout_s:.0f}s",
-                hint="other jobs hold them; `ray status` shows what is used",
-            ) from None
-        return pg
 
     def spawn(self, slot: Slot, argv: list[str], timeout_s: float | None = None) -> None:
         """Start (or replace) the member's actor and its role, placed within timeout_s (default
@@ -208,8 +82,9 @@ class RayRun:
         if slot.actor is not None:
             self.ray.kill(slot.actor)  # a role that exited leaves its actor alive: release it first
             slot.actor = None
-        actor = self.actor_cls.options(**self.placement(slot, timeout_s)).remote(
-            slot.member.name, argv, self.env(slot.member), str(self.plan.run_dir), str(Path.cwd())
+        opts, slot.pg = self.place.actor_options(slot.member, slot.pg, timeout_s)
+        actor = self.actor_cls.options(**opts).remote(
+            slot.member.name, argv, self.place.env(slot.member), str(self.plan.run_dir), str(Path.cwd())
         )
         try:
             slot.info = self.ray.get(actor.start.remote(), timeout=timeout_s)
@@ -236,10 +111,7 @@ class RayRun:
         addr_file.unlink(missing_ok=True)
         ctl = Slot(Member("controller", "controller"))
         self.controller = ctl
-        bind = f"tcp://0.0.0.0:{self.opts.port}"
-        self.spawn(
-            ctl, ["controller", str(self.plan.resolved), "--run-dir", str(self.plan.run_dir), "--bind", bind]
-        )
+        self.spawn(ctl, self.place.argv(ctl.member, ""))
         try:
             self.address = self.ray.get(ctl.actor.address.remote(self.opts.start_timeout_s))
         except self.ray.exceptions.RayTaskError as exc:
@@ -251,7 +123,7 @@ class RayRun:
         self.client = self._client()
         for m in self.plan.trainers:
             self.slots[m.name] = Slot(m)
-            self.spawn(self.slots[m.name], self.argv(m))
+            self.spawn(self.slots[m.name], self.place.argv(m, self.address))
         for m in self.plan.raas:
             self.add_worker(m.name)
 
@@ -278,7 +150,7 @@ class RayRun:
         slot = Slot(Member(name, "raas"))
         self.slots[name] = slot
         try:
-            self.spawn(slot, self.argv(slot.member), timeout_s)
+            self.spawn(slot, self.place.argv(slot.member, self.address), timeout_s)
         except AstraflowError:
             self._forget(slot)
             raise
@@ -340,33 +212,32 @@ class RayRun:
                 "the controller stopped (%s) before the trainers finished; see %s", how, self._log_of(name)
             )
             return 1
-        if role == "trainer":
-            if rc == 0:
-                trainers_left.discard(name)
-                _log.info("%s finished", name)
-                return None
-            if slot.restarts >= self.opts.trainer_restarts:
-                _log.error(
-                    "%s stopped (%s) after %d restarts; see %s", name, how, slot.restarts, self._log_of(name)
-                )
-                return 1
-            slot.restarts += 1
-            _log.warning("%s stopped (%s): restarting it from its checkpoint (%d)", name, how, slot.restarts)
-            self.spawn(slot, self.argv(slot.member))
+        if role == "trainer" and rc == 0:
+            trainers_left.discard(name)
+            _log.info("%s finished", name)
             return None
-        if slot.draining or rc == 0 or not trainers_left:
+        if role == "raas" and (slot.draining or rc == 0 or not trainers_left):
             # drained, or told to stop by the controller at the run's end: not a failure
             _log.info("%s left (%s)", name, how)
             self._forget(slot)
             return None
-        if slot.restarts >= self.opts.max_restarts:
+        rule = rule_for(self.rules, role, name)
+        others = any(
+            s.ref is not None for s in self.slots.values() if s.member.role == role and s is not slot
+        )
+        step = rule.after(slot.restarts, others)
+        if step == "fail":
             _log.error(
-                "%s stopped (%s) after %d replacements; see %s", name, how, slot.restarts, self._log_of(name)
+                "%s stopped (%s) after %d restarts; see %s", name, how, slot.restarts, self._log_of(name)
             )
             return 1
+        if step == "spare":
+            _log.warning("%s stopped (%s) after %d restarts: going on without it", name, how, slot.restarts)
+            self._forget(slot)
+            return None
         slot.restarts += 1
-        _log.warning("%s stopped (%s): replacing it (%d)", name, how, slot.restarts)
-        self.spawn(slot, self.argv(slot.member))
+        _log.warning("%s stopped (%s): %s (%d/%d)", name, how, rule.how, slot.restarts, rule.limit)
+        self.spawn(slot, self.place.argv(slot.member, self.address))
         return None
 
     def _forget(self, slot: Slot) -> None:
@@ -396,18 +267,13 @@ class RayRun:
         if self.autoscaler is None:
             return
         demand = self.last_status.get("demand", {})
-        alive = {w["id"] for w in demand.get("workers", [])}
         now = time.monotonic()
-        running = [s.member.name for s in self.workers() if not s.draining]
-        pending = sum(1 for s in self.workers() if s.draining or s.member.name not in alive)
-        for s in self.workers():
-            if (
-                s.draining
-                and now - s.drain_at > self.recipe.rollout.drain_timeout_s + 30
-                and s.actor is not None
-            ):
-                s.actor.signal.remote(signal.SIGTERM)  # the Leave did not reach it: SIGTERM drains too
-        decision = self.autoscaler.decide(demand, running, pending, now)
+        draining = {s.member.name: s.drain_at for s in self.workers() if s.draining}
+        for name in overdue(draining, now, self.recipe.rollout.drain_timeout_s):
+            if self.slots[name].actor is not None:
+                self.slots[name].actor.signal.remote(signal.SIGTERM)
+        workers = [s.member.name for s in self.workers()]
+        decision = self.autoscaler.decide_pool(demand, workers, draining, now)
         _log.debug(
             "autoscale: %s (%s); queued %s, slots %s/%s busy",
             decision.action,

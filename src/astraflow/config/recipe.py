@@ -214,7 +214,7 @@ class AutoscaleConfig(_Model):
     max: int = Field(4, ge=1)
     """Most RaaS workers the autoscaler starts (one key is made for each)."""
     up_queued: int = Field(1, ge=1)
-    """A worker is added while at least this many tasks are queued (and up_busy_fraction holds)."""
+    """A worker is added while at least this many queued tasks could be leased (a paused policy's are not counted) and up_busy_fraction holds."""
     up_busy_fraction: float = Field(0.9, gt=0, le=1)
     """A worker is added while at least this fraction of the alive workers' slots hold a lease (and up_queued holds)."""
     down_idle_fraction: float = Field(0.5, gt=0, le=1)
@@ -258,7 +258,7 @@ class RolloutConfig(_Model):
     """GPUs of the RaaS processes `astraflow up` starts, as CUDA_VISIBLE_DEVICES (e.g. "0"); with several
     local workers and several GPUs, worker i gets the (i mod n)-th alone; empty = every GPU `up` sees."""
     autoscale: AutoscaleConfig = AutoscaleConfig()
-    """Growing and shrinking the RaaS pool with demand (`launch ray` only, not yet `up`)."""
+    """Growing and shrinking the RaaS pool with demand (`up` and `launch ray`; `launch k8s` through an HPA)."""
 
 
 class WeightsConfig(_Model):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from astraflow.state.paused import ALL, ROW_POLICY, ROW_STAGE, read
+from astraflow.state.paused import ALL, ROW_POLICY, ROW_STAGE, leasable, read
 from astraflow.state.store import Store
 
 
@@ -36,10 +36,7 @@ class RunControl:
 
     def may_lease(self, feeds: Iterable[str]) -> bool:
         """False for a queued task whose every fed policy is paused (it waits in the queue)."""
-        if not self.paused:
-            return True
-        feeds = list(feeds)
-        return not feeds or not all(self.is_paused(p) for p in feeds)
+        return leasable(self.paused, feeds)
 
     def pause(self, policy: str) -> None:
         """Pause one policy's admission ("" or "*": the whole run); stored at once."""

@@ -123,6 +123,14 @@ class Supervisor:
             child.log_file.close()
         self._spawn(child)
 
+    def respawn(self, child: Child) -> None:
+        """Start a child that left on purpose (a drained worker the autoscaler adds again) afresh: its
+        restarts count anew."""
+        child.restarts = 0
+        if child.log_file is not None:
+            child.log_file.close()
+        self._spawn(child)
+
     def exited(self) -> list[tuple[Child, int]]:
         """Children that have exited since they were started, with their return codes."""
         out = []

@@ -2,7 +2,7 @@
 them, print progress, and tear everything down on exit, Ctrl-C or a child's failure.
 
 The parts: launch/supervisor.py (the children), launch/restarts.py (what a death does),
-launch/progress.py (the console), models/dirs.py (model directories), launch/services.py (a recipe's
+launch/progress.py (the console), launch/pool.py (the RaaS workers, autoscaled), models/dirs.py (model directories), launch/services.py (a recipe's
 [[service]] commands under launch/service_guard.py), launch/early_start.py (members that start before
 the controller's address is known).
 """
@@ -16,22 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from astraflow import log
+from astraflow.launch.pool import LocalPool, check_bounds, pool_names
 from astraflow.launch.progress import Progress
-from astraflow.launch.restarts import restart_or_fail, restart_rules
+from astraflow.launch.restarts import MAX_RAAS_RESTARTS, restart_or_fail, restart_rules
 from astraflow.launch.supervisor import Child, Supervisor, _die_with_parent, astraflow_cmd, tail_log
-from astraflow.metrics.role_stats import STATS_ENV
 from astraflow.models.dirs import check_models
 
 _log = log.get("launcher")
-
-
-def worker_gpus(gpus: str, index: int, workers: int) -> str:
-    """The GPUs of local RaaS worker `index`: with several workers and several GPUs listed, one GPU
-    each in turn (worker i gets the (i mod n)-th); otherwise every listed GPU."""
-    listed = [g for g in gpus.split(",") if g]
-    if workers > 1 and len(listed) > 1:
-        return listed[index % len(listed)]
-    return gpus
 
 
 def gpu_env(gpus: str) -> dict[str, str]:
@@ -90,7 +81,7 @@ def run_up(
     run_dir: Path,
     *,
     offline: bool = False,
-    max_raas_restarts: int = 3,
+    max_raas_restarts: int = MAX_RAAS_RESTARTS,
     viewer: list[str] | None = None,
 ) -> int:
     """Run a whole recipe on this machine; returns the exit code (0 when every policy reached its budget).
@@ -102,6 +93,7 @@ def run_up(
     from astraflow.launch.services import start_services
     from astraflow.rundir import prepare
 
+    check_bounds(recipe.rollout)
     check_models(recipe)
     prepare(run_dir, recipe)
     resolved = str(run_dir / "recipe.resolved.json")
@@ -126,7 +118,7 @@ def run_up(
     member_keys = throwaway_keys(
         run_dir / "keys",
         [(f"trainer-{p.name}", "trainer", p.name) for p in recipe.policy]
-        + [(f"raas-{i}", "raas", None) for i in range(recipe.rollout.local_workers)]
+        + [(name, "raas", None) for name in pool_names(recipe.rollout)]
         # for `astraflow status --controller ADDR --key RUN/keys/members/observer.key_secret ...`
         + [("observer", "observer", None)]
         # for `astraflow ctl ... --run-dir RUN` and the dashboard's control keys
@@ -168,32 +160,14 @@ def run_up(
                 ],
                 env=gpu_env(pol.trainer_gpus),
             )
-        for i in range(recipe.rollout.local_workers):
-            sup.start(
-                f"raas-{i}",
-                "raas",
-                [
-                    "join",
-                    "--role",
-                    "raas",
-                    *at_controller,
-                    "--member-id",
-                    f"raas-{i}",
-                    "--slots",
-                    str(recipe.rollout.slots),
-                    *member_keys[f"raas-{i}"],
-                ],
-                # each worker appends its engines' busy time and weight loads here (docs/benchmarks.md)
-                env={
-                    **gpu_env(worker_gpus(recipe.rollout.gpus, i, recipe.rollout.local_workers)),
-                    STATS_ENV: str(run_dir / "logs" / f"raas-{i}.stats.jsonl"),
-                },
-            )
-        addr = wait_for_address(addr_file, ctl)
+        pool = LocalPool(sup, recipe.rollout, run_dir, member_keys, at_controller)
+        for name in pool.names[: recipe.rollout.local_workers]:
+            pool.start(name)
+        addr = pool.address = wait_for_address(addr_file, ctl)
         _log.info("controller at %s; run directory %s", addr, run_dir)
         if viewer is not None:
             shown = subprocess.Popen(astraflow_cmd() + viewer, env=sup.env, preexec_fn=_die_with_parent)
-        return _watch(sup, recipe, run_dir, stop, t0, max_raas_restarts, shown)
+        return _watch(sup, pool, recipe, run_dir, stop, t0, max_raas_restarts, shown)
     except AstraflowError:
         raise
     finally:
@@ -207,6 +181,7 @@ def run_up(
 
 def _watch(
     sup: Supervisor,
+    pool: LocalPool,
     recipe: Any,
     run_dir: Path,
     stop: dict[str, int],
@@ -215,12 +190,13 @@ def _watch(
     viewer: subprocess.Popen[bytes] | None = None,
 ) -> int:
     """Supervise until the trainers finish, a fatal child fails, or a signal arrives. A dead child is
-    restarted as restart_rules says; a controller failure, or a child past its restarts, ends the run."""
+    restarted as restart_rules says (unless the pool drained it); a controller failure, or a child past
+    its restarts, ends the run. The pool is autoscaled meanwhile (launch/pool.py)."""
     budgets = {p.name: recipe.budget(p.name) for p in recipe.trainable()}
     progress = Progress(run_dir, budgets, show=viewer is None)
     rules = restart_rules(recipe, max_restarts)
     trainers = [c for c in sup.children if c.role == "trainer"]
-    seen_dead: set[tuple[str, int]] = set()
+    seen_dead: set[int] = set()  # process ids: a restarted or re-added child is a new process
     while True:
         progress.poll()
         if stop["signal"]:
@@ -234,10 +210,10 @@ def _watch(
             viewer, progress.show = None, True  # closed after the last step: the roles finish on their own
         trainers_done = _all_exited_0(trainers)
         for child, rc in sup.exited():
-            if child.proc is None or (child.name, child.restarts) in seen_dead:
+            if child.proc is None or child.proc.pid in seen_dead:
                 continue
-            seen_dead.add((child.name, child.restarts))
-            if (rc == 0 and child.role != "service") or trainers_done:
+            seen_dead.add(child.proc.pid)
+            if (rc == 0 and child.role != "service") or trainers_done or pool.was_drained(child):
                 continue  # a graceful stop (the controller said so, or the run is over); a service must not stop
             if restart_or_fail(sup, rules, child, rc):
                 continue
@@ -253,6 +229,8 @@ def _watch(
         if _all_exited_0(trainers):
             _finish(sup, progress, run_dir, t0, stop, viewer)
             return 0
+        if not trainers_done:
+            pool.watch(pool.address)
         time.sleep(0.1)
 
 

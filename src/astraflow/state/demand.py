@@ -7,8 +7,10 @@ controller's StatusReply and is null in a status read from the run directory.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
+from astraflow.state.paused import leasable, read
 from astraflow.state.store import Store
 
 PACE_STEPS = 5
@@ -16,8 +18,9 @@ PACE_STEPS = 5
 
 
 def build_demand(store: Store, room: dict[str, int] | None = None) -> dict[str, Any]:
-    """Queued and leased training tasks, the alive RaaS workers' slots and leases, idle fraction,
-    admission room and steps per minute of each policy."""
+    """Queued and leased training tasks (and the queued ones a worker could lease: `waiting`), the
+    alive RaaS workers' slots and leases, idle fraction, admission room and steps per minute of each
+    policy."""
     queued = int(store.scalar("SELECT COUNT(*) FROM tasks WHERE status = 'queued'") or 0)
     leased_by: dict[str, int] = {
         str(r["owner"]): int(r["n"])
@@ -39,6 +42,7 @@ def build_demand(store: Store, room: dict[str, int] | None = None) -> dict[str, 
     busy = sum(min(w["leased"], w["slots"]) for w in workers)
     return {
         "queued": queued,
+        "waiting": waiting(store, queued),
         "leased": sum(leased_by.values()),
         "raas": len(workers),
         "slots": slots,
@@ -48,6 +52,20 @@ def build_demand(store: Store, room: dict[str, int] | None = None) -> dict[str, 
         "room": room,
         "pace": {p["name"]: steps_per_minute(store, p["name"]) for p in store.policies()},
     }
+
+
+def waiting(store: Store, queued: int) -> int:
+    """Queued tasks that wait on a worker: those feeding a policy whose admission is not paused (a
+    task feeding only paused policies is leased to no worker, dataflow/control.py, so more workers
+    would not take it)."""
+    paused = set(read(store)["paused"])
+    if not paused or not queued:
+        return queued
+    n = 0
+    for r in store.query("SELECT * FROM tasks WHERE status = 'queued'"):
+        read_only = set(json.loads(r["read_only"] or "[]")) if "read_only" in r.keys() else set()
+        n += leasable(paused, [p for p in json.loads(r["roles"]).values() if p not in read_only])
+    return n
 
 
 def steps_per_minute(store: Store, policy: str) -> float | None:

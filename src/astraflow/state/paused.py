@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from typing import Any
 
 from astraflow.state.store import Store
@@ -23,3 +24,12 @@ def read(store: Store) -> dict[str, Any]:
         return {"paused": []}
     state = json.loads(rows[0]["state"]) if rows else {}
     return {"paused": sorted(str(p) for p in state.get("paused", []))}
+
+
+def leasable(paused: set[str], feeds: Iterable[str]) -> bool:
+    """False for a queued task whose every fed policy is paused: it waits in the queue, leased to no
+    worker (the controller's lease rule, and the autoscaler's count of tasks that wait on workers)."""
+    if not paused:
+        return True
+    feeds = list(feeds)
+    return not feeds or not (ALL in paused or all(p in paused for p in feeds))

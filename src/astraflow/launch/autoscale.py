@@ -1,7 +1,8 @@
 """The autoscaler: one policy, shared by every backend, that sizes the RaaS pool from the controller's
 demand (`status.demand`, astraflow.state.demand).
 
-A worker is added while work waits: at least `up_queued` tasks are queued and at least
+A worker is added while work waits: at least `up_queued` tasks are queued that a worker could lease
+(`demand.waiting`: not those of policies whose admission an operator paused) and at least
 `up_busy_fraction` of the alive workers' slots hold a lease (queued tasks with free slots wait on the
 staleness bound, not on workers, and more workers would not help). A worker is removed while the pool
 idles: at least `down_idle_fraction` of the slots hold no lease, whether or not tasks are queued
@@ -15,6 +16,7 @@ module only decides, so it is tested without any of them.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -52,7 +54,7 @@ class Autoscaler:
             return self._change("remove", f"{count} workers, more than max {cfg.max}", now, demand, workers)
         slots = int(demand.get("slots") or 0)
         busy = int(demand.get("busy_slots") or 0)
-        queued = int(demand.get("queued") or 0)
+        queued = int(demand.get("waiting", demand.get("queued")) or 0)
         pressure = queued >= cfg.up_queued and slots > 0 and busy >= cfg.up_busy_fraction * slots
         idle = slots > 0 and (slots - busy) >= cfg.down_idle_fraction * slots
         self.pressure_since = (
@@ -68,6 +70,17 @@ class Autoscaler:
         if idle and count > cfg.min and now - (self.idle_since or now) >= cfg.window_s:
             return self._change("remove", f"{slots - busy}/{slots} slots idle", now, demand, workers)
         return Decision("hold", "within bounds")
+
+    def decide_pool(
+        self, demand: dict[str, Any], workers: list[str], draining: Mapping[str, float], now: float
+    ) -> Decision:
+        """decide() for the workers a backend runs (`workers`, those draining included; `draining`:
+        name -> when it was asked to leave): a worker draining, or started and not yet listed alive
+        by the controller, puts the pool in motion."""
+        alive = {w["id"] for w in demand.get("workers", [])}
+        running = [w for w in workers if w not in draining]
+        pending = sum(1 for w in workers if w in draining or w not in alive)
+        return self.decide(demand, running, pending, now)
 
     def _change(
         self,
@@ -89,3 +102,13 @@ def idlest(demand: dict[str, Any], workers: list[str]) -> str:
     least warmed-up engine); a worker the controller does not list yet holds none."""
     leased = {w["id"]: int(w.get("leased", 0)) for w in demand.get("workers", [])}
     return min(reversed(workers), key=lambda w: leased.get(w, 0))
+
+
+DRAIN_GRACE_S = 30.0
+"""Beyond rollout.drain_timeout_s, how long a drained worker may take to leave before it gets SIGTERM."""
+
+
+def overdue(draining: Mapping[str, float], now: float, drain_timeout_s: float) -> list[str]:
+    """Workers asked to drain too long ago (the Leave did not reach them): a backend sends them
+    SIGTERM, which drains too."""
+    return [w for w, asked in draining.items() if now - asked > drain_timeout_s + DRAIN_GRACE_S]

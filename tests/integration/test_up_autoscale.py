@@ -1,0 +1,158 @@
+"""`astraflow up` with rollout.autoscale: the launcher adds a local RaaS worker while work waits and
+drains one while the pool idles, with nothing lost (every step once, every done task one group, no
+trajectory trained twice).
+
+Each phase waits for what the run records, never for the clock: the only worker is stopped (SIGSTOP)
+while it holds a lease and tasks wait, so the run cannot move until the launcher has added a worker;
+admission is then paused until a worker has been drained and left."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.chaos.cluster import ro
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 24
+
+
+def _wait(what: str, cond: Callable[[], object], proc: subprocess.Popen[bytes], out: Path) -> None:
+    deadline = time.monotonic() + 240
+    while not cond():
+        if proc.poll() is not None:
+            pytest.fail(f"up exited {proc.returncode} while waiting for {what}:\n{out.read_text()[-4000:]}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}:\n{out.read_text()[-4000:]}")
+        time.sleep(0.2)
+
+
+def _rows(run_dir: Path, sql: str, *args: object) -> list[tuple[Any, ...]]:
+    """Rows of a query on the run's state.db; none before the controller made its tables."""
+    if not (run_dir / "state.db").is_file():
+        return []
+    try:
+        with ro(run_dir) as db:
+            return db.execute(sql, args).fetchall()
+    except sqlite3.OperationalError:
+        return []
+
+
+def _astraflow(*args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", "astraflow", *args], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def _demand(run_dir: Path) -> dict[str, Any]:
+    """The live controller's demand, asked as the run's observer."""
+    keys = run_dir / "keys"
+    args = ["status", "--json", "--controller", (run_dir / "controller.addr").read_text().strip()]
+    args += [
+        "--key",
+        str(keys / "members/observer.key_secret"),
+        "--controller-key",
+        str(keys / "controller.key"),
+    ]
+    return dict(json.loads(_astraflow(*args))["demand"])
+
+
+def _stop_while_holding(run_dir: Path, proc: subprocess.Popen[bytes], out: Path) -> int:
+    """SIGSTOP raas-0 at a moment the live controller sees it holding a lease while tasks wait
+    (retried until it does); returns its pid."""
+    leased = "SELECT COUNT(*) FROM tasks WHERE status='leased' AND owner='raas-0'"
+    queued = "SELECT COUNT(*) FROM tasks WHERE status='queued'"
+    for _ in range(30):
+        _wait(
+            "raas-0 to hold a lease while tasks wait",
+            lambda: _rows(run_dir, leased) and _rows(run_dir, leased)[0][0] and _rows(run_dir, queued)[0][0],
+            proc,
+            out,
+        )
+        (pid,) = _rows(run_dir, "SELECT pid FROM members WHERE id='raas-0'")[0]
+        os.kill(int(pid), signal.SIGSTOP)
+        demand = _demand(run_dir)
+        if {w["id"]: w["leased"] for w in demand["workers"]}.get("raas-0") and demand["waiting"]:
+            return int(pid)
+        os.kill(int(pid), signal.SIGCONT)
+    pytest.fail(f"raas-0 was never stopped holding a lease while tasks waited:\n{out.read_text()[-4000:]}")
+
+
+# a controller, a trainer and up to two workers on two loaded cores: past the suite's 300 s default
+@pytest.mark.timeout(600)
+def test_up_adds_a_worker_while_work_waits_and_drains_one_while_idle(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    sets = [
+        f'policy.model="{tiny_model}"',
+        f"run.steps={STEPS}",
+        "policy.batch_prompts=4",
+        "policy.group_size=8",
+        "rollout.slots=2",
+        "rollout.local_workers=1",
+        "rollout.drain_timeout_s=5",
+        "controller.member_timeout_s=30",  # the stopped worker stays a member while the launcher acts
+        "rollout.autoscale.enabled=true",
+        "rollout.autoscale.min=1",
+        "rollout.autoscale.max=2",
+        "rollout.autoscale.up_busy_fraction=0.5",
+        "rollout.autoscale.window_s=0",
+        "rollout.autoscale.cooldown_s=1",
+        "rollout.autoscale.interval_s=0.5",
+    ]
+    out = tmp_path / "up.out"
+    cmd = [sys.executable, "-m", "astraflow", "up", str(ROOT / "recipes/quickstart/recipe.toml")]
+    cmd += ["--run-dir", str(run_dir), "--no-dash", *[a for s in sets for a in ("--set", s)]]
+    with open(out, "wb") as sink:
+        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, cwd=tmp_path)
+    try:
+        pid = _stop_while_holding(run_dir, proc, out)
+        _wait("the launcher to add raas-1", lambda: "autoscale: added raas-1" in out.read_text(), proc, out)
+        # admission is held from here until a drain is seen, so the run cannot end before it: only the
+        # tasks already leased can still finish once the worker goes on
+        _astraflow("ctl", "pause", "--run-dir", str(run_dir))
+        os.kill(pid, signal.SIGCONT)
+        steps = "SELECT COUNT(*) FROM metrics WHERE policy='main'"
+        assert _rows(run_dir, steps)[0][0] < STEPS, "the run was over before the pause"
+        _wait("a drain", lambda: "autoscale: draining" in out.read_text(), proc, out)
+        drained = out.read_text().split("autoscale: draining ")[1].split()[0]
+        left = "SELECT detail FROM events WHERE kind='member_left'"
+        _wait(
+            f"{drained} to leave",
+            lambda: any(d.startswith(drained) for (d,) in _rows(run_dir, left)),
+            proc,
+            out,
+        )
+        _astraflow("ctl", "resume", "--run-dir", str(run_dir))
+        assert proc.wait(timeout=400) == 0, out.read_text()[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=120)
+    text = out.read_text()
+    assert f"{drained} exited" not in text, "a drained worker was restarted as if it had failed"
+    with ro(run_dir) as db:
+        steps = [r[0] for r in db.execute("SELECT step FROM metrics WHERE policy='main' ORDER BY id")]
+        assert sorted(steps) == list(range(1, STEPS + 1))
+        per_task = dict(db.execute("SELECT task_id, COUNT(*) FROM trajectories GROUP BY task_id").fetchall())
+        done = [r[0] for r in db.execute("SELECT id FROM tasks WHERE status='done'")]
+        assert done and all(per_task.get(t) == 8 for t in done), "a task done twice or partly"
+        assert set(per_task) <= set(done), "trajectories of a task that is not done"
+        assert not db.execute("SELECT COUNT(*) FROM tasks WHERE status='failed'").fetchone()[0]
+        ids = [i for (row,) in db.execute("SELECT traj_ids FROM batches") for i in json.loads(row)]
+        assert len(ids) == len(set(ids)), "a trajectory trained on twice"
+        joined = [r[0] for r in db.execute("SELECT detail FROM events WHERE kind='member_joined'")]
+        assert any(d.startswith("raas-1") for d in joined), joined
