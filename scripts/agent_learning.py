@@ -7,14 +7,14 @@ through the OpenAI-compatible endpoint and through the environment-server protoc
 1. `pip install --target OUT/site examples/calc-agent` (no change to astraflow; OUT/site goes on the
    PYTHONPATH of every command below, as a user's virtualenv would).
 2. Warm-start data from the package: 1,024 solved conversations of the calculator game of seed 100
-   (`python -m calc_agent.game --right-tool 0.25`): system and question, a tool call, its result, the
-   result said as the answer; the tool is the right one in a quarter of the rows and drawn at random
-   in the others, so the warm start knows the call format and copies results, and picks the right tool
-   only about half the time.
+   (`python -m calc_agent.game --teach add,multiply`): system and question, a tool call, its result,
+   the result said as the answer. Questions with "plus" and "times" call the right tool; questions
+   with "minus" call a tool drawn at random. So the warm start knows the call format, copies results
+   and reads the question's word for two operations; that "minus" needs `subtract` is left to RL.
 3. A random-init tiny Qwen3 with a BPE tokenizer trained on that data (`astraflow model init`), then
    `astraflow sft` (16 epochs, lr 2e-3): one warm start shared by every run.
 4. Per path and seed: `astraflow up examples/calc-agent/recipes/PATH.toml` from the warm start with
-   run.seed = S. The recipe's [eval] scores 32 held-out tasks (seed S + 1: questions never trained on)
+   run.seed = S. The recipe's [eval] scores 64 held-out tasks (seed S + 1: questions never trained on)
    4 times each at version 0 (the warm start) and at the last version.
 
 It prints, per run, held-out accuracy (pass@1: the final answer is the right number) before and after,
@@ -73,7 +73,7 @@ def warm_start(out: Path) -> Path:
         return sft
     data = out / "calc-sft.jsonl"
     sh(
-        [py, "-m", "calc_agent.game", "--sft-rows", "1024", "--seed", "100", "--teach", "add"],
+        [py, "-m", "calc_agent.game", "--sft-rows", "1024", "--seed", "100", "--teach", "add,multiply"],
         out / "sft-data.log",
         stdout=data,
     )

@@ -100,7 +100,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description="print warm-start conversations of the calculator game")
     ap.add_argument("--sft-rows", type=int, default=1024)
     ap.add_argument("--seed", type=int, default=100, help="a seed no run trains or evaluates on")
-    ap.add_argument("--teach", default="add", help="operations whose rows call the right tool ('' none)")
+    ap.add_argument(
+        "--teach", default="add,multiply", help="operations whose rows call the right tool ('' none)"
+    )
     args = ap.parse_args()
     teach = tuple(x for x in args.teach.split(",") if x)
     try:
