@@ -18,8 +18,9 @@ through the OpenAI-compatible endpoint and through the environment-server protoc
    4 times each at version 0 (the warm start) and at the last version.
 
 It prints, per run, held-out accuracy (pass@1: the final answer is the right number) before and after,
-the share of training episodes whose first tool was the right one (first and last 5 steps) and the
-run's wall time; and writes OUT/summary.json.
+and of it on the "minus" questions (read from the run's state.db), the share of training episodes
+whose first tool was the right one (first and last 5 steps) and the run's wall time; and writes
+OUT/summary.json (with the accuracy per operation).
 """
 
 from __future__ import annotations
@@ -113,11 +114,13 @@ def one_run(path: str, seed: int, sft: Path, out: Path, extra: list[str]) -> dic
     if len(evals) < 2:
         sys.exit(f"{path} seed {seed}: expected eval rows at the first and last version, got {len(evals)}")
     right = [float(r[RIGHT_TOOL[path]]) for r in train if RIGHT_TOOL[path] in r]
+    versions = [int(evals[0]["version"]), int(evals[-1]["version"])]
     return {
         "path": path,
         "seed": seed,
-        "versions": [int(evals[0]["version"]), int(evals[-1]["version"])],
+        "versions": versions,
         "accuracy": [float(evals[0]["eval/pass@1"]), float(evals[-1]["eval/pass@1"])],
+        "accuracy_by_operation": per_operation(run_dir, versions),
         "right_tool": [mean(right[:5]), mean(right[-5:])],
         "train_reward": [mean([float(r["reward_mean"]) for r in train[:5]]),
                          mean([float(r["reward_mean"]) for r in train[-5:]])],
@@ -125,15 +128,37 @@ def one_run(path: str, seed: int, sft: Path, out: Path, extra: list[str]) -> dic
     }  # fmt: skip
 
 
+def per_operation(run_dir: Path, versions: list[int]) -> dict[str, list[float]]:
+    """Held-out accuracy per operation of the question at the given versions (the run's eval tasks,
+    read from its state.db; the operation from the package's own game)."""
+    import sqlite3
+
+    from calc_agent.game import problem
+
+    rewards: dict[tuple[str, int], list[float]] = {}
+    with sqlite3.connect(f"file:{run_dir / 'state.db'}?mode=ro", uri=True) as db:
+        rows = db.execute(
+            "SELECT e.version, t.sample, e.rewards FROM eval_tasks e JOIN tasks t ON t.id = e.task_id"
+        ).fetchall()
+    for version, sample, got in rows:
+        rewards.setdefault((problem(json.loads(sample))["op"], int(version)), []).extend(json.loads(got))
+    ops = sorted({op for op, _ in rewards})
+    return {op: [mean(rewards.get((op, v), [])) for v in versions] for op in ops}
+
+
 def report(results: list[dict[str, Any]]) -> dict[str, list[float]]:
     """Print the table; the mean held-out accuracy before and after, per path."""
     print()
-    print(f"{'path':>8}  {'seed':>4}  {'held-out acc':>17}  {'right tool (train)':>18}  {'wall s':>7}")
+    print(
+        f"{'path':>8}  {'seed':>4}  {'held-out acc':>17}  {'of it minus':>14}  {'right tool (train)':>18}  "
+        f"{'wall s':>7}"
+    )
     for r in results:
         a, t = r["accuracy"], r["right_tool"]
+        m = r["accuracy_by_operation"].get("subtract", [0.0, 0.0])
         print(
-            f"{r['path']:>8}  {r['seed']:>4}  {a[0]:>7.3f} -> {a[1]:<6.3f}  {t[0]:>7.2f} -> {t[1]:<7.2f}  "
-            f"{r['wall_s']:>7.0f}"
+            f"{r['path']:>8}  {r['seed']:>4}  {a[0]:>7.3f} -> {a[1]:<6.3f}  {m[0]:>5.2f} -> {m[1]:<5.2f}  "
+            f"{t[0]:>7.2f} -> {t[1]:<7.2f}  {r['wall_s']:>7.0f}"
         )
     means = {}
     for path in dict.fromkeys(r["path"] for r in results):
@@ -157,7 +182,7 @@ def main() -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    install(out)
+    sys.path.insert(0, str(install(out)))  # this process reads the package's game for the report
     sft = warm_start(out)
     results = []
     for path in paths:
