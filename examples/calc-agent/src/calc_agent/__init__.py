@@ -1,0 +1,1 @@
+"""A calculator-using agent trained by astraflow from outside its source tree (see README.md)."""
