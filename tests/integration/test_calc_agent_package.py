@@ -62,7 +62,7 @@ def test_rows_render_through_the_bpe_chat_template(installed: Path, tmp_path: Pa
     from calc_agent import game
 
     from astraflow.models.bpe import build_bpe_tokenizer
-    from astraflow.workflows.openai_tools import TOOL_CALL
+    from astraflow.workflows.openai.tool_calls import TOOL_CALL
 
     corpus = tmp_path / "rows.jsonl"
     rows = game.sft_rows(8, seed=3)
