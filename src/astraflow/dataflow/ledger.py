@@ -17,6 +17,9 @@ from typing import Any
 
 from astraflow.state.store import Store
 
+LEASE_PAGE = 64
+"""Queued tasks a lease reads per query (at least the n asked for)."""
+
 
 @dataclass
 class TaskRow:
@@ -127,21 +130,32 @@ class Ledger:
             return []
         t = self.clock() if now is None else now
         out: list[TaskRow] = []
+        after = 0
         with self.store.write() as c:
-            for r in c.execute("SELECT * FROM tasks WHERE status = 'queued' ORDER BY id").fetchall():
-                task = _row(r)
-                if accept is not None and not accept(task):
-                    continue
-                task.epoch += 1
-                task.status, task.owner, task.lease_expiry = "leased", member_id, t + self.lease_timeout_s
-                c.execute(
-                    "UPDATE tasks SET status = 'leased', owner = ?, epoch = ?, lease_expiry = ?, updated = ?, "
-                    "leased_at = ? WHERE id = ?",
-                    (member_id, task.epoch, task.lease_expiry, t, t, task.id),
-                )
-                out.append(task)
-                if len(out) >= n:
+            # Read the queue a page at a time (oldest first): a request for n tasks parses about n
+            # rows, not the whole queue; no cursor stays open across the updates below.
+            while len(out) < n:
+                page = c.execute(
+                    "SELECT * FROM tasks WHERE status = 'queued' AND id > ? ORDER BY id LIMIT ?",
+                    (after, max(n, LEASE_PAGE)),
+                ).fetchall()
+                if not page:
                     break
+                after = int(page[-1]["id"])
+                for r in page:
+                    task = _row(r)
+                    if accept is not None and not accept(task):
+                        continue
+                    task.epoch += 1
+                    task.status, task.owner, task.lease_expiry = "leased", member_id, t + self.lease_timeout_s
+                    c.execute(
+                        "UPDATE tasks SET status = 'leased', owner = ?, epoch = ?, lease_expiry = ?, "
+                        "updated = ?, leased_at = ? WHERE id = ?",
+                        (member_id, task.epoch, task.lease_expiry, t, t, task.id),
+                    )
+                    out.append(task)
+                    if len(out) >= n:
+                        break
         return out
 
     def set_read_only(self, task: TaskRow, read_only: Iterable[str]) -> None:
