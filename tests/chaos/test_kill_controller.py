@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from astraflow.state.batches import decode_ids
 from tests.chaos.cluster import Cluster, ro
 
 
@@ -34,7 +35,7 @@ def test_kill_9_controller_and_restart(tiny_model: Path, tmp_path: Path) -> None
         assert [
             r[0] for r in db.execute("SELECT step FROM batches WHERE policy='main' ORDER BY step")
         ] == list(range(1, steps + 1))
-        ids = [i for (row,) in db.execute("SELECT traj_ids FROM batches") for i in json.loads(row)]
+        ids = [i for (row,) in db.execute("SELECT traj_ids FROM batches") for i in decode_ids(row)]
         assert len(ids) == len(set(ids)), "a trajectory was trained on twice across the restart"
         assert db.execute("SELECT MAX(version) FROM versions WHERE policy='main'").fetchone()[0] == steps
         group = json.loads((run_dir / "recipe.resolved.json").read_text())["policy"][0]["group_size"]

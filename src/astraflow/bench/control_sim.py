@@ -13,6 +13,7 @@ deadline passes, and writes its result file last.
 
 from __future__ import annotations
 
+import heapq
 import json
 import random
 import sys
@@ -52,6 +53,8 @@ class SimSpec:
     seed: int = 0
     grouped: bool = True
     """Answer a grant's tasks in one TaskResults (group commit); False: one TaskResult each."""
+    tokens: int = 3
+    """Generated tokens of each simulated sequence (after 3 prompt tokens)."""
 
 
 @dataclass
@@ -107,18 +110,20 @@ class _Member:
         self.sock.send(encode(msg), zmq.NOBLOCK)
 
 
-def _episodes(task: m.Task, policy: str, version: int, rng: random.Random) -> list[m.Episode]:
-    """The task's group as trivial one-sequence episodes: 3 prompt tokens, 3 generated."""
+def _episodes(
+    task: m.Task, policy: str, version: int, rng: random.Random, tokens: int = 3
+) -> list[m.Episode]:
+    """The task's group as trivial one-sequence episodes: 3 prompt tokens, `tokens` generated."""
     n = task.group_sizes.get(policy, task.group_size) if task.group_sizes else task.group_size
     return [
         m.Episode(
             sequences=[
                 m.Sequence(
                     policy=policy,
-                    tokens=[1, 2, 3, 4, 5, 6],
-                    loss_mask=[0, 0, 0, 1, 1, 1],
-                    logprobs=[0.0, 0.0, 0.0, -0.5, -0.5, -0.1],
-                    versions=[-1, -1, -1, version, version, version],
+                    tokens=[1, 2, 3] + [4 + i % 5 for i in range(tokens)],
+                    loss_mask=[0, 0, 0] + [1] * tokens,
+                    logprobs=[0.0, 0.0, 0.0] + [-0.5] * tokens,
+                    versions=[-1, -1, -1] + [version] * tokens,
                     reward=float(rng.random() < 0.5),
                     sampling=m.SamplingParams(),
                 )
@@ -138,10 +143,7 @@ def simulate(spec: SimSpec) -> SimResult:
     )  # a context option (setsockopt would set a socket default)
     keys = Path(spec.keys_dir) if spec.keys_dir else None
     members = [_Member(ctx, spec, ident, keys) for ident in spec.members]
-    by_sock = {mem.sock: mem for mem in members}
-    poller = zmq.Poller()
     for mem in members:
-        poller.register(mem.sock, zmq.POLLIN)
         mem.send(
             m.Hello(
                 member_id=mem.ident,
@@ -156,9 +158,17 @@ def simulate(spec: SimSpec) -> SimResult:
         )
     stop = Path(spec.stop_file)
     now = res.started = time.time()
-    # heartbeats spread evenly over one interval, as members that started at different times would
-    for i, mem in enumerate(members):
-        mem.next_beat = now + spec.heartbeat_s * (i / max(1, len(members)))
+    # heartbeats spread evenly over one interval, as members that started at different times would;
+    # a heap of due times, so a process of thousands of members does work per beat, not per member
+    due = [(now + spec.heartbeat_s * (i / max(1, len(members))), i) for i in range(len(members))]
+    heapq.heapify(due)
+    # idle members get nothing but replies to their own Hello and beats: each one's socket is read
+    # when it is due, with no poller over thousands of sockets (zmq_poll costs per socket per call)
+    poller = zmq.Poller()
+    for mem in members:
+        if mem.role != "idle":
+            poller.register(mem.sock, zmq.POLLIN)
+    by_sock = {mem.sock: mem for mem in members}
     last_stop_check = 0.0
     try:
         while True:
@@ -169,9 +179,12 @@ def simulate(spec: SimSpec) -> SimResult:
                 last_stop_check = now
                 if stop.exists():
                     break
-            for mem in members:
-                if mem.welcomed and now >= mem.next_beat:
-                    mem.next_beat = now + spec.heartbeat_s
+            while due and due[0][0] <= now:
+                _, i = heapq.heappop(due)
+                mem = members[i]
+                if mem.role == "idle":
+                    _drain(mem, spec, res, rng)
+                if mem.welcomed:
                     mem.send(
                         m.Heartbeat(
                             loaded={spec.policy: mem.version},
@@ -181,20 +194,33 @@ def simulate(spec: SimSpec) -> SimResult:
                         )
                     )
                     res.heartbeats += 1
-            for sock, _ in poller.poll(20):
-                mem = by_sock[sock]
-                while True:
-                    try:
-                        frame = sock.recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    _on_reply(mem, decode(frame), spec, res, rng)
+                    heapq.heappush(due, (now + spec.heartbeat_s, i))
+                else:  # its Welcome may be on the way: look again soon
+                    heapq.heappush(due, (now + min(0.05, spec.heartbeat_s), i))
+            wait_ms = 20 if not due else max(0, min(20, int(1000 * (due[0][0] - time.time()))))
+            if len(poller.sockets):
+                ready = poller.poll(wait_ms)
+            else:
+                time.sleep(wait_ms / 1000)
+                ready = []
+            for sock, _ in ready:
+                _drain(by_sock[sock], spec, res, rng)
     finally:
         res.ended = time.time()
         for mem in members:
             mem.sock.close(0)
         ctx.term()
     return res
+
+
+def _drain(mem: _Member, spec: SimSpec, res: SimResult, rng: random.Random) -> None:
+    """Handle every reply waiting on one member's socket."""
+    while True:
+        try:
+            frame = mem.sock.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        _on_reply(mem, decode(frame), spec, res, rng)
 
 
 def _on_reply(mem: _Member, msg: m.Msg, spec: SimSpec, res: SimResult, rng: random.Random) -> None:
@@ -224,7 +250,7 @@ def _on_reply(mem: _Member, msg: m.Msg, spec: SimSpec, res: SimResult, rng: rand
             res.task_latency_s.append(took)
         outcomes = []
         for task in msg.tasks:
-            eps = _episodes(task, spec.policy, mem.version, rng)
+            eps = _episodes(task, spec.policy, mem.version, rng, spec.tokens)
             mem.held.add(task.task_id)
             outcomes.append(m.Outcome(task_id=task.task_id, epoch=task.epoch, episodes=eps))
             res.results_sent += 1

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from astraflow.state import tasks
 from astraflow.state.store import Store
 
 LEASE_PAGE = 64
@@ -281,11 +282,8 @@ class Ledger:
             return cur.rowcount
 
     def counts(self) -> dict[str, int]:
-        """Tasks per status: queued, leased, done, failed (zeros included)."""
-        out = {"queued": 0, "leased": 0, "done": 0, "failed": 0}
-        for r in self.store.query("SELECT status, COUNT(*) AS n FROM tasks GROUP BY status"):
-            out[r["status"]] = int(r["n"])
-        return out
+        """Tasks per status: queued, leased, done, failed (zeros included; done counts retired ones)."""
+        return tasks.status_counts(self.store)
 
     def open_tasks(self, statuses: Iterable[str] = ("queued", "leased")) -> list[TaskRow]:
         """Tasks in the given statuses (for admission's outstanding count)."""

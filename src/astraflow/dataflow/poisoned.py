@@ -10,8 +10,7 @@ is composed anew. A `poisoned_dropped` event says what was done.
 
 from __future__ import annotations
 
-import json
-
+from astraflow.state import batches
 from astraflow.state.store import Store
 
 NULL_FLOATS = "reward IS NULL OR advantage IS NULL OR temperature IS NULL OR top_p IS NULL"
@@ -26,7 +25,7 @@ def drop_poisoned(store: Store) -> str:
             return ""
         forgotten: list[str] = []
         for r in c.execute("SELECT policy, step, traj_ids FROM batches").fetchall():
-            ids = json.loads(r["traj_ids"])
+            ids = batches.decode_ids(r["traj_ids"])
             if bad.isdisjoint(ids):
                 continue
             # never delivered (building its samples always failed): no trainer trained this step

@@ -848,15 +848,19 @@ class Controller:
 
     def retire(self, policy: str, step: int) -> None:
         """A retention pass (controller.retention) every `every_steps` steps of a policy: trajectories
-        trained on long ago leave state.db for the archive (state/archive.py), or are dropped."""
+        trained on long ago leave state.db for the archive (state/archive.py), or are dropped; then the
+        done tasks older than every trajectory left leave too (state/tasks.py, counted per owner)."""
         keep = self.recipe.controller.retention
         if keep.keep_steps is None or step % keep.every_steps:
             return
-        from astraflow.state import archive
+        from astraflow.state import archive, tasks
 
         n = archive.retire(self.store, self.run_dir, policy, step, keep.keep_steps, keep.action)
         if n:
             _log.info("retention: %d trajectories of %s left state.db (%s)", n, policy, keep.action)
+            done = tasks.retire_done(self.store)
+            if done:
+                _log.info("retention: %d done tasks left state.db", done)
 
     def _note_skipped(self, msg: m.VersionPublished) -> None:
         """A step the trainer skipped (non-finite loss or gradient norm) becomes a `step_skipped` event."""
