@@ -31,6 +31,8 @@ TASK_WAIT_S = 1.0
 """Long-poll wait of a task request with nothing to lease (the real RaaS waits the same way)."""
 BATCH_WAIT_S = 1.0
 """Long-poll wait of a batch request that is not ready yet."""
+JOIN_RATE = 500.0
+"""Members one simulator process connects and says Hello for per second."""
 
 
 @dataclass
@@ -93,7 +95,7 @@ class _Member:
 
             server = load_keypair(keys / "controller.key_secret").public
             curve_client(self.sock, load_keypair(keys / f"{ident}.key_secret"), server)
-        self.sock.connect(spec.addr)
+        self.hello_sent = False
         self.rid = 0
         self.welcomed = False
         self.version = 0
@@ -143,24 +145,13 @@ def simulate(spec: SimSpec) -> SimResult:
     )  # a context option (setsockopt would set a socket default)
     keys = Path(spec.keys_dir) if spec.keys_dir else None
     members = [_Member(ctx, spec, ident, keys) for ident in spec.members]
-    for mem in members:
-        mem.send(
-            m.Hello(
-                member_id=mem.ident,
-                role="trainer" if mem.role == "trainer" else "raas",
-                protocol=m.PROTOCOL_VERSION,
-                policies=[spec.policy],
-                slots=spec.slots,
-                pid=1,
-                host=f"sim-{mem.ident}",
-                hardware="simulated",
-            )
-        )
     stop = Path(spec.stop_file)
     now = res.started = time.time()
-    # heartbeats spread evenly over one interval, as members that started at different times would;
-    # a heap of due times, so a process of thousands of members does work per beat, not per member
-    due = [(now + spec.heartbeat_s * (i / max(1, len(members))), i) for i in range(len(members))]
+    # members join at JOIN_RATE a second (thousands of connects at once overflow the listen backlog
+    # and the kernel then retries them seconds apart), and beat spread evenly over one interval, as
+    # members that started at different times would; a heap of due times, so a process of thousands
+    # of members does work per beat, not per member
+    due = [(now + i / JOIN_RATE, i) for i in range(len(members))]
     heapq.heapify(due)
     # idle members get nothing but replies to their own Hello and beats: each one's socket is read
     # when it is due, with no poller over thousands of sockets (zmq_poll costs per socket per call)
@@ -182,6 +173,10 @@ def simulate(spec: SimSpec) -> SimResult:
             while due and due[0][0] <= now:
                 _, i = heapq.heappop(due)
                 mem = members[i]
+                if not mem.hello_sent:
+                    _hello(mem, spec)
+                    heapq.heappush(due, (now + min(0.2, spec.heartbeat_s), i))
+                    continue
                 if mem.role == "idle":
                     _drain(mem, spec, res, rng)
                 if mem.welcomed:
@@ -196,7 +191,7 @@ def simulate(spec: SimSpec) -> SimResult:
                     res.heartbeats += 1
                     heapq.heappush(due, (now + spec.heartbeat_s, i))
                 else:  # its Welcome may be on the way: look again soon
-                    heapq.heappush(due, (now + min(0.05, spec.heartbeat_s), i))
+                    heapq.heappush(due, (now + min(0.2, spec.heartbeat_s), i))
             wait_ms = 20 if not due else max(0, min(20, int(1000 * (due[0][0] - time.time()))))
             if len(poller.sockets):
                 ready = poller.poll(wait_ms)
@@ -211,6 +206,24 @@ def simulate(spec: SimSpec) -> SimResult:
             mem.sock.close(0)
         ctx.term()
     return res
+
+
+def _hello(mem: _Member, spec: SimSpec) -> None:
+    """Connect one member and say Hello."""
+    mem.sock.connect(spec.addr)
+    mem.hello_sent = True
+    mem.send(
+        m.Hello(
+            member_id=mem.ident,
+            role="trainer" if mem.role == "trainer" else "raas",
+            protocol=m.PROTOCOL_VERSION,
+            policies=[spec.policy],
+            slots=spec.slots,
+            pid=1,
+            host=f"sim-{mem.ident}",
+            hardware="simulated",
+        )
+    )
 
 
 def _drain(mem: _Member, spec: SimSpec, res: SimResult, rng: random.Random) -> None:
