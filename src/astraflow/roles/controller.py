@@ -503,6 +503,12 @@ class Controller:
         refused: set[tuple[Any, ...]] = set()
 
         def accept(task: TaskRow) -> bool:
+            ok = admit(task)
+            if ok:  # the ledger leases every task accepted: it is in flight for the next ones
+                self.admission.leased(task.roles, task.group_size, task.read_only)
+            return ok
+
+        def admit(task: TaskRow) -> bool:
             pols = task.policies
             if self.evals is not None and self.evals.is_eval(task.id):
                 return (not serves or serves.issuperset(pols)) and self.evals.may_lease(task, loaded)
@@ -528,7 +534,8 @@ class Controller:
         self.members.touch(member["id"], now, loaded or None)
         with self.store.write():
             n = self.accounting.quota(member, authz.task_quota(self.store, self.recipe, member, msg.n))
-            leased = self.ledger.lease(member["id"], n, now, accept)
+            with self.admission.leasing():
+                leased = self.ledger.lease(member["id"], n, now, accept)
             for t in leased:
                 # what the worker is told not to keep is what its result is stored by (see on_task_result)
                 read_only = set(t.read_only) | set(self.admission.read_only(t.policies))
