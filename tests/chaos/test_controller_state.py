@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from astraflow.state.batches import decode_flags, decode_ids
 from tests.chaos.cluster import RECIPE, Cluster, ro
 
 STAGES = 'policy.data=[{name="greso"}, {name="replay", options={ratio=0.25}}]'
@@ -25,7 +26,8 @@ def stage_state_matches_events(db: sqlite3.Connection) -> dict[int, dict]:
     groups = db.execute("SELECT COUNT(DISTINCT task_id) FROM trajectories WHERE policy='main'").fetchone()[0]
     tasks = db.execute("SELECT COUNT(*) FROM tasks").fetchone()[0]
     replayed = sum(
-        sum(json.loads(r)) for (r,) in db.execute("SELECT replay FROM batches WHERE policy='main'")
+        sum(decode_flags(f, len(decode_ids(i))))
+        for i, f in db.execute("SELECT traj_ids, replay FROM batches WHERE policy='main'")
     )
     counters, greso, replay = st[-1], st[0], st[1]
     assert groups > 0 and tasks > 0
@@ -78,7 +80,7 @@ def test_kill_9_keeps_stage_state_and_recipe_changes_are_checked(tiny_model: Pat
         fresh = [
             i
             for ids, flags in db.execute("SELECT traj_ids, replay FROM batches")
-            for i, f in zip(json.loads(ids), json.loads(flags), strict=True)
+            for i, f in zip(decode_ids(ids), decode_flags(flags, len(decode_ids(ids))), strict=True)
             if not f
         ]
         assert len(fresh) == len(set(fresh)), "a fresh trajectory was trained on twice"

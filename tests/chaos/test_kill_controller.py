@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from astraflow.state.batches import decode_ids
 from tests.chaos.cluster import Cluster, ro
 
 
@@ -34,7 +35,7 @@ def test_kill_9_controller_and_restart(tiny_model: Path, tmp_path: Path) -> None
         assert [
             r[0] for r in db.execute("SELECT step FROM batches WHERE policy='main' ORDER BY step")
         ] == list(range(1, steps + 1))
-        ids = [i for (row,) in db.execute("SELECT traj_ids FROM batches") for i in json.loads(row)]
+        ids = [i for (row,) in db.execute("SELECT traj_ids FROM batches") for i in decode_ids(row)]
         assert len(ids) == len(set(ids)), "a trajectory was trained on twice across the restart"
         assert db.execute("SELECT MAX(version) FROM versions WHERE policy='main'").fetchone()[0] == steps
         group = json.loads((run_dir / "recipe.resolved.json").read_text())["policy"][0]["group_size"]
@@ -62,6 +63,12 @@ def test_a_long_poll_held_by_a_killed_controller_fails_fast_after_the_restart(
     # (so no unknown_member and no re-join), and only the HeartbeatAck's `lost` can end the wait early
     with Cluster(tmp_path, tiny_model, 5, "controller.member_timeout_s=300.0") as c:
         ctl = c.controller("controller-1.log")
+        # the client's first probe fails at once on a refused connection: wait until the controller
+        # listens (it writes its address then), not for a guessed time
+        deadline = time.monotonic() + 120
+        while not (c.run_dir / "controller.addr").exists():
+            assert ctl.poll() is None and time.monotonic() < deadline, c.log("controller-1.log")
+            time.sleep(0.05)
         hello = Hello(member_id="trainer-main", role="trainer", protocol=PROTOCOL_VERSION, policies=["main"])
         client = MemberClient(c.addr, hello, connect_timeout_s=120, hang_timeout_s=600)
         try:

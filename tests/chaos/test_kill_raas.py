@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from astraflow.state.batches import decode_ids
 from tests.chaos.cluster import Cluster, ro
 
 
@@ -94,6 +95,6 @@ def test_kill_9_raas_mid_run_loses_no_task(tiny_model: Path, tmp_path: Path) -> 
                 assert epoch >= 2, "a task of the dead worker was completed without being re-leased"
         assert db.execute("SELECT status FROM members WHERE id='raas-0'").fetchone()[0] == "dead"
         # no trajectory consumed by two steps
-        ids = [i for (row,) in db.execute("SELECT traj_ids FROM batches") for i in json.loads(row)]
+        ids = [i for (row,) in db.execute("SELECT traj_ids FROM batches") for i in decode_ids(row)]
         assert len(ids) == len(set(ids))
     assert c.steps_done() == steps

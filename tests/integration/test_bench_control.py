@@ -29,6 +29,8 @@ def test_bench_control_moves_steps_through_a_live_controller_with_every_member_j
             "1",
             "--procs",
             "2",
+            "--tokens",
+            "20",
             "--out",
             str(tmp_path),
             "--json",
@@ -44,6 +46,7 @@ def test_bench_control_moves_steps_through_a_live_controller_with_every_member_j
         # every simulated member (and the trainer) joined under its own key, none was refused
         assert row["joined"] == row["members"] and row["refused"] == 0, row
         assert row["errors"] == [], row
+        assert row["tokens"] == 20  # 20-token sequences passed every check of the controller
         # steps went through the controller: batches of the recipe's 32 x 16 sequences
         assert row["warmup_steps"] >= 1
         assert row["sequences_per_s"] > 0 and row["steps_per_s"] > 0

@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from astraflow.state.batches import decode_ids
 from tests.chaos.cluster import free_port, ro
 from tests.integration.ray_local import GPU_RESOURCE, LocalRay, skip_reason
 
@@ -223,7 +224,7 @@ def test_quickstart_through_launch_ray_replaces_and_autoscales(
         ):  # what the stopped and killed worker held was taken back and done again, or is still queued
             status, epoch = db.execute("SELECT status, epoch FROM tasks WHERE id=?", (t,)).fetchone()
             assert status in ("done", "queued") and (status == "queued" or epoch >= 2), (t, status, epoch)
-        ids = [i for (row,) in db.execute("SELECT traj_ids FROM batches") for i in json.loads(row)]
+        ids = [i for (row,) in db.execute("SELECT traj_ids FROM batches") for i in decode_ids(row)]
         assert len(ids) == len(set(ids)), "a trajectory trained on twice"
         events = [r[0] for r in db.execute("SELECT detail FROM events WHERE kind='member_left'")]
         assert any(e.startswith(drained) for e in events), events

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from astraflow.state.batches import decode_ids
 from tests.chaos.cluster import ro
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -152,7 +153,7 @@ def test_up_adds_a_worker_while_work_waits_and_drains_one_while_idle(
         assert done and all(per_task.get(t) == 8 for t in done), "a task done twice or partly"
         assert set(per_task) <= set(done), "trajectories of a task that is not done"
         assert not db.execute("SELECT COUNT(*) FROM tasks WHERE status='failed'").fetchone()[0]
-        ids = [i for (row,) in db.execute("SELECT traj_ids FROM batches") for i in json.loads(row)]
+        ids = [i for (row,) in db.execute("SELECT traj_ids FROM batches") for i in decode_ids(row)]
         assert len(ids) == len(set(ids)), "a trajectory trained on twice"
         joined = [r[0] for r in db.execute("SELECT detail FROM events WHERE kind='member_joined'")]
         assert any(d.startswith("raas-1") for d in joined), joined

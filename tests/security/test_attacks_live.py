@@ -19,6 +19,7 @@ import zmq
 
 from astraflow.protocol import messages as m
 from astraflow.protocol.codec import encode
+from astraflow.state.batches import decode_ids
 from tests.chaos.cluster import Cluster, ro
 from tests.security.peers import Peer
 
@@ -167,7 +168,7 @@ def test_attacks_fail_and_the_run_finishes(tiny_model: Path, tmp_path: Path) -> 
         assert [r[0] for r in db.execute("SELECT version FROM versions ORDER BY version")] == list(
             range(1, steps + 1)
         )
-        ids = [i for (row,) in db.execute("SELECT traj_ids FROM batches") for i in json.loads(row)]
+        ids = [i for (row,) in db.execute("SELECT traj_ids FROM batches") for i in decode_ids(row)]
         assert len(ids) == len(set(ids)) == steps * 32, "a trajectory was trained twice or a batch is short"
         toks = msgspec.msgpack.Decoder(list[int])
         for (blob,) in db.execute("SELECT tokens FROM trajectories"):

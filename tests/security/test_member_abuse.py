@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 from zmq.utils import z85
 
+from astraflow.state.batches import decode_ids
 from astraflow.transport.keys import KeyStore, load_keypair, new_key_files
 from astraflow.weights.pull_limit import PER_KEY
 from tests.chaos.cluster import ROOT, Cluster, free_port, ro
@@ -147,7 +148,7 @@ class KeyedCluster(Cluster):
         """Every step trained once, every consumed trajectory used once, no task failed."""
         with ro(self.run_dir) as db:
             versions = [r[0] for r in db.execute("SELECT version FROM versions WHERE version > 0 ORDER BY 1")]
-            ids = [i for (r,) in db.execute("SELECT traj_ids FROM batches") for i in json.loads(r)]
+            ids = [i for (r,) in db.execute("SELECT traj_ids FROM batches") for i in decode_ids(r)]
             failed = db.execute("SELECT COUNT(*) FROM tasks WHERE status = 'failed'").fetchone()[0]
         assert versions == list(range(1, self.steps + 1))
         assert len(ids) == len(set(ids)) == self.steps * 16

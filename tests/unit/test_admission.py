@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from astraflow.dataflow.admission import Admission, PolicyLimits
 from astraflow.dataflow.buffer import Buffer
@@ -220,3 +221,39 @@ def test_sync_mode_admits_whole_rounds_in_lock_step(tmp_path: Path) -> None:
     assert adm.plan(ROLES3, 2) == [["a", "b"]] * 2 + [["b"]] * 2  # nothing left over: the next round
     _take(store, "a", 2)  # a's last budgeted step: a is finished
     assert adm.plan(ROLES3, 2) == [["b"]] * 4  # the next round feeds b alone
+
+
+def test_one_lease_call_counts_ahead_once_and_advances_it_per_task(tmp_path: Path) -> None:
+    store, led, buf, adm = _setup(tmp_path, 2)
+    for i in range(6):
+        led.enqueue(f"k{i}", {}, ROLES, G, read_only=["main"] if i == 3 else [])
+    _finish(led, buf, "a", 0)  # 6 tasks buffered, 5 of them feeding main
+    for i in range(6):
+        led.enqueue(f"q{i}", {}, ROLES, G, read_only=["main"] if i == 1 else [])
+    fresh = adm.ahead("main")
+    seen: list[tuple[int, int]] = []
+    calls = 0
+    count = adm._sequences
+
+    def counting(statuses: tuple[str, ...]) -> dict[str, int]:
+        nonlocal calls
+        calls += 1
+        return count(statuses)
+
+    adm._sequences = counting  # type: ignore[method-assign]
+    with adm.leasing():
+
+        def accept(t: Any) -> bool:
+            # what the store says now (the leases so far written) is what the kept count says
+            seen.append((adm.ahead("main"), Admission(store, adm.limits).ahead("main")))
+            adm.leased(t.roles, t.group_size, t.read_only)
+            return True
+
+        assert len(led.lease("b", 5, accept=accept)) == 5
+    assert calls == 1 and seen[0][0] == fresh
+    assert (
+        [a for a, _ in seen]
+        == [b for _, b in seen]
+        == [fresh, fresh + G, fresh + G, fresh + 2 * G, fresh + 3 * G]
+    )
+    assert adm.ahead("main") == fresh + 4 * G  # outside a lease call: counted from the store again

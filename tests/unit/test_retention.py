@@ -4,6 +4,7 @@ in Parquet files that export, the sample browser, status and a re-served batch r
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ import pytest
 from astraflow.config.recipe import Recipe
 from astraflow.protocol import messages as m
 from astraflow.roles.controller import Controller
+from astraflow.state.batches import decode_ids
 from astraflow.state.store import Store
 
 pytest.importorskip("pyarrow")
@@ -101,7 +103,7 @@ def _rows(c: Controller) -> int:
 def test_state_db_keeps_the_last_steps_and_the_archive_the_rest(tiny_model: Path, tmp_path: Path) -> None:
     from astraflow.metrics.export import trajectory_rows
     from astraflow.state.status import build_status
-    from astraflow.state.views import recent_samples
+    from astraflow.state.views import recent_samples, tasks_done_by_member
 
     c = _start(_recipe(tiny_model, "archive"), tmp_path)
     served: dict[int, list[Any]] = {}
@@ -123,6 +125,20 @@ def test_state_db_keeps_the_last_steps_and_the_archive_the_rest(tiny_model: Path
     assert sum(counts.values()) == generated and counts["consumed"] == STEPS * BATCH
     # the sample browser fills from the archive once state.db has fewer than asked
     assert len(recent_samples(c.store, "main", limit=generated)) == generated
+    # done tasks whose results all left go too, and every count of them stays
+    done_in_db = int(c.store.scalar("SELECT COUNT(*) FROM tasks WHERE status = 'done'"))
+    tasks_doc = build_status(c.store)["tasks"]
+    assert 0 < done_in_db < tasks_doc["done"] == c.ledger.counts()["done"]
+    assert done_in_db <= (KEEP + EVERY + 3) * PROMPTS, done_in_db
+    assert tasks_doc["done"] >= STEPS * PROMPTS
+    assert tasks_done_by_member(c.store) == {"w": tasks_doc["done"]}
+    oldest_kept = c.store.scalar("SELECT MIN(task_id) FROM trajectories")
+    assert not c.store.query("SELECT id FROM tasks WHERE status = 'done' AND id < ?", (oldest_kept,))
+    # a batch row holds runs of ids, not every id
+    row = c.store.query("SELECT traj_ids, replay FROM batches WHERE step = 2")[0]
+    runs = json.loads(row["traj_ids"])
+    assert len(runs) <= PROMPTS and all(isinstance(r, list) for r in runs) and row["replay"] == "[]"
+    assert decode_ids(row["traj_ids"]) == [i for i, _, _ in served[2]]
     # a recorded batch whose trajectories were archived is served again the same (a trainer's resume)
     again = c.handle(b"trainer-main", m.BatchRequest(policy="main", step=2))
     assert isinstance(again, m.BatchReply) and again.ready

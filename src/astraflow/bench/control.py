@@ -108,8 +108,10 @@ def run_one(
     work: Path,
     grouped: bool = True,
     keep_steps: int = 0,
+    tokens: int = 3,
 ) -> dict[str, Any]:
-    """One controller with `members` simulated members (2 active RaaS + idle ones + 1 trainer)."""
+    """One controller with `members` simulated members (2 active RaaS + idle ones + 1 trainer), each
+    sequence `tokens` generated tokens long."""
     work.mkdir(parents=True, exist_ok=True)
     workers = max(members, ACTIVE)
     names = ["trainer-main"] + [f"sim-{i:05d}" for i in range(workers)]
@@ -144,6 +146,7 @@ def run_one(
                 keys_dir=str(keys_dir) if keys_dir else "",
                 seed=i,
                 grouped=grouped,
+                tokens=tokens,
             )
             (work / f"sim{i}.spec.json").write_text(json.dumps(asdict(spec)))
             outs.append(work / f"sim{i}.json")
@@ -184,6 +187,7 @@ def run_one(
         "workers": workers,
         "curve": curve,
         "results": "grouped" if grouped else "single",
+        "tokens": tokens,
         "joined": joined,
         "refused": sum(len(r["refused"]) for r in results),
         "first_refusals": [x for r in results for x in r["refused"]][:3],
@@ -387,6 +391,7 @@ def run(
     progress: Any = None,
     results: tuple[bool, ...] = (True,),
     keep_steps: int = 0,
+    tokens: int = 3,
 ) -> dict[str, Any]:
     """Every (results mode, curve, members) combination, then the physical limits; ratios against the
     first row of the same results mode and CURVE setting."""
@@ -410,6 +415,7 @@ def run(
                         work=work / f"{'curve' if c else 'plain'}-{mode}-{n}",
                         grouped=grouped,
                         keep_steps=keep_steps,
+                        tokens=tokens,
                     )
                 )
     for key in {(r["results"], r["curve"]) for r in rows}:

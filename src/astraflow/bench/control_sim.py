@@ -13,6 +13,7 @@ deadline passes, and writes its result file last.
 
 from __future__ import annotations
 
+import heapq
 import json
 import random
 import sys
@@ -30,6 +31,8 @@ TASK_WAIT_S = 1.0
 """Long-poll wait of a task request with nothing to lease (the real RaaS waits the same way)."""
 BATCH_WAIT_S = 1.0
 """Long-poll wait of a batch request that is not ready yet."""
+JOIN_RATE = 500.0
+"""Members one simulator process connects and says Hello for per second."""
 
 
 @dataclass
@@ -52,6 +55,8 @@ class SimSpec:
     seed: int = 0
     grouped: bool = True
     """Answer a grant's tasks in one TaskResults (group commit); False: one TaskResult each."""
+    tokens: int = 3
+    """Generated tokens of each simulated sequence (after 3 prompt tokens)."""
 
 
 @dataclass
@@ -90,7 +95,7 @@ class _Member:
 
             server = load_keypair(keys / "controller.key_secret").public
             curve_client(self.sock, load_keypair(keys / f"{ident}.key_secret"), server)
-        self.sock.connect(spec.addr)
+        self.hello_sent = False
         self.rid = 0
         self.welcomed = False
         self.version = 0
@@ -107,18 +112,20 @@ class _Member:
         self.sock.send(encode(msg), zmq.NOBLOCK)
 
 
-def _episodes(task: m.Task, policy: str, version: int, rng: random.Random) -> list[m.Episode]:
-    """The task's group as trivial one-sequence episodes: 3 prompt tokens, 3 generated."""
+def _episodes(
+    task: m.Task, policy: str, version: int, rng: random.Random, tokens: int = 3
+) -> list[m.Episode]:
+    """The task's group as trivial one-sequence episodes: 3 prompt tokens, `tokens` generated."""
     n = task.group_sizes.get(policy, task.group_size) if task.group_sizes else task.group_size
     return [
         m.Episode(
             sequences=[
                 m.Sequence(
                     policy=policy,
-                    tokens=[1, 2, 3, 4, 5, 6],
-                    loss_mask=[0, 0, 0, 1, 1, 1],
-                    logprobs=[0.0, 0.0, 0.0, -0.5, -0.5, -0.1],
-                    versions=[-1, -1, -1, version, version, version],
+                    tokens=[1, 2, 3] + [4 + i % 5 for i in range(tokens)],
+                    loss_mask=[0, 0, 0] + [1] * tokens,
+                    logprobs=[0.0, 0.0, 0.0] + [-0.5] * tokens,
+                    versions=[-1, -1, -1] + [version] * tokens,
                     reward=float(rng.random() < 0.5),
                     sampling=m.SamplingParams(),
                 )
@@ -138,27 +145,21 @@ def simulate(spec: SimSpec) -> SimResult:
     )  # a context option (setsockopt would set a socket default)
     keys = Path(spec.keys_dir) if spec.keys_dir else None
     members = [_Member(ctx, spec, ident, keys) for ident in spec.members]
-    by_sock = {mem.sock: mem for mem in members}
-    poller = zmq.Poller()
-    for mem in members:
-        poller.register(mem.sock, zmq.POLLIN)
-        mem.send(
-            m.Hello(
-                member_id=mem.ident,
-                role="trainer" if mem.role == "trainer" else "raas",
-                protocol=m.PROTOCOL_VERSION,
-                policies=[spec.policy],
-                slots=spec.slots,
-                pid=1,
-                host=f"sim-{mem.ident}",
-                hardware="simulated",
-            )
-        )
     stop = Path(spec.stop_file)
     now = res.started = time.time()
-    # heartbeats spread evenly over one interval, as members that started at different times would
-    for i, mem in enumerate(members):
-        mem.next_beat = now + spec.heartbeat_s * (i / max(1, len(members)))
+    # members join at JOIN_RATE a second (thousands of connects at once overflow the listen backlog
+    # and the kernel then retries them seconds apart), and beat spread evenly over one interval, as
+    # members that started at different times would; a heap of due times, so a process of thousands
+    # of members does work per beat, not per member
+    due = [(now + i / JOIN_RATE, i) for i in range(len(members))]
+    heapq.heapify(due)
+    # idle members get nothing but replies to their own Hello and beats: each one's socket is read
+    # when it is due, with no poller over thousands of sockets (zmq_poll costs per socket per call)
+    poller = zmq.Poller()
+    for mem in members:
+        if mem.role != "idle":
+            poller.register(mem.sock, zmq.POLLIN)
+    by_sock = {mem.sock: mem for mem in members}
     last_stop_check = 0.0
     try:
         while True:
@@ -169,9 +170,16 @@ def simulate(spec: SimSpec) -> SimResult:
                 last_stop_check = now
                 if stop.exists():
                     break
-            for mem in members:
-                if mem.welcomed and now >= mem.next_beat:
-                    mem.next_beat = now + spec.heartbeat_s
+            while due and due[0][0] <= now:
+                _, i = heapq.heappop(due)
+                mem = members[i]
+                if not mem.hello_sent:
+                    _hello(mem, spec)
+                    heapq.heappush(due, (now + min(0.2, spec.heartbeat_s), i))
+                    continue
+                if mem.role == "idle":
+                    _drain(mem, spec, res, rng)
+                if mem.welcomed:
                     mem.send(
                         m.Heartbeat(
                             loaded={spec.policy: mem.version},
@@ -181,20 +189,51 @@ def simulate(spec: SimSpec) -> SimResult:
                         )
                     )
                     res.heartbeats += 1
-            for sock, _ in poller.poll(20):
-                mem = by_sock[sock]
-                while True:
-                    try:
-                        frame = sock.recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    _on_reply(mem, decode(frame), spec, res, rng)
+                    heapq.heappush(due, (now + spec.heartbeat_s, i))
+                else:  # its Welcome may be on the way: look again soon
+                    heapq.heappush(due, (now + min(0.2, spec.heartbeat_s), i))
+            wait_ms = 20 if not due else max(0, min(20, int(1000 * (due[0][0] - time.time()))))
+            if len(poller.sockets):
+                ready = poller.poll(wait_ms)
+            else:
+                time.sleep(wait_ms / 1000)
+                ready = []
+            for sock, _ in ready:
+                _drain(by_sock[sock], spec, res, rng)
     finally:
         res.ended = time.time()
         for mem in members:
             mem.sock.close(0)
         ctx.term()
     return res
+
+
+def _hello(mem: _Member, spec: SimSpec) -> None:
+    """Connect one member and say Hello."""
+    mem.sock.connect(spec.addr)
+    mem.hello_sent = True
+    mem.send(
+        m.Hello(
+            member_id=mem.ident,
+            role="trainer" if mem.role == "trainer" else "raas",
+            protocol=m.PROTOCOL_VERSION,
+            policies=[spec.policy],
+            slots=spec.slots,
+            pid=1,
+            host=f"sim-{mem.ident}",
+            hardware="simulated",
+        )
+    )
+
+
+def _drain(mem: _Member, spec: SimSpec, res: SimResult, rng: random.Random) -> None:
+    """Handle every reply waiting on one member's socket."""
+    while True:
+        try:
+            frame = mem.sock.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        _on_reply(mem, decode(frame), spec, res, rng)
 
 
 def _on_reply(mem: _Member, msg: m.Msg, spec: SimSpec, res: SimResult, rng: random.Random) -> None:
@@ -224,7 +263,7 @@ def _on_reply(mem: _Member, msg: m.Msg, spec: SimSpec, res: SimResult, rng: rand
             res.task_latency_s.append(took)
         outcomes = []
         for task in msg.tasks:
-            eps = _episodes(task, spec.policy, mem.version, rng)
+            eps = _episodes(task, spec.policy, mem.version, rng, spec.tokens)
             mem.held.add(task.task_id)
             outcomes.append(m.Outcome(task_id=task.task_id, epoch=task.epoch, episodes=eps))
             res.results_sent += 1

@@ -758,6 +758,9 @@ def control(
         "grouped",
         help="How workers send results: grouped (a grant's in one TaskResults), single (a TaskResult each), or both.",
     ),
+    tokens: int = typer.Option(
+        3, help="Generated tokens of each simulated sequence (after 3 prompt tokens)."
+    ),
 ) -> None:
     """One live controller fed by simulated members: sequences/s, steps/s, CPU per step, request
     latency and RSS per member, for each member count; raw ZeroMQ and SQLite rates as the limits."""
@@ -771,9 +774,10 @@ def control(
         curve.replace(" ", "")
     )
     grouping = {"grouped": (True,), "single": (False,), "both": (True, False)}.get(results.strip())
-    if not counts or min(counts) < 1 or modes is None or grouping is None:
+    if not counts or min(counts) < 1 or modes is None or grouping is None or tokens < 1:
         raise typer.BadParameter(
-            "--members takes counts >= 1 (e.g. 2,100,1000); --curve off, on or off,on; --results grouped, single or both"
+            "--members takes counts >= 1 (e.g. 2,100,1000); --curve off, on or off,on; --results grouped, single or both; "
+            "--tokens >= 1"
         )
     with tempfile.TemporaryDirectory() as tmp:
         res = run(
@@ -787,5 +791,6 @@ def control(
             progress=lambda line: typer.echo(line, err=True),
             results=grouping,
             keep_steps=keep_steps,
+            tokens=tokens,
         )
     typer.echo(_json.dumps(res, indent=2) if as_json else render(res))

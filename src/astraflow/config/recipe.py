@@ -308,7 +308,7 @@ class RetentionConfig(_Model):
     """Which trajectories leave state.db during a run, so it stays small (state/archive.py)."""
 
     keep_steps: int | None = Field(None, ge=1)
-    """Trajectories a policy consumed this many steps before its current one (and expired or dropped ones older than those) leave state.db; none (the default) keeps every trajectory there. With `drop` it must be at least every trainable policy's checkpoint_every, so a restarted trainer finds its recorded batches."""
+    """Trajectories a policy consumed this many steps before its current one (and expired or dropped ones older than those) leave state.db, and so do the done tasks older than every trajectory kept (still counted); none (the default) keeps every trajectory there. With `drop` it must be at least every trainable policy's checkpoint_every, so a restarted trainer finds its recorded batches."""
     action: Literal["archive", "drop"] = "archive"
     """archive: move them to Parquet files in the run directory's archive/ (needs pyarrow: pip install 'astraflow[parquet]'), read by export, the dashboard's sample browser and resume; drop: delete them (status still counts them)."""
     every_steps: int = Field(10, ge=1)

@@ -7,6 +7,7 @@ in loss_mask is one turn, truncated when it is at least max_new_tokens long.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from astraflow.protocol.messages import Sequence
@@ -24,8 +25,17 @@ class Turn:
     """It hit max_new_tokens without a stop token."""
 
 
+_NONZERO_RUN = re.compile(rb"[^\x00]+")
+
+
 def mask_runs(loss_mask: list[int]) -> list[tuple[int, int]]:
     """(start, length) of each maximal run of non-zero entries."""
+    try:
+        packed = bytes(loss_mask)  # a checked mask holds only 0 and 1: the runs are found in C
+    except (ValueError, TypeError):
+        packed = None
+    if packed is not None:
+        return [(mt.start(), mt.end() - mt.start()) for mt in _NONZERO_RUN.finditer(packed)]
     runs: list[tuple[int, int]] = []
     start = -1
     for i, m in enumerate(loss_mask):

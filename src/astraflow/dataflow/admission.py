@@ -46,7 +46,8 @@ each role yields its policy's group size).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,6 +109,10 @@ class Admission:
         """(policy, outstanding groups) -> groups its admission stages still allow."""
         self.group_sizes = dict(group_sizes or {})
         """Policy -> group size (the recipe's); a task row's group_size stands in for others."""
+        self._leasing = False
+        self._ahead: dict[str, int] | None = None
+        """Inside `leasing()`: `ahead` per policy, read once when first asked and then kept up to
+        date by `leased`."""
 
     # ----- counting ---------------------------------------------------------------------------------
 
@@ -174,7 +179,33 @@ class Admission:
 
     def ahead(self, policy: str) -> int:
         """Sequences that will be consumed before a task leased now: buffered + in flight."""
-        return self._sequences(("leased",)).get(policy, 0)
+        if not self._leasing:
+            return self._sequences(("leased",)).get(policy, 0)
+        if self._ahead is None:
+            self._ahead = self._sequences(("leased",))
+        return self._ahead.get(policy, 0)
+
+    @contextmanager
+    def leasing(self) -> Iterator[None]:
+        """One lease call: `ahead` is counted from the store once (two GROUP BY queries over the
+        buffered trajectories and the leased tasks) and then advanced by `leased` for every task the
+        call leases, instead of being counted again for each task: with thousands of tasks in flight
+        that count was the cost of a lease."""
+        self._leasing, self._ahead = True, None
+        try:
+            yield
+        finally:
+            self._leasing, self._ahead = False, None
+
+    def leased(self, roles: dict[str, str], group_size: int, read_only: Iterable[str]) -> None:
+        """A task was just leased inside `leasing()`: what it adds to `ahead`, counted as `_sequences`
+        does (not yet counted: the count, when asked, reads the lease from the store)."""
+        if self._ahead is None:
+            return
+        skip = set(read_only)
+        for pol, k in self.task_sequences(roles, self._sizes(roles, group_size)).items():
+            if pol in self._ahead and pol not in skip:
+                self._ahead[pol] += k
 
     # ----- who is still waited on -------------------------------------------------------------------
 

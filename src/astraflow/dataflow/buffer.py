@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import compress
 from typing import Any
 
 import msgspec
@@ -51,6 +52,9 @@ def default_order(kind: str) -> BufferOrder:
 
 def min_version(seq: Sequence) -> int:
     """Oldest version among the tokens this policy generated (-1 when it generated none)."""
+    oldest = min(compress(seq.versions, seq.loss_mask), default=-1)
+    if oldest >= 0:  # the common case, found in C: every generated token has a version
+        return oldest
     vs = [v for v, m in zip(seq.versions, seq.loss_mask, strict=False) if m and v >= 0]
     if not vs:
         vs = [v for v in seq.versions if v >= 0]

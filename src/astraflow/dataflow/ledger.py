@@ -15,7 +15,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from astraflow.state import tasks
 from astraflow.state.store import Store
+
+LEASE_PAGE = 64
+"""Queued tasks a lease reads per query (at least the n asked for)."""
 
 
 @dataclass
@@ -127,21 +131,32 @@ class Ledger:
             return []
         t = self.clock() if now is None else now
         out: list[TaskRow] = []
+        after = 0
         with self.store.write() as c:
-            for r in c.execute("SELECT * FROM tasks WHERE status = 'queued' ORDER BY id").fetchall():
-                task = _row(r)
-                if accept is not None and not accept(task):
-                    continue
-                task.epoch += 1
-                task.status, task.owner, task.lease_expiry = "leased", member_id, t + self.lease_timeout_s
-                c.execute(
-                    "UPDATE tasks SET status = 'leased', owner = ?, epoch = ?, lease_expiry = ?, updated = ?, "
-                    "leased_at = ? WHERE id = ?",
-                    (member_id, task.epoch, task.lease_expiry, t, t, task.id),
-                )
-                out.append(task)
-                if len(out) >= n:
+            # Read the queue a page at a time (oldest first): a request for n tasks parses about n
+            # rows, not the whole queue; no cursor stays open across the updates below.
+            while len(out) < n:
+                page = c.execute(
+                    "SELECT * FROM tasks WHERE status = 'queued' AND id > ? ORDER BY id LIMIT ?",
+                    (after, max(n, LEASE_PAGE)),
+                ).fetchall()
+                if not page:
                     break
+                after = int(page[-1]["id"])
+                for r in page:
+                    task = _row(r)
+                    if accept is not None and not accept(task):
+                        continue
+                    task.epoch += 1
+                    task.status, task.owner, task.lease_expiry = "leased", member_id, t + self.lease_timeout_s
+                    c.execute(
+                        "UPDATE tasks SET status = 'leased', owner = ?, epoch = ?, lease_expiry = ?, "
+                        "updated = ?, leased_at = ? WHERE id = ?",
+                        (member_id, task.epoch, task.lease_expiry, t, t, task.id),
+                    )
+                    out.append(task)
+                    if len(out) >= n:
+                        break
         return out
 
     def set_read_only(self, task: TaskRow, read_only: Iterable[str]) -> None:
@@ -267,11 +282,8 @@ class Ledger:
             return cur.rowcount
 
     def counts(self) -> dict[str, int]:
-        """Tasks per status: queued, leased, done, failed (zeros included)."""
-        out = {"queued": 0, "leased": 0, "done": 0, "failed": 0}
-        for r in self.store.query("SELECT status, COUNT(*) AS n FROM tasks GROUP BY status"):
-            out[r["status"]] = int(r["n"])
-        return out
+        """Tasks per status: queued, leased, done, failed (zeros included; done counts retired ones)."""
+        return tasks.status_counts(self.store)
 
     def open_tasks(self, statuses: Iterable[str] = ("queued", "leased")) -> list[TaskRow]:
         """Tasks in the given statuses (for admission's outstanding count)."""

@@ -503,6 +503,12 @@ class Controller:
         refused: set[tuple[Any, ...]] = set()
 
         def accept(task: TaskRow) -> bool:
+            ok = admit(task)
+            if ok:  # the ledger leases every task accepted: it is in flight for the next ones
+                self.admission.leased(task.roles, task.group_size, task.read_only)
+            return ok
+
+        def admit(task: TaskRow) -> bool:
             pols = task.policies
             if self.evals is not None and self.evals.is_eval(task.id):
                 return (not serves or serves.issuperset(pols)) and self.evals.may_lease(task, loaded)
@@ -528,7 +534,8 @@ class Controller:
         self.members.touch(member["id"], now, loaded or None)
         with self.store.write():
             n = self.accounting.quota(member, authz.task_quota(self.store, self.recipe, member, msg.n))
-            leased = self.ledger.lease(member["id"], n, now, accept)
+            with self.admission.leasing():
+                leased = self.ledger.lease(member["id"], n, now, accept)
             for t in leased:
                 # what the worker is told not to keep is what its result is stored by (see on_task_result)
                 read_only = set(t.read_only) | set(self.admission.read_only(t.policies))
@@ -848,15 +855,19 @@ class Controller:
 
     def retire(self, policy: str, step: int) -> None:
         """A retention pass (controller.retention) every `every_steps` steps of a policy: trajectories
-        trained on long ago leave state.db for the archive (state/archive.py), or are dropped."""
+        trained on long ago leave state.db for the archive (state/archive.py), or are dropped; then the
+        done tasks older than every trajectory left leave too (state/tasks.py, counted per owner)."""
         keep = self.recipe.controller.retention
         if keep.keep_steps is None or step % keep.every_steps:
             return
-        from astraflow.state import archive
+        from astraflow.state import archive, tasks
 
         n = archive.retire(self.store, self.run_dir, policy, step, keep.keep_steps, keep.action)
         if n:
             _log.info("retention: %d trajectories of %s left state.db (%s)", n, policy, keep.action)
+            done = tasks.retire_done(self.store)
+            if done:
+                _log.info("retention: %d done tasks left state.db", done)
 
     def _note_skipped(self, msg: m.VersionPublished) -> None:
         """A step the trainer skipped (non-finite loss or gradient norm) becomes a `step_skipped` event."""

@@ -1,4 +1,10 @@
-"""Recorded training batches in state.db: which trajectories each (policy, step) trained on."""
+"""Recorded training batches in state.db: which trajectories each (policy, step) trained on.
+
+A batch's trajectory ids are stored as runs of consecutive ids, `[[first, count], ...]` (a group's
+sequences get consecutive ids and a batch is served in task order, so 512 ids are a few dozen runs),
+and its replay flags as runs of replayed positions, `[[index, count], ...]`. Rows written before that
+hold plain JSON lists (`[id, ...]`, `[false, true, ...]`); both are read.
+"""
 
 from __future__ import annotations
 
@@ -19,7 +25,52 @@ def batch_ids(store: Store, policy: str, step: int) -> tuple[list[int], list[boo
     )
     if not rows:
         return None
-    return json.loads(rows[0]["traj_ids"]), json.loads(rows[0]["replay"]), int(rows[0]["version"])
+    ids = decode_ids(rows[0]["traj_ids"])
+    return ids, decode_flags(rows[0]["replay"], len(ids)), int(rows[0]["version"])
+
+
+def encode_ids(ids: list[int]) -> str:
+    """Trajectory ids as JSON runs of consecutive ids: [[first, count], ...]."""
+    runs: list[list[int]] = []
+    for i in ids:
+        if runs and runs[-1][0] + runs[-1][1] == i:
+            runs[-1][1] += 1
+        else:
+            runs.append([i, 1])
+    return json.dumps(runs, separators=(",", ":"))
+
+
+def decode_ids(text: str) -> list[int]:
+    """The ids of a stored batch (runs, or a plain list in rows of older runs)."""
+    data = json.loads(text)
+    if data and isinstance(data[0], list):
+        return [i for first, n in data for i in range(int(first), int(first) + int(n))]
+    return [int(i) for i in data]
+
+
+def encode_flags(flags: list[bool]) -> str:
+    """Replay flags as JSON runs of replayed positions: [[index, count], ...] ("[]": none replayed)."""
+    runs: list[list[int]] = []
+    for k, f in enumerate(flags):
+        if not f:
+            continue
+        if runs and runs[-1][0] + runs[-1][1] == k:
+            runs[-1][1] += 1
+        else:
+            runs.append([k, 1])
+    return json.dumps(runs, separators=(",", ":"))
+
+
+def decode_flags(text: str, n: int) -> list[bool]:
+    """The replay flags of a stored batch of n samples (runs, or a plain list in older rows)."""
+    data = json.loads(text)
+    if data and not isinstance(data[0], list):
+        return [bool(f) for f in data]
+    flags = [False] * n
+    for first, count in data:
+        for k in range(int(first), int(first) + int(count)):
+            flags[k] = True
+    return flags
 
 
 def last_batch_step(store: Store, policy: str) -> int:
@@ -34,22 +85,29 @@ def record_batch(
     with store.write() as c:
         c.execute(
             "INSERT INTO batches (policy, step, traj_ids, replay, version, created) VALUES (?, ?, ?, ?, ?, ?)",
-            (policy, step, json.dumps(ids), json.dumps(flags), version, now),
+            (policy, step, encode_ids(ids), encode_flags(flags), version, now),
         )
+
+
+def _replayed(text: str) -> int:
+    """Replayed samples of one stored batch (runs, or a plain list in older rows)."""
+    data = json.loads(text)
+    if data and isinstance(data[0], list):
+        return sum(int(n) for _, n in data)
+    return sum(1 for f in data if f)
 
 
 def replayed_count(store: Store, policy: str) -> int:
     """Replayed samples over every recorded batch of `policy`."""
     return sum(
-        sum(1 for f in json.loads(r["replay"]) if f)
-        for r in store.query("SELECT replay FROM batches WHERE policy = ?", (policy,))
+        _replayed(r["replay"]) for r in store.query("SELECT replay FROM batches WHERE policy = ?", (policy,))
     )
 
 
 def all_batches(store: Store) -> list[tuple[str, int, list[int]]]:
     """(policy, step, trajectory ids) of every recorded batch."""
     return [
-        (str(r["policy"]), int(r["step"]), json.loads(r["traj_ids"]))
+        (str(r["policy"]), int(r["step"]), decode_ids(r["traj_ids"]))
         for r in store.query("SELECT policy, step, traj_ids FROM batches")
     ]
 

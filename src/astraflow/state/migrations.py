@@ -206,6 +206,12 @@ def m0007_archived(db: Database) -> None:
     db.table("archived").create_index(["policy", "status"])
 
 
+def m0008_retired_tasks(db: Database) -> None:
+    """Done tasks a retention pass deleted, counted per owner (state/tasks.py): the status counts and
+    each member's completed tasks still include them."""
+    db.table("retired_tasks").create({"owner": str, "done": int}, pk="owner")
+
+
 MIGRATIONS: list[tuple[str, Migration]] = [
     ("0001_initial", m0001_initial),
     ("0002_sequence_roles", m0002_sequence_roles),
@@ -214,6 +220,7 @@ MIGRATIONS: list[tuple[str, Migration]] = [
     ("0005_member_accounting", m0005_member_accounting),
     ("0006_member_index", m0006_member_index),
     ("0007_archived", m0007_archived),
+    ("0008_retired_tasks", m0008_retired_tasks),
 ]
 """Every migration in the order applied; append only."""
 

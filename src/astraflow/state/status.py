@@ -7,6 +7,7 @@ import sqlite3
 from typing import Any
 
 from astraflow.state import failure_counts, paused, trajectories
+from astraflow.state import tasks as task_rows
 from astraflow.state.archive import archived_counts
 from astraflow.state.demand import build_demand
 from astraflow.state.store import Store, skipped_steps
@@ -69,9 +70,7 @@ def build_status(store: Store, room: dict[str, int] | None = None) -> dict[str, 
         }
         for m in store.members()
     ]
-    tasks = {"queued": 0, "leased": 0, "done": 0, "failed": 0}
-    for r in store.query("SELECT status, COUNT(*) AS n FROM tasks GROUP BY status"):
-        tasks[r["status"]] = int(r["n"])
+    tasks = task_rows.status_counts(store)
     fails = failure_counts.counts(store)
     by_reason = {k: int(v) for k, v in fails.get("by_reason", {}).items()}
     stall = None

@@ -14,6 +14,11 @@ def _marks(n: int) -> str:
     return ",".join("?" for _ in range(n))
 
 
+def _ids_json(ids: list[int]) -> str:
+    """Ids as one JSON array parameter: a set-based statement of any size, no per-row round trip."""
+    return "[" + ",".join(str(int(i)) for i in ids) + "]"
+
+
 def max_trajectory_id(store: Store) -> int:
     """The newest trajectory id (0 when none): ids only grow, so it is a cheap arrival counter."""
     with store.write() as c:
@@ -123,7 +128,10 @@ def buffered_items(store: Store, policy: str) -> list[sqlite3.Row]:
 def expire(store: Store, ids: list[int]) -> None:
     """Mark these trajectories expired (too stale to train on)."""
     with store.write() as c:
-        c.executemany("UPDATE trajectories SET status = 'expired' WHERE id = ?", [(i,) for i in ids])
+        c.execute(
+            "UPDATE trajectories SET status = 'expired' WHERE id IN (SELECT value FROM json_each(?))",
+            (_ids_json(ids),),
+        )
 
 
 def newest_consumed(store: Store, policy: str, n: int) -> list[int]:
@@ -142,9 +150,10 @@ def newest_consumed(store: Store, policy: str, n: int) -> list[int]:
 def mark_consumed(store: Store, step: int, ids: list[int]) -> None:
     """Mark buffered trajectories consumed by `step`."""
     with store.write() as c:
-        c.executemany(
-            "UPDATE trajectories SET status = 'consumed', consumed_step = ? WHERE id = ? AND status = 'buffered'",
-            [(step, i) for i in ids],
+        c.execute(
+            "UPDATE trajectories SET status = 'consumed', consumed_step = ? "
+            "WHERE id IN (SELECT value FROM json_each(?)) AND status = 'buffered'",
+            (step, _ids_json(ids)),
         )
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 
+from astraflow.state import tasks
 from astraflow.state.store import StateError, Store
 
 _ints = msgspec.msgpack.Decoder(list[int])
@@ -152,7 +153,10 @@ def staleness_histogram(store: Store, policy: str, window: int = 4096) -> dict[i
 def tasks_done_by_member(store: Store) -> dict[str, int]:
     """Member id -> tasks it completed (the ledger keeps the owner of a done task)."""
     rows = store.query("SELECT owner, COUNT(*) AS n FROM tasks WHERE status = 'done' GROUP BY owner")
-    return {r["owner"]: int(r["n"]) for r in rows}
+    out = tasks.retired_done(store)
+    for r in rows:
+        out[r["owner"]] = out.get(r["owner"], 0) + int(r["n"])
+    return out
 
 
 def events_since(store: Store, after_id: int = 0, limit: int = 200) -> list[dict[str, Any]]:
