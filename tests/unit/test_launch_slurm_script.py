@@ -4,10 +4,13 @@ member with its own key, the offline switches, valid bash (no cluster needed).""
 from __future__ import annotations
 
 import subprocess
+import sys
 from pathlib import Path
 
 from astraflow.cluster.plan import Member, Plan
 from astraflow.cluster.slurm import SlurmOptions, render, render_worker
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _plan(tmp_path: Path) -> Plan:
@@ -78,3 +81,15 @@ def test_autoscale_runs_the_pool_loop_and_worker_jobs_are_valid_scripts(tmp_path
     # the controller's address is the job's argument; without it the job stops before joining
     done = subprocess.run(["bash", str(path)], capture_output=True, text=True)
     assert done.returncode != 0 and "usage: sbatch THIS_SCRIPT" in done.stderr
+
+
+def test_launch_slurm_refuses_a_starting_pool_outside_the_bounds(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "astraflow", "launch", "slurm", str(ROOT / "recipes/quickstart/recipe.toml")]
+    cmd += ["--run-dir", str(run_dir), "--raas", "3", "--set", "rollout.autoscale.enabled=true"]
+    out = subprocess.run(
+        [*cmd, "--set", "rollout.autoscale.max=2"], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "3 starting RaaS workers is outside rollout.autoscale.min..max (1..2)" in out.stderr
+    assert "Traceback" not in out.stderr and not run_dir.exists()

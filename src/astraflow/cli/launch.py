@@ -179,6 +179,9 @@ def slurm(
     script = render(plan, opts)
     if dry_run:
         typer.echo(script, nl=False)
+        if scale.enabled:
+            typer.echo(f"\n# RUN/launch/{names[0]}.sbatch, one of the one-RaaS jobs the autoscaler submits:")
+            typer.echo(render_worker(plan, opts, names[0]), nl=False)
         return
     sbatch = shutil.which("sbatch")
     if sbatch is None:
