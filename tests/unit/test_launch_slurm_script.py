@@ -4,10 +4,13 @@ member with its own key, the offline switches, valid bash (no cluster needed).""
 from __future__ import annotations
 
 import subprocess
+import sys
 from pathlib import Path
 
 from astraflow.cluster.plan import Member, Plan
-from astraflow.cluster.slurm import SlurmOptions, render
+from astraflow.cluster.slurm import SlurmOptions, render, render_worker
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _plan(tmp_path: Path) -> Plan:
@@ -55,3 +58,38 @@ def test_fewer_nodes_share_round_robin(tmp_path: Path) -> None:
     assert "--gpus=" not in script and "OFFLINE" not in script
     assert "NODES[2]" not in script and "NODES[3]" not in script
     assert script.count('-w "${NODES[1]}"') == 2  # trainer-b and raas-1
+
+
+def test_autoscale_runs_the_pool_loop_and_worker_jobs_are_valid_scripts(tmp_path: Path) -> None:
+    plan = _plan(tmp_path)
+    opts = SlurmOptions(nodes=5, python="/env/bin/python", port=7600, gpus_per_node=8, autoscale=True)
+    script = render(plan, opts)
+    assert "astraflow.cluster.slurm_pool" not in render(plan, SlurmOptions(nodes=5, python="py", port=1))
+    pool = next(line for line in script.splitlines() if "astraflow.cluster.slurm_pool" in line)
+    pool += script.split(pool, 1)[1].splitlines()[1]
+    for j in range(3):  # every worker step of the main job is in the pool, by its srun pid
+        assert f'--worker raas-{j}="${{RAAS_PIDS[{j}]}}"' in pool
+    assert '--controller "$CONTROLLER"' in pool and '--controller-pid "$CONTROLLER_PID"' in pool
+    assert 'kill -TERM "$POOL_PID"' in script
+    worker = render_worker(plan, opts, "raas-5")
+    path = tmp_path / "raas-5.sbatch"
+    path.write_text(worker)
+    assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
+    assert "#SBATCH --nodes=1" in worker and "#SBATCH --gpus-per-node=8" in worker
+    assert '--member-id raas-5 --key "$KEYS/members/raas-5.key_secret"' in worker
+    assert f"RUN={plan.run_dir}" in worker and "--slots 16" in worker
+    # the controller's address is the job's argument; without it the job stops before joining
+    done = subprocess.run(["bash", str(path)], capture_output=True, text=True)
+    assert done.returncode != 0 and "usage: sbatch THIS_SCRIPT" in done.stderr
+
+
+def test_launch_slurm_refuses_a_starting_pool_outside_the_bounds(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "astraflow", "launch", "slurm", str(ROOT / "recipes/quickstart/recipe.toml")]
+    cmd += ["--run-dir", str(run_dir), "--raas", "3", "--set", "rollout.autoscale.enabled=true"]
+    out = subprocess.run(
+        [*cmd, "--set", "rollout.autoscale.max=2"], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "3 starting RaaS workers is outside rollout.autoscale.min..max (1..2)" in out.stderr
+    assert "Traceback" not in out.stderr and not run_dir.exists()

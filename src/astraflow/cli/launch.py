@@ -149,7 +149,8 @@ def slurm(
     import subprocess
 
     from astraflow.cluster.plan import absolute_models, make_plan, prepare_run
-    from astraflow.cluster.slurm import SlurmOptions, render
+    from astraflow.cluster.slurm import SlurmOptions, render, render_worker
+    from astraflow.cluster.slurm_pool import worker_script
     from astraflow.config.load import load_recipe, validate_plugins
     from astraflow.errors import AstraflowError
     from astraflow.rundir import default_run_dir
@@ -158,6 +159,13 @@ def slurm(
     validate_plugins(r)
     absolute_models(r, Path.cwd())
     plan = make_plan(r, run_dir or default_run_dir(r), raas)
+    scale = r.rollout.autoscale
+    if scale.enabled and not scale.min <= len(plan.raas) <= scale.max:
+        raise AstraflowError(
+            f"{len(plan.raas)} starting RaaS workers is outside rollout.autoscale.min..max ({scale.min}..{scale.max})",
+            hint="pass --raas N within the bounds, or change them",
+        )
+    names = [f"raas-{i}" for i in range(max(len(plan.raas), scale.max if scale.enabled else 0))]
     opts = SlurmOptions(
         nodes=nodes or len(plan.trainers) + len(plan.raas),
         python=python or sys.executable,
@@ -166,10 +174,14 @@ def slurm(
         time=time_limit,
         partition=partition,
         offline=offline,
+        autoscale=scale.enabled,
     )
     script = render(plan, opts)
     if dry_run:
         typer.echo(script, nl=False)
+        if scale.enabled:
+            typer.echo(f"\n# RUN/launch/{names[0]}.sbatch, one of the one-RaaS jobs the autoscaler submits:")
+            typer.echo(render_worker(plan, opts, names[0]), nl=False)
         return
     sbatch = shutil.which("sbatch")
     if sbatch is None:
@@ -177,10 +189,13 @@ def slurm(
             "sbatch is not on PATH: this is not a Slurm login node",
             hint="run this on a node that submits jobs, or --dry-run to see the script",
         )
-    prepare_run(r, plan)
+    prepare_run(r, plan, raas_names=names)
     path = plan.run_dir / "launch" / "slurm.sbatch"
     path.parent.mkdir(exist_ok=True)
     path.write_text(script)
+    if scale.enabled:  # the one-RaaS jobs the autoscaler submits
+        for name in names:
+            (plan.run_dir / worker_script(name)).write_text(render_worker(plan, opts, name))
     out = subprocess.run([sbatch, "--parsable", str(path)], capture_output=True, text=True)
     if out.returncode != 0:
         raise AstraflowError(f"sbatch refused {path}: {out.stderr.strip()}", hint="see the script above it")

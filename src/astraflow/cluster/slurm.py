@@ -46,6 +46,16 @@ class SlurmOptions:
     """Set every library's offline switch in every role."""
     stop_grace_s: int = 60
     """Seconds the controller and workers get to stop by themselves once the trainers are done."""
+    autoscale: bool = False
+    """rollout.autoscale.enabled: the job runs the pool loop (cluster/slurm_pool.py), which submits
+    the one-RaaS job scripts (render_worker) and drains workers."""
+
+
+def _env(opts: SlurmOptions) -> dict[str, str]:
+    env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if opts.offline:
+        env.update(OFFLINE_ENV)
+    return env
 
 
 def _q(value: object) -> str:
@@ -92,9 +102,7 @@ def _member_argv(plan: Plan, m: Member) -> list[str]:
 
 def render(plan: Plan, opts: SlurmOptions) -> str:
     """The sbatch script of a run."""
-    env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
-    if opts.offline:
-        env.update(OFFLINE_ENV)
+    env = _env(opts)
     name = plan.run_dir.name
     head = [
         "#!/bin/bash",
@@ -156,6 +164,16 @@ def render(plan: Plan, opts: SlurmOptions) -> str:
             *_step(m.name, _node(len(plan.trainers) + j, opts.nodes), gpus, _member_argv(plan, m)),
             "RAAS_PIDS+=($!)",
         ]
+    if opts.autoscale:
+        steps = " ".join(f'--worker {m.name}="${{RAAS_PIDS[{j}]}}"' for j, m in enumerate(plan.raas))
+        body += [
+            "",
+            "# the autoscaler (rollout.autoscale): adds a worker with `sbatch RUN/launch/raas-<i>.sbatch`",
+            "# while work waits, drains one (Leave, as `astraflow ctl drain`) while the pool idles",
+            '"$PY" -m astraflow.cluster.slurm_pool --run-dir "$RUN" --controller "$CONTROLLER" \\',
+            f'    --controller-pid "$CONTROLLER_PID" {steps} &',
+            "POOL_PID=$!",
+        ]
     body += [
         "",
         "# the run is over when every trainer has exited; a controller that dies first ends the job",
@@ -187,7 +205,51 @@ def render(plan: Plan, opts: SlurmOptions) -> str:
         'for pid in "${RAAS_PIDS[@]}"; do wait "$pid"; done',
         'kill -TERM "$CONTROLLER_PID" 2>/dev/null',
         'wait "$CONTROLLER_PID"',
+        *(
+            ["# the autoscaler ends with the controller (its jobs still running get SIGTERM: they drain)"]
+            + ['kill -TERM "$POOL_PID" 2>/dev/null', 'wait "$POOL_PID"']
+            if opts.autoscale
+            else []
+        ),
         'echo "astraflow: job done, exit $status"',
         'exit "$status"',
+    ]
+    return "\n".join(head + [""] + body) + "\n"
+
+
+def render_worker(plan: Plan, opts: SlurmOptions, name: str) -> str:
+    """The script of a one-RaaS job the autoscaler submits (`sbatch SCRIPT tcp://NODE:PORT`, the
+    controller's address as the argument): worker `name` with the run's keys and run directory. A
+    drained worker exits 0, so its job ends COMPLETED."""
+    run = plan.run_dir
+    head = [
+        "#!/bin/bash",
+        f"# astraflow run {run.name}: rollout worker {name}, submitted by the run's autoscaler",
+        f"# (cluster/slurm_pool.py) as: sbatch {_q(run / 'launch' / f'{name}.sbatch')} tcp://NODE:PORT",
+        f"#SBATCH --job-name=astraflow-{run.name}-{name}",
+        "#SBATCH --nodes=1",
+        "#SBATCH --ntasks=1",
+        "#SBATCH --exclusive",
+        f"#SBATCH --chdir={run}",
+        f"#SBATCH --output={run}/logs/{name}.log",
+        "#SBATCH --open-mode=append",
+    ]
+    if opts.gpus_per_node:
+        head.append(f"#SBATCH --gpus-per-node={opts.gpus_per_node}")
+    if opts.time:
+        head.append(f"#SBATCH --time={opts.time}")
+    if opts.partition:
+        head.append(f"#SBATCH --partition={opts.partition}")
+    member = Member(name, "raas")
+    body = [
+        "set -uo pipefail",
+        f"RUN={_q(run)}",
+        f"PY={_q(opts.python)}",
+        'KEYS="$RUN/keys"',
+        'CONTROLLER="${1:?usage: sbatch THIS_SCRIPT tcp://CONTROLLER_NODE:PORT}"',
+        "export " + " ".join(f"{k}={_q(v)}" for k, v in _env(opts).items()),
+        'echo "astraflow: job $SLURM_JOB_ID: worker ' + name + ' of controller $CONTROLLER"',
+        "# a drain (Leave) or SIGTERM: the worker finishes or hands back its tasks and exits 0",
+        "exec " + " ".join(_member_argv(plan, member)),
     ]
     return "\n".join(head + [""] + body) + "\n"

@@ -1,0 +1,169 @@
+"""`astraflow launch slurm` with rollout.autoscale on a real single-node Slurm cluster: the job's pool
+loop submits a one-RaaS job while work waits and drains a worker while the pool idles, with nothing lost
+(every step once, every done task one group, no trajectory trained twice).
+
+Each phase waits for what the run records, never for the clock (as test_up_autoscale.py does): the only
+worker is stopped (SIGSTOP) while it holds a lease and tasks wait, so the run cannot move until the pool
+has submitted a worker job; admission is then paused until a worker has been drained and left."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.chaos.cluster import free_port, ro
+from tests.integration.slurm_local import LocalSlurm, skip_reason
+from tests.integration.test_up_autoscale import _rows
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 16
+pytestmark = pytest.mark.skipif(bool(skip_reason()), reason=skip_reason() or "")
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSlurm]:
+    cluster = LocalSlurm(tmp_path_factory.mktemp("slurm"))
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def _pool_log(run_dir: Path) -> str:
+    path = run_dir / "logs" / "pool.log"
+    return path.read_text() if path.is_file() else ""
+
+
+def _wait(what: str, cond: Callable[[], object], slurm: LocalSlurm, job: str, run_dir: Path) -> None:
+    deadline = time.monotonic() + 240
+    while not cond():
+        state = slurm.job_state(job)[0]
+        if state not in ("PENDING", "RUNNING", "CONFIGURING"):
+            logs = "\n".join(p.read_text()[-3000:] for p in sorted((run_dir / "logs").glob("*.log*")))
+            pytest.fail(f"job {job} is {state} while waiting for {what}:\n{logs}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}:\n{_pool_log(run_dir)[-4000:]}")
+        time.sleep(0.2)
+
+
+def _ctl(slurm: LocalSlurm, *args: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "astraflow", "ctl", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=slurm.env,
+    )
+    assert done.returncode == 0, done.stderr
+
+
+# a controller, a trainer and up to two workers (one a job of its own) on two loaded cores
+@pytest.mark.timeout(600)
+def test_launch_slurm_adds_a_worker_job_while_work_waits_and_drains_one_while_idle(
+    slurm: LocalSlurm, tiny_model: Path, tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    sets = [
+        f'policy.model="{tiny_model}"',
+        f"run.steps={STEPS}",
+        "policy.batch_prompts=4",
+        "policy.group_size=8",
+        "rollout.slots=2",
+        "rollout.drain_timeout_s=5",
+        "controller.member_timeout_s=30",  # the stopped worker stays a member while the pool acts
+        "rollout.autoscale.enabled=true",
+        "rollout.autoscale.min=1",
+        "rollout.autoscale.max=2",
+        "rollout.autoscale.up_busy_fraction=0.5",
+        "rollout.autoscale.window_s=0",
+        "rollout.autoscale.cooldown_s=1",
+        "rollout.autoscale.interval_s=0.5",
+    ]
+    cmd = [sys.executable, "-m", "astraflow", "launch", "slurm", str(ROOT / "recipes/quickstart/recipe.toml")]
+    cmd += ["--run-dir", str(run_dir), "--nodes", "1", "--raas", "1", "--port", str(free_port())]
+    cmd += [a for s in sets for a in ("--set", s)]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=slurm.env, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    job = out.stdout.split("submitted job ")[1].split(":")[0]
+    script = (run_dir / "launch" / "slurm.sbatch").read_text()
+    assert "astraflow.cluster.slurm_pool" in script
+    assert (run_dir / "launch" / "raas-1.sbatch").is_file()
+    assert (run_dir / "keys" / "members" / "raas-1.key_secret").is_file()
+    worker_job = ""
+    try:
+        # stop raas-0 (a step of the main job) at a moment it holds a lease while tasks wait
+        leased = "SELECT COUNT(*) FROM tasks WHERE status='leased' AND owner='raas-0'"
+        queued = "SELECT COUNT(*) FROM tasks WHERE status='queued'"
+        _wait(
+            "raas-0 to hold a lease while tasks wait",
+            lambda: _rows(run_dir, leased) and _rows(run_dir, leased)[0][0] and _rows(run_dir, queued)[0][0],
+            slurm,
+            job,
+            run_dir,
+        )
+        (pid,) = _rows(run_dir, "SELECT pid FROM members WHERE id='raas-0'")[0]
+        os.kill(int(pid), signal.SIGSTOP)
+        _wait(
+            "the pool to submit raas-1",
+            lambda: "autoscale: added raas-1" in _pool_log(run_dir),
+            slurm,
+            job,
+            run_dir,
+        )
+        worker_job = _pool_log(run_dir).split("autoscale: added raas-1 as job ")[1].split()[0]
+        # admission is held from here until a drain is seen, so the run cannot end before it
+        _ctl(slurm, "pause", "--run-dir", str(run_dir))
+        os.kill(int(pid), signal.SIGCONT)
+        steps = "SELECT COUNT(*) FROM metrics WHERE policy='main'"
+        assert _rows(run_dir, steps)[0][0] < STEPS, "the run was over before the pause"
+        joined = "SELECT detail FROM events WHERE kind='member_joined'"
+        _wait(
+            "raas-1 to join",
+            lambda: any(d.startswith("raas-1") for (d,) in _rows(run_dir, joined)),
+            slurm,
+            job,
+            run_dir,
+        )
+        _wait("a drain", lambda: "autoscale: draining" in _pool_log(run_dir), slurm, job, run_dir)
+        drained = _pool_log(run_dir).split("autoscale: draining ")[1].split()[0]
+        left = "SELECT detail FROM events WHERE kind='member_left'"
+        _wait(
+            f"{drained} to leave",
+            lambda: any(d.startswith(drained) for (d,) in _rows(run_dir, left)),
+            slurm,
+            job,
+            run_dir,
+        )
+        _ctl(slurm, "resume", "--run-dir", str(run_dir))
+        state = slurm.wait_job(job, 400)
+        logs = "\n".join(p.read_text()[-3000:] for p in sorted((run_dir / "logs").glob("*.log*")))
+        assert state == ("COMPLETED", "0:0"), logs
+        assert slurm.wait_job(worker_job, 120) == ("COMPLETED", "0:0"), logs
+    finally:
+        for j in (job, worker_job):
+            if j and slurm.job_state(j)[0] in ("PENDING", "RUNNING", "CONFIGURING"):
+                subprocess.run(["scancel", j], env=slurm.env)
+    pool = _pool_log(run_dir)
+    if drained == "raas-1":  # the newest of equally idle workers: the job the pool submitted
+        assert f"raas-1 (job {worker_job}) ended after its drain" in pool, pool
+    else:
+        assert f"{drained} (step pid" in pool and "ended after its drain" in pool, pool
+    with ro(run_dir) as db:
+        steps_done = [r[0] for r in db.execute("SELECT step FROM metrics WHERE policy='main' ORDER BY id")]
+        assert sorted(steps_done) == list(range(1, STEPS + 1))
+        per_task = dict(db.execute("SELECT task_id, COUNT(*) FROM trajectories GROUP BY task_id").fetchall())
+        done = [r[0] for r in db.execute("SELECT id FROM tasks WHERE status='done'")]
+        assert done and all(per_task.get(t) == 8 for t in done), "a task done twice or partly"
+        assert set(per_task) <= set(done), "trajectories of a task that is not done"
+        assert not db.execute("SELECT COUNT(*) FROM tasks WHERE status='failed'").fetchone()[0]
+        ids = [i for (row,) in db.execute("SELECT traj_ids FROM batches") for i in json.loads(row)]
+        assert len(ids) == len(set(ids)), "a trajectory trained on twice"
