@@ -8,7 +8,6 @@ has submitted a worker job; admission is then paused until a worker has been dra
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from astraflow.state.batches import decode_ids
 from tests.chaos.cluster import free_port, ro
 from tests.integration.slurm_local import LocalSlurm, skip_reason
 from tests.integration.test_up_autoscale import _rows
@@ -165,5 +165,5 @@ def test_launch_slurm_adds_a_worker_job_while_work_waits_and_drains_one_while_id
         assert done and all(per_task.get(t) == 8 for t in done), "a task done twice or partly"
         assert set(per_task) <= set(done), "trajectories of a task that is not done"
         assert not db.execute("SELECT COUNT(*) FROM tasks WHERE status='failed'").fetchone()[0]
-        ids = [i for (row,) in db.execute("SELECT traj_ids FROM batches") for i in json.loads(row)]
+        ids = [i for (row,) in db.execute("SELECT traj_ids FROM batches") for i in decode_ids(row)]
         assert len(ids) == len(set(ids)), "a trajectory trained on twice"
