@@ -7,11 +7,13 @@ import socket
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from astraflow.config.service import ServiceConfig
 from astraflow.errors import AstraflowError
+from astraflow.launch.pool import LocalPool
 from astraflow.launch.services import start_services
 from astraflow.launch.supervisor import Supervisor
 
@@ -25,6 +27,12 @@ s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 s.bind(("127.0.0.1", int(sys.argv[2]))); s.listen()
 time.sleep(600)
 """
+
+
+def _no_pool(sup: Supervisor, run_dir: Path) -> LocalPool:
+    """The local RaaS pool of a run without local workers or autoscaling."""
+    rollout = SimpleNamespace(local_workers=0, autoscale=SimpleNamespace(enabled=False, max=0), gpus="")
+    return LocalPool(sup, rollout, run_dir, {}, [])
 
 
 def _sup(tmp_path: Path) -> Supervisor:
@@ -170,7 +178,7 @@ def test_a_service_that_stops_during_the_run_ends_the_run(tmp_path: Path) -> Non
     recipe = SimpleNamespace(trainable=lambda: [SimpleNamespace(name="main")], budget=lambda name: 1)
     t0 = time.monotonic()
     try:
-        assert _watch(sup, recipe, tmp_path, {"signal": 0}, t0, max_restarts=0) == 1
+        assert _watch(sup, _no_pool(sup, tmp_path), recipe, tmp_path, {"signal": 0}, t0, max_restarts=0) == 1
     finally:
         sup.stop_all(grace_s=2)
     assert time.monotonic() - t0 < 30
@@ -207,7 +215,18 @@ sys.exit(1)
         trainable=lambda: [SimpleNamespace(name="main")], budget=lambda name: 1, service=[cfg]
     )
     try:
-        assert _watch(sup, recipe, tmp_path, {"signal": 0}, time.monotonic(), max_restarts=0) == 0
+        assert (
+            _watch(
+                sup,
+                _no_pool(sup, tmp_path),
+                recipe,
+                tmp_path,
+                {"signal": 0},
+                time.monotonic(),
+                max_restarts=0,
+            )
+            == 0
+        )
         assert lives.read_text() == "xx", "the service was not started a second time"
         first_child = int((tmp_path / "child-0").read_text())
         assert not _alive(first_child), "the dead service's own child was left running"

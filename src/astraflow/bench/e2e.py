@@ -137,8 +137,12 @@ def read_policies(
         # the step's own end (a background publish may announce its version a step later)
         ts = [float(r.get("trainer_done_at", r["time"])) for r in recs]
         steady = recs[1:]
-        # a checkpoint (the final one at least) is disk time, not the pipeline's pace
-        span = ts[-1] - ts[0] - sum(float(r.get("trainer_checkpoint_s", 0.0)) for r in steady)
+        # a checkpoint is disk time, not the pipeline's pace: take out those inside the span. A step's
+        # checkpoint comes after its trainer_done_at (so the last step's is outside the span, the first
+        # step's inside) but before its row's `time`
+        ckpt = [float(r.get("trainer_checkpoint_s", 0.0)) for r in recs]
+        inside = ckpt[:-1] if "trainer_done_at" in recs[-1] else ckpt[1:]
+        span = ts[-1] - ts[0] - sum(inside)
         compute = sum(float(r.get("trainer_compute_s", 0.0)) for r in steady)
         out[pol] = {
             "steps": len(recs),
