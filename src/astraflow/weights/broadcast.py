@@ -231,8 +231,16 @@ class BroadcastHub:
             return False
         g = self.generation + 1
         if self._pg is not None:
-            self._ring()
-            _send_header(self._pg, self.device, _REGROUP, -1, 0, g)
+            try:
+                self._ring()
+                _send_header(self._pg, self.device, _REGROUP, -1, 0, g)
+            except Exception as exc:  # a member died: the joiners (already counted) must not wait on
+                _log.warning(
+                    "broadcast generation %d failed (%s); its members join again", self.generation, exc
+                )
+                with contextlib.suppress(Exception):
+                    self._ring(_DROPPED)
+                self.members = []
         tickets = self.members + joiners
         self.store.set(f"{self.token}/g{g}/members", json.dumps(tickets))
         for t in joiners:
