@@ -37,7 +37,7 @@ from astraflow import log
 from astraflow.weights import packed
 
 _log = log.get("weights.broadcast")
-_VERSION, _REGROUP = 1, 3
+_VERSION, _KEEPALIVE, _REGROUP = 1, 2, 3
 _DROPPED = "dropped"
 _HEADER = 4
 _DIGEST = 64
@@ -189,6 +189,7 @@ class BroadcastHub:
             self._loop()
 
     def _loop(self) -> None:
+        keepalive_at = time.monotonic() + self.timeout_s / 3
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._closed or self._pending, timeout=JOIN_POLL_S)
@@ -200,6 +201,14 @@ class BroadcastHub:
                 joined = self._regroup_if_joined(payload is not None)
                 if self._pg is not None and payload is not None and (send or joined):
                     self._send(payload)
+                elif self._pg is not None and time.monotonic() >= keepalive_at:
+                    # a short message now and then finds a member that died between versions (its
+                    # send fails) so the generation is dropped before a version waits on it
+                    self._ring()
+                    _send_header(self._pg, self.device, _KEEPALIVE, -1, 0, self.generation)
+                else:
+                    continue
+                keepalive_at = time.monotonic() + self.timeout_s / 3
             except Exception as exc:  # a member died or hung: drop the generation, members re-register
                 _log.warning(
                     "broadcast generation %d failed (%s); members must join again", self.generation, exc
