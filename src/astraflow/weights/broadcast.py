@@ -12,7 +12,8 @@ itself (rank 0) and the workers that joined. Workers are elastic, so membership 
 - no collective waits while nothing is sent: before each message the hub rings a bell in the store
   (one key per message of a generation) and only then do the members post their receives. A receive
   left posted between versions would hold its stream and, on a GPU, a spinning kernel; a member whose
-  hub is gone learns it from the store. The trainer's thread never waits on any of it: `publish`
+  hub is gone learns it from the store. An idle hub sends a short keepalive (rung the same way) every
+  third of the collective timeout, so a member that died between versions is found by a failed send. The trainer's thread never waits on any of it: `publish`
   only hands the newest version to the hub's thread, which skips versions it had no time to send.
 
 Each version is one packed buffer (weights/packed.py), sent in buckets, preceded by a small header
