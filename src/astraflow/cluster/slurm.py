@@ -116,12 +116,7 @@ def render(plan: Plan, opts: SlurmOptions) -> str:
         f"#SBATCH --output={plan.run_dir}/logs/slurm-%j.out",
         "#SBATCH --open-mode=append",
     ]
-    if opts.gpus_per_node:
-        head.append(f"#SBATCH --gpus-per-node={opts.gpus_per_node}")
-    if opts.time:
-        head.append(f"#SBATCH --time={opts.time}")
-    if opts.partition:
-        head.append(f"#SBATCH --partition={opts.partition}")
+    head += _resource_lines(opts)
     body = [
         "set -uo pipefail",
         f"RUN={_q(plan.run_dir)}",
@@ -234,12 +229,7 @@ def render_worker(plan: Plan, opts: SlurmOptions, name: str) -> str:
         f"#SBATCH --output={run}/logs/{name}.log",
         "#SBATCH --open-mode=append",
     ]
-    if opts.gpus_per_node:
-        head.append(f"#SBATCH --gpus-per-node={opts.gpus_per_node}")
-    if opts.time:
-        head.append(f"#SBATCH --time={opts.time}")
-    if opts.partition:
-        head.append(f"#SBATCH --partition={opts.partition}")
+    head += _resource_lines(opts)
     member = Member(name, "raas")
     body = [
         "set -uo pipefail",
@@ -253,3 +243,15 @@ def render_worker(plan: Plan, opts: SlurmOptions, name: str) -> str:
         "exec " + " ".join(_member_argv(plan, member)),
     ]
     return "\n".join(head + [""] + body) + "\n"
+
+
+def _resource_lines(opts: SlurmOptions) -> list[str]:
+    """The #SBATCH lines of the options a user may leave unset (GPUs per node, time, partition)."""
+    out = []
+    if opts.gpus_per_node:
+        out.append(f"#SBATCH --gpus-per-node={opts.gpus_per_node}")
+    if opts.time:
+        out.append(f"#SBATCH --time={opts.time}")
+    if opts.partition:
+        out.append(f"#SBATCH --partition={opts.partition}")
+    return out
