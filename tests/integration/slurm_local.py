@@ -91,7 +91,17 @@ class LocalSlurm:
             if out.stdout.strip() == "idle":
                 return
             time.sleep(0.2)
-        raise RuntimeError(f"the local Slurm node did not become idle; see {r / 'log'}")
+        states = subprocess.run(
+            ["sinfo", "-h", "-N", "-o", "%N %T %E"], capture_output=True, text=True, env=self.env
+        )
+        logs = "".join(
+            f"--- {f.name}\n" + f.read_text()[-2000:]
+            for f in sorted((r / "log").glob("*.log"))
+            if f.is_file()
+        )
+        raise RuntimeError(
+            f"the local Slurm node did not become idle: {states.stdout.strip() or states.stderr.strip()}\n{logs}"
+        )
 
     def job_state(self, job: str) -> tuple[str, str]:
         """A job's state and exit code (COMPLETED, 0:0) as scontrol reports them."""
@@ -111,10 +121,27 @@ class LocalSlurm:
             time.sleep(0.5)
         raise TimeoutError(f"job {job} still {self.job_state(job)} after {timeout_s:.0f}s")
 
-    def stop(self) -> None:
-        """Stop the daemons this object started (by their pid files)."""
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop the daemons this object started (by their pid files) and wait until they are gone."""
+        pids = []
         for pid_file in reversed(self.pids):
             try:
-                os.kill(int(pid_file.read_text().strip()), signal.SIGTERM)
+                pid = int(pid_file.read_text().strip())
+                os.kill(pid, signal.SIGTERM)
+                pids.append(pid)
             except (OSError, ValueError):
                 pass
+        deadline = time.monotonic() + timeout_s
+        for pid in pids:
+            while time.monotonic() < deadline and _alive(pid):
+                time.sleep(0.1)
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

@@ -7,7 +7,6 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,16 +16,6 @@ from tests.integration.slurm_local import LocalSlurm, skip_reason
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(bool(skip_reason()), reason=skip_reason() or "")
-
-
-@pytest.fixture(scope="module")
-def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSlurm]:
-    cluster = LocalSlurm(tmp_path_factory.mktemp("slurm"))
-    try:
-        cluster.start()
-        yield cluster
-    finally:
-        cluster.stop()
 
 
 def _steps(run_dir: Path) -> list[int]:

@@ -13,29 +13,18 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from astraflow.state.batches import decode_ids
-from tests.chaos.cluster import free_port, ro
+from tests.chaos.cluster import free_port
 from tests.integration.slurm_local import LocalSlurm, skip_reason
-from tests.integration.test_up_autoscale import _rows
+from tests.run_checks import assert_run_intact, rows, stop_while_holding
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = 16
+STEPS = 32
 pytestmark = pytest.mark.skipif(bool(skip_reason()), reason=skip_reason() or "")
-
-
-@pytest.fixture(scope="module")
-def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSlurm]:
-    cluster = LocalSlurm(tmp_path_factory.mktemp("slurm"))
-    try:
-        cluster.start()
-        yield cluster
-    finally:
-        cluster.stop()
 
 
 def _pool_log(run_dir: Path) -> str:
@@ -44,15 +33,19 @@ def _pool_log(run_dir: Path) -> str:
 
 
 def _wait(what: str, cond: Callable[[], object], slurm: LocalSlurm, job: str, run_dir: Path) -> None:
+    """Poll cond often (a phase of this run can last a second); ask Slurm about the job once a second."""
     deadline = time.monotonic() + 240
+    asked = 0.0
     while not cond():
-        state = slurm.job_state(job)[0]
-        if state not in ("PENDING", "RUNNING", "CONFIGURING"):
-            logs = "\n".join(p.read_text()[-3000:] for p in sorted((run_dir / "logs").glob("*.log*")))
-            pytest.fail(f"job {job} is {state} while waiting for {what}:\n{logs}")
+        if time.monotonic() - asked > 1.0:
+            asked = time.monotonic()
+            state = slurm.job_state(job)[0]
+            if state not in ("PENDING", "RUNNING", "CONFIGURING"):
+                logs = "\n".join(p.read_text()[-3000:] for p in sorted((run_dir / "logs").glob("*.log*")))
+                pytest.fail(f"job {job} is {state} while waiting for {what}:\n{logs}")
         if time.monotonic() > deadline:
             pytest.fail(f"timed out waiting for {what}:\n{_pool_log(run_dir)[-4000:]}")
-        time.sleep(0.2)
+        time.sleep(0.05)
 
 
 def _ctl(slurm: LocalSlurm, *args: str) -> None:
@@ -101,17 +94,9 @@ def test_launch_slurm_adds_a_worker_job_while_work_waits_and_drains_one_while_id
     worker_job = ""
     try:
         # stop raas-0 (a step of the main job) at a moment it holds a lease while tasks wait
-        leased = "SELECT COUNT(*) FROM tasks WHERE status='leased' AND owner='raas-0'"
-        queued = "SELECT COUNT(*) FROM tasks WHERE status='queued'"
-        _wait(
-            "raas-0 to hold a lease while tasks wait",
-            lambda: _rows(run_dir, leased) and _rows(run_dir, leased)[0][0] and _rows(run_dir, queued)[0][0],
-            slurm,
-            job,
-            run_dir,
+        pid = stop_while_holding(
+            run_dir, lambda what, cond: _wait(what, cond, slurm, job, run_dir), env=slurm.env
         )
-        (pid,) = _rows(run_dir, "SELECT pid FROM members WHERE id='raas-0'")[0]
-        os.kill(int(pid), signal.SIGSTOP)
         _wait(
             "the pool to submit raas-1",
             lambda: "autoscale: added raas-1" in _pool_log(run_dir),
@@ -122,13 +107,13 @@ def test_launch_slurm_adds_a_worker_job_while_work_waits_and_drains_one_while_id
         worker_job = _pool_log(run_dir).split("autoscale: added raas-1 as job ")[1].split()[0]
         # admission is held from here until a drain is seen, so the run cannot end before it
         _ctl(slurm, "pause", "--run-dir", str(run_dir))
-        os.kill(int(pid), signal.SIGCONT)
+        os.kill(pid, signal.SIGCONT)
         steps = "SELECT COUNT(*) FROM metrics WHERE policy='main'"
-        assert _rows(run_dir, steps)[0][0] < STEPS, "the run was over before the pause"
+        assert rows(run_dir, steps)[0][0] < STEPS, "the run was over before the pause"
         joined = "SELECT detail FROM events WHERE kind='member_joined'"
         _wait(
             "raas-1 to join",
-            lambda: any(d.startswith("raas-1") for (d,) in _rows(run_dir, joined)),
+            lambda: any(d.startswith("raas-1") for (d,) in rows(run_dir, joined)),
             slurm,
             job,
             run_dir,
@@ -138,7 +123,7 @@ def test_launch_slurm_adds_a_worker_job_while_work_waits_and_drains_one_while_id
         left = "SELECT detail FROM events WHERE kind='member_left'"
         _wait(
             f"{drained} to leave",
-            lambda: any(d.startswith(drained) for (d,) in _rows(run_dir, left)),
+            lambda: any(d.startswith(drained) for (d,) in rows(run_dir, left)),
             slurm,
             job,
             run_dir,
@@ -157,13 +142,4 @@ def test_launch_slurm_adds_a_worker_job_while_work_waits_and_drains_one_while_id
         assert f"raas-1 (job {worker_job}) ended after its drain" in pool, pool
     else:
         assert f"{drained} (step pid" in pool and "ended after its drain" in pool, pool
-    with ro(run_dir) as db:
-        steps_done = [r[0] for r in db.execute("SELECT step FROM metrics WHERE policy='main' ORDER BY id")]
-        assert sorted(steps_done) == list(range(1, STEPS + 1))
-        per_task = dict(db.execute("SELECT task_id, COUNT(*) FROM trajectories GROUP BY task_id").fetchall())
-        done = [r[0] for r in db.execute("SELECT id FROM tasks WHERE status='done'")]
-        assert done and all(per_task.get(t) == 8 for t in done), "a task done twice or partly"
-        assert set(per_task) <= set(done), "trajectories of a task that is not done"
-        assert not db.execute("SELECT COUNT(*) FROM tasks WHERE status='failed'").fetchone()[0]
-        ids = [i for (row,) in db.execute("SELECT traj_ids FROM batches") for i in decode_ids(row)]
-        assert len(ids) == len(set(ids)), "a trajectory trained on twice"
+    assert_run_intact(run_dir, STEPS, group=8)

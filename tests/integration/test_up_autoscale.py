@@ -8,21 +8,17 @@ admission is then paused until a worker has been drained and left."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import sqlite3
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from astraflow.state.batches import decode_ids
-from tests.chaos.cluster import ro
+from tests.run_checks import assert_run_intact, rows, stop_while_holding
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 24
@@ -38,57 +34,11 @@ def _wait(what: str, cond: Callable[[], object], proc: subprocess.Popen[bytes], 
         time.sleep(0.2)
 
 
-def _rows(run_dir: Path, sql: str, *args: object) -> list[tuple[Any, ...]]:
-    """Rows of a query on the run's state.db; none before the controller made its tables."""
-    if not (run_dir / "state.db").is_file():
-        return []
-    try:
-        with ro(run_dir) as db:
-            return db.execute(sql, args).fetchall()
-    except sqlite3.OperationalError:
-        return []
-
-
-def _astraflow(*args: str) -> str:
+def _ctl(*args: str) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "astraflow", *args], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "astraflow", "ctl", *args], capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr
-    return done.stdout
-
-
-def _demand(run_dir: Path) -> dict[str, Any]:
-    """The live controller's demand, asked as the run's observer."""
-    keys = run_dir / "keys"
-    args = ["status", "--json", "--controller", (run_dir / "controller.addr").read_text().strip()]
-    args += [
-        "--key",
-        str(keys / "members/observer.key_secret"),
-        "--controller-key",
-        str(keys / "controller.key"),
-    ]
-    return dict(json.loads(_astraflow(*args))["demand"])
-
-
-def _stop_while_holding(run_dir: Path, proc: subprocess.Popen[bytes], out: Path) -> int:
-    """SIGSTOP raas-0 at a moment the live controller sees it holding a lease while tasks wait
-    (retried until it does); returns its pid."""
-    leased = "SELECT COUNT(*) FROM tasks WHERE status='leased' AND owner='raas-0'"
-    queued = "SELECT COUNT(*) FROM tasks WHERE status='queued'"
-    for _ in range(30):
-        _wait(
-            "raas-0 to hold a lease while tasks wait",
-            lambda: _rows(run_dir, leased) and _rows(run_dir, leased)[0][0] and _rows(run_dir, queued)[0][0],
-            proc,
-            out,
-        )
-        (pid,) = _rows(run_dir, "SELECT pid FROM members WHERE id='raas-0'")[0]
-        os.kill(int(pid), signal.SIGSTOP)
-        demand = _demand(run_dir)
-        if {w["id"]: w["leased"] for w in demand["workers"]}.get("raas-0") and demand["waiting"]:
-            return int(pid)
-        os.kill(int(pid), signal.SIGCONT)
-    pytest.fail(f"raas-0 was never stopped holding a lease while tasks waited:\n{out.read_text()[-4000:]}")
 
 
 # a controller, a trainer and up to two workers on two loaded cores: past the suite's 300 s default
@@ -120,24 +70,24 @@ def test_up_adds_a_worker_while_work_waits_and_drains_one_while_idle(
     with open(out, "wb") as sink:
         proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, cwd=tmp_path)
     try:
-        pid = _stop_while_holding(run_dir, proc, out)
+        pid = stop_while_holding(run_dir, lambda what, cond: _wait(what, cond, proc, out))
         _wait("the launcher to add raas-1", lambda: "autoscale: added raas-1" in out.read_text(), proc, out)
         # admission is held from here until a drain is seen, so the run cannot end before it: only the
         # tasks already leased can still finish once the worker goes on
-        _astraflow("ctl", "pause", "--run-dir", str(run_dir))
+        _ctl("pause", "--run-dir", str(run_dir))
         os.kill(pid, signal.SIGCONT)
         steps = "SELECT COUNT(*) FROM metrics WHERE policy='main'"
-        assert _rows(run_dir, steps)[0][0] < STEPS, "the run was over before the pause"
+        assert rows(run_dir, steps)[0][0] < STEPS, "the run was over before the pause"
         _wait("a drain", lambda: "autoscale: draining" in out.read_text(), proc, out)
         drained = out.read_text().split("autoscale: draining ")[1].split()[0]
         left = "SELECT detail FROM events WHERE kind='member_left'"
         _wait(
             f"{drained} to leave",
-            lambda: any(d.startswith(drained) for (d,) in _rows(run_dir, left)),
+            lambda: any(d.startswith(drained) for (d,) in rows(run_dir, left)),
             proc,
             out,
         )
-        _astraflow("ctl", "resume", "--run-dir", str(run_dir))
+        _ctl("resume", "--run-dir", str(run_dir))
         assert proc.wait(timeout=400) == 0, out.read_text()[-4000:]
     finally:
         if proc.poll() is None:
@@ -145,15 +95,6 @@ def test_up_adds_a_worker_while_work_waits_and_drains_one_while_idle(
             proc.wait(timeout=120)
     text = out.read_text()
     assert f"{drained} exited" not in text, "a drained worker was restarted as if it had failed"
-    with ro(run_dir) as db:
-        steps = [r[0] for r in db.execute("SELECT step FROM metrics WHERE policy='main' ORDER BY id")]
-        assert sorted(steps) == list(range(1, STEPS + 1))
-        per_task = dict(db.execute("SELECT task_id, COUNT(*) FROM trajectories GROUP BY task_id").fetchall())
-        done = [r[0] for r in db.execute("SELECT id FROM tasks WHERE status='done'")]
-        assert done and all(per_task.get(t) == 8 for t in done), "a task done twice or partly"
-        assert set(per_task) <= set(done), "trajectories of a task that is not done"
-        assert not db.execute("SELECT COUNT(*) FROM tasks WHERE status='failed'").fetchone()[0]
-        ids = [i for (row,) in db.execute("SELECT traj_ids FROM batches") for i in decode_ids(row)]
-        assert len(ids) == len(set(ids)), "a trajectory trained on twice"
-        joined = [r[0] for r in db.execute("SELECT detail FROM events WHERE kind='member_joined'")]
-        assert any(d.startswith("raas-1") for d in joined), joined
+    assert_run_intact(run_dir, STEPS, group=8)
+    joined = [r[0] for r in rows(run_dir, "SELECT detail FROM events WHERE kind='member_joined'")]
+    assert any(d.startswith("raas-1") for d in joined), joined

@@ -93,3 +93,57 @@ def test_launch_slurm_refuses_a_starting_pool_outside_the_bounds(tmp_path: Path)
     assert out.returncode == 2, out.stdout + out.stderr
     assert "3 starting RaaS workers is outside rollout.autoscale.min..max (1..2)" in out.stderr
     assert "Traceback" not in out.stderr and not run_dir.exists()
+
+
+# fake `srun` and `scontrol` (no cluster here): each step sleeps as its role, then exits with its code;
+# a SIGTERM is recorded, so the test sees which role the script stopped instead of letting it finish
+_FAKE_SRUN = """#!/bin/bash
+name=$(printf '%s\\n' "$@" | sed -n 's/^--job-name=//p')
+trap 'echo "$name TERM" >> "$FAKE_LOG"; exit 143' TERM
+case "$name" in
+    controller) sleep "$CONTROLLER_S"; code="$CONTROLLER_RC" ;;
+    trainer-*) sleep 3; code=0 ;;
+    *) sleep 1; code=0 ;;
+esac
+echo "$name exit $code" >> "$FAKE_LOG"
+exit "$code"
+"""
+
+
+def _run_with_fake_srun(tmp_path: Path, controller_s: float, controller_rc: int) -> tuple[int, str]:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(_FAKE_SRUN)
+    (bin_dir / "scontrol").write_text("#!/bin/bash\necho node0\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    plan = Plan(
+        tmp_path / "run", [Member("trainer-a", "trainer", "a", 1)], [Member("raas-0", "raas")], slots=2
+    )
+    script = tmp_path / "job.sbatch"
+    script.write_text(render(plan, SlurmOptions(nodes=1, python="py", port=7600, stop_grace_s=20)))
+    log = tmp_path / "fake.log"
+    env = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "SLURM_JOB_NODELIST": "node0",
+        "SLURM_JOB_ID": "1",
+        "FAKE_LOG": str(log),
+        "CONTROLLER_S": str(controller_s),
+        "CONTROLLER_RC": str(controller_rc),
+    }
+    done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)
+    return done.returncode, log.read_text() + done.stderr
+
+
+def test_a_controller_that_finished_the_run_lets_the_trainers_exit_by_themselves(tmp_path: Path) -> None:
+    # the controller ends the run (exit 0) a moment before the trainer it told to stop has exited:
+    # the job waits for the trainer instead of killing it, and succeeds
+    rc, log = _run_with_fake_srun(tmp_path, controller_s=0.5, controller_rc=0)
+    assert rc == 0, log
+    assert "trainer-a exit 0" in log and "trainer-a TERM" not in log, log
+
+
+def test_a_controller_that_failed_stops_the_job(tmp_path: Path) -> None:
+    rc, log = _run_with_fake_srun(tmp_path, controller_s=0.5, controller_rc=3)
+    assert rc != 0, log
+    assert "trainer-a TERM" in log and "the controller exited with 3" in log, log
