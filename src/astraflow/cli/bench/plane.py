@@ -1,0 +1,110 @@
+"""`astraflow bench` commands. Benchmarks of the control plane: the dashboard's reads and one controller's throughput."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from astraflow.cli.bench.common import app
+
+
+@app.command("dash")
+def dash(
+    steps: Annotated[
+        int, typer.Option("--steps", min=1, help="Recorded steps of the synthetic run.")
+    ] = 10_000,
+    seconds: Annotated[float, typer.Option("--seconds", help="Duration of each writer measurement.")] = 3.0,
+    interval: Annotated[float, typer.Option("--interval", help="The dashboard's poll interval.")] = 1.0,
+) -> None:
+    """The dashboard's start-up on a long run, one poll's cost, and state.db writes with it attached."""
+    from astraflow.cli.dash import run_dash_bench as run_bench
+
+    r = run_bench(steps, seconds, interval)
+    typer.echo(
+        f"synthetic run: {steps} steps (state.db via the real Store, metrics.jsonl rows of 36 metrics)"
+    )
+    typer.echo(
+        f"start-up: first paint {r['first_paint_s'] * 1000:.0f} ms; baseline (parse all of metrics.jsonl) "
+        f"{r['full_parse_s'] * 1000:.0f} ms; ratio {r['first_paint_s'] / r['full_parse_s']:.2f}; "
+        f"history in after {r['history_loaded_s'] * 1000:.0f} ms"
+    )
+    typer.echo(
+        f"cold start (a fresh interpreter to the first frame drawn with data; best of 3): "
+        f"{r['cold_start_s'] * 1000:.0f} ms wall, {r['cold_start_cpu_s'] * 1000:.0f} ms CPU "
+        f"(of which interpreter and imports {r['import_s'] * 1000:.0f} ms wall, "
+        f"{r['import_cpu_s'] * 1000:.0f} ms CPU); target < 1000 ms; "
+        f"load average now {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+    )
+    typer.echo(
+        f"one poll (run-dir source): {r['poll_s'] * 1000:.1f} ms; one StatusReply built by the controller "
+        f"(--controller source): {r['status_reply_s'] * 1000:.1f} ms = {r['status_reply_s'] / interval * 100:.2f}% "
+        f"of the controller's time at one poll per {interval:g}s"
+    )
+    typer.echo(
+        f"controller-shaped writes/s: alone {r['writes_per_s_alone']:.0f}; with a dashboard polling every "
+        f"{interval:g}s {r['writes_per_s_dashboard']:.0f} (ratio {r['writes_per_s_dashboard'] / r['writes_per_s_alone']:.3f}); "
+        f"with a reader polling at 20 Hz {r['writes_per_s_20hz_reader']:.0f} "
+        f"(ratio {r['writes_per_s_20hz_reader'] / r['writes_per_s_alone']:.3f})"
+    )
+
+
+@app.command("control")
+def control(
+    members: str = typer.Option("2,100,1000", help="Comma-separated simulated worker counts, one run each."),
+    curve: str = typer.Option("off,on", help="CURVE off, on, or both (off,on): every member its own key."),
+    seconds: float = typer.Option(10.0, help="Measured window per run, after the warm-up steps."),
+    warmup_steps: int = typer.Option(3, help="Steps the controller records before the window opens."),
+    heartbeat_s: float = typer.Option(
+        0.5, help="The recipe's heartbeat interval (every member beats this often)."
+    ),
+    procs: int = typer.Option(
+        4, help="Simulator processes: one for the trainer and active workers, the rest share idle members."
+    ),
+    out: Path = typer.Option(None, help="Keep the runs' directories here (default: a temporary directory)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+    keep_steps: int = typer.Option(
+        0, help="Retention: trajectories consumed this many steps ago leave state.db for Parquet (0: off)."
+    ),
+    results: str = typer.Option(
+        "grouped",
+        help="How workers send results: grouped (a grant's in one TaskResults), single (a TaskResult each), or both.",
+    ),
+    tokens: int = typer.Option(
+        3, help="Generated tokens of each simulated sequence (after 3 prompt tokens)."
+    ),
+) -> None:
+    """One live controller fed by simulated members: sequences/s, steps/s, CPU per step, request
+    latency and RSS per member, for each member count; raw ZeroMQ and SQLite rates as the limits."""
+    import json as _json
+    import tempfile
+
+    from astraflow.bench.control import render, run
+
+    counts = [int(x) for x in members.split(",") if x.strip()]
+    modes = {"off": [False], "on": [True], "off,on": [False, True], "on,off": [True, False]}.get(
+        curve.replace(" ", "")
+    )
+    grouping = {"grouped": (True,), "single": (False,), "both": (True, False)}.get(results.strip())
+    if not counts or min(counts) < 1 or modes is None or grouping is None or tokens < 1:
+        raise typer.BadParameter(
+            "--members takes counts >= 1 (e.g. 2,100,1000); --curve off, on or off,on; --results grouped, single or both; "
+            "--tokens >= 1"
+        )
+    with tempfile.TemporaryDirectory() as tmp:
+        res = run(
+            counts,
+            curve=modes,
+            seconds=seconds,
+            warmup_steps=warmup_steps,
+            heartbeat_s=heartbeat_s,
+            procs=procs,
+            work=out or Path(tmp),
+            progress=lambda line: typer.echo(line, err=True),
+            results=grouping,
+            keep_steps=keep_steps,
+            tokens=tokens,
+        )
+    typer.echo(_json.dumps(res, indent=2) if as_json else render(res))
