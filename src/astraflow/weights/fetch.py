@@ -126,13 +126,7 @@ def fetch_version(
     over up to `connections` connections to its source (0: weights/client.py's default). Raises the
     last source's error when no way worked.
     """
-    from astraflow.weights.client import (
-        DEFAULT_WINDOW,
-        NotYetError,
-        VersionUnavailableError,
-        fetch_chain,
-        fetch_weights,
-    )
+    from astraflow.weights.client import DEFAULT_WINDOW, fetch_chain, fetch_weights
     from astraflow.weights.snapshot import bytes_to_state_dict
 
     if not sources:
@@ -142,45 +136,27 @@ def fetch_version(
         if held is not None:
             held.counts["held"] += 1
         return Fetched(version, bytes_to_state_dict(base.blob), "held", "", 0)
-    errors: list[Exception] = []
     win = window or DEFAULT_WINDOW
     trainer = sources[-1]
-
-    def attempt(fn: Any, src: str) -> Any:
-        # a relay still fetching the version is asked again, for at most relay_wait_s
-        until = time.monotonic() + relay_wait_s
-        while True:
-            try:
-                return fn(src)
-            except NotYetError as exc:
-                if src == trainer or time.monotonic() >= until:
-                    errors.append(exc)
-                    return None
-                time.sleep(0.1)
-            except (AstraflowError, OSError, ValueError) as exc:
-                # a delta not held (evicted, or bigger than a full version) is routine
-                level = logging.DEBUG if isinstance(exc, VersionUnavailableError) else logging.INFO
-                _log.log(level, "pulling %s@%d from %s failed: %s", policy, version, src, exc)
-                errors.append(exc)
-                return None
-
+    attempt = _Attempts(policy, version, trainer, relay_wait_s)
     if delta and base is not None and 0 < version - base.version <= max_chain:
         budget = len(base.blob)
-        for src in sources:
-            chain = attempt(
-                lambda s: fetch_chain(
-                    s,
-                    policy,
-                    base.version,
-                    version,
-                    max_bytes=budget,
-                    timeout_s=timeout_s,
-                    idle_timeout_s=idle_timeout_s,
-                    window=win,
-                    connections=connections,
-                ),
+
+        def chain_from(src: str) -> list[memoryview]:
+            return fetch_chain(
                 src,
+                policy,
+                base.version,
+                version,
+                max_bytes=budget,
+                timeout_s=timeout_s,
+                idle_timeout_s=idle_timeout_s,
+                window=win,
+                connections=connections,
             )
+
+        for src in sources:
+            chain = attempt(chain_from, src)
             if chain is None:
                 _count(held, "fallback")
                 continue
@@ -212,7 +188,35 @@ def fetch_version(
                 out.release = functools.partial(into.give, blob)
             return out
         _count(held, "fallback")
-    raise errors[-1]
+    raise attempt.errors[-1]
+
+
+class _Attempts:
+    """One way of pulling tried on one source; its error is kept (the last one is raised when every
+    way failed). A relay still fetching the version is asked again, for at most relay_wait_s."""
+
+    def __init__(self, policy: str, version: int, trainer: str, relay_wait_s: float) -> None:
+        self.policy, self.version, self.trainer, self.relay_wait_s = policy, version, trainer, relay_wait_s
+        self.errors: list[Exception] = []
+
+    def __call__(self, fn: Any, src: str) -> Any:
+        from astraflow.weights.client import NotYetError, VersionUnavailableError
+
+        until = time.monotonic() + self.relay_wait_s
+        while True:
+            try:
+                return fn(src)
+            except NotYetError as exc:
+                if src == self.trainer or time.monotonic() >= until:
+                    self.errors.append(exc)
+                    return None
+                time.sleep(0.1)
+            except (AstraflowError, OSError, ValueError) as exc:
+                # a delta not held (evicted, or bigger than a full version) is routine
+                level = logging.DEBUG if isinstance(exc, VersionUnavailableError) else logging.INFO
+                _log.log(level, "pulling %s@%d from %s failed: %s", self.policy, self.version, src, exc)
+                self.errors.append(exc)
+                return None
 
 
 def _count(held: HeldWeights | None, what: str) -> None:
