@@ -9,6 +9,9 @@ sampling removes all-solved and all-failed groups from the batches, so their mea
 about the policy. Point v of the curve is the mean reward of every trajectory generated with weights
 of version v (its oldest token's version), whatever happened to it afterwards. A curator that skips
 prompts (GRESO) still biases it, since skipped prompts produce no rollouts at all.
+
+Over 400 lines because one benchmark's runner, its readers of finished runs and its tables share
+the RunResult they pass along; each function is small.
 """
 
 from __future__ import annotations

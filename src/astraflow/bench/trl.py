@@ -19,6 +19,9 @@ devices (auto: the GPU when one is visible).
 TRL is not a dependency: it is installed on first use into a cache directory (`pip install
 --target ... --no-deps` of exactly the packages pip says this environment lacks), and the TRL side
 runs in a child process with that directory on its path (bench/trl_side.py). Once cached, no network.
+
+Over 400 lines because both sides of the comparison, the one spec they share and the tables that
+compare them live together: what differs between the sides is visible in one file.
 """
 
 from __future__ import annotations

@@ -8,6 +8,9 @@ The ZeroMQ rows time the pull itself (manifest request to every byte in place an
 raw ZeroMQ throughput of the same bytes, and print beside it the trainer's publish (the manifest's
 digests) and the receiver's apply, which a worker's pull does not wait on and which run off the
 training step.
+
+Over 400 lines because every weight path is measured beside its own physical limit through the
+same peer process and reported in one table; the peer itself is bench/weights_peer.py.
 """
 
 from __future__ import annotations

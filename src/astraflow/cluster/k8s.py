@@ -10,6 +10,9 @@ Why RaaS is a StatefulSet and not a Deployment: the controller admits a worker o
 id its key was registered with, and a Deployment's pods have random names. A StatefulSet's pods are
 raas-0, raas-1, ...: each takes the key of its ordinal, and `kubectl scale` works up to the number of
 worker keys made (--raas-max).
+
+Over 400 lines because one run's manifests are built together: they name each other's services,
+labels, secrets and volumes.
 """
 
 from __future__ import annotations

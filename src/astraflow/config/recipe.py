@@ -1,4 +1,8 @@
-"""Recipe models: the whole configuration of a run, validated with extra="forbid"."""
+"""Recipe models: the whole configuration of a run, validated with extra="forbid".
+
+Over 400 lines because the whole recipe is one tree of models, read top to bottom, from which
+docs/recipes.md's reference is generated.
+"""
 
 from __future__ import annotations
 

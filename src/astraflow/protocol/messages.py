@@ -2,6 +2,9 @@
 
 Each struct is tagged by its class name (the msgpack map carries "type"), unknown fields are
 rejected, and `rid` pairs a reply with its request. docs/protocol.md documents each one.
+
+Over 400 lines because every message of the protocol is here: one source for the wire format,
+which docs/protocol.md documents struct by struct.
 """
 
 from __future__ import annotations

@@ -11,6 +11,10 @@ are padded or packed (trainers/packing.py); under torchrun the model is sharded 
 (trainers/distributed.py); with `lora` only peft adapters train (trainers/lora.py). With
 `advantage = "gae"` a value model trains beside the policy and gives per-token advantages
 (trainers/critic.py).
+
+Over 400 lines because it is one class, the trainer's step, whose parts (updates, micro-batches,
+the skip rule, checkpoints) share the model's and the optimizer's state; logprobs, packing, LoRA,
+the critic and the distributed setup are in their own modules beside it.
 """
 
 from __future__ import annotations

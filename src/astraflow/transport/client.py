@@ -1,4 +1,8 @@
-"""A member's end of the control plane: one DEALER owned by a background thread, with heartbeats."""
+"""A member's end of the control plane: one DEALER owned by a background thread, with heartbeats.
+
+Over 400 lines because it is one class, the member's socket thread, whose send, receive,
+heartbeat and reconnect paths share the socket; one-shot requests are in transport/control_client.py.
+"""
 
 from __future__ import annotations
 

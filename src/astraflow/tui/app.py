@@ -1,4 +1,8 @@
-"""The Textual dashboard: overview curves, members, events and a sample browser, polled read-only."""
+"""The Textual dashboard: overview curves, members, events and a sample browser, polled read-only.
+
+Over 400 lines because it is one Textual App: its panes render from one snapshot and its actions
+share one control client; the poller, series, sample browser and dialogs are in their own modules.
+"""
 
 from __future__ import annotations
 

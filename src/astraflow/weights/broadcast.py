@@ -19,6 +19,9 @@ itself (rank 0) and the workers that joined. Workers are elastic, so membership 
 Each version is one packed buffer (weights/packed.py), sent in buckets, preceded by a small header
 (operation, version, size) and the digest; the worker checks the digest against the one the control
 plane announced before anything is applied. NCCL and gloo authenticate nothing: see docs/protocol.md.
+
+Over 400 lines because the hub and the member speak one protocol over the store (generations,
+bells, regroups), which reads best side by side.
 """
 
 from __future__ import annotations

@@ -16,6 +16,9 @@ Either way the engine is prompted with exactly the ids that are recorded, so wha
 is what the engine saw and produced. A trajectory extended later is superseded by its extension; the
 episode's Sequences are the trajectories nobody extended (n > 1 branches each become one).
 Streaming (stream.py) and tool calls (tool_calls.py) go through the same path.
+
+Over 400 lines because it is one class, the endpoint of one episode, whose request handlers share
+the episode's recorded trajectories; streaming, tools and the HTTP server are in their own modules.
 """
 
 from __future__ import annotations
