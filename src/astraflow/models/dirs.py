@@ -4,14 +4,18 @@ process starts (building a missing one from policy.model_init) and by each membe
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from astraflow import log
+
+if TYPE_CHECKING:
+    from astraflow.config.recipe import Recipe
+    from astraflow.transport.client import MemberClient
 
 _log = log.get("launcher")
 
 
-def check_models(recipe: Any, source: Path | None = None) -> None:
+def check_models(recipe: Recipe, source: Path | None = None) -> None:
     """Every policy's model directory must exist before any process starts: a missing one the recipe
     says how to make (policy.model_init) is built here; one without config.json is refused. A missing
     one the recipe file (`source`) makes by commands in its comments is refused naming those."""
@@ -34,7 +38,7 @@ def recipe_commands(source: Path, model: str) -> list[str]:
     return []
 
 
-def require_model_dirs(recipe: Any, policies: list[str], client: Any = None) -> None:
+def require_model_dirs(recipe: Recipe, policies: list[str], client: MemberClient | None = None) -> None:
     """A member's check as it joins: every model it loads exists on this machine (the recipe names a
     path that each machine has); the client, if given, is closed before the error is raised."""
     from astraflow.errors import AstraflowError

@@ -6,9 +6,12 @@ import os
 import platform
 import socket
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from astraflow.protocol.messages import PROTOCOL_VERSION, Hello
+
+if TYPE_CHECKING:
+    from astraflow.transport.client import MemberClient
 
 
 def hardware() -> str:
@@ -55,7 +58,7 @@ def advertise_host(controller: str) -> str:
 
 
 def request_retrying(
-    client: Any,
+    client: MemberClient,
     msg: Any,
     *,
     timeout_s: float = 30.0,
@@ -103,7 +106,7 @@ RETRY_JOIN_CODES = ("member_id_in_use", "trainer_taken")
 trainer) falls silent and the controller declares it dead after controller.member_timeout_s."""
 
 
-def connect_retrying(client: Any, give_up_after_s: float = 120.0) -> Any:
+def connect_retrying(client: MemberClient, give_up_after_s: float = 120.0) -> Any:
     """client.connect(), asking again while the controller still sees this id's previous process alive."""
     import time
 

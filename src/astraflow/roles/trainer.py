@@ -6,7 +6,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from astraflow import log
 from astraflow.errors import AstraflowError, Stopped
@@ -14,6 +14,10 @@ from astraflow.roles import member_files
 from astraflow.roles.member import advertise_host
 from astraflow.roles.stop_flag import StopFlag
 from astraflow.roles.trainer_checkpoint import latest_checkpoint, save_checkpoint
+
+if TYPE_CHECKING:
+    from astraflow.config.recipe import Recipe
+    from astraflow.transport.client import MemberClient
 
 _log = log.get("trainer")
 
@@ -113,8 +117,8 @@ class TrainerLoop:
 
     def __init__(
         self,
-        client: Any,
-        recipe: Any,
+        client: MemberClient,
+        recipe: Recipe,
         policy: str,
         *,
         ranks: int,
@@ -357,7 +361,7 @@ class TrainerLoop:
         self.client.close(bye[:1000])
 
 
-def fetch_parts(client: Any, first: Any, stop: Callable[[], bool] | None = None) -> list[Any] | None:
+def fetch_parts(client: MemberClient, first: Any, stop: Callable[[], bool] | None = None) -> list[Any] | None:
     """The samples of a ready batch: `first`'s, then those of its other parts (a batch larger than one
     message comes in parts); None when the controller says the run is done meanwhile."""
     from astraflow.protocol.messages import BatchReply, BatchRequest
@@ -377,7 +381,7 @@ def fetch_parts(client: Any, first: Any, stop: Callable[[], bool] | None = None)
     return samples
 
 
-def serve_until_done(client: Any, policy: str, budget: int, stop: StopFlag) -> None:
+def serve_until_done(client: MemberClient, policy: str, budget: int, stop: StopFlag) -> None:
     """Keep the weight server up after the last step until the controller says the run is done: a
     held-out eval round of the last version may still pull these weights."""
     from astraflow.protocol.messages import BatchReply, BatchRequest

@@ -18,12 +18,16 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from astraflow import log
 from astraflow.errors import AstraflowError
 from astraflow.protocol.messages import Error, VersionPublished, WeightOffer
 from astraflow.weights.publisher import BackgroundPublisher, device_event
+
+if TYPE_CHECKING:
+    from astraflow.config.recipe import Recipe
+    from astraflow.transport.client import MemberClient
 
 _log = log.get("trainer.publish")
 
@@ -33,7 +37,7 @@ class VersionAnnouncer:
 
     def __init__(
         self,
-        client: Any,
+        client: MemberClient,
         policy: str,
         server: Any,
         fast: list[Any],
@@ -257,7 +261,7 @@ def _side_stream(weights: dict[str, Any], ready: Any) -> Any:
     return torch.cuda.stream(stream)
 
 
-def trainer_transports(recipe: Any, policy: str, device: Any, host: str) -> list[Any]:
+def trainer_transports(recipe: Recipe, policy: str, device: Any, host: str) -> list[Any]:
     """The fast transports the recipe allows, trainer side (the ZeroMQ weight server is apart)."""
     from astraflow.weights.transport import BroadcastTransport, SharedTransport
 
