@@ -10,7 +10,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from astraflow.config.recipe import Recipe
-from astraflow.errors import RecipeError
+from astraflow.errors import PluginError, RecipeError
 
 
 def parse_value(text: str) -> Any:
@@ -164,6 +164,23 @@ def validate_options(group: str, name: str, options: dict[str, Any], where: str)
         raise RecipeError(f"invalid options for plugin {name!r}:\n" + "\n".join(lines)) from None
 
 
+def _validate_advantage(name: str, options: dict[str, Any], where: str) -> None:
+    """An advantage estimator is a plugin of `astraflow.advantages` (the built-ins register there too,
+    so the recipe's check needs no import of dataflow/)."""
+    from astraflow import plugins
+
+    try:
+        validate_options("advantages", name, options, where)
+    except PluginError as exc:
+        if not str(exc).startswith(f"no plugin named {name!r}"):
+            raise  # installed but broken, or registered twice: that error says more
+        known = sorted({ep.name for ep in plugins.group_entries("astraflow.advantages")})
+        raise PluginError(
+            f"no advantage estimator named {name!r}",
+            hint=f"installed: {', '.join(known)} (the astraflow.advantages plugin group)",
+        ) from exc
+
+
 def validate_plugins(recipe: Recipe, *, torch_plugins: bool = True) -> None:
     """Check that every plugin named by the recipe is installed and accepts its options.
 
@@ -203,9 +220,7 @@ def validate_plugins(recipe: Recipe, *, torch_plugins: bool = True) -> None:
         )
     for i, pol in enumerate(recipe.policy):
         validate_options("losses", pol.loss, pol.loss_options, f"policy.{i}.loss_options")
-        from astraflow.dataflow.estimators import make_estimator
-
-        make_estimator(pol.advantage, pol.advantage_options)
+        _validate_advantage(pol.advantage, pol.advantage_options, f"policy.{i}.advantage_options")
         for j, stage in enumerate(pol.data):
             validate_options("data", stage.name, stage.options, f"policy.{i}.data.{j}.options")
         # engines and trainers may import torch (seconds); the built-in ones register their options
