@@ -255,3 +255,26 @@ def test_a_server_started_late_is_reached_by_retries(tokenizer: Any, tmp_path: P
         for server in servers:
             server.shutdown()
             server.server_close()
+
+
+def test_the_last_step_needs_no_observation(tokenizer: Any) -> None:
+    # `done: true` without an observation ends the episode (the policy sees nothing more); a step that
+    # goes on without one is still refused with what is missing
+    srv, url = _fault_server(
+        {
+            "reset": lambda n: {"session": "s", "observation": "Say the word apple."},
+            "step": lambda n: {"done": True},
+            "reward": lambda n: {"reward": 1.0},
+        }
+    )
+    try:
+        wf = EnvServerWorkflow(EnvServerConfig(url=url, max_turns=3))
+        ep = asyncio.run(
+            wf.run_episode({"index": 0}, {"actor": ScriptedPolicy(tokenizer, lambda p: "apple")})
+        )
+        assert ep.sequences[0].reward == 1.0 and ep.info["done"] == 1.0 and ep.info["turns"] == 1.0
+        srv.answers["step"] = lambda n: {"done": False}
+        with pytest.raises(EnvServerError, match="observation"):
+            asyncio.run(wf.run_episode({"index": 0}, {"actor": ScriptedPolicy(tokenizer, lambda p: "apple")}))
+    finally:
+        srv.shutdown()

@@ -57,7 +57,7 @@ class Calculator:
                 raise KeyError("unknown session")
             if not calls:
                 state["answer"] = action
-                return {"observation": "", "done": True}
+                return {"done": True}
             results = []
             for call in calls:
                 fn = call.get("function") if isinstance(call, dict) else None

@@ -6,6 +6,7 @@ Protocol (every call is a POST of a JSON object to `<url>/<name>`, answered with
           -> {"session": str, "observation": str, "system"?: str, "tools"?: [OpenAI function tools]}
   step    {"session": str, "action": str, "tool_calls"?: [{"id", "type": "function", "function": {"name", "arguments": str}}]}
           -> {"observation"?: str, "tool_results"?: [{"tool_call_id": str, "content": str}], "done": bool}
+          ("observation" may be left out beside tool results, and on the step that says done)
   reward  {"session": str}                         -> {"reward": float, "info"?: {name: number}}
 
 The workflow plays one episode per session: the observation is the user's message (chat) or appended
@@ -237,15 +238,17 @@ def _feed(tr: Transcript, chat: bool, observation: str | None, results: list[dic
 
 
 def _step_outcome(out: dict[str, Any], has_results: bool) -> tuple[str | None, bool]:
-    """step's (observation, done), checked; the observation may be absent only beside tool results."""
-    observation = (
-        out.get("observation") if has_results else EnvServerWorkflow._text(out, "observation", "step")
-    )
-    if observation is not None and not isinstance(observation, str):
-        raise EnvServerError(f"env server step: 'observation' must be a string, got {observation!r}")
+    """step's (observation, done), checked; the observation may be absent beside tool results, or on
+    the last step (done: the policy sees nothing more)."""
     done = out.get("done")
     if not isinstance(done, bool):
         raise EnvServerError(f"env server step: 'done' must be a boolean, got {done!r}")
+    if has_results or done:
+        observation = out.get("observation")
+    else:
+        observation = EnvServerWorkflow._text(out, "observation", "step")
+    if observation is not None and not isinstance(observation, str):
+        raise EnvServerError(f"env server step: 'observation' must be a string, got {observation!r}")
     return observation, done
 
 
