@@ -21,6 +21,7 @@ DOC: dict[str, Any] = {
     "buffers": {"main": {"buffered": 2}},
     "demand": {
         "queued": 3,
+        "waiting": 1,  # two of the queued tasks feed a paused policy
         "leased": 4,
         "raas": 2,
         "slots": 4,
@@ -44,7 +45,7 @@ def test_render_gauges_and_escapes_labels() -> None:
     s = _samples(text)
     run = 'run="q\\"s"'
     assert s[f"astraflow_up{{{run}}}"] == 1
-    assert s[f"astraflow_slot_demand{{{run}}}"] == 7
+    assert s[f"astraflow_slot_demand{{{run}}}"] == 5  # waiting + leased: paused tasks ask for no slot
     assert s[f'astraflow_tasks{{{run},status="queued"}}'] == 3
     assert s[f'astraflow_admission_room{{{run},policy="main"}}'] == 1
     assert s[f'astraflow_raas_leased{{{run},member="raas-0"}}'] == 2

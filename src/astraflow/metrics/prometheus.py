@@ -52,8 +52,9 @@ def render(doc: dict[str, Any] | None) -> str:
         out.gauge("astraflow_tasks", "Training tasks in the ledger by status.", n, status=status)
     out.gauge(
         "astraflow_slot_demand",
-        "Tasks queued or leased: the slots the work in the ledger asks for (scale on this / slots per worker).",
-        int(demand.get("queued", 0)) + int(demand.get("leased", 0)),
+        "Tasks a worker could lease or holds: the slots the work in the ledger asks for (scale on this /"
+        " slots per worker); tasks of a paused policy are not counted.",
+        int(demand.get("waiting", demand.get("queued", 0))) + int(demand.get("leased", 0)),
     )
     out.gauge("astraflow_raas_workers", "Alive RaaS workers.", demand.get("raas"))
     out.gauge("astraflow_raas_slots", "Slots the alive RaaS workers offer.", demand.get("slots"))
