@@ -260,3 +260,17 @@ def test_connect_timeout_and_refusal() -> None:
     finally:
         old.close()
         standin.close()
+
+
+def test_a_leaving_member_never_joins_again(standin: StandIn) -> None:
+    # the controller forgot the member before its Bye arrived (it drained it and marked it left): the
+    # Bye is answered unknown_member, and the member must not answer that with a new Hello (a ghost
+    # member the controller would count as alive until its timeout)
+    c = _client(standin.address)
+    c.connect()
+    assert len(standin.hellos) == 1
+    standin.known.clear()
+    c.close("drained")
+    # (without the rule, close() itself waits for the second Welcome to resend its Bye: the Hello is
+    # recorded by the time it returns)
+    assert len(standin.hellos) == 1 and not standin.byes

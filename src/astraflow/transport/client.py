@@ -98,6 +98,8 @@ class MemberClient:
         """Newest version per policy seen in any reply; replaced whole, so reads need no lock."""
         self.stop_requested = False
         """True once the controller said stop (HeartbeatAck or TaskGrant)."""
+        self.leaving = False
+        """close() began: no Hello and no heartbeat goes out any more."""
         self.on_versions: Callable[[dict[str, VersionInfo]], None] | None = None
         """Called on the transport thread when `versions` changes; must return quickly."""
         self.welcome: Welcome | None = None
@@ -249,6 +251,9 @@ class MemberClient:
         """Say Bye (best effort, waits briefly for the Ack), stop the thread, close the socket."""
         if self._closed:
             return
+        # from here the member never joins again: a controller that answers the Bye, or anything sent
+        # before it, with unknown_member has forgotten it on purpose (a Hello now would leave a ghost)
+        self.leaving = True
         if self._thread is not None and self.welcome is not None:
             bye = self.submit(Bye(reason=reason), timeout_s=1.0)
             try:

@@ -140,7 +140,7 @@ class MemberLoop:
     def _heartbeat_or_hello(self) -> None:
         c = self.c
         now = time.monotonic()
-        if now < self.next_beat:
+        if now < self.next_beat or c.leaving:
             return
         self.next_beat = now + c.heartbeat_interval_s
         # expecting an answer (a request in flight, or heartbeats going out) and hearing nothing: the
@@ -294,8 +294,15 @@ class MemberLoop:
             )
 
     def _rejoin(self, rid: int) -> None:
-        """The controller forgot us (it restarted): Hello again and replay the rejected request."""
+        """The controller forgot us (it restarted): Hello again and replay the rejected request. Not once
+        the member is leaving (close() began): the request fails instead."""
         p = self.pending.pop(rid, None)
+        if self.c.leaving:
+            if p is not None:
+                _fail(
+                    p.future, ConnectError(f"controller at {self.c.controller} no longer knows this member")
+                )
+            return
         if p is not None and isinstance(p.msg, Hello):
             self.pending[rid] = p
             p = None
