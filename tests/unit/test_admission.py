@@ -7,8 +7,8 @@ from typing import Any
 
 from astraflow.dataflow.admission import Admission, PolicyLimits
 from astraflow.dataflow.buffer import Buffer
-from astraflow.dataflow.ledger import Ledger
 from astraflow.protocol.messages import SamplingParams, Sequence
+from astraflow.state.ledger import Ledger
 from astraflow.state.store import Store
 
 ROLES = {"actor": "main"}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from astraflow.dataflow.ledger import Ledger
+from astraflow.state.ledger import Ledger
 from astraflow.state.store import Store
 
 ROLES = {"actor": "main"}

@@ -94,7 +94,7 @@ def test_metrics_serve_command_reads_a_run_directory(tmp_path: Path) -> None:
     import sys
     import time
 
-    from astraflow.dataflow.ledger import Ledger
+    from astraflow.state.ledger import Ledger
     from astraflow.state.store import Store
 
     store = Store.open(tmp_path / "state.db")

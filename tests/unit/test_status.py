@@ -7,8 +7,8 @@ from pathlib import Path
 
 from astraflow.dataflow.buffer import Buffer
 from astraflow.dataflow.control import RunControl
-from astraflow.dataflow.ledger import Ledger
 from astraflow.protocol.messages import SamplingParams, Sequence
+from astraflow.state.ledger import Ledger
 from astraflow.state.status import build_status
 from astraflow.state.store import Store
 

@@ -111,8 +111,8 @@ def test_a_workflow_that_skips_a_role_on_some_tasks_gives_valid_results() -> Non
 
 def test_the_stall_report_says_why_results_are_refused(tmp_path: Path) -> None:
     """A workflow whose every result is refused stalls the run; the stall line carries the refusal."""
-    from astraflow.dataflow.ledger import Ledger
     from astraflow.dataflow.stall import last_task_failure
+    from astraflow.state.ledger import Ledger
     from astraflow.state.store import Store
 
     store = Store.open(tmp_path / "s.db")

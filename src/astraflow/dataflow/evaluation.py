@@ -22,11 +22,11 @@ from typing import Any
 
 from astraflow import log
 from astraflow.config.recipe import Recipe
-from astraflow.dataflow.ledger import Ledger, TaskRow
 from astraflow.dataflow.source import prompt_key, read_jsonl
 from astraflow.errors import RecipeError
 from astraflow.protocol.messages import Episode
 from astraflow.state import eval_rounds
+from astraflow.state.ledger import Ledger, TaskRow
 from astraflow.state.store import Store
 
 _log = log.get("eval")

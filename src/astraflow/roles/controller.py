@@ -27,7 +27,6 @@ from astraflow.dataflow.batch_parts import part_bounds
 from astraflow.dataflow.buffer import Buffer
 from astraflow.dataflow.control import RunControl
 from astraflow.dataflow.evaluation import Evaluator, without_held_out
-from astraflow.dataflow.ledger import Ledger, TaskRow
 from astraflow.dataflow.limits import RefusedResult, seq_bytes
 from astraflow.dataflow.pipeline import Pipeline
 from astraflow.dataflow.poisoned import drop_poisoned
@@ -42,6 +41,7 @@ from astraflow.roles.member_accounting import MemberAccounting
 from astraflow.roles.member_table import MemberTable
 from astraflow.roles.parked import Parked, ParkedRequests, immediate, may_park
 from astraflow.roles.run_control import on_control
+from astraflow.state.ledger import Ledger, TaskRow
 from astraflow.state.member_health import Kind
 from astraflow.state.status import build_status
 from astraflow.state.store import Store

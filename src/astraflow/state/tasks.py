@@ -1,4 +1,4 @@
-"""Read-only questions about the task ledger's rows (the ledger itself, dataflow/ledger.py, writes them)."""
+"""Read-only questions about the task ledger's rows (the ledger itself, state/ledger.py, writes them)."""
 
 from __future__ import annotations
 
