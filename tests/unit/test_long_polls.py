@@ -1,5 +1,6 @@
-"""Long polls (roles/parked.py), driven through Controller.dispatch on a real state.db (no sockets): a
-held request gets no reply until the event that changes its answer, then exactly one."""
+"""Long polls (roles/controller/long_polls.py, parked.py), driven through Controller.dispatch on a real
+state.db (no sockets): a held request gets no reply until the event that changes its answer, then
+exactly one."""
 
 from __future__ import annotations
 

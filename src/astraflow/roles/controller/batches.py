@@ -11,7 +11,7 @@ from astraflow.protocol import messages as m
 from astraflow.roles import authz
 from astraflow.roles.controller.core import RETRY_S, ControllerCore, summary
 from astraflow.roles.controller.long_polls import Event
-from astraflow.roles.parked import Parked
+from astraflow.roles.controller.parked import Parked
 from astraflow.state import trajectories
 
 

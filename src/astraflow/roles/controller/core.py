@@ -30,9 +30,9 @@ from astraflow.dataflow.validate import ResultChecker
 from astraflow.metrics.sinks import Sinks
 from astraflow.protocol import messages as m
 from astraflow.roles.controller.long_polls import LongPolls
+from astraflow.roles.controller.parked import ParkedRequests
 from astraflow.roles.member_accounting import MemberAccounting
 from astraflow.roles.member_table import MemberTable
-from astraflow.roles.parked import ParkedRequests
 from astraflow.state.store import Store
 
 if TYPE_CHECKING:
@@ -109,7 +109,7 @@ class ControllerCore:
 
     @property
     def parked(self) -> ParkedRequests:
-        """The held requests (roles/parked.py), as `polls` keeps them."""
+        """The held requests (roles/controller/parked.py), as `polls` keeps them."""
         return self.polls.parked
 
     # ----- reads ----------------------------------------------------------------------------------

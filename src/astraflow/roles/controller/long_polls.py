@@ -6,7 +6,7 @@ recorded, the run's members or controls changed); each event names the held requ
 (`SUBSCRIBERS`). The loop (service.py) delivers the events a message caused once it is handled, and
 the deadlines every tick. Handling a held request again may cause events in turn (a batch served makes
 room for tasks); those are delivered in the same pass. What is held, and for how long, is
-roles/parked.py.
+roles/controller/parked.py.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Callable
 from enum import Enum
 
 from astraflow.protocol import messages as m
-from astraflow.roles.parked import Parked, ParkedRequests, may_park
+from astraflow.roles.controller.parked import Parked, ParkedRequests, may_park
 
 
 class Event(Enum):

@@ -22,7 +22,7 @@ from astraflow.roles import authz
 from astraflow.roles.controller import batches, lifecycle, members, results, tasks, versions
 from astraflow.roles.controller.core import ControllerCore, summary
 from astraflow.roles.controller.long_polls import Event
-from astraflow.roles.parked import Parked, immediate
+from astraflow.roles.controller.parked import Parked, immediate
 from astraflow.roles.run_control import on_control
 from astraflow.state.status import build_status
 from astraflow.state.store import Store
