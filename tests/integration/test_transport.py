@@ -83,7 +83,7 @@ class StandIn:
             for ident, _principal, msg in self.server.poll(20):
                 if isinstance(msg, DecodeError):
                     self.decode_errors.append(msg)
-                    # what the controller answers an undecodable frame (roles/controller.py handle)
+                    # what the controller answers an undecodable frame (roles/controller/service.py handle)
                     self.server.send(ident, Error(rid=msg.rid, code=msg.code, message=str(msg)[:500]))
                     continue
                 reply = self._answer(ident, msg)

@@ -1,5 +1,6 @@
-"""Long polls (roles/parked.py), driven through Controller.dispatch on a real state.db (no sockets): a
-held request gets no reply until the event that changes its answer, then exactly one."""
+"""Long polls (roles/controller/long_polls.py, parked.py), driven through Controller.dispatch on a real
+state.db (no sockets): a held request gets no reply until the event that changes its answer, then
+exactly one."""
 
 from __future__ import annotations
 
@@ -108,4 +109,30 @@ def test_heartbeats_learn_which_requests_were_lost_and_a_rejoin_voids_held_ones(
     assert c.dispatch(b"trainer-main", m.BatchRequest(rid=10, policy="main", step=1, wait_s=1.0)) == []
     assert len(c.parked) == 1
     c.tick(time.time() + c.recipe.controller.member_timeout_s + 60)
+    assert len(c.parked) == 0
+
+
+def test_a_stop_answers_every_held_request_at_once_and_a_refused_control_none(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """An operator's stop is an event every held request subscribes to (roles/controller/long_polls.py):
+    the held BatchRequest is answered `done` and the held TaskRequest `stop` by the Control's own
+    dispatch, before their deadlines; a refused Control changed nothing, so it answers nothing."""
+    c = _controller(tiny_model, tmp_path)
+    for ident, role in (("trainer-main", "trainer"), ("w", "raas")):
+        assert isinstance(_to(c.dispatch(ident.encode(), _hello(ident, role)), ident)[0], m.Welcome)
+    assert c.dispatch(b"trainer-main", m.BatchRequest(policy="main", step=1, wait_s=2.0)) == []
+    grant = _to(c.dispatch(b"w", m.TaskRequest(n=4, loaded={"main": 0}, wait_s=2.0)), "w")[0]
+    assert isinstance(grant, m.TaskGrant) and len(grant.tasks) == 2
+    assert c.dispatch(b"w", m.TaskRequest(n=2, loaded={"main": 0}, wait_s=2.0)) == []
+    assert len(c.parked) == 2
+    out = c.dispatch(b"ops", m.Control(action="jump"))
+    assert [(to, type(r)) for to, r in out] == [(b"ops", m.Error)]
+    assert len(c.parked) == 2
+    out = c.dispatch(b"ops", m.Control(action="stop"))
+    assert isinstance(_to(out, "ops")[0], m.Ack)
+    (batch,) = _to(out, "trainer-main")
+    (held,) = _to(out, "w")
+    assert isinstance(batch, m.BatchReply) and batch.done
+    assert isinstance(held, m.TaskGrant) and held.stop and not held.tasks
     assert len(c.parked) == 0

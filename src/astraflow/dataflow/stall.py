@@ -9,9 +9,16 @@ stops with exit code 1, so `astraflow up` exits 1 instead of hanging.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from astraflow.state.tasks import newest_open_error
+
+if TYPE_CHECKING:
+    from astraflow.config.recipe import Recipe
+    from astraflow.dataflow.admission import Admission
+    from astraflow.dataflow.buffer import Buffer
+    from astraflow.dataflow.ledger import Ledger
+    from astraflow.state.store import Store
 
 
 @dataclass
@@ -22,7 +29,33 @@ class Progress:
     warned_at: float | None = None
 
 
-def policy_wait(ctl: Any, policy: str) -> str:
+class HasStore(Protocol):
+    """What the last task failure is read from."""
+
+    @property
+    def store(self) -> Store: ...
+
+
+class StallView(HasStore, Protocol):
+    """What a stall report reads of the controller's state (roles/controller/core.py), and nothing more."""
+
+    @property
+    def recipe(self) -> Recipe: ...
+    @property
+    def admission(self) -> Admission: ...
+    @property
+    def buffer(self) -> Buffer: ...
+    @property
+    def ledger(self) -> Ledger: ...
+    @property
+    def roles(self) -> dict[str, str]: ...
+    @property
+    def group_sizes(self) -> dict[str, int]: ...
+    @property
+    def task_policies(self) -> list[str]: ...
+
+
+def policy_wait(ctl: StallView, policy: str) -> str:
     """What one trainable, unfinished policy waits on, in words."""
     adm = ctl.admission
     pol = ctl.recipe.get_policy(policy)
@@ -76,7 +109,7 @@ def policy_wait(ctl: Any, policy: str) -> str:
     return "; ".join(parts)
 
 
-def last_task_failure(ctl: Any) -> str:
+def last_task_failure(ctl: HasStore) -> str:
     """The first line of the newest task error still on a queued or leased task ('' if none): a
     workflow whose every result is refused (e.g. more sequences than it declares) stalls the run, and
     this says why where the stall is reported."""
@@ -84,7 +117,7 @@ def last_task_failure(ctl: Any) -> str:
     return lines[-1][:300] if lines else ""
 
 
-def stall_report(ctl: Any, idle_s: float) -> dict[str, Any]:
+def stall_report(ctl: StallView, idle_s: float) -> dict[str, Any]:
     """{idle_s, waits: policy -> reason} for every trainable policy that has not met its budget."""
     steps = {p["name"]: int(p["step"]) for p in ctl.store.policies()}
     waits = {

@@ -18,3 +18,10 @@ def delete_departed(store: Store, last_seen_before: float) -> int:
             (last_seen_before,),
         )
         return cur.rowcount
+
+
+def touch_alive(store: Store, now: float) -> None:
+    """Every member still alive was last seen now (a restarted controller gives each one timeout to
+    show up again before its leases go back)."""
+    with store.write() as c:
+        c.execute("UPDATE members SET last_seen = ? WHERE status = 'alive'", (now,))

@@ -145,6 +145,11 @@ class Store:
             )
             return True
 
+    def replace_recipe(self, recipe: dict[str, Any]) -> None:
+        """Store a changed recipe as the run's (a restart allowed to change it)."""
+        with self.write() as c:
+            c.execute("UPDATE runs SET recipe = ?", (json.dumps(recipe, sort_keys=True),))
+
     def run(self) -> dict[str, Any] | None:
         """The run row with its recipe parsed, or None before init_run."""
         rows = self.query("SELECT name, recipe, git_sha, created FROM runs ORDER BY id LIMIT 1")

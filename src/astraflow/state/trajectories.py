@@ -94,6 +94,19 @@ def role_rewards(store: Store, ids: list[int]) -> list[tuple[str, float, int]]:
     ]
 
 
+def reward_rows(store: Store, ids: list[int]) -> list[tuple[float, int, int]]:
+    """(reward, min_version, task_id) of each of these trajectories, in id order."""
+    if not ids:
+        return []
+    return [
+        (float(r["reward"]), int(r["min_version"]), int(r["task_id"]))
+        for r in store.query(
+            f"SELECT reward, min_version, task_id FROM trajectories WHERE id IN ({_marks(len(ids))}) ORDER BY id",
+            tuple(ids),
+        )
+    ]
+
+
 def token_bytes(store: Store, ids: list[int]) -> dict[int, int]:
     """Stored bytes of each trajectory's per-token lists, read without loading them."""
     if not ids:

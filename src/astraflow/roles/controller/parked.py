@@ -2,9 +2,9 @@
 
 A trainer's `BatchRequest` and a worker's `TaskRequest` may carry `wait_s`. When the controller has
 nothing for them yet (the batch is not ready, no task may be leased), it parks the request instead of
-answering "retry after RETRY_S", and handles it again when an event may change the answer: a result
-stored (a batch may be ready), a batch taken or a version recorded (tasks may be leased). At the
-deadline it answers with whatever the answer is then. A parked request writes nothing: it is handled
+answering "retry after RETRY_S", and handles it again when an event may change the answer (which
+events answer which requests is long_polls.py). At the deadline it answers with whatever the answer
+is then. A parked request writes nothing: it is handled
 from scratch when it is answered, so its reply still follows the commit of what it tells.
 
 Polling at RETRY_S cost up to that long per hand-off (batch ready -> trainer, version -> workers),

@@ -1,0 +1,132 @@
+"""Membership: a member joins (Hello), beats (Heartbeat), says Bye, or is asked to leave (Leave).
+
+Handlers over the store, the member table and the task ledger; each returns the reply.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from astraflow import log
+from astraflow.protocol import messages as m
+from astraflow.roles import authz
+from astraflow.roles.controller.core import ControllerCore
+from astraflow.roles.controller.long_polls import Event
+from astraflow.transport.principal import Principal
+
+_log = log.get("controller")
+
+
+def on_hello(ctl: ControllerCore, ident: bytes, msg: m.Hello, principal: Principal | None = None) -> m.Msg:
+    """Check protocol, identity and role, register the member, send the recipe and versions."""
+    if msg.protocol != m.PROTOCOL_VERSION:
+        return m.Error(
+            rid=msg.rid,
+            code="protocol_version",
+            message=f"controller speaks protocol {m.PROTOCOL_VERSION}, member {msg.protocol}; install matching astraflow versions",
+        )
+    if msg.member_id.encode() != ident:
+        return m.Error(rid=msg.rid, code="bad_identity", message="member_id must equal the socket identity")
+    msg = authz.cap_hello(msg)
+    ctl.flush_touches()  # the identity checks read last_seen from the store
+    refused = authz.hello_refusal(ctl.store, ctl.recipe, msg, principal)
+    if refused is not None:
+        _log.warning("refused Hello of %r as %s: %s", msg.member_id[:64], msg.role, refused[1])
+        return m.Error(rid=msg.rid, code=refused[0], message=refused[1])
+    with ctl.store.write():
+        prev = ctl.store.member(msg.member_id)
+        released = 0
+        if prev is not None and (prev.get("pid") != msg.pid or prev.get("host") != msg.host):
+            # a new process under an id that fell silent holds none of the old one's tasks
+            released = ctl.ledger.release_member(msg.member_id)
+            # a drain was asked of the old process; the same process rejoining stays draining
+            ctl.draining.discard(msg.member_id)
+        ctl.store.upsert_member(
+            msg.member_id,
+            msg.role,
+            policies=list(msg.policies),
+            region=msg.region,
+            hardware=msg.hardware,
+            slots=msg.slots,
+            pid=msg.pid,
+            host=msg.host,
+        )
+        ctl.store.add_event(
+            "member_joined" if prev is None else "member_rejoined",
+            f"{msg.member_id} {msg.role}"
+            + (f"; {released} leases of its previous process back" if released else ""),
+        )
+    ctl.members.joined(msg.member_id, time.time())
+    _log.info("member %s joined as %s (%s)", msg.member_id, msg.role, msg.hardware or "?")
+    if ctl.recipe_doc is None:
+        ctl.recipe_doc = ctl.recipe.model_dump(mode="json")
+    # a member joining (again) starts afresh: what it had held from before is void; its client already
+    # failed those requests, and a late answer would grant tasks to nobody
+    ctl.parked.drop(ident)
+    return m.Welcome(
+        rid=msg.rid,
+        run_name=ctl.recipe.run.name,
+        recipe=ctl.recipe_doc,
+        heartbeat_interval_s=ctl.recipe.controller.heartbeat_interval_s,
+        versions=ctl.versions(),
+    )
+
+
+def on_heartbeat(ctl: ControllerCore, member: dict[str, Any], msg: m.Heartbeat) -> m.Msg:
+    """Touch the member, renew its leases, tell it the versions and whether to stop."""
+    now = time.time()
+    if not ctl.accounting.heartbeat_allowed(member["id"], now):
+        return m.Error(rid=msg.rid, code="rate_limited", message="heartbeats too fast: nothing recorded")
+    new_error = bool(msg.error) and ctl.accounting.new_error(member["id"], msg.error)
+    slots = msg.busy + msg.free
+    # last_seen needs no durability (a restarted controller gives every member a fresh timer):
+    # it is written with the other heartbeats of this tick, before the liveness check reads it
+    ctl.members.touch(
+        member["id"], now, dict(msg.loaded) if msg.loaded else None, slots if slots > 0 else None
+    )
+    if msg.active or new_error:
+        with ctl.store.write():
+            # only leases the worker reports working on are renewed, and none past the task timeout
+            rc = ctl.recipe.rollout
+            max_age = rc.lease_max_age_s or rc.task_timeout_s + rc.lease_timeout_s
+            ctl.ledger.renew_tasks(member["id"], msg.active, now, max_age_s=max_age)
+            if new_error:
+                ctl.store.add_event("member_error", f"{member['id']}: {msg.error[:500]}")
+    if new_error:
+        _log.warning("member %s reports: %s", member["id"], msg.error[:500])
+    # Requests are handled in the order they arrive, so every request the member sent before this
+    # heartbeat is answered (its reply is ahead of this one) or held; any other was never received.
+    ident = str(member["id"]).encode()
+    lost = [rid for rid in msg.waiting if not ctl.parked.holds(ident, rid)]
+    versions = ctl.versions_for(member, msg)
+    return m.HeartbeatAck(rid=msg.rid, versions=versions, stop=ctl.stopping(), lost=lost)
+
+
+def on_bye(ctl: ControllerCore, member: dict[str, Any], msg: m.Bye) -> m.Msg:
+    """Return the member's leases at once and mark it left."""
+    with ctl.store.write():
+        n = ctl.ledger.release_member(member["id"])
+        ctl.store.set_member_status(member["id"], "left")
+        ctl.members.gone(member["id"])
+        ctl.store.add_event("member_left", f"{member['id']} ({msg.reason[:500]}); {n} leases back")
+    ctl.parked.drop(str(member["id"]).encode())
+    ctl.draining.discard(member["id"])
+    ctl.polls.notify(Event.RUN_CHANGED)
+    _log.info("member %s left (%s); %d tasks requeued", member["id"], msg.reason[:200] or "-", n)
+    return m.Ack(rid=msg.rid)
+
+
+def on_leave(ctl: ControllerCore, msg: m.Leave, principal: Principal | None) -> m.Msg:
+    """Drain a member (`astraflow leave`): no new tasks; it finishes or returns its leases and says Bye."""
+    refused = authz.leave_refusal(msg, principal)
+    if refused is not None:
+        return m.Error(rid=msg.rid, code=refused[0], message=refused[1])
+    member = ctl.store.member(msg.member_id)
+    if member is None or member["status"] != "alive":
+        return m.Error(rid=msg.rid, code="unknown_member", message=f"no live member {msg.member_id!r}")
+    ctl.draining.add(member["id"])
+    ctl.store.add_event("member_draining", member["id"])
+    ctl.polls.notify(Event.RUN_CHANGED)
+    _log.info("member %s asked to leave; draining it", member["id"])
+    return m.Ack(rid=msg.rid, detail="draining")

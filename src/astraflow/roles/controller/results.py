@@ -1,0 +1,180 @@
+"""Results: a worker's TaskResult (one task) or TaskResults (a group commit) is checked against its
+lease and its task, stored with the stage state it changed, and acknowledged; a failed attempt is
+charged to the member and the task (docs/architecture.md, "Group commit")."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from astraflow import log
+from astraflow.dataflow import failures
+from astraflow.dataflow.limits import RefusedResult
+from astraflow.protocol import messages as m
+from astraflow.roles.controller.core import ControllerCore, summary
+from astraflow.roles.controller.lifecycle import check_failed_streak
+from astraflow.roles.controller.long_polls import Event
+from astraflow.state.ledger import TaskRow
+from astraflow.state.member_health import Kind
+
+_log = log.get("controller")
+
+
+def on_task_result(ctl: ControllerCore, member: dict[str, Any], msg: m.TaskResult) -> m.Msg:
+    """Validate the lease; store trajectories, advantages and filter outcomes durably; then ack."""
+    if msg.error:
+        status = member_failed(ctl, member, msg.task_id, msg.epoch, msg.error[:8000], "failures")
+        return m.ResultAck(
+            rid=msg.rid,
+            task_id=msg.task_id,
+            status="failed" if status in ("requeued", "failed") else status,
+        )
+    task = ctl.ledger.get(msg.task_id)
+    bad = _invalid(ctl, member, msg, task, None)
+    if bad is not None:
+        return m.Error(rid=msg.rid, code="bad_result", message=bad)
+    try:
+        with ctl.store.write():
+            status = _store_result(ctl, member, msg, task)
+            if status == "accepted" and task is not None:
+                # stage state commits with the result that changed it: a kill -9 loses neither
+                for pol in task.policies:
+                    ctl.pipeline.save(pol)
+    except RefusedResult as exc:
+        # rolled back: nothing of the result is kept (advantages that do not fit a float)
+        status = fail_attempt(ctl, member["id"], msg.task_id, msg.epoch, f"invalid result: {exc}")
+        return m.Error(rid=msg.rid, code="bad_result", message=f"task {msg.task_id}: {exc} ({status})")
+    if status == "accepted":
+        ctl.polls.notify(Event.RESULT_ACCEPTED)
+    return m.ResultAck(rid=msg.rid, task_id=msg.task_id, status=status)
+
+
+def on_task_results(ctl: ControllerCore, member: dict[str, Any], msg: m.TaskResults) -> m.Msg:
+    """Group commit: check every result, store the valid ones in one transaction (stage state saved
+    once per policy), then ack each. A result refused while stored rolls the group back, and each
+    result is then handled alone, as a TaskResult would be."""
+    acks: dict[int, m.OutcomeAck] = {}
+    good: list[tuple[int, m.Outcome, TaskRow | None]] = []
+    tasks = ctl.ledger.get_many(o.task_id for o in msg.results if not o.error)
+    latest: dict[str, int] = {}
+    for i, o in enumerate(msg.results):
+        if o.error:
+            acks[i] = _outcome_ack(o.task_id, on_task_result(ctl, member, _single(o)))
+            continue
+        task = tasks.get(o.task_id)
+        bad = _invalid(ctl, member, o, task, latest)
+        if bad is not None:
+            acks[i] = m.OutcomeAck(task_id=o.task_id, status="invalid", code="bad_result", message=bad)
+        else:
+            good.append((i, o, task))
+    try:
+        with ctl.store.write():
+            fed: dict[str, None] = {}
+            for i, o, task in good:
+                acks[i] = m.OutcomeAck(task_id=o.task_id, status=_store_result(ctl, member, o, task))
+                if acks[i].status == "accepted" and task is not None:
+                    fed.update(dict.fromkeys(task.policies))
+            for pol in fed:
+                ctl.pipeline.save(pol)
+    except RefusedResult:
+        for i, o, _task in good:
+            acks[i] = _outcome_ack(o.task_id, on_task_result(ctl, member, _single(o)))
+    if any(a.status == "accepted" for a in acks.values()):
+        ctl.polls.notify(Event.RESULT_ACCEPTED)
+    return m.ResultsAck(rid=msg.rid, acks=[acks[i] for i in range(len(msg.results))])
+
+
+def _invalid(
+    ctl: ControllerCore,
+    member: dict[str, Any],
+    res: m.TaskResult | m.Outcome,
+    task: TaskRow | None,
+    latest: dict[str, int] | None,
+) -> str | None:
+    """Why a result of a live lease of this member is refused (the attempt is charged), or None.
+    `latest` caches the policies' versions over the results of one message."""
+    # a lapsed lease still accepts its owner's late result, so that one is checked too
+    if task is None or task.status not in ("leased", "queued") or task.owner != member["id"]:
+        return None
+    if not latest:
+        latest = {} if latest is None else latest
+        latest.update({p["name"]: int(p["version"]) for p in ctl.store.policies()})
+    sizes = ctl.task_sizes(task)
+    bad = ctl.checker.check(
+        res.episodes,
+        expected=ctl.admission.task_sequences(task.roles, sizes),
+        roles=task.roles,
+        latest=latest,
+        task_sampling=ctl.task_sampling(task),
+    )
+    if not bad:
+        return None
+    status = member_failed(ctl, member, res.task_id, res.epoch, f"invalid result: {bad}", "invalid")
+    return f"task {res.task_id}: {bad} ({status})"
+
+
+def _store_result(
+    ctl: ControllerCore, member: dict[str, Any], res: m.TaskResult | m.Outcome, task: TaskRow | None
+) -> str:
+    """Complete the task's lease and store what the result brings (inside the caller's transaction,
+    which also saves the stage state of the task's policies); the status."""
+    with ctl.store.write():
+        status = ctl.ledger.complete(res.task_id, res.epoch, member["id"])
+        if status == "accepted":
+            ctl.accounting.succeeded(member["id"])
+        if status == "accepted" and ctl.is_eval(res.task_id):
+            assert ctl.evals is not None
+            ctl.evals.record(res.task_id, res.episodes)
+            ctl.made_progress()
+        elif status == "accepted":
+            assert task is not None
+            ctl.pipeline.ingest(
+                ctl.buffer,
+                task.id,
+                task.prompt_key,
+                res.episodes,
+                # decided when the task was leased: a done task keeps a full group of every policy
+                # it fed, even when that policy's budget was taken while the task ran
+                read_only=task.read_only,
+            )
+            ctl.made_progress()
+    return status
+
+
+def member_failed(
+    ctl: ControllerCore, member: dict[str, Any], task_id: int, epoch: int, error: str, kind: Kind
+) -> str:
+    """A member's attempt failed: charge the member; the task too unless a healthy peer does far better."""
+    task = ctl.ledger.get(task_id)
+    if task is None or task.status != "leased" or task.epoch != epoch or task.owner != member["id"]:
+        return fail_attempt(ctl, member["id"], task_id, epoch, error)  # not a live attempt of its own
+    if ctl.accounting.failed(member, kind) or not ctl.ledger.give_back(task_id, epoch, member["id"]):
+        return fail_attempt(ctl, member["id"], task_id, epoch, error)
+    return "requeued"
+
+
+def fail_attempt(ctl: ControllerCore, member_id: str, task_id: int, epoch: int, error: str) -> str:
+    """End a leased attempt with an error: count it by reason and end the run after too many failed tasks."""
+    with ctl.store.write():
+        status = ctl.ledger.fail(task_id, epoch, member_id, error)
+        if status in ("requeued", "failed"):
+            reason = failures.record(ctl.store, error)
+            ctl.store.add_event("task_failed", f"task {task_id} on {member_id}: {reason}: {summary(error)}")
+    if status in ("requeued", "failed"):
+        _log.warning("task %d failed on %s (%s):\n%s", task_id, member_id, status, error[:8000])
+        if status == "failed":
+            check_failed_streak(ctl, error)
+    return status
+
+
+def _single(o: m.Outcome) -> m.TaskResult:
+    """One result of a TaskResults as the TaskResult it stands for."""
+    return m.TaskResult(task_id=o.task_id, epoch=o.epoch, episodes=o.episodes, error=o.error)
+
+
+def _outcome_ack(task_id: int, reply: m.Msg) -> m.OutcomeAck:
+    """The single-result path's reply (ResultAck or Error) as one result's OutcomeAck."""
+    if isinstance(reply, m.ResultAck):
+        return m.OutcomeAck(task_id=task_id, status=reply.status)
+    if isinstance(reply, m.Error):
+        return m.OutcomeAck(task_id=task_id, status="invalid", code=reply.code, message=reply.message)
+    return m.OutcomeAck(task_id=task_id, status="invalid", code="internal", message=type(reply).__name__)

@@ -1,0 +1,217 @@
+"""The controller's IO: route each message to its handler, hold long polls, and run the loop.
+
+It is the only writer of state.db. Each message is handled in its own transaction, and a reply is
+sent only after that transaction committed, so whatever a member was told is on disk. Periodic
+work (liveness, lease expiry, refilling the task queue) runs between polls (lifecycle.py).
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any, cast
+
+from astraflow import log
+from astraflow.config.recipe import Recipe
+from astraflow.protocol import messages as m
+from astraflow.protocol.codec import DecodeError
+from astraflow.roles import authz
+from astraflow.roles.controller import batches, lifecycle, members, results, tasks, versions
+from astraflow.roles.controller.core import ControllerCore, summary
+from astraflow.roles.controller.long_polls import Event
+from astraflow.roles.controller.parked import Parked, immediate
+from astraflow.roles.run_control import on_control
+from astraflow.state.status import build_status
+from astraflow.state.store import Store
+from astraflow.transport.principal import Principal
+
+_log = log.get("controller")
+
+TICK_S = 0.1
+"""Seconds between rounds of periodic work (and the poll timeout)."""
+
+
+class Controller(ControllerCore):
+    """The controller's state (core.py) with its message routing; `serve` runs the loop until stopped
+    or the run ends."""
+
+    def __init__(
+        self, recipe: Recipe, run_dir: Path, store: Store, *, allow_recipe_change: bool = False
+    ) -> None:
+        super().__init__(recipe, run_dir, store, allow_recipe_change=allow_recipe_change)
+        self._handlers = cast(
+            "dict[type, Callable[[dict[str, Any], Any], m.Msg]]",
+            {
+                m.Heartbeat: partial(members.on_heartbeat, self),
+                m.Bye: partial(members.on_bye, self),
+                m.TaskRequest: partial(tasks.on_task_request, self),
+                m.TaskResult: partial(results.on_task_result, self),
+                m.TaskResults: partial(results.on_task_results, self),
+                m.BatchRequest: partial(batches.on_batch_request, self),
+                m.VersionPublished: partial(versions.on_version, self),
+            },
+        )
+        """The member messages' handlers, each taking the message type it is keyed by (built once: a
+        heartbeat flood must not rebuild it per message)."""
+
+    def start(self) -> None:
+        """Record the run (or read it back on restart) and give surviving members a fresh timer."""
+        lifecycle.start(self)
+
+    def tick(self, now: float | None = None) -> None:
+        """Liveness, lease expiry, queue refill, end-of-run bookkeeping (lifecycle.py)."""
+        lifecycle.tick(self, now)
+
+    # ----- routing ------------------------------------------------------------------------------
+
+    def handle(
+        self, ident: bytes, msg: m.Msg | DecodeError, principal: Principal | None = None
+    ) -> m.Msg | None:
+        """The reply to one message (None: no reply); `principal` is the sender's key (None: auth off)."""
+        if isinstance(msg, DecodeError):
+            return m.Error(rid=msg.rid, code=getattr(msg, "code", "bad_message"), message=str(msg)[:500])
+        member_id = ident.decode("utf-8", "replace")
+        rid = msg.rid
+        if isinstance(msg, m.Hello):
+            return members.on_hello(self, ident, msg, principal)
+        if isinstance(msg, m.StatusRequest):
+            self.flush_touches()
+            room = self.admission.room(self.roles, self.group_sizes)
+            return m.StatusReply(rid=rid, status=build_status(self.store, room))
+        if isinstance(msg, m.Leave):
+            return members.on_leave(self, msg, principal)
+        if isinstance(msg, m.Control):
+            return self._on_control(msg, principal)
+        if not isinstance(msg, m.Heartbeat):
+            # heartbeats (the flood of a large cluster) use the kept row; the rest read the store's
+            self.members.forget(member_id)
+        member = self.members.row(member_id)
+        if member is None or member["status"] != "alive":
+            return m.Error(
+                rid=rid, code="unknown_member", message=f"{member_id!r} has not joined; send Hello"
+            )
+        refused = authz.message_refusal(member, msg, principal)
+        if refused is not None:
+            _log.warning("refused %s from %r: %s", type(msg).__name__, member_id[:64], refused[1])
+            return m.Error(rid=rid, code=refused[0], message=refused[1])
+        # each handler takes the message type it is keyed by
+        handler = self._handlers.get(type(msg))
+        if handler is None:
+            return m.Error(
+                rid=rid,
+                code="unexpected_message",
+                message=f"the controller does not take {type(msg).__name__}",
+            )
+        return handler(member, msg)
+
+    def _on_control(self, msg: m.Control, principal: Principal | None) -> m.Msg:
+        """An operator's pause, resume or stop (roles/run_control.py)."""
+
+        def applied(action: str) -> None:
+            if action == "resume":
+                self.made_progress()  # the paused time is not a stall
+                self.refill()
+            self.polls.notify(Event.RUN_CHANGED)
+
+        names = [p.name for p in self.recipe.policy]
+        return on_control(
+            msg, principal, store=self.store, control=self.control, policies=names, applied=applied
+        )
+
+    def _handle_safely(
+        self, ident: bytes, msg: m.Msg | DecodeError, principal: Principal | None
+    ) -> m.Msg | None:
+        try:
+            return self.handle(ident, msg, principal)
+        except Exception as exc:  # a bad request must never take the controller down
+            _log.exception("handling %s from %r failed", type(msg).__name__, ident)
+            return m.Error(rid=getattr(msg, "rid", 0), code="internal", message=str(exc)[:500])
+
+    # ----- long polls ---------------------------------------------------------------------------
+
+    def dispatch(
+        self, ident: bytes, msg: m.Msg | DecodeError, principal: Principal | None = None
+    ) -> list[tuple[bytes, m.Msg]]:
+        """Handle one message; the replies to send now: its own (unless it was held, long_polls.py)
+        and those of held requests the events it caused may answer."""
+        self.polls.events.clear()  # only what this message causes is delivered after it
+        reply = self._handle_safely(ident, msg, principal)
+        now = time.time()
+        reply = self.polls.hold(ident, principal, msg, reply, now)
+        out = [(ident, reply)] if reply is not None else []
+        return out + self.polls.deliver(now, self._answer, self._may_be_ready)
+
+    def wake(
+        self, kinds: tuple[str, ...], now: float, *, expired_only: bool = False, answer_all: bool = False
+    ) -> list[tuple[bytes, m.Msg]]:
+        """Handle held requests of these kinds again; returns the replies to send (a request whose
+        answer is still "nothing yet" stays held until its deadline, unless `answer_all`)."""
+        return self.polls.wake(
+            kinds, now, self._answer, self._may_be_ready, expired_only=expired_only, answer_all=answer_all
+        )
+
+    def _answer(self, parked: Parked) -> m.Msg | None:
+        return self._handle_safely(parked.ident, immediate(parked.msg), parked.principal)
+
+    def _may_be_ready(self, parked: Parked) -> bool:
+        return batches.batch_may_be_ready(self, parked)
+
+    # ----- the loop -----------------------------------------------------------------------------
+
+    def serve(self, server: Any) -> int:
+        """Poll, dispatch, do periodic work; returns 0 on a signal or at the run's end, 1 if the run failed."""
+        while not self.stop_requested:
+            for ident, principal, msg in server.poll(int(TICK_S * 1000)):
+                for to, reply in self.dispatch(ident, msg, principal):
+                    server.send(to, reply)
+            now = time.time()
+            if now - self.last_tick >= TICK_S:
+                self.last_tick = now
+                self.tick(now)
+                for to, reply in self.wake(("batch", "task"), now, expired_only=True):
+                    server.send(to, reply)
+                if lifecycle.should_exit(self, now):
+                    _log.info("run finished; exiting")
+                    break
+        self.pipeline.save()
+        self.sinks.close()
+        if self.failed is not None:
+            _log.error("run failed: %s", summary(self.failed))
+            return 1
+        return self.exit_code
+
+
+def run_controller(
+    recipe: Recipe, run_dir: Path, bind: str | None = None, *, allow_recipe_change: bool = False
+) -> int:
+    """Run the controller on `run_dir` (resuming its state.db) until SIGTERM/SIGINT or the run's end."""
+    from astraflow.transport.server import RouterServer
+
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    store = Store.open(run_dir / "state.db", synchronous=recipe.controller.synchronous)
+    server = None
+    try:
+        ctl = Controller(recipe, run_dir, store, allow_recipe_change=allow_recipe_change)
+        ctl.start()
+        server = RouterServer(
+            bind or recipe.controller.bind, max_message_bytes=recipe.controller.max_message_bytes
+        )
+
+        def on_signal(signum: int, _frame: Any) -> None:
+            ctl.stop_requested = True
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, on_signal)
+        tmp = run_dir / "controller.addr.tmp"
+        tmp.write_text(server.address + "\n")
+        tmp.replace(run_dir / "controller.addr")
+        _log.info("controller of run %s listening on %s", recipe.run.name, server.address)
+        return ctl.serve(server)
+    finally:
+        if server is not None:
+            server.close()
+        store.close()
