@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import lru_cache
 from itertools import compress
 from typing import Any
 
@@ -207,23 +208,12 @@ class Buffer:
             # The step trains on the weights of the previous step at the earliest.
             ref = max(version, step - 1)
             rows = trajectories.buffered_items(self.store, policy)
-            stale = [r["id"] for r in rows if ref - r["min_version"] > max_staleness]
+            # the row's columns are BufferItem's fields in order (trajectories.buffered_items)
+            buffered = [BufferItem(*r) for r in rows]
+            stale = [it.traj_id for it in buffered if ref - it.min_version > max_staleness]
             if stale:
                 trajectories.expire(self.store, stale)
-            stale_set = set(stale)
-            items = [
-                BufferItem(
-                    r["id"],
-                    r["task_id"],
-                    r["min_version"],
-                    r["arrival"],
-                    r["reward"],
-                    r["advantage"],
-                    r["length"],
-                )
-                for r in rows
-                if r["id"] not in stale_set
-            ]
+            items = [it for it in buffered if ref - it.min_version <= max_staleness]
             n_replay = max(0, min(int(self._replay(policy, batch_size)), batch_size))
             replay_ids: list[int] = []
             if n_replay:
@@ -282,9 +272,13 @@ class Buffer:
                     reward=float(r["reward"]),
                     advantage=float(r["advantage"]),
                     replay=replay,
-                    sampling=SamplingParams(
-                        temperature=float(r["temperature"]), top_p=float(r["top_p"]), top_k=int(r["top_k"])
-                    ),
+                    sampling=_sampling(float(r["temperature"]), float(r["top_p"]), int(r["top_k"])),
                 )
             )
         return out
+
+
+@lru_cache(maxsize=64)
+def _sampling(temperature: float, top_p: float, top_k: int) -> SamplingParams:
+    """The (frozen, so shareable) settings of stored samples: a batch has one or a few distinct ones."""
+    return SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
