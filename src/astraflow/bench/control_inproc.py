@@ -45,6 +45,8 @@ class _Driver:
         self.ctl.start()
         self.cpu = 0.0
         self.messages = 0
+        self.by_type: dict[str, float] = {}
+        """Message type -> controller CPU seconds spent on messages of that type."""
 
     def send(self, ident: str, msg: m.Msg) -> list[m.Msg]:
         """One member message through decode, dispatch and reply encoding; the replies for `ident`."""
@@ -52,8 +54,11 @@ class _Driver:
         t0 = time.process_time()
         out = self.ctl.dispatch(ident.encode(), decode(frame))
         frames = [(who, encode(reply)) for who, reply in out]
-        self.cpu += time.process_time() - t0
+        took = time.process_time() - t0
+        self.cpu += took
         self.messages += 1
+        kind = type(msg).__name__
+        self.by_type[kind] = self.by_type.get(kind, 0.0) + took
         return [decode(f) for who, f in frames if who == ident.encode()]
 
 
@@ -114,7 +119,7 @@ def run(
             _hello(d, ident, "raas")
         for s in range(1, warmup_steps + 1):
             _step(d, s, rng, tokens)
-        d.cpu, d.messages = 0.0, 0
+        d.cpu, d.messages, d.by_type = 0.0, 0, {}
         prof = cProfile.Profile() if profile else None
         seqs = 0
         if prof is not None:
@@ -133,6 +138,9 @@ def run(
         "us_per_sequence": round(1e6 * d.cpu / max(1, seqs), 2),
         "ms_per_step": round(1e3 * d.cpu / max(1, steps), 2),
         "sequences_per_cpu_s": round(seqs / d.cpu, 0) if d.cpu else None,
+        "us_per_sequence_by_message": {
+            k: round(1e6 * v / max(1, seqs), 2) for k, v in sorted(d.by_type.items(), key=lambda kv: -kv[1])
+        },
     }
     if prof is not None:
         buf = io.StringIO()
@@ -148,6 +156,9 @@ def render(r: dict[str, Any]) -> str:
         f"{r['tokens']} generated tokens each, {r['messages']} messages",
         f"controller CPU: {r['us_per_sequence']:.1f} us/sequence, {r['ms_per_step']:.1f} ms/step, "
         f"{r['sequences_per_cpu_s']:.0f} sequences per CPU second",
+        "  by message: "
+        + ", ".join(f"{k} {v:.1f}" for k, v in r["us_per_sequence_by_message"].items())
+        + " (us/sequence)",
     ]
     if "profile" in r:
         lines.append(r["profile"])

@@ -28,6 +28,10 @@ _enc = msgspec.msgpack.Encoder()
 _ints = msgspec.msgpack.Decoder(list[int])
 _floats = msgspec.msgpack.Decoder(list[float])
 
+FRESH_TOKENS = 262_144
+"""Tokens of just-stored buffered trajectories kept in memory as ready TrainSamples (tens of MB at
+most), so that the batch which consumes them is built without reading and decoding them back."""
+
 
 @dataclass
 class Batch:
@@ -78,6 +82,11 @@ class Buffer:
         self._generated: dict[str, int] = {}
         # a rolled-back insert leaves the count too high: count again from the store when next asked
         store.on_rollback.append(self._generated.clear)
+        self._fresh: dict[int, TrainSample] = {}
+        """Trajectory id -> its TrainSample, for buffered trajectories stored lately (FRESH_TOKENS);
+        a miss reads the store. Cleared on a rollback: the ids of a rolled-back insert are reused."""
+        self._fresh_tokens = 0
+        store.on_rollback.append(self._forget_fresh)
 
     def insert(
         self,
@@ -120,10 +129,45 @@ class Buffer:
                 for i, (seq, adv) in enumerate(zip(seqs, advantages, strict=True))
             ]
             ids = trajectories.insert_trajectories(self.store, rows)
+            if status == "buffered":
+                self._remember(ids, seqs, advantages)
         for pol in {seq.policy for seq in seqs}:
             if pol in self._generated:
                 self._generated[pol] += sum(1 for seq in seqs if seq.policy == pol)
         return ids
+
+    def _remember(self, ids: list[int], seqs: list[Sequence], advantages: list[float]) -> None:
+        """Keep stored buffered trajectories as the TrainSamples `_samples` would read back."""
+        for i, seq, adv in zip(ids, seqs, advantages, strict=True):
+            sp = seq.sampling
+            self._fresh[i] = TrainSample(
+                traj_id=i,
+                tokens=list(seq.tokens),
+                loss_mask=list(seq.loss_mask),
+                logprobs=list(seq.logprobs),
+                versions=list(seq.versions),
+                reward=float(seq.reward),
+                advantage=float(adv),
+                replay=False,
+                sampling=_sampling(float(sp.temperature), float(sp.top_p), int(sp.top_k)),
+            )
+            self._fresh_tokens += len(seq.tokens)
+        while self._fresh_tokens > FRESH_TOKENS and self._fresh:
+            self._fresh_tokens -= len(self._fresh.pop(next(iter(self._fresh))).tokens)
+
+    def _forget_fresh(self) -> None:
+        self._fresh.clear()
+        self._fresh_tokens = 0
+
+    def _take_fresh(self, ids: list[int]) -> dict[int, TrainSample]:
+        """Remove and return the remembered samples of these ids (those not remembered are absent)."""
+        out: dict[int, TrainSample] = {}
+        for i in ids:
+            sample = self._fresh.pop(i, None)
+            if sample is not None:
+                self._fresh_tokens -= len(sample.tokens)
+                out[i] = sample
+        return out
 
     def generated(self, policy: str) -> int:
         """Trajectories of a policy ever stored (every status): counted once, then kept up to date by
@@ -213,6 +257,7 @@ class Buffer:
             stale = [it.traj_id for it in buffered if ref - it.min_version > max_staleness]
             if stale:
                 trajectories.expire(self.store, stale)
+                self._take_fresh(stale)
             items = [it for it in buffered if ref - it.min_version <= max_staleness]
             n_replay = max(0, min(int(self._replay(policy, batch_size)), batch_size))
             replay_ids: list[int] = []
@@ -227,7 +272,7 @@ class Buffer:
             flags = [False] * len(fresh) + [True] * len(replay_ids)
             batches.record_batch(self.store, policy, step, ids, flags, ref, time.time())
             trajectories.mark_consumed(self.store, step, [it.traj_id for it in fresh])
-            samples = self._samples(ids, flags)
+            samples = self._samples(ids, flags, self._take_fresh(ids))
         return Batch(
             policy, step, samples, ref, expired=len(stale), staleness=[ref - it.min_version for it in fresh]
         )
@@ -254,13 +299,22 @@ class Buffer:
         # so a seeded sync run, come out the same from run to run.
         return sorted(chosen, key=lambda it: (it.task_id, it.arrival))
 
-    def _samples(self, ids: list[int], flags: list[bool]) -> list[TrainSample]:
+    def _samples(
+        self, ids: list[int], flags: list[bool], known: dict[int, TrainSample] | None = None
+    ) -> list[TrainSample]:
+        """The TrainSamples of `ids`: those in `known` as they are, the rest read from the store."""
         if not ids:
             return []
-        by_id: dict[int, Any] = dict(trajectories.sample_rows(self.store, ids))
-        by_id.update(self._archived(ids, by_id))
+        known = known or {}
+        missing = [i for i in ids if i not in known]
+        by_id: dict[int, Any] = dict(trajectories.sample_rows(self.store, missing)) if missing else {}
+        by_id.update(self._archived(missing, by_id))
         out = []
         for i, replay in zip(ids, flags, strict=True):
+            ready = known.get(i)
+            if ready is not None:
+                out.append(ready if not replay else msgspec.structs.replace(ready, replay=True))
+                continue
             r = by_id[i]
             out.append(
                 TrainSample(
