@@ -142,10 +142,11 @@ class Buffer:
             sp = seq.sampling
             self._fresh[i] = TrainSample(
                 traj_id=i,
-                tokens=list(seq.tokens),
-                loss_mask=list(seq.loss_mask),
-                logprobs=list(seq.logprobs),
-                versions=list(seq.versions),
+                # the lists of the decoded result, which nothing changes after it is stored
+                tokens=seq.tokens,
+                loss_mask=seq.loss_mask,
+                logprobs=seq.logprobs,
+                versions=seq.versions,
                 reward=float(seq.reward),
                 advantage=float(adv),
                 replay=False,
