@@ -1,7 +1,7 @@
 """`astraflow bench control --in-process`: the controller's CPU per sequence, with no sockets.
 
 One `Controller` on a real state.db is driven through `Controller.dispatch` with the messages the
-bench's simulated members send (bench/control_sim.py): two RaaS members lease 32 tasks each and answer
+bench's simulated members send (bench/control_sim.py): two RaaS members ask for 32 tasks at a time and answer
 each grant in one TaskResults of trivial one-sequence episodes, one trainer takes each batch and
 announces the next version. Every message the controller receives is encoded and decoded as on the
 wire, and every reply it sends is encoded, so the timed part is the controller's own work per message
