@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import lru_cache
 from itertools import compress
 from typing import Any
 
@@ -26,6 +27,10 @@ from astraflow.state.store import Store
 _enc = msgspec.msgpack.Encoder()
 _ints = msgspec.msgpack.Decoder(list[int])
 _floats = msgspec.msgpack.Decoder(list[float])
+
+FRESH_TOKENS = 262_144
+"""Tokens of just-stored buffered trajectories kept in memory as ready TrainSamples (tens of MB at
+most), so that the batch which consumes them is built without reading and decoding them back."""
 
 
 @dataclass
@@ -77,6 +82,11 @@ class Buffer:
         self._generated: dict[str, int] = {}
         # a rolled-back insert leaves the count too high: count again from the store when next asked
         store.on_rollback.append(self._generated.clear)
+        self._fresh: dict[int, TrainSample] = {}
+        """Trajectory id -> its TrainSample, for buffered trajectories stored lately (FRESH_TOKENS);
+        a miss reads the store. Cleared on a rollback: the ids of a rolled-back insert are reused."""
+        self._fresh_tokens = 0
+        store.on_rollback.append(self._forget_fresh)
 
     def insert(
         self,
@@ -119,10 +129,46 @@ class Buffer:
                 for i, (seq, adv) in enumerate(zip(seqs, advantages, strict=True))
             ]
             ids = trajectories.insert_trajectories(self.store, rows)
+            if status == "buffered":
+                self._remember(ids, seqs, advantages)
         for pol in {seq.policy for seq in seqs}:
             if pol in self._generated:
                 self._generated[pol] += sum(1 for seq in seqs if seq.policy == pol)
         return ids
+
+    def _remember(self, ids: list[int], seqs: list[Sequence], advantages: list[float]) -> None:
+        """Keep stored buffered trajectories as the TrainSamples `_samples` would read back."""
+        for i, seq, adv in zip(ids, seqs, advantages, strict=True):
+            sp = seq.sampling
+            self._fresh[i] = TrainSample(
+                traj_id=i,
+                # the lists of the decoded result, which nothing changes after it is stored
+                tokens=seq.tokens,
+                loss_mask=seq.loss_mask,
+                logprobs=seq.logprobs,
+                versions=seq.versions,
+                reward=float(seq.reward),
+                advantage=float(adv),
+                replay=False,
+                sampling=_sampling(float(sp.temperature), float(sp.top_p), int(sp.top_k)),
+            )
+            self._fresh_tokens += len(seq.tokens)
+        while self._fresh_tokens > FRESH_TOKENS and self._fresh:
+            self._fresh_tokens -= len(self._fresh.pop(next(iter(self._fresh))).tokens)
+
+    def _forget_fresh(self) -> None:
+        self._fresh.clear()
+        self._fresh_tokens = 0
+
+    def _take_fresh(self, ids: list[int]) -> dict[int, TrainSample]:
+        """Remove and return the remembered samples of these ids (those not remembered are absent)."""
+        out: dict[int, TrainSample] = {}
+        for i in ids:
+            sample = self._fresh.pop(i, None)
+            if sample is not None:
+                self._fresh_tokens -= len(sample.tokens)
+                out[i] = sample
+        return out
 
     def generated(self, policy: str) -> int:
         """Trajectories of a policy ever stored (every status): counted once, then kept up to date by
@@ -207,23 +253,13 @@ class Buffer:
             # The step trains on the weights of the previous step at the earliest.
             ref = max(version, step - 1)
             rows = trajectories.buffered_items(self.store, policy)
-            stale = [r["id"] for r in rows if ref - r["min_version"] > max_staleness]
+            # the row's columns are BufferItem's fields in order (trajectories.buffered_items)
+            buffered = [BufferItem(*r) for r in rows]
+            stale = [it.traj_id for it in buffered if ref - it.min_version > max_staleness]
             if stale:
                 trajectories.expire(self.store, stale)
-            stale_set = set(stale)
-            items = [
-                BufferItem(
-                    r["id"],
-                    r["task_id"],
-                    r["min_version"],
-                    r["arrival"],
-                    r["reward"],
-                    r["advantage"],
-                    r["length"],
-                )
-                for r in rows
-                if r["id"] not in stale_set
-            ]
+                self._take_fresh(stale)
+            items = [it for it in buffered if ref - it.min_version <= max_staleness]
             n_replay = max(0, min(int(self._replay(policy, batch_size)), batch_size))
             replay_ids: list[int] = []
             if n_replay:
@@ -237,7 +273,7 @@ class Buffer:
             flags = [False] * len(fresh) + [True] * len(replay_ids)
             batches.record_batch(self.store, policy, step, ids, flags, ref, time.time())
             trajectories.mark_consumed(self.store, step, [it.traj_id for it in fresh])
-            samples = self._samples(ids, flags)
+            samples = self._samples(ids, flags, self._take_fresh(ids))
         return Batch(
             policy, step, samples, ref, expired=len(stale), staleness=[ref - it.min_version for it in fresh]
         )
@@ -264,13 +300,22 @@ class Buffer:
         # so a seeded sync run, come out the same from run to run.
         return sorted(chosen, key=lambda it: (it.task_id, it.arrival))
 
-    def _samples(self, ids: list[int], flags: list[bool]) -> list[TrainSample]:
+    def _samples(
+        self, ids: list[int], flags: list[bool], known: dict[int, TrainSample] | None = None
+    ) -> list[TrainSample]:
+        """The TrainSamples of `ids`: those in `known` as they are, the rest read from the store."""
         if not ids:
             return []
-        by_id: dict[int, Any] = dict(trajectories.sample_rows(self.store, ids))
-        by_id.update(self._archived(ids, by_id))
+        known = known or {}
+        missing = [i for i in ids if i not in known]
+        by_id: dict[int, Any] = dict(trajectories.sample_rows(self.store, missing)) if missing else {}
+        by_id.update(self._archived(missing, by_id))
         out = []
         for i, replay in zip(ids, flags, strict=True):
+            ready = known.get(i)
+            if ready is not None:
+                out.append(ready if not replay else msgspec.structs.replace(ready, replay=True))
+                continue
             r = by_id[i]
             out.append(
                 TrainSample(
@@ -282,9 +327,13 @@ class Buffer:
                     reward=float(r["reward"]),
                     advantage=float(r["advantage"]),
                     replay=replay,
-                    sampling=SamplingParams(
-                        temperature=float(r["temperature"]), top_p=float(r["top_p"]), top_k=int(r["top_k"])
-                    ),
+                    sampling=_sampling(float(r["temperature"]), float(r["top_p"]), int(r["top_k"])),
                 )
             )
         return out
+
+
+@lru_cache(maxsize=64)
+def _sampling(temperature: float, top_p: float, top_k: int) -> SamplingParams:
+    """The (frozen, so shareable) settings of stored samples: a batch has one or a few distinct ones."""
+    return SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)

@@ -120,6 +120,15 @@ class Limits:
             return f"logprob {lo!r} below {MIN_LOGPROB:g}: no sampled token is that unlikely"
         return ""
 
+    def group_fits(self, policy: str, longest: int, rewards: list[float]) -> bool:
+        """Whether sequences of `policy` of at most `longest` tokens with these (finite) rewards keep to
+        the length, size and reward bounds `sequence` checks (the logprob floor is the caller's)."""
+        most = self.max_seq_len.get(policy)
+        if (most is not None and longest > most) or seq_bytes(longest) > self.part_bytes:
+            return False
+        bound = self.max_abs_reward.get(policy, 0.0)
+        return max(map(abs, rewards)) <= bound
+
 
 def info_problem(episodes: list[Episode]) -> str:
     """Why an episode's info is unusable ('' when it is fine): its numbers feed step metrics."""

@@ -257,23 +257,12 @@ class Pipeline:
         for pol, items, rewards, advantages in planned:
             ps = self.policies[pol]
             seqs = [s for s, _ in items]
-            max_new = self.recipe.get_policy(pol).sampling.max_new_tokens
-            turns = [sequence_turns(s, max_new) for s in seqs]
-            view = GroupView(
-                task_id=task_id,
-                prompt_key=prompt_key,
-                policy=pol,
-                rewards=rewards,
-                advantages=advantages,
-                lengths=[sum(t.length for t in ts) for ts in turns],
-                truncated=[any(t.truncated for t in ts) for ts in turns],
-                info=[dict(info) for _, info in items],
-                turn_lengths=[[t.length for t in ts] for ts in turns],
-                turn_truncated=[[t.truncated for t in ts] for ts in turns],
-            )
             for cur in ps.curators:
                 cur.observe(prompt_key, rewards)
-            kept = all(f.keep(view) for f in ps.filters)
+            kept = True
+            if ps.filters:  # only filters read the group's lengths and turns: without one none are derived
+                view = self._view(task_id, prompt_key, pol, items, rewards, advantages)
+                kept = all(f.keep(view) for f in ps.filters)
             ps.counters["groups_kept" if kept else "groups_dropped"] += 1
             ids = buffer.insert(
                 task_id, prompt_key, seqs, advantages, status="buffered" if kept else "dropped"
@@ -281,8 +270,35 @@ class Pipeline:
             out.append(GroupOutcome(pol, ids, rewards, kept))
         return out
 
+    def _view(
+        self,
+        task_id: int,
+        prompt_key: str,
+        policy: str,
+        items: list[tuple[Sequence, dict[str, Any]]],
+        rewards: list[float],
+        advantages: list[float],
+    ) -> GroupView:
+        """One group as the post-rollout filters see it: rewards, advantages, lengths, turns, info."""
+        max_new = self.recipe.get_policy(policy).sampling.max_new_tokens
+        turns = [sequence_turns(s, max_new) for s, _ in items]
+        return GroupView(
+            task_id=task_id,
+            prompt_key=prompt_key,
+            policy=policy,
+            rewards=rewards,
+            advantages=advantages,
+            lengths=[sum(t.length for t in ts) for ts in turns],
+            truncated=[any(t.truncated for t in ts) for ts in turns],
+            info=[dict(info) for _, info in items],
+            turn_lengths=[[t.length for t in ts] for ts in turns],
+            turn_truncated=[[t.truncated for t in ts] for ts in turns],
+        )
+
     def _observe_info(self, ep: Episode, skip: set[str], task_id: int) -> None:
         """Add an episode's numeric info to each (policy, role) it has sequences of."""
+        if not ep.info:
+            return  # nothing to add (take_info reads a missing task as no info)
         nums = {
             k: float(v) for k, v in ep.info.items() if isinstance(v, int | float) and not isinstance(v, bool)
         }

@@ -75,11 +75,30 @@ def control(
     tokens: int = typer.Option(
         3, help="Generated tokens of each simulated sequence (after 3 prompt tokens)."
     ),
+    in_process: bool = typer.Option(
+        False,
+        "--in-process",
+        help="No sockets: drive Controller.dispatch with the 2 workers' and the trainer's messages and "
+        "report its CPU per sequence (only --tokens, --warmup-steps, --steps, --profile, --json apply).",
+    ),
+    steps: int = typer.Option(20, help="--in-process: measured steps (after the warm-up steps)."),
+    profile: bool = typer.Option(
+        False, help="--in-process: also print the top functions by own time (cProfile)."
+    ),
 ) -> None:
     """One live controller fed by simulated members: sequences/s, steps/s, CPU per step, request
     latency and RSS per member, for each member count; raw ZeroMQ and SQLite rates as the limits."""
     import json as _json
     import tempfile
+
+    if in_process:
+        from astraflow.bench import control_inproc
+
+        if tokens < 1 or steps < 1 or warmup_steps < 0:
+            raise typer.BadParameter("--tokens and --steps take numbers >= 1, --warmup-steps >= 0")
+        r = control_inproc.run(steps=steps, warmup_steps=warmup_steps, tokens=tokens, profile=profile)
+        typer.echo(_json.dumps(r, indent=2) if as_json else control_inproc.render(r))
+        return
 
     from astraflow.bench.control import render, run
 

@@ -1,0 +1,165 @@
+"""`astraflow bench control --in-process`: the controller's CPU per sequence, with no sockets.
+
+One `Controller` on a real state.db is driven through `Controller.dispatch` with the messages the
+bench's simulated members send (bench/control_sim.py): two RaaS members ask for 32 tasks at a time and answer
+each grant in one TaskResults of trivial one-sequence episodes, one trainer takes each batch and
+announces the next version. Every message the controller receives is encoded and decoded as on the
+wire, and every reply it sends is encoded, so the timed part is the controller's own work per message
+minus only ZeroMQ. The members' work (building and encoding their messages, decoding replies) runs
+outside the timed part. With `profile` the timed part runs under cProfile and the top functions by
+own time are reported, so where a sequence's CPU goes can be compared between builds on a loaded
+machine (process CPU time, not wall time).
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import pstats
+import random
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from astraflow.bench.control import POLICY, recipe
+from astraflow.bench.control_sim import _episodes
+from astraflow.config.recipe import Recipe
+from astraflow.protocol import messages as m
+from astraflow.protocol.codec import decode, encode
+
+WORKERS = ("sim-00000", "sim-00001")
+TRAINER = "trainer-main"
+SLOTS = 32
+
+
+class _Driver:
+    """The controller and the timed path every message takes through it."""
+
+    def __init__(self, run_dir: Path) -> None:
+        from astraflow.roles.controller import Controller
+        from astraflow.state.store import Store
+
+        rec = Recipe.model_validate(recipe(0.5, len(WORKERS)))
+        self.ctl = Controller(rec, run_dir, Store.open(run_dir / "state.db"))
+        self.ctl.start()
+        self.cpu = 0.0
+        self.messages = 0
+        self.by_type: dict[str, float] = {}
+        """Message type -> controller CPU seconds spent on messages of that type."""
+
+    def send(self, ident: str, msg: m.Msg) -> list[m.Msg]:
+        """One member message through decode, dispatch and reply encoding; the replies for `ident`."""
+        frame = encode(msg)
+        t0 = time.process_time()
+        out = self.ctl.dispatch(ident.encode(), decode(frame))
+        frames = [(who, encode(reply)) for who, reply in out]
+        took = time.process_time() - t0
+        self.cpu += took
+        self.messages += 1
+        kind = type(msg).__name__
+        self.by_type[kind] = self.by_type.get(kind, 0.0) + took
+        return [decode(f) for who, f in frames if who == ident.encode()]
+
+
+def _hello(d: _Driver, ident: str, role: str) -> None:
+    hello = m.Hello(
+        member_id=ident,
+        role=role,
+        protocol=m.PROTOCOL_VERSION,
+        policies=[POLICY],
+        slots=SLOTS,
+        pid=1,
+        host=f"sim-{ident}",
+        hardware="simulated",
+    )
+    reply = d.send(ident, hello)
+    if not isinstance(reply[0], m.Welcome):
+        raise RuntimeError(f"{ident} was not welcomed: {reply[0]}")
+
+
+def _step(d: _Driver, step: int, rng: random.Random, tokens: int) -> int:
+    """Workers answer grants until the batch of `step` is ready; the trainer takes it and publishes."""
+    version = step - 1
+    while True:
+        for ident in WORKERS:
+            replies = d.send(ident, m.TaskRequest(n=SLOTS, loaded={POLICY: version}, wait_s=0.0))
+            grant = replies[0]
+            if not isinstance(grant, m.TaskGrant) or not grant.tasks:
+                continue
+            outcomes = [
+                m.Outcome(
+                    task_id=t.task_id,
+                    epoch=t.epoch,
+                    episodes=_episodes(t, POLICY, version, rng, tokens),
+                )
+                for t in grant.tasks
+            ]
+            for ack in d.send(ident, m.TaskResults(results=outcomes)):
+                if isinstance(ack, m.ResultsAck) and any(a.status != "accepted" for a in ack.acks):
+                    raise RuntimeError(
+                        f"results refused: {[a for a in ack.acks if a.status != 'accepted'][:2]}"
+                    )
+        reply = d.send(TRAINER, m.BatchRequest(policy=POLICY, step=step, wait_s=0.0))[0]
+        if isinstance(reply, m.BatchReply) and reply.ready:
+            break
+    d.send(TRAINER, m.VersionPublished(policy=POLICY, version=step, step=step, weights_addr=""))
+    return len(reply.samples)
+
+
+def run(
+    *, steps: int = 20, warmup_steps: int = 3, tokens: int = 3, profile: bool = False, top: int = 25
+) -> dict[str, Any]:
+    """Drive one controller through `warmup_steps` + `steps` steps; CPU per sequence over `steps`."""
+    rng = random.Random(0)
+    with tempfile.TemporaryDirectory(prefix="astraflow-ctl-inproc-") as tmp:
+        d = _Driver(Path(tmp))
+        _hello(d, TRAINER, "trainer")
+        for ident in WORKERS:
+            _hello(d, ident, "raas")
+        for s in range(1, warmup_steps + 1):
+            _step(d, s, rng, tokens)
+        d.cpu, d.messages, d.by_type = 0.0, 0, {}
+        prof = cProfile.Profile() if profile else None
+        seqs = 0
+        if prof is not None:
+            prof.enable()
+        for s in range(warmup_steps + 1, warmup_steps + steps + 1):
+            seqs += _step(d, s, rng, tokens)
+        if prof is not None:
+            prof.disable()
+        d.ctl.store.close()
+    out: dict[str, Any] = {
+        "steps": steps,
+        "tokens": tokens,
+        "sequences": seqs,
+        "messages": d.messages,
+        "controller_cpu_s": round(d.cpu, 4),
+        "us_per_sequence": round(1e6 * d.cpu / max(1, seqs), 2),
+        "ms_per_step": round(1e3 * d.cpu / max(1, steps), 2),
+        "sequences_per_cpu_s": round(seqs / d.cpu, 0) if d.cpu else None,
+        "us_per_sequence_by_message": {
+            k: round(1e6 * v / max(1, seqs), 2) for k, v in sorted(d.by_type.items(), key=lambda kv: -kv[1])
+        },
+    }
+    if prof is not None:
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+        out["profile"] = buf.getvalue()
+    return out
+
+
+def render(r: dict[str, Any]) -> str:
+    """The result as lines for a terminal (profile, when taken, after the figures)."""
+    lines = [
+        f"in-process controller, {r['steps']} steps of {r['sequences'] // max(1, r['steps'])} sequences, "
+        f"{r['tokens']} generated tokens each, {r['messages']} messages",
+        f"controller CPU: {r['us_per_sequence']:.1f} us/sequence, {r['ms_per_step']:.1f} ms/step, "
+        f"{r['sequences_per_cpu_s']:.0f} sequences per CPU second",
+        "  by message: "
+        + ", ".join(f"{k} {v:.1f}" for k, v in r["us_per_sequence_by_message"].items())
+        + " (us/sequence)",
+    ]
+    if "profile" in r:
+        lines.append(r["profile"])
+    return "\n".join(lines)

@@ -1,0 +1,68 @@
+"""A new batch is built from the TrainSamples the buffer kept when it stored them (dataflow/buffer.py
+FRESH_TOKENS): they encode to the very bytes the store reads back, and after a rolled-back insert
+(whose ids the next insert reuses) nothing kept from it is served."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from astraflow.dataflow import buffer as buffer_mod
+from astraflow.dataflow.buffer import Buffer
+from astraflow.protocol.codec import encode
+from astraflow.protocol.messages import BatchReply, SamplingParams, Sequence
+from astraflow.state.store import Store
+
+
+def _seq(first: int, reward: float, n: int = 4) -> Sequence:
+    return Sequence(
+        policy="main",
+        tokens=[first] + [7] * n,
+        loss_mask=[0] + [1] * n,
+        logprobs=[0.0] + [-0.25 * (k + 1) for k in range(n)],
+        versions=[-1] + [0] * n,
+        reward=reward,
+        sampling=SamplingParams(temperature=0.7, top_p=0.9, top_k=5),
+    )
+
+
+def _reply(samples: list) -> bytes:
+    return encode(BatchReply(policy="main", step=1, samples=samples, ready=True))
+
+
+def test_kept_samples_are_what_the_store_reads_back(tmp_path: Path) -> None:
+    buf = Buffer(Store.open(tmp_path / "s.db"))
+    ids = buf.insert(1, "k1", [_seq(1, 1.0), _seq(2, 0.0)], [0.5, -0.5])
+    assert set(buf._fresh) == set(ids)
+    batch = buf.next_batch("main", 1, batch_size=2, max_staleness=0, version=0)
+    assert batch is not None and not buf._fresh  # consumed: taken out of memory
+    from_store = buf.samples(ids, [False, False])
+    assert _reply(batch.samples) == _reply(from_store)
+    again = buf.recorded("main", 1)
+    assert again is not None and _reply(again.samples) == _reply(batch.samples)
+
+
+def test_a_rolled_back_insert_leaves_nothing_kept(tmp_path: Path) -> None:
+    store = Store.open(tmp_path / "s.db")
+    buf = Buffer(store)
+    with pytest.raises(RuntimeError), store.write():
+        buf.insert(1, "k1", [_seq(1, 1.0), _seq(2, 0.0)], [0.5, -0.5])
+        raise RuntimeError("the result is refused after its rows were written")
+    assert not buf._fresh
+    ids = buf.insert(2, "k2", [_seq(3, 0.0), _seq(4, 1.0)], [-0.5, 0.5])
+    batch = buf.next_batch("main", 1, batch_size=2, max_staleness=0, version=0)
+    assert batch is not None and [s.traj_id for s in batch.samples] == ids
+    assert [s.tokens[0] for s in batch.samples] == [3, 4]
+
+
+def test_beyond_the_budget_the_oldest_are_read_from_the_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(buffer_mod, "FRESH_TOKENS", 12)  # two sequences of 5 tokens fit, not three
+    buf = Buffer(Store.open(tmp_path / "s.db"))
+    ids = buf.insert(1, "k1", [_seq(1, 1.0), _seq(2, 0.0), _seq(3, 1.0)], [0.5, -0.5, 0.5])
+    assert list(buf._fresh) == ids[1:] and buf._fresh_tokens == 10
+    batch = buf.next_batch("main", 1, batch_size=3, max_staleness=0, version=0)
+    assert batch is not None
+    assert _reply(batch.samples) == _reply(buf.samples(ids, [False] * 3))
