@@ -30,6 +30,17 @@ def _versions(peer: Peer) -> dict[str, int]:
     return {v.policy: v.version for v in beat.versions} or {"main": 0}
 
 
+def _astraflow(*args: str) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "astraflow", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
 @pytest.mark.chaos
 @pytest.mark.timeout(900)  # several processes on 2 shared cores
 def test_attacks_fail_and_the_run_finishes(tiny_model: Path, tmp_path: Path) -> None:
@@ -131,6 +142,10 @@ def test_attacks_fail_and_the_run_finishes(tiny_model: Path, tmp_path: Path) -> 
         workers[2].send_signal(signal.SIGTERM)
         assert workers[2].wait(timeout=120) == 0, c.log("raas-2.log")
 
+        # admission is held until raas-1 has left, so the run cannot end before the leave below (it
+        # did once: 12 steps finished while `astraflow leave` was starting, and raas-1 simply stopped)
+        _astraflow("ctl", "pause", "--controller", c.addr)
+
         # the other workers and the trainer; an impostor trainer as soon as the real one is there
         workers.update({0: c.raas(0), 1: c.raas(1)})
         trainer = c.trainer()
@@ -144,15 +159,9 @@ def test_attacks_fail_and_the_run_finishes(tiny_model: Path, tmp_path: Path) -> 
         assert isinstance(r, m.Error) and r.code == "trainer_taken", r
 
         # `astraflow leave raas-1`: it drains and exits 0 while raas-0 finishes the run
-        out = subprocess.run(
-            [sys.executable, "-m", "astraflow", "leave", "raas-1", "--controller", c.addr],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )
-        assert out.returncode == 0, out.stderr
+        _astraflow("leave", "raas-1", "--controller", c.addr)
         assert workers[1].wait(timeout=300) == 0, c.log("raas-1.log")
+        _astraflow("ctl", "resume", "--controller", c.addr)
         rogue.close()
         impostor.close()
 
