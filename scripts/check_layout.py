@@ -37,17 +37,15 @@ SQL_WORDS = (
 )
 
 SQL_ALLOWED = {
-    # still to do
-    "bench/control.py": "the control benchmark reads its run's state.db (still to move)",
+    # not state.db: the control benchmark's measure of SQLite's own insert rate, in a scratch file
+    "bench/control_limits.py": "SQLite's insert rate, measured on a scratch database of its own",
     # not state.db: a metric sink's own SQLite file, which the user names in the recipe
     "metrics/builtin_sinks.py": "the sqlite metric sink writes its own database, not state.db",
 }
 
 MAX_LINES = 400
-LONG_ALLOWED = {
-    # being reworked on another line of work this round (the control plane's throughput)
-    "bench/control.py": "the control benchmark, being reworked",
-}
+LONG_ALLOWED: dict[str, str] = {}
+"""Modules over MAX_LINES left out of the rule, each with why (none now)."""
 
 
 CYCLES_ALLOWED: dict[tuple[str, str], str] = {}

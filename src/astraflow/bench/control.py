@@ -16,11 +16,8 @@ from __future__ import annotations
 
 import json
 import os
-import sqlite3
 import subprocess
 import sys
-import tempfile
-import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -214,6 +211,7 @@ def run_one(
 
 def _state_size(run_dir: Path) -> dict[str, Any]:
     """state.db's size (with its WAL), the trajectories it holds, the last step and the archive's size."""
+    from astraflow.state import trajectories
     from astraflow.state.store import Store
 
     db = run_dir / "state.db"
@@ -225,7 +223,7 @@ def _state_size(run_dir: Path) -> dict[str, Any]:
     )
     store = Store.open_readonly(db)
     try:
-        rows = int(store.scalar("SELECT COUNT(*) FROM trajectories") or 0)
+        rows = trajectories.count(store, POLICY)  # the bench's one policy
         step = int(store.policy(POLICY)["step"])
     finally:
         store.close()
@@ -298,87 +296,6 @@ def _wait_step(run_dir: Path, step: int, deadline: float) -> int:
     raise RuntimeError(f"the controller reached step {got} of the {step} warm-up steps in time")
 
 
-# ----- physical limits ----------------------------------------------------------------------------
-
-
-def zmq_msgpack_rate(seconds: float = 2.0) -> float:
-    """Heartbeats/s a raw ZeroMQ ROUTER decodes and answers with msgpack, pipelined from one DEALER."""
-    ctx: zmq.Context[Any] = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    port = router.bind_to_random_port("tcp://127.0.0.1")
-    stop = threading.Event()
-    ack = encode(m.HeartbeatAck(rid=1))
-
-    def serve() -> None:
-        while not stop.is_set():
-            if router.poll(50):
-                while True:
-                    try:
-                        ident, frame = router.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    decode(frame)
-                    router.send_multipart([ident, ack])
-
-    t = threading.Thread(target=serve, daemon=True)
-    t.start()
-    dealer = ctx.socket(zmq.DEALER)
-    dealer.setsockopt(zmq.LINGER, 0)
-    dealer.connect(f"tcp://127.0.0.1:{port}")
-    beat = encode(m.Heartbeat(rid=1, loaded={POLICY: 3}, busy=1, free=1))
-    sent = got = 0
-    window = 1000
-    t0 = time.perf_counter()
-    try:
-        while time.perf_counter() - t0 < seconds:
-            while sent - got < window:
-                dealer.send(beat)
-                sent += 1
-            if dealer.poll(1000):
-                while True:
-                    try:
-                        dealer.recv(zmq.NOBLOCK)
-                        got += 1
-                    except zmq.Again:
-                        break
-        return got / (time.perf_counter() - t0)
-    finally:
-        stop.set()
-        t.join()
-        dealer.close(0)
-        router.close(0)
-        ctx.term()
-
-
-def sqlite_rows_rate(rows: int = 100_000, per_txn: int = 512) -> dict[str, float]:
-    """Rows/s SQLite (WAL, synchronous=NORMAL as the store runs) inserts: batched and one per transaction."""
-    with tempfile.TemporaryDirectory() as tmp:
-        db = sqlite3.connect(Path(tmp) / "bench.db", isolation_level=None)
-        db.execute("PRAGMA journal_mode=WAL")
-        db.execute("PRAGMA synchronous=NORMAL")
-        db.execute("CREATE TABLE t (id INTEGER PRIMARY KEY, task INTEGER, reward REAL, tokens BLOB)")
-        blob = bytes(64)
-        t0 = time.perf_counter()
-        for start in range(0, rows, per_txn):
-            db.execute("BEGIN IMMEDIATE")
-            db.executemany(
-                "INSERT INTO t (task, reward, tokens) VALUES (?, ?, ?)",
-                [(i, 0.5, blob) for i in range(start, min(rows, start + per_txn))],
-            )
-            db.execute("COMMIT")
-        batched = rows / (time.perf_counter() - t0)
-        single_n = max(1, rows // 20)
-        t0 = time.perf_counter()
-        for i in range(single_n):
-            db.execute("BEGIN IMMEDIATE")
-            db.execute("INSERT INTO t (task, reward, tokens) VALUES (?, ?, ?)", (i, 0.5, blob))
-            db.execute("COMMIT")
-        single = single_n / (time.perf_counter() - t0)
-        db.close()
-    return {"rows_per_s_batched": round(batched), "rows_per_s_one_per_txn": round(single)}
-
-
 def run(
     member_counts: list[int],
     *,
@@ -435,6 +352,8 @@ def run(
                 )
     if progress is not None:
         progress("physical limits: raw ZeroMQ + msgpack, SQLite WAL ...")
+    from astraflow.bench.control_limits import sqlite_rows_rate, zmq_msgpack_rate
+
     limits = {"zmq_msgpack_msgs_per_s": round(zmq_msgpack_rate()), **sqlite_rows_rate()}
     return {"rows": rows, "limits": limits, "cpus": os.cpu_count(), "load_avg": os.getloadavg()[0]}
 

@@ -241,38 +241,11 @@ def _on_reply(mem: _Member, msg: m.Msg, spec: SimSpec, res: SimResult, rng: rand
     sent = mem.sent_at.pop(msg.rid, None)
     took = time.perf_counter() - sent[1] if sent is not None else 0.0
     if isinstance(msg, m.Error):
-        if not mem.welcomed:
-            res.refused.append(f"{mem.ident}: {msg.code}: {msg.message}")
-        elif len(res.errors) < 20:
-            res.errors.append(f"{mem.ident}: {msg.code}: {msg.message}")
-        return
-    if isinstance(msg, m.Welcome):
-        mem.welcomed = True
-        res.joined += 1
-        if mem.role == "raas":
-            mem.send(m.TaskRequest(n=spec.slots, loaded={spec.policy: 0}, wait_s=TASK_WAIT_S), "task")
-        elif mem.role == "trainer":
-            mem.send(m.BatchRequest(policy=spec.policy, step=mem.step, wait_s=BATCH_WAIT_S), "batch")
+        _on_error(mem, msg, res)
+    elif isinstance(msg, m.Welcome):
+        _on_welcome(mem, spec, res)
     elif isinstance(msg, m.TaskGrant):
-        for v in msg.versions:
-            if v.policy == spec.policy:
-                mem.version = max(mem.version, v.version)
-        if msg.stop:
-            return
-        if msg.tasks:
-            res.task_latency_s.append(took)
-        outcomes = []
-        for task in msg.tasks:
-            eps = _episodes(task, spec.policy, mem.version, rng, spec.tokens)
-            mem.held.add(task.task_id)
-            outcomes.append(m.Outcome(task_id=task.task_id, epoch=task.epoch, episodes=eps))
-            res.results_sent += 1
-            res.sequences_sent += len(eps)
-        if spec.grouped and outcomes:
-            mem.send(m.TaskResults(results=outcomes))
-        for o in outcomes if not spec.grouped else []:
-            mem.send(m.TaskResult(task_id=o.task_id, epoch=o.epoch, episodes=o.episodes))
-        mem.send(m.TaskRequest(n=spec.slots, loaded={spec.policy: mem.version}, wait_s=TASK_WAIT_S), "task")
+        _on_grant(mem, msg, spec, res, rng, took)
     elif isinstance(msg, m.ResultAck):
         mem.held.discard(msg.task_id)
     elif isinstance(msg, m.ResultsAck):
@@ -281,21 +254,69 @@ def _on_reply(mem: _Member, msg: m.Msg, spec: SimSpec, res: SimResult, rng: rand
             if ack.status != "accepted" and len(res.errors) < 20:
                 res.errors.append(f"{mem.ident}: task {ack.task_id}: {ack.status} {ack.code} {ack.message}")
     elif isinstance(msg, m.BatchReply):
-        if msg.done:
-            return
-        if not msg.ready:
-            mem.send(m.BatchRequest(policy=spec.policy, step=mem.step, wait_s=BATCH_WAIT_S), "batch")
-            return
-        res.batch_latency_s.append(took)
-        res.steps.append((time.time(), msg.step, len(msg.samples)))
-        mem.send(
-            m.VersionPublished(policy=spec.policy, version=msg.step, step=msg.step, weights_addr=""),
-            "version",
-        )
+        _on_batch(mem, msg, spec, res, took)
     elif isinstance(msg, m.Ack) and sent is not None and sent[0] == "version":
         mem.version = mem.step
         mem.step += 1
         mem.send(m.BatchRequest(policy=spec.policy, step=mem.step, wait_s=BATCH_WAIT_S), "batch")
+
+
+def _on_error(mem: _Member, msg: m.Error, res: SimResult) -> None:
+    """A refused Hello counts as refused; any later error is kept (the first 20)."""
+    if not mem.welcomed:
+        res.refused.append(f"{mem.ident}: {msg.code}: {msg.message}")
+    elif len(res.errors) < 20:
+        res.errors.append(f"{mem.ident}: {msg.code}: {msg.message}")
+
+
+def _on_welcome(mem: _Member, spec: SimSpec, res: SimResult) -> None:
+    """Joined: a worker asks for tasks, the trainer for its first batch (heartbeat-only members wait)."""
+    mem.welcomed = True
+    res.joined += 1
+    if mem.role == "raas":
+        mem.send(m.TaskRequest(n=spec.slots, loaded={spec.policy: 0}, wait_s=TASK_WAIT_S), "task")
+    elif mem.role == "trainer":
+        mem.send(m.BatchRequest(policy=spec.policy, step=mem.step, wait_s=BATCH_WAIT_S), "batch")
+
+
+def _on_grant(
+    mem: _Member, msg: m.TaskGrant, spec: SimSpec, res: SimResult, rng: random.Random, took: float
+) -> None:
+    """Answer every granted task at once (grouped or one result each), then ask for more."""
+    for v in msg.versions:
+        if v.policy == spec.policy:
+            mem.version = max(mem.version, v.version)
+    if msg.stop:
+        return
+    if msg.tasks:
+        res.task_latency_s.append(took)
+    outcomes = []
+    for task in msg.tasks:
+        eps = _episodes(task, spec.policy, mem.version, rng, spec.tokens)
+        mem.held.add(task.task_id)
+        outcomes.append(m.Outcome(task_id=task.task_id, epoch=task.epoch, episodes=eps))
+        res.results_sent += 1
+        res.sequences_sent += len(eps)
+    if spec.grouped and outcomes:
+        mem.send(m.TaskResults(results=outcomes))
+    for o in outcomes if not spec.grouped else []:
+        mem.send(m.TaskResult(task_id=o.task_id, epoch=o.epoch, episodes=o.episodes))
+    mem.send(m.TaskRequest(n=spec.slots, loaded={spec.policy: mem.version}, wait_s=TASK_WAIT_S), "task")
+
+
+def _on_batch(mem: _Member, msg: m.BatchReply, spec: SimSpec, res: SimResult, took: float) -> None:
+    """The trainer: a ready batch is trained at once (its version announced); not ready, ask again."""
+    if msg.done:
+        return
+    if not msg.ready:
+        mem.send(m.BatchRequest(policy=spec.policy, step=mem.step, wait_s=BATCH_WAIT_S), "batch")
+        return
+    res.batch_latency_s.append(took)
+    res.steps.append((time.time(), msg.step, len(msg.samples)))
+    mem.send(
+        m.VersionPublished(policy=spec.policy, version=msg.step, step=msg.step, weights_addr=""),
+        "version",
+    )
 
 
 def main(argv: list[str]) -> int:
