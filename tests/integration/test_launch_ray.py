@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sqlite3
 import subprocess
 import sys
 import time
@@ -23,9 +22,9 @@ from typing import Any
 
 import pytest
 
-from astraflow.state.batches import decode_ids
-from tests.chaos.cluster import free_port, ro
+from tests.chaos.cluster import free_port
 from tests.integration.ray_local import GPU_RESOURCE, LocalRay, skip_reason
+from tests.run_checks import assert_run_intact, rows
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 40
@@ -61,30 +60,17 @@ def _info(run_dir: Path, member: str) -> dict[str, Any]:
     return dict(json.loads(path.read_text())) if path.is_file() else {}
 
 
-def _rows(run_dir: Path, sql: str, *args: object) -> list[tuple[object, ...]]:
-    """Rows of a query on the run's state.db; none before the controller made its tables."""
-    if not (run_dir / "state.db").is_file():
-        return []
-    try:
-        with ro(run_dir) as db:
-            return db.execute(sql, args).fetchall()
-    except sqlite3.OperationalError:
-        return []
-
-
 def _steps(run_dir: Path) -> list[int]:
-    return [
-        int(str(r[0])) for r in _rows(run_dir, "SELECT step FROM metrics WHERE policy='main' ORDER BY id")
-    ]
+    return [int(str(r[0])) for r in rows(run_dir, "SELECT step FROM metrics WHERE policy='main' ORDER BY id")]
 
 
 def _leased_by(run_dir: Path, member: str) -> list[int]:
     sql = "SELECT id FROM tasks WHERE status='leased' AND owner=?"
-    return [int(str(r[0])) for r in _rows(run_dir, sql, member)]
+    return [int(str(r[0])) for r in rows(run_dir, sql, member)]
 
 
 def _queued(run_dir: Path) -> int:
-    return len(_rows(run_dir, "SELECT id FROM tasks WHERE status='queued'"))
+    return len(rows(run_dir, "SELECT id FROM tasks WHERE status='queued'"))
 
 
 def _pid_alive(pid: int) -> bool:
@@ -211,23 +197,17 @@ def test_quickstart_through_launch_ray_replaces_and_autoscales(
             proc.wait(timeout=120)
     text = out.read_text()
     assert "raas-0 stopped (its actor died): replacing it (1/3)" in text, text[-3000:]
-    assert sorted(_steps(run_dir)) == list(range(1, STEPS + 1))
-    with ro(run_dir) as db:
-        group = 8
-        per_task = dict(db.execute("SELECT task_id, COUNT(*) FROM trajectories GROUP BY task_id").fetchall())
-        done = [r[0] for r in db.execute("SELECT id FROM tasks WHERE status='done'")]
-        assert done and all(per_task.get(t) == group for t in done), "a task done twice or partly"
-        assert set(per_task) <= set(done), "trajectories of a task that is not done"
-        assert not db.execute("SELECT COUNT(*) FROM tasks WHERE status='failed'").fetchone()[0]
-        for t in (
-            held
-        ):  # what the stopped and killed worker held was taken back and done again, or is still queued
-            status, epoch = db.execute("SELECT status, epoch FROM tasks WHERE id=?", (t,)).fetchone()
-            assert status in ("done", "queued") and (status == "queued" or epoch >= 2), (t, status, epoch)
-        ids = [i for (row,) in db.execute("SELECT traj_ids FROM batches") for i in decode_ids(row)]
-        assert len(ids) == len(set(ids)), "a trajectory trained on twice"
-        events = [r[0] for r in db.execute("SELECT detail FROM events WHERE kind='member_left'")]
-        assert any(e.startswith(drained) for e in events), events
+    assert_run_intact(run_dir, STEPS, group=8)
+    # what the stopped and killed worker held was taken back and done again, or is still queued
+    for t in held:
+        ((status, epoch),) = rows(run_dir, "SELECT status, epoch FROM tasks WHERE id=?", t)
+        assert status in ("done", "queued") and (status == "queued" or int(str(epoch)) >= 2), (
+            t,
+            status,
+            epoch,
+        )
+    events = [str(r[0]) for r in rows(run_dir, "SELECT detail FROM events WHERE kind='member_left'")]
+    assert any(e.startswith(drained) for e in events), events
     # every actor and placement group was released: the cluster's resources are whole again
     probe = (
         "import json, ray, sys, time; ray.init(address=sys.argv[1], log_to_driver=False); "
