@@ -474,7 +474,7 @@ def test_a_seed_makes_the_engine_repeat_its_samples(model_dir: Path) -> None:
 def test_per_role_rewards_and_info_reach_sequences_and_metrics(model_dir: Path, tmp_path: Path) -> None:
     """An agent playing two roles through the real openai client returns per-role rewards and extra
     info: each role's trajectories carry its reward and role, and the info reaches the step metrics."""
-    from astraflow.config.recipe import PolicyConfig, Recipe
+    from astraflow.config.recipe import PolicyConfig
     from astraflow.dataflow.buffer import Buffer
     from astraflow.dataflow.pipeline import Pipeline
     from astraflow.state.store import Store
@@ -507,7 +507,7 @@ def test_per_role_rewards_and_info_reach_sequences_and_metrics(model_dir: Path, 
     assert ep.info["trajectories"] == 3.0
     # through the pipeline: numeric info per policy and per role, in the step metrics of its batch
     store = Store.open(tmp_path / "s.db")
-    pipe = Pipeline(Recipe(policy=[PolicyConfig(model="m", group_size=3)]))  # type: ignore[arg-type]
+    pipe = Pipeline([PolicyConfig(model="m", group_size=3)], seed=0)  # type: ignore[call-arg]
     pipe.ingest(Buffer(store), 7, "k", [ep])
     got = pipe.take_info("main", [7])
     assert (

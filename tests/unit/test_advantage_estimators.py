@@ -129,7 +129,7 @@ def test_reinforce_pp_through_the_pipeline(tmp_path: Path) -> None:
     rec = Recipe(
         policy=[PolicyConfig(model="m", group_size=2, batch_prompts=2, advantage="reinforce_pp")]  # type: ignore[arg-type]
     )
-    pipe = Pipeline(rec, store)
+    pipe = Pipeline(rec.policy, store, seed=rec.run.seed)
     buf = Buffer(store, order=pipe.order)
     pipe.ingest(buf, 1, "a", _episodes([1.0, 0.0]))
     pipe.ingest(buf, 2, "b", _episodes([3.0, 3.0]))
@@ -151,7 +151,7 @@ def test_reinforce_pp_through_the_pipeline(tmp_path: Path) -> None:
 def test_rloo_through_the_pipeline_and_a_plugin_subclass(tmp_path: Path) -> None:
     store = Store.open(tmp_path / "s.db")
     rec = Recipe(policy=[PolicyConfig(model="m", group_size=3, advantage="rloo")])  # type: ignore[arg-type]
-    pipe = Pipeline(rec, store)
+    pipe = Pipeline(rec.policy, store, seed=rec.run.seed)
     buf = Buffer(store, order=pipe.order)
     pipe.ingest(buf, 1, "a", _episodes([3.0, 1.0, 2.0]))
     batch = buf.next_batch("main", 1, 3, 1, 0)
@@ -172,7 +172,7 @@ def test_a_group_the_estimator_refuses_is_refused_whole(tmp_path: Path) -> None:
 
     store = Store.open(tmp_path / "s.db")
     rec = Recipe(policy=[PolicyConfig(model="m", group_size=2, advantage="rloo")])  # type: ignore[arg-type]
-    pipe = Pipeline(rec, store)
+    pipe = Pipeline(rec.policy, store, seed=rec.run.seed)
     buf = Buffer(store, order=pipe.order)
     with pytest.raises(RefusedResult, match="non-finite"):
         pipe.ingest(buf, 1, "a", _episodes([1.0, math.inf]))

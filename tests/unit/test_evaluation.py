@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from astraflow.config.recipe import Recipe
-from astraflow.dataflow.evaluation import identity, pass_at_k
+from astraflow.dataflow.evaluation import EvalSections, identity, pass_at_k
 from astraflow.protocol import messages as m
 from astraflow.roles.controller import Controller
 from astraflow.state.status import build_status
@@ -46,6 +46,18 @@ def _recipe(model: Path) -> Recipe:
             },
         }
     )
+
+
+def test_eval_sections_pick_what_evaluation_reads() -> None:
+    raw = _recipe(Path("m")).model_dump()
+    raw["run"].update(seed=7, steps=5)
+    raw["policy"].append({**raw["policy"][0], "name": "frozen", "trainable": False})
+    rec = Recipe.model_validate(raw)
+    sec = EvalSections.of(rec)
+    assert sec.eval == rec.eval and sec.workflow == rec.workflow and sec.seed == 7
+    assert sec.trainable == ["main"] and sec.budgets == {"main": 5, "frozen": 0}
+    with pytest.raises(ValueError, match=r"no \[eval\] table"):
+        EvalSections.of(rec.model_copy(update={"eval": None}))
 
 
 def ask(c: Controller, ident: str, msg: m.Msg) -> m.Msg:

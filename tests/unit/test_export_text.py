@@ -44,7 +44,7 @@ def _run(tmp_path: Path, model: str) -> tuple[Path, list[int], list[int]]:
         sampling=SamplingParams(),
     )
     store = Store.open(run_dir / "state.db")
-    Pipeline(rec, store).ingest(Buffer(store), 1, "k", [Episode(sequences=[seq])])
+    Pipeline(rec.policy, store, seed=rec.run.seed).ingest(Buffer(store), 1, "k", [Episode(sequences=[seq])])
     store.close()
     return run_dir, tokens, mask
 

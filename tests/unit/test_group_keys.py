@@ -44,7 +44,7 @@ def test_group_keys_roles_read_only_and_info(tmp_path: Path) -> None:
         workflow=WorkflowConfig(name="collab", roles={"proposer": "a", "solver": "a", "judge": "b"}),
     )  # type: ignore[arg-type]
     store = Store.open(tmp_path / "s.db")
-    pipe = Pipeline(recipe, store)
+    pipe = Pipeline(recipe.policy, store, seed=recipe.run.seed)
     pipe.split_roles = {"a"}  # a plays two roles: one baseline each
     buf = Buffer(store)
     episodes = [

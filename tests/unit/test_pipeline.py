@@ -137,7 +137,7 @@ def test_stages_are_built_validated_and_placed(tmp_path: Path) -> None:
             StageSpec(name="two_groups"),
         ]
     )
-    pipe = Pipeline(rec, Store.open(tmp_path / "s.db"), loader=STAGES.__getitem__)
+    pipe = Pipeline(rec.policy, Store.open(tmp_path / "s.db"), seed=rec.run.seed, loader=STAGES.__getitem__)
     ps = pipe.policies["main"]
     assert isinstance(ps.curators[0], SkipCurator) and ps.curators[0].config.every == 3
     assert ps.curators[0].policy == "main" and isinstance(ps.filters[0], VarianceFilter)
@@ -149,19 +149,28 @@ def test_stages_are_built_validated_and_placed(tmp_path: Path) -> None:
         pipe.group_room("main", 1) == 1 and pipe.group_room("main", 2) == 0
     )  # the stage's budget, in groups
     with pytest.raises(RecipeError):
-        Pipeline(_recipe([StageSpec(name="skip", options={"nope": 1})]), None, loader=STAGES.__getitem__)
+        Pipeline(
+            _recipe([StageSpec(name="skip", options={"nope": 1})]).policy,
+            None,
+            seed=0,
+            loader=STAGES.__getitem__,
+        )
 
 
 def test_default_order_follows_policy_order() -> None:
-    assert isinstance(Pipeline(_recipe([], "fifo"), None, loader=STAGES.__getitem__).order("main"), FifoOrder)
-    assert isinstance(Pipeline(_recipe([], "edf"), None, loader=STAGES.__getitem__).order("main"), EdfOrder)
-    assert Pipeline(_recipe([]), None).replay_count("main", 8) == 0
+    assert isinstance(
+        Pipeline(_recipe([], "fifo").policy, None, seed=0, loader=STAGES.__getitem__).order("main"), FifoOrder
+    )
+    assert isinstance(
+        Pipeline(_recipe([], "edf").policy, None, seed=0, loader=STAGES.__getitem__).order("main"), EdfOrder
+    )
+    assert Pipeline(_recipe([]).policy, None, seed=0).replay_count("main", 8) == 0
 
 
 def test_curate_filter_ingest_and_state_roundtrip(tmp_path: Path) -> None:
     store = Store.open(tmp_path / "s.db")
     rec = _recipe([StageSpec(name="skip"), StageSpec(name="variance")])
-    pipe = Pipeline(rec, store, loader=STAGES.__getitem__)
+    pipe = Pipeline(rec.policy, store, seed=rec.run.seed, loader=STAGES.__getitem__)
     submitted = [pipe.submit(f"k{i}", {}, ["main"]) for i in range(4)]
     assert submitted == [True, False, True, False]
     buf = Buffer(store, order=pipe.order)
@@ -179,7 +188,7 @@ def test_curate_filter_ingest_and_state_roundtrip(tmp_path: Path) -> None:
         met["data/prompts_skipped"] == 2 and met["data/groups_dropped"] == 1 and met["data/skip/offered"] == 4
     )
     store.close()
-    again = Pipeline(rec, Store.open(tmp_path / "s.db"), loader=STAGES.__getitem__)
+    again = Pipeline(rec.policy, Store.open(tmp_path / "s.db"), seed=rec.run.seed, loader=STAGES.__getitem__)
     cur2 = again.policies["main"].curators[0]
     assert cur2.offered == 4 and cur2.versions == [1]
     assert again.metrics("main")["data/groups_kept"] == 1
@@ -188,7 +197,7 @@ def test_curate_filter_ingest_and_state_roundtrip(tmp_path: Path) -> None:
 
 def test_unknown_policy_sequences_are_ignored(tmp_path: Path) -> None:
     store = Store.open(tmp_path / "s.db")
-    pipe = Pipeline(_recipe([]), store)
+    pipe = Pipeline(_recipe([]).policy, store, seed=0)
     eps = [
         Episode(
             sequences=[

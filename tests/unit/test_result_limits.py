@@ -142,7 +142,8 @@ def test_a_batch_larger_than_a_part_is_served_in_parts_that_each_fit(
 
 def test_a_non_finite_advantage_is_refused_before_anything_changes(tiny_model: Path, tmp_path: Path) -> None:
     store = Store.open(tmp_path / "state.db")
-    pipe = Pipeline(_recipe(tiny_model, advantage="drgrpo"), store)
+    rec = _recipe(tiny_model, advantage="drgrpo")
+    pipe = Pipeline(rec.policy, store, seed=rec.run.seed)
     buffer = Buffer(store)
     eps = [m.Episode(sequences=[_seq(5, r)], info={"x": 1.0}) for r in (1.7e308, -1.7e308, -1.7e308, 0.0)]
     with pytest.raises(RefusedResult, match="advantages are not finite"):

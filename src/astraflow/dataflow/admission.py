@@ -49,8 +49,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
 
+from astraflow.config.recipe import Recipe
+from astraflow.dataflow.pipeline import Pipeline
 from astraflow.state import batches, tasks, trajectories, versions
 from astraflow.state.store import Store
 
@@ -316,7 +317,7 @@ class Admission:
         return True
 
 
-def admission_for(recipe: Any, store: Store, pipeline: Any, roles: dict[str, str]) -> Admission:
+def admission_for(recipe: Recipe, store: Store, pipeline: Pipeline, roles: dict[str, str]) -> Admission:
     """The run's admission: every policy's limits from the recipe, the workflow's task shape, the
     pipeline's admission stages (their bound tightens S; their group budget is asked too)."""
     from astraflow import plugins
@@ -339,8 +340,8 @@ def admission_for(recipe: Any, store: Store, pipeline: Any, roles: dict[str, str
 
     if getattr(wf_cls, "baseline_per_role", True):
         counts: dict[str, int] = {}
-        for p in roles.values():
-            counts[p] = counts.get(p, 0) + 1
+        for name in roles.values():
+            counts[name] = counts.get(name, 0) + 1
         pipeline.split_roles = {p for p, n in counts.items() if n > 1}
     return Admission(
         store,

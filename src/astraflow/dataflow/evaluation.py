@@ -17,11 +17,13 @@ import json
 import math
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from astraflow import log
-from astraflow.config.recipe import Recipe
+from astraflow.config.eval import EvalConfig
+from astraflow.config.recipe import Recipe, WorkflowConfig
 from astraflow.dataflow.source import prompt_key, read_jsonl
 from astraflow.errors import RecipeError
 from astraflow.protocol.messages import Episode
@@ -50,11 +52,39 @@ def identity(sample: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def held_out_set(recipe: Recipe) -> list[tuple[str, dict[str, Any]]]:
+@dataclass(frozen=True)
+class EvalSections:
+    """The recipe's sections evaluation uses, and nothing else of it."""
+
+    eval: EvalConfig
+    """What is evaluated, how often and how (`[eval]`)."""
+    workflow: WorkflowConfig
+    """The workflow whose dataset() builds the held-out set when eval.path is empty (`[workflow]`)."""
+    seed: int
+    """The run's seed: the held-out set is drawn with run.seed + 1 when eval.seed is unset."""
+    trainable: list[str]
+    """The policies that have a trainer, in recipe order (evaluated when eval.policies is empty)."""
+    budgets: dict[str, int]
+    """Policy name -> step budget (0 for a frozen policy): the round at the last step."""
+
+    @classmethod
+    def of(cls, recipe: Recipe) -> EvalSections:
+        """The sections of a validated recipe that has an `[eval]` table."""
+        if recipe.eval is None:
+            raise ValueError("the recipe has no [eval] table")
+        return cls(
+            eval=recipe.eval,
+            workflow=recipe.workflow,
+            seed=recipe.run.seed,
+            trainable=[p.name for p in recipe.trainable()],
+            budgets={p.name: recipe.budget(p.name) for p in recipe.policy},
+        )
+
+
+def held_out_set(sections: EvalSections) -> list[tuple[str, dict[str, Any]]]:
     """(key, sample) of the held-out tasks: eval.path, else the workflow's dataset() built with
     eval.options over workflow.options and seed eval.seed (run.seed + 1 when unset)."""
-    cfg = recipe.eval
-    assert cfg is not None
+    cfg = sections.eval
     if cfg.path:
         if not Path(cfg.path).is_file():
             raise RecipeError(
@@ -65,9 +95,9 @@ def held_out_set(recipe: Recipe) -> list[tuple[str, dict[str, Any]]]:
     else:
         from astraflow import plugins
 
-        cls = plugins.load("workflows", recipe.workflow.name)
-        workflow = cls(cls.Config.model_validate({**recipe.workflow.options, **cfg.options}))
-        seed = recipe.run.seed + 1 if cfg.seed is None else cfg.seed
+        cls = plugins.load("workflows", sections.workflow.name)
+        workflow = cls(cls.Config.model_validate({**sections.workflow.options, **cfg.options}))
+        seed = sections.seed + 1 if cfg.seed is None else cfg.seed
         rows = []
         for row in workflow.dataset(seed, cfg.max_tasks):
             rows.append(row)
@@ -90,17 +120,16 @@ def without_held_out(epochs: Epochs, held_out: set[str]) -> Epochs:
 class Evaluator:
     """The run's eval rounds: scheduling at version boundaries, leasing rule, results, aggregation."""
 
-    def __init__(self, recipe: Recipe, store: Store, ledger: Ledger, roles: dict[str, str]) -> None:
-        cfg = recipe.eval
-        assert cfg is not None
+    def __init__(self, sections: EvalSections, store: Store, ledger: Ledger, roles: dict[str, str]) -> None:
+        cfg = sections.eval
         self.cfg = cfg
-        self.recipe = recipe
+        self.budgets = sections.budgets
         self.store = store
         self.ledger = ledger
         self.roles = roles
-        self.items = held_out_set(recipe)
+        self.items = held_out_set(sections)
         called = list(dict.fromkeys(roles.values()))
-        self.policies = cfg.policies or [p.name for p in recipe.trainable() if p.name in called]
+        self.policies = cfg.policies or [p for p in sections.trainable if p in called]
         if any(p not in called for p in self.policies):
             raise RecipeError(
                 f"eval.policies {self.policies}: the workflow calls only {called}",
@@ -156,7 +185,7 @@ class Evaluator:
     def on_version(self, policy: str, version: int, step: int) -> None:
         """Queue a round if this version is due (a multiple of every_versions, or the last one)."""
         every = self.cfg.every_versions
-        last = self.cfg.at_end and step >= self.recipe.budget(policy)
+        last = self.cfg.at_end and step >= self.budgets[policy]
         if (every and version % every == 0) or last:
             self.schedule(policy, version, step)
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from astraflow.config.recipe import PolicyConfig, Recipe
+from astraflow.config.recipe import PolicyConfig
 from astraflow.data.base import (
     AdmissionStage,
     BatchComposer,
@@ -79,12 +79,16 @@ class Pipeline:
 
     def __init__(
         self,
-        recipe: Recipe,
+        policies: list[PolicyConfig],
         store: Store | None = None,
         *,
+        seed: int,
         loader: Callable[[str], type[Stage]] = _load_stage,
     ) -> None:
-        self.recipe = recipe
+        self.configs: dict[str, PolicyConfig] = {p.name: p for p in policies}
+        """Each policy's recipe section, by name: its stages, advantage, order, batch and bounds."""
+        self.seed = seed
+        """The run's seed, handed to every stage."""
         self.store = store
         self.policies: dict[str, PolicyStages] = {}
         self.split_roles: set[str] = set()
@@ -93,7 +97,7 @@ class Pipeline:
         """(policy, task id) -> info key -> (sum, count) of the task's episodes; the newest INFO_TASKS
         tasks are kept, so a step's metrics carry the info of the tasks its batch drew from."""
         self._loader = loader
-        for pol in recipe.policy:
+        for pol in policies:
             self.policies[pol.name] = self._build(pol)
         self.load()
         if store is not None:
@@ -112,7 +116,7 @@ class Pipeline:
                     f"policy {pol.name!r} data stage {i} ({spec.name}): invalid options: {exc}",
                     hint="`astraflow recipe check` validates every stage's options",
                 ) from None
-            stage = cls(config, policy=pol.name, seed=self.recipe.run.seed)
+            stage = cls(config, policy=pol.name, seed=self.seed)
             ps.stages.append(stage)
             if isinstance(stage, Curator):
                 ps.curators.append(stage)
@@ -147,7 +151,7 @@ class Pipeline:
     def reload(self) -> None:
         """Rebuild every stage from the store: a transaction that rolled back (a handler that raised)
         takes the in-memory changes of its stages with it, so the next save cannot persist them."""
-        for pol in self.recipe.policy:
+        for pol in self.configs.values():
             self.policies[pol.name] = self._build(pol)
         self.load()
 
@@ -171,7 +175,7 @@ class Pipeline:
         room = 1 << 62
         if ps is None:
             return room
-        batch = self.recipe.get_policy(policy).batch_prompts
+        batch = self.configs[policy].batch_prompts
         for st in ps.admissions:
             n = st.budget(outstanding_groups, batch)
             key = "admitted" if n > 0 else "held"
@@ -182,7 +186,7 @@ class Pipeline:
 
     def max_staleness(self, policy: str) -> int:
         """The policy's staleness bound for admission: the tighter of its own and its admission stages'."""
-        bound = self.recipe.get_policy(policy).max_staleness
+        bound = self.configs[policy].max_staleness
         for st in self.policies[policy].admissions:
             bound = min(bound, st.max_staleness)
         return bound
@@ -280,7 +284,7 @@ class Pipeline:
         advantages: list[float],
     ) -> GroupView:
         """One group as the post-rollout filters see it: rewards, advantages, lengths, turns, info."""
-        max_new = self.recipe.get_policy(policy).sampling.max_new_tokens
+        max_new = self.configs[policy].sampling.max_new_tokens
         turns = [sequence_turns(s, max_new) for s, _ in items]
         return GroupView(
             task_id=task_id,
@@ -344,7 +348,7 @@ class Pipeline:
         n = max(
             0, min(sum(int(c.replay_count(batch_size)) for c in self.policies[policy].composers), batch_size)
         )
-        group = self.recipe.get_policy(policy).group_size
+        group = self.configs[policy].group_size
         if n and group > 1:
             fresh = min(batch_size, -(-(batch_size - n) // group) * group)
             n = batch_size - fresh
@@ -383,7 +387,7 @@ class Pipeline:
         ps = self.policies[policy]
         out: dict[str, float] = {f"data/{k}": float(v) for k, v in ps.counters.items()}
         for i, stage in enumerate(ps.stages):
-            label = self.recipe.get_policy(policy).data[i].name
+            label = self.configs[policy].data[i].name
             for k, v in stage.metrics().items():
                 out[f"data/{label}/{k}"] = float(v)
         return out

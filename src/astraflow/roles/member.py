@@ -8,7 +8,7 @@ import socket
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from astraflow.protocol.messages import PROTOCOL_VERSION, Hello
+from astraflow.protocol.messages import PROTOCOL_VERSION, Hello, Welcome
 
 if TYPE_CHECKING:
     from astraflow.transport.client import MemberClient
@@ -106,7 +106,7 @@ RETRY_JOIN_CODES = ("member_id_in_use", "trainer_taken")
 trainer) falls silent and the controller declares it dead after controller.member_timeout_s."""
 
 
-def connect_retrying(client: MemberClient, give_up_after_s: float = 120.0) -> Any:
+def connect_retrying(client: MemberClient, give_up_after_s: float = 120.0) -> Welcome:
     """client.connect(), asking again while the controller still sees this id's previous process alive."""
     import time
 

@@ -7,6 +7,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
+from astraflow.config.recipe import SamplingConfig
 from astraflow.engines.base import Completion, GenerationRequest, RolloutEngine
 from astraflow.protocol.messages import SamplingParams
 
@@ -18,7 +19,7 @@ class EnginePolicyClient:
     policy: str
     tokenizer: Any
     engine: RolloutEngine
-    sampling: Any
+    sampling: SamplingConfig
     stop_ids: list[int]
 
     group_size: int = 1
@@ -81,7 +82,7 @@ class TaskPolicyClient:
         return self.base.tokenizer
 
     @property
-    def sampling(self) -> Any:
+    def sampling(self) -> SamplingConfig:
         """The recipe's sampling settings of the policy (what generate uses without overrides)."""
         return self.base.sampling
 

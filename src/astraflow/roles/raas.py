@@ -14,12 +14,15 @@ import threading
 import time
 import traceback
 import zlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from astraflow import log
 from astraflow.engines.base import RolloutEngine
 from astraflow.roles.policy_client import EnginePolicyClient, TaskPolicyClient
 from astraflow.roles.raas_sections import RaaSSections
+
+if TYPE_CHECKING:
+    from astraflow.transport.client import MemberClient
 
 _log = log.get("raas")
 RESULT_ATTEMPTS = 30
@@ -62,7 +65,7 @@ class RaaS:
 
     def __init__(
         self,
-        client: Any,
+        client: MemberClient,
         sections: RaaSSections,
         *,
         policies: list[str],
@@ -267,7 +270,8 @@ class RaaS:
             self.client.submit(msg, timeout_s=10.0 + wait) if wait > 0 else self.client.submit(msg)
         )
         stopped = asyncio.ensure_future(stop.wait())
-        done, _ = await asyncio.wait({reply, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        racing: set[asyncio.Future[Any]] = {reply, stopped}
+        done, _ = await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
         if reply not in done:
             reply.cancel()
             return None

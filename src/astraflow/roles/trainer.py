@@ -154,7 +154,7 @@ class TrainerLoop:
         self.server, background = weight_publisher(
             recipe.weights, weights_bind, policy, port=weights_port, advertise=host
         )
-        fast = trainer_transports(recipe, policy, self.cuda_device or torch.device("cpu"), host)
+        fast = trainer_transports(recipe.weights, policy, self.cuda_device or torch.device("cpu"), host)
         self.publisher = VersionAnnouncer(client, policy, self.server, fast, background, stop=self.stop)
         self.guard = SkipGuard(policy, self.pol.max_nonfinite_steps)
 

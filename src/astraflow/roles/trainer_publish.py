@@ -26,7 +26,7 @@ from astraflow.protocol.messages import Error, VersionPublished, WeightOffer
 from astraflow.weights.publisher import BackgroundPublisher, device_event
 
 if TYPE_CHECKING:
-    from astraflow.config.recipe import Recipe
+    from astraflow.config.recipe import WeightsConfig
     from astraflow.transport.client import MemberClient
 
 _log = log.get("trainer.publish")
@@ -261,14 +261,14 @@ def _side_stream(weights: dict[str, Any], ready: Any) -> Any:
     return torch.cuda.stream(stream)
 
 
-def trainer_transports(recipe: Recipe, policy: str, device: Any, host: str) -> list[Any]:
+def trainer_transports(weights: WeightsConfig, policy: str, device: Any, host: str) -> list[Any]:
     """The fast transports the recipe allows, trainer side (the ZeroMQ weight server is apart)."""
     from astraflow.weights.transport import BroadcastTransport, SharedTransport
 
-    allowed = recipe.weights.transports
+    allowed = weights.transports
     out: list[Any] = []
     if "ipc" in allowed:
-        out.append(SharedTransport(device, policy=policy, slots=recipe.weights.shared_slots))
+        out.append(SharedTransport(device, policy=policy, slots=weights.shared_slots))
     if "broadcast" in allowed:
         from astraflow.weights.broadcast import BroadcastHub
 
@@ -276,15 +276,15 @@ def trainer_transports(recipe: Recipe, policy: str, device: Any, host: str) -> l
             host,
             host,
             device,
-            bucket_bytes=recipe.weights.bucket_bytes,
-            timeout_s=recipe.weights.broadcast_timeout_s,
+            bucket_bytes=weights.bucket_bytes,
+            timeout_s=weights.broadcast_timeout_s,
         )
         out.append(BroadcastTransport(device, hub=hub))
     return out
 
 
 def weight_publisher(
-    cfg: Any, host: str, policy: str, *, port: int = 0, advertise: str | None = None
+    cfg: WeightsConfig, host: str, policy: str, *, port: int = 0, advertise: str | None = None
 ) -> tuple[Any, Any]:
     """The trainer's weight server (bound on `host`, a fixed `port` or any, announced under `advertise`)
     and the publisher that fills it, as `[weights]` asks (deltas or not)."""

@@ -21,7 +21,7 @@ from astraflow.config.recipe import Recipe
 from astraflow.dataflow.admission import admission_for
 from astraflow.dataflow.buffer import Buffer
 from astraflow.dataflow.control import RunControl
-from astraflow.dataflow.evaluation import Evaluator, without_held_out
+from astraflow.dataflow.evaluation import EvalSections, Evaluator, without_held_out
 from astraflow.dataflow.pipeline import Pipeline
 from astraflow.dataflow.source import PromptSource, workflow_epochs
 from astraflow.dataflow.stall import Progress
@@ -56,7 +56,7 @@ class ControllerCore:
         self.store = store
         rc = recipe.rollout
         self.ledger = Ledger(store, lease_timeout_s=rc.lease_timeout_s, max_attempts=rc.max_attempts)
-        self.pipeline = Pipeline(recipe, store)
+        self.pipeline = Pipeline(recipe.policy, store, seed=recipe.run.seed)
         self.buffer = Buffer(store, order=self.pipeline.order, replay_count=self.pipeline.replay_count)
         self.roles = role_map(recipe)
         self.task_policies = list(dict.fromkeys(self.roles.values()))
@@ -64,7 +64,9 @@ class ControllerCore:
         self.group_size = max(self.group_sizes.values())
         self.admission = admission_for(recipe, store, self.pipeline, self.roles)
         self.progress = Progress(time.time())
-        self.evals = Evaluator(recipe, store, self.ledger, self.roles) if recipe.eval else None
+        self.evals = (
+            Evaluator(EvalSections.of(recipe), store, self.ledger, self.roles) if recipe.eval else None
+        )
         """Held-out evaluation rounds (dataflow/evaluation.py); None without an [eval] table."""
         epochs = workflow_epochs(recipe)
         if self.evals is not None:
