@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from astraflow.config.recipe import Recipe
     from astraflow.dataflow.admission import Admission
     from astraflow.dataflow.buffer import Buffer
-    from astraflow.dataflow.ledger import Ledger
+    from astraflow.state.ledger import Ledger
     from astraflow.state.store import Store
 
 
