@@ -22,6 +22,30 @@ Wait = Callable[[str, Callable[[], object]], None]
 """wait(what, condition): returns once condition() is true, fails the test when the run ends first."""
 
 
+def autoscale_sets(model: Path, steps: int) -> list[str]:
+    """The recipe overrides the autoscale tests (`up`, Slurm, Ray) share: the quickstart on `model`,
+    4 prompts of 8 a step, 2 slots a worker, a pool of 1 to 2 workers that acts every half second with
+    no window, and a member timeout long enough for a worker stopped on purpose to stay a member
+    holding its leases while the pool acts (and a replacement under its name joins only once it fell
+    silent this long)."""
+    return [
+        f'policy.model="{model}"',
+        f"run.steps={steps}",
+        "policy.batch_prompts=4",
+        "policy.group_size=8",
+        "rollout.slots=2",
+        "rollout.drain_timeout_s=5",
+        "controller.member_timeout_s=30",
+        "rollout.autoscale.enabled=true",
+        "rollout.autoscale.min=1",
+        "rollout.autoscale.max=2",
+        "rollout.autoscale.up_busy_fraction=0.5",
+        "rollout.autoscale.window_s=0",
+        "rollout.autoscale.cooldown_s=1",
+        "rollout.autoscale.interval_s=0.5",
+    ]
+
+
 def rows(run_dir: Path, sql: str, *args: object) -> list[tuple[Any, ...]]:
     """Rows of a query on the run's state.db (read-only); none before the controller made its tables."""
     if not (run_dir / "state.db").is_file():

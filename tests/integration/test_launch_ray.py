@@ -24,7 +24,7 @@ import pytest
 
 from tests.chaos.cluster import free_port
 from tests.integration.ray_local import GPU_RESOURCE, LocalRay, skip_reason
-from tests.run_checks import assert_run_intact, rows
+from tests.run_checks import assert_run_intact, autoscale_sets, rows
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 40
@@ -129,25 +129,7 @@ def test_quickstart_through_launch_ray_replaces_and_autoscales(
     ray_cluster: LocalRay, tiny_model: Path, tmp_path: Path
 ) -> None:
     run_dir = tmp_path / "run"
-    sets = [
-        f'policy.model="{tiny_model}"',
-        f"run.steps={STEPS}",
-        "policy.batch_prompts=4",
-        "policy.group_size=8",
-        "rollout.slots=2",
-        "rollout.local_workers=1",
-        "rollout.drain_timeout_s=5",
-        # a worker stopped on purpose stays a member holding its leases while the autoscaler acts
-        # (a replacement under its name joins once it fell silent this long)
-        "controller.member_timeout_s=30",
-        "rollout.autoscale.enabled=true",
-        "rollout.autoscale.min=1",
-        "rollout.autoscale.max=2",
-        "rollout.autoscale.up_busy_fraction=0.5",
-        "rollout.autoscale.window_s=0",
-        "rollout.autoscale.cooldown_s=1",
-        "rollout.autoscale.interval_s=0.5",
-    ]
+    sets = [*autoscale_sets(tiny_model, STEPS), "rollout.local_workers=1"]  # workers started by the launcher
     out = tmp_path / "launch.out"
     cmd = [sys.executable, "-m", "astraflow", "launch", "ray", str(ROOT / "recipes/quickstart/recipe.toml")]
     cmd += ["--address", ray_cluster.address, "--run-dir", str(run_dir), "--cpus-per-role", "0.5"]

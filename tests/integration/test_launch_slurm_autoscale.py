@@ -20,7 +20,7 @@ import pytest
 
 from tests.chaos.cluster import free_port
 from tests.integration.slurm_local import LocalSlurm, skip_reason
-from tests.run_checks import assert_run_intact, rows, stop_while_holding
+from tests.run_checks import assert_run_intact, autoscale_sets, rows, stop_while_holding
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 32
@@ -65,22 +65,7 @@ def test_launch_slurm_adds_a_worker_job_while_work_waits_and_drains_one_while_id
     slurm: LocalSlurm, tiny_model: Path, tmp_path: Path
 ) -> None:
     run_dir = tmp_path / "run"
-    sets = [
-        f'policy.model="{tiny_model}"',
-        f"run.steps={STEPS}",
-        "policy.batch_prompts=4",
-        "policy.group_size=8",
-        "rollout.slots=2",
-        "rollout.drain_timeout_s=5",
-        "controller.member_timeout_s=30",  # the stopped worker stays a member while the pool acts
-        "rollout.autoscale.enabled=true",
-        "rollout.autoscale.min=1",
-        "rollout.autoscale.max=2",
-        "rollout.autoscale.up_busy_fraction=0.5",
-        "rollout.autoscale.window_s=0",
-        "rollout.autoscale.cooldown_s=1",
-        "rollout.autoscale.interval_s=0.5",
-    ]
+    sets = autoscale_sets(tiny_model, STEPS)  # workers: the job's own step, then jobs the pool submits
     cmd = [sys.executable, "-m", "astraflow", "launch", "slurm", str(ROOT / "recipes/quickstart/recipe.toml")]
     cmd += ["--run-dir", str(run_dir), "--nodes", "1", "--raas", "1", "--port", str(free_port())]
     cmd += [a for s in sets for a in ("--set", s)]

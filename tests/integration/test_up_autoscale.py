@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.run_checks import assert_run_intact, rows, stop_while_holding
+from tests.run_checks import assert_run_intact, autoscale_sets, rows, stop_while_holding
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 24
@@ -47,23 +47,7 @@ def test_up_adds_a_worker_while_work_waits_and_drains_one_while_idle(
     tiny_model: Path, tmp_path: Path
 ) -> None:
     run_dir = tmp_path / "run"
-    sets = [
-        f'policy.model="{tiny_model}"',
-        f"run.steps={STEPS}",
-        "policy.batch_prompts=4",
-        "policy.group_size=8",
-        "rollout.slots=2",
-        "rollout.local_workers=1",
-        "rollout.drain_timeout_s=5",
-        "controller.member_timeout_s=30",  # the stopped worker stays a member while the launcher acts
-        "rollout.autoscale.enabled=true",
-        "rollout.autoscale.min=1",
-        "rollout.autoscale.max=2",
-        "rollout.autoscale.up_busy_fraction=0.5",
-        "rollout.autoscale.window_s=0",
-        "rollout.autoscale.cooldown_s=1",
-        "rollout.autoscale.interval_s=0.5",
-    ]
+    sets = [*autoscale_sets(tiny_model, STEPS), "rollout.local_workers=1"]  # workers started by the launcher
     out = tmp_path / "up.out"
     cmd = [sys.executable, "-m", "astraflow", "up", str(ROOT / "recipes/quickstart/recipe.toml")]
     cmd += ["--run-dir", str(run_dir), "--no-dash", *[a for s in sets for a in ("--set", s)]]
