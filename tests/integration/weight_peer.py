@@ -73,17 +73,21 @@ def bcast(addr: str, token: str, member: str, timeout_s: str = "5", stall_after:
     from astraflow.weights.broadcast import BroadcastMember
 
     if int(stall_after) > 0:
-        real, calls = broadcast._bcast, [0]
+        real, calls = broadcast._bcast_all, [0]
 
-        def stalling(pg: Any, t: Any) -> None:
-            if m.latest is not None and m.latest.version >= 1:
+        def stalling(pg: Any, chunks: list[Any], timeout_s: float) -> None:
+            if m.latest is None or m.latest.version < 1:
+                real(pg, chunks, timeout_s)
+                return
+            for i in range(len(chunks)):
                 calls[0] += 1
                 if calls[0] == int(stall_after):
+                    real(pg, chunks[:i], timeout_s)  # the collectives before it, then nothing more
                     say(mid=True)
                     time.sleep(3600)
-            real(pg, t)
+            real(pg, chunks, timeout_s)
 
-        broadcast._bcast = stalling  # type: ignore[assignment]
+        broadcast._bcast_all = stalling  # type: ignore[assignment]
     m = BroadcastMember(addr, token, member, torch.device("cpu"), timeout_s=float(timeout_s))
     version = 1
     while True:

@@ -92,24 +92,58 @@ def _group(store: Any, prefix: str, rank: int, size: int, device: torch.device, 
     return dist.ProcessGroupGloo(scoped, rank, size, timeout)
 
 
-def _bcast(pg: Any, t: torch.Tensor) -> None:
+def _bcast(pg: Any, t: torch.Tensor, timeout_s: float) -> None:
+    """Broadcast `t` from rank 0 and wait until it is done (see `_bcast_all`)."""
+    _bcast_all(pg, [t], timeout_s)
+
+
+def _bcast_all(pg: Any, chunks: list[torch.Tensor], timeout_s: float) -> None:
+    """Broadcast each chunk from rank 0, in order, and wait until all are done; raises when one fails
+    or they outlast `timeout_s` (a member died or hung).
+
+    gloo's `wait` blocks and raises by itself. NCCL's only makes the current stream wait, so the
+    calling thread would go on (the hub to its next message, into a group whose member is gone; a
+    member into a sync that never returns): on a GPU the thread polls the last chunk's work (NCCL runs
+    one group's collectives in order) until it completes — NCCL's watchdog marks a timed-out
+    collective failed, and `wait` then raises — and, should even that not come, aborts the group."""
     import torch.distributed as dist
 
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
-    pg.broadcast([t], opts).wait()
+    works = [pg.broadcast([t], opts) for t in chunks]
+    if chunks and chunks[-1].is_cuda:
+        deadline = time.monotonic() + timeout_s * 1.5 + 1.0
+        pause = 0.0002
+        while not works[-1].is_completed():
+            if time.monotonic() > deadline:
+                with contextlib.suppress(Exception):
+                    pg.abort()
+                raise TimeoutError(
+                    f"a broadcast did not complete in {timeout_s:.0f} s (a member died or hung)"
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, 0.005)
+    for work in works:
+        work.wait()
 
 
 def _send_header(
-    pg: Any, device: torch.device, op: int, version: int, nbytes: int, arg: int, digest: str = ""
+    pg: Any,
+    device: torch.device,
+    timeout_s: float,
+    op: int,
+    version: int,
+    nbytes: int,
+    arg: int,
+    digest: str = "",
 ) -> None:
     head = torch.tensor([op, version, nbytes, arg], dtype=torch.int64, device=device)
-    _bcast(pg, head)
+    _bcast(pg, head, timeout_s)
     if op == _VERSION:
         raw = torch.zeros(_DIGEST, dtype=torch.uint8)
         enc = digest.encode()[:_DIGEST]
         raw[: len(enc)] = torch.tensor(list(enc), dtype=torch.uint8)
-        _bcast(pg, raw.to(device))
+        _bcast(pg, raw.to(device), timeout_s)
 
 
 class BroadcastHub:
@@ -209,7 +243,7 @@ class BroadcastHub:
                     # a short message now and then finds a member that died between versions (its
                     # send fails) so the generation is dropped before a version waits on it
                     self._ring()
-                    _send_header(self._pg, self.device, _KEEPALIVE, -1, 0, self.generation)
+                    _send_header(self._pg, self.device, self.timeout_s, _KEEPALIVE, -1, 0, self.generation)
                 else:
                     continue
                 keepalive_at = time.monotonic() + self.timeout_s / 3
@@ -246,7 +280,7 @@ class BroadcastHub:
         if self._pg is not None:
             try:
                 self._ring()
-                _send_header(self._pg, self.device, _REGROUP, -1, 0, g)
+                _send_header(self._pg, self.device, self.timeout_s, _REGROUP, -1, 0, g)
             except Exception as exc:  # a member died: the joiners (already counted) must not wait on
                 _log.warning(
                     "broadcast generation %d failed (%s); its members join again", self.generation, exc
@@ -270,9 +304,9 @@ class BroadcastHub:
         if p.ready is not None:
             torch.cuda.current_stream(p.buf.device).wait_event(p.ready)  # the packing is done
         self._ring()
-        _send_header(self._pg, self.device, _VERSION, p.version, n, self.generation, p.digest)
-        for start in range(0, n, self.bucket_bytes):
-            _bcast(self._pg, p.buf[start : start + self.bucket_bytes])
+        _send_header(self._pg, self.device, self.timeout_s, _VERSION, p.version, n, self.generation, p.digest)
+        buckets = [p.buf[start : start + self.bucket_bytes] for start in range(0, n, self.bucket_bytes)]
+        _bcast_all(self._pg, buckets, self.timeout_s)
         self.sent[p.version] = len(self.members)
 
 
@@ -390,19 +424,20 @@ class BroadcastMember:
         while self._bell(store, f"{self.token}/g{g}/bell/{bell}"):
             bell += 1
             head = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
-            _bcast(pg, head)
+            _bcast(pg, head, self.timeout_s)
             op, version, nbytes, arg = (int(x) for x in head.tolist())
             if op == _REGROUP:
                 return arg
             if op != _VERSION:
                 continue
             raw = torch.zeros(_DIGEST, dtype=torch.uint8, device=self.device)
-            _bcast(pg, raw)
+            _bcast(pg, raw, self.timeout_s)
             digest = bytes(raw.cpu().tolist()).rstrip(b"\0").decode()
             buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             bucket = max(1, self._bucket_bytes)
-            for start in range(0, nbytes, bucket):
-                _bcast(pg, buf[start : start + bucket])
+            _bcast_all(
+                pg, [buf[start : start + bucket] for start in range(0, nbytes, bucket)], self.timeout_s
+            )
             if self._stream is not None:
                 self._stream.synchronize()  # whole before a reader on another stream sees it
             with self._cond:
