@@ -10,11 +10,17 @@ from typing import Any
 from astraflow.protocol import messages as m
 from astraflow.roles import authz
 from astraflow.roles.controller.core import RETRY_S, ControllerCore
+from astraflow.roles.controller.outcome import Outcome
 from astraflow.state.ledger import TaskRow
 
 
-def on_task_request(ctl: ControllerCore, member: dict[str, Any], msg: m.TaskRequest) -> m.Msg:
-    """Lease up to n admitted tasks the member can serve (credit-based flow control)."""
+def on_task_request(ctl: ControllerCore, member: dict[str, Any], msg: m.TaskRequest) -> Outcome:
+    """Lease up to n admitted tasks the member can serve (credit-based flow control); a lease
+    causes no event (what it changes, the work in flight, no held request waits on)."""
+    return Outcome(_lease(ctl, member, msg))
+
+
+def _lease(ctl: ControllerCore, member: dict[str, Any], msg: m.TaskRequest) -> m.Msg:
     if ctl.stopping():
         return m.TaskGrant(rid=msg.rid, stop=True, versions=ctl.versions())
     if member["id"] in ctl.draining:
