@@ -54,12 +54,10 @@ def on_hello(ctl: ControllerCore, ident: bytes, msg: m.Hello, principal: Princip
         )
     ctl.members.joined(msg.member_id, time.time())
     _log.info("member %s joined as %s (%s)", msg.member_id, msg.role, msg.hardware or "?")
-    if ctl.recipe_doc is None:
-        ctl.recipe_doc = ctl.recipe.model_dump(mode="json")
     welcome = m.Welcome(
         rid=msg.rid,
         run_name=ctl.recipe.run.name,
-        recipe=ctl.recipe_doc,
+        sections=ctl.sections_for(msg.role, list(msg.policies)),
         heartbeat_interval_s=ctl.recipe.controller.heartbeat_interval_s,
         versions=ctl.versions(),
     )
