@@ -18,7 +18,7 @@ import msgspec
 from astraflow import log
 from astraflow.config.load import role_map
 from astraflow.config.recipe import Recipe
-from astraflow.dataflow.admission import admission_for
+from astraflow.dataflow.admission import AdmissionSections, admission_for
 from astraflow.dataflow.buffer import Buffer
 from astraflow.dataflow.control import RunControl
 from astraflow.dataflow.evaluation import EvalSections, Evaluator, without_held_out
@@ -63,7 +63,7 @@ class ControllerCore:
         self.task_policies = list(dict.fromkeys(self.roles.values()))
         self.group_sizes = {p: recipe.get_policy(p).group_size for p in self.task_policies}
         self.group_size = max(self.group_sizes.values())
-        self.admission = admission_for(recipe, store, self.pipeline, self.roles)
+        self.admission = admission_for(AdmissionSections.of(recipe), store, self.pipeline, self.roles)
         self.progress = Progress(time.time())
         self.evals = (
             Evaluator(EvalSections.of(recipe), store, self.ledger, self.roles) if recipe.eval else None

@@ -80,7 +80,13 @@ def _hello_refusal(
         return m.Error(rid=msg.rid, code="bad_identity", message="member_id must equal the socket identity")
     msg = authz.cap_hello(msg)
     ctl.flush_touches()  # the identity checks read last_seen from the store
-    refused = authz.hello_refusal(ctl.store, ctl.recipe, msg, principal)
+    refused = authz.hello_refusal(
+        ctl.store,
+        msg,
+        principal,
+        policies=[p.name for p in ctl.recipe.policy],
+        member_timeout_s=ctl.recipe.controller.member_timeout_s,
+    )
     if refused is not None:
         _log.warning("refused Hello of %r as %s: %s", msg.member_id[:64], msg.role, refused[1])
         return m.Error(rid=msg.rid, code=refused[0], message=refused[1])

@@ -41,7 +41,14 @@ def _lease(ctl: ControllerCore, member: dict[str, Any], msg: m.TaskRequest) -> m
     ctl.refill()
     ctl.members.touch(member["id"], now, loaded or None)
     with ctl.store.write():
-        n = ctl.accounting.quota(member, authz.task_quota(ctl.store, ctl.recipe, member, msg.n))
+        quota = authz.task_quota(
+            ctl.store,
+            member,
+            msg.n,
+            default_slots=ctl.recipe.rollout.slots,
+            max_slots=ctl.recipe.controller.max_member_slots,
+        )
+        n = ctl.accounting.quota(member, quota)
         with ctl.admission.leasing():
             leased = ctl.ledger.lease(member["id"], n, now, accept)
         for t in leased:
