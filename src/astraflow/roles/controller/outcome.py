@@ -29,7 +29,8 @@ class Event(Enum):
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
-    """The reply to one message and what its handling changed."""
+    """The reply to one message and what its handling changed (in memory only; not the wire's
+    `messages.Outcome`, one result of a TaskResults)."""
 
     reply: m.Msg | None
     """What to send back (None: nothing; a held request's reply comes later)."""
