@@ -25,10 +25,10 @@ _log = log.get("controller")
 
 def on_hello(ctl: ControllerCore, ident: bytes, msg: m.Hello, principal: Principal | None = None) -> Outcome:
     """Check protocol, identity and role, register the member, send its sections and the versions."""
-    refused = _hello_refusal(ctl, ident, msg, principal)
-    if refused is not None:
-        return Outcome(refused)
-    msg = authz.cap_hello(msg)
+    checked = _checked_hello(ctl, ident, msg, principal)
+    if isinstance(checked, m.Error):
+        return Outcome(checked)
+    msg = checked
     with ctl.store.write():
         prev = ctl.store.member(msg.member_id)
         released = 0
@@ -66,10 +66,10 @@ def on_hello(ctl: ControllerCore, ident: bytes, msg: m.Hello, principal: Princip
     return Outcome(welcome, void=ident)
 
 
-def _hello_refusal(
+def _checked_hello(
     ctl: ControllerCore, ident: bytes, msg: m.Hello, principal: Principal | None
-) -> m.Error | None:
-    """Why this Hello is refused (protocol, identity, role, policies, keys), or None."""
+) -> m.Hello | m.Error:
+    """The Hello capped (authz.cap_hello), or why it is refused (protocol, identity, role, policies, keys)."""
     if msg.protocol != m.PROTOCOL_VERSION:
         return m.Error(
             rid=msg.rid,
@@ -90,7 +90,7 @@ def _hello_refusal(
     if refused is not None:
         _log.warning("refused Hello of %r as %s: %s", msg.member_id[:64], msg.role, refused[1])
         return m.Error(rid=msg.rid, code=refused[0], message=refused[1])
-    return None
+    return msg
 
 
 def on_heartbeat(ctl: ControllerCore, member: dict[str, Any], msg: m.Heartbeat) -> Outcome:
