@@ -142,7 +142,8 @@ def test_controller_protocol_ledger_batches_and_resume(tmp_path: Path, ctx: zmq.
         assert isinstance(bad, Error) and bad.code == "protocol_version"
         assert isinstance(raas.ask(TaskRequest(n=1)), Error)  # not joined yet: unknown_member
         welcome = raas.hello("raas")
-        assert isinstance(welcome, Welcome) and welcome.recipe["run"]["name"] == "ctl-test"
+        assert isinstance(welcome, Welcome) and welcome.run_name == "ctl-test"
+        assert welcome.sections["seed"] == 3 and list(welcome.sections["policies"]) == ["main"]
         imposter = Peer(ctx, addr, "raas-x")
         refused = imposter.ask(Hello(member_id="raas-a", role="raas", protocol=PROTOCOL_VERSION))
         assert isinstance(refused, Error) and refused.code == "bad_identity"

@@ -61,7 +61,7 @@ class StandIn:
             self.known.add(ident)
             self.hellos.append(msg)
             return Welcome(
-                rid=msg.rid, run_name="t", recipe={}, heartbeat_interval_s=0, versions=self._versions()
+                rid=msg.rid, run_name="t", sections={}, heartbeat_interval_s=0, versions=self._versions()
             )
         if ident not in self.known:
             return Error(rid=msg.rid, code="unknown_member", message="who are you")

@@ -34,7 +34,7 @@ class Echo:
                 self.seen.append((ident, type(msg).__name__))
                 if isinstance(msg, Hello):
                     self.server.send(
-                        ident, Welcome(rid=msg.rid, run_name="t", recipe={}, heartbeat_interval_s=0.2)
+                        ident, Welcome(rid=msg.rid, run_name="t", sections={}, heartbeat_interval_s=0.2)
                     )
                 elif isinstance(msg, StatusRequest):
                     self.server.send(ident, StatusReply(rid=msg.rid, status={"pid": msg.rid}))

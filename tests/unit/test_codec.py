@@ -36,7 +36,7 @@ SAMPLES: list[m.Msg] = [
     m.Hello(
         rid=1, member_id="raas-a", role="raas", protocol=m.PROTOCOL_VERSION, policies=["p"], slots=8, pid=42
     ),
-    m.Welcome(rid=1, run_name="r", recipe={"run": {"steps": 3}}, heartbeat_interval_s=0.5, versions=[_VI]),
+    m.Welcome(rid=1, run_name="r", sections={"seed": 3}, heartbeat_interval_s=0.5, versions=[_VI]),
     m.Heartbeat(rid=2, loaded={"p": 7}, busy=1, free=3),
     m.HeartbeatAck(rid=2, versions=[_VI], stop=True),
     m.Bye(rid=3, reason="done"),

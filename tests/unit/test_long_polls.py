@@ -10,6 +10,7 @@ from pathlib import Path
 from astraflow.config.recipe import Recipe
 from astraflow.protocol import messages as m
 from astraflow.roles.controller import Controller
+from astraflow.roles.controller.outcome import Event
 from astraflow.state.store import Store
 
 
@@ -136,3 +137,33 @@ def test_a_stop_answers_every_held_request_at_once_and_a_refused_control_none(
     assert isinstance(batch, m.BatchReply) and batch.done
     assert isinstance(held, m.TaskGrant) and held.stop and not held.tasks
     assert len(c.parked) == 0
+
+
+def test_a_handler_returns_its_events_and_answers_no_held_request_itself(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """Handlers are pure over the state (roles/controller/outcome.py): what they change that a held
+    request waits on comes back as events in their Outcome, and only dispatch hands those to the long
+    polls. A result handled alone leaves the held BatchRequest held; a Bye names the member whose held
+    requests are void."""
+    c = _controller(tiny_model, tmp_path)
+    for ident, role in (("trainer-main", "trainer"), ("w", "raas")):
+        assert isinstance(_to(c.dispatch(ident.encode(), _hello(ident, role)), ident)[0], m.Welcome)
+    assert c.dispatch(b"trainer-main", m.BatchRequest(policy="main", step=1, wait_s=1.0)) == []
+    grant = _to(c.dispatch(b"w", m.TaskRequest(n=4, loaded={"main": 0})), "w")[0]
+    assert isinstance(grant, m.TaskGrant) and len(grant.tasks) == 2
+    t = grant.tasks[0]
+    done = c.outcome(b"w", m.TaskResult(task_id=t.task_id, epoch=t.epoch, episodes=_episodes()))
+    assert isinstance(done.reply, m.ResultAck) and done.reply.status == "accepted"
+    assert done.events == (Event.RESULT_ACCEPTED,) and done.void is None
+    assert len(c.parked.batches) == 1  # the handler answered nobody: the batch is ready but still held
+    # a duplicate causes no event, so dispatching it answers nothing held
+    out = c.dispatch(b"w", m.TaskResult(task_id=t.task_id, epoch=t.epoch, episodes=_episodes()))
+    assert [(to, r.status) for to, r in out if isinstance(r, m.ResultAck)] == [(b"w", "duplicate")]
+    assert len(out) == 1 and len(c.parked.batches) == 1
+    served = c.wake(("batch",), time.time())
+    assert [(to, type(r), r.ready) for to, r in served if isinstance(r, m.BatchReply)] == [
+        (b"trainer-main", m.BatchReply, True)
+    ]
+    bye = c.outcome(b"w", m.Bye(reason="done"))
+    assert isinstance(bye.reply, m.Ack) and bye.events == (Event.RUN_CHANGED,) and bye.void == b"w"

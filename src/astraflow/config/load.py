@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
 from astraflow.config.recipe import Recipe
 from astraflow.errors import PluginError, RecipeError
+
+M = TypeVar("M", bound=BaseModel)
 
 
 def parse_value(text: str) -> Any:
@@ -133,15 +135,21 @@ def remove_key(data: dict[str, Any], dotted: str, where: str) -> None:
 
 def validate_recipe(data: dict[str, Any], source: str = "recipe") -> Recipe:
     """Validate a recipe dict into a Recipe, with pydantic's errors rendered one per line."""
+    return validate_section(Recipe, data, source, what="recipe")
+
+
+def validate_section(model: type[M], data: Any, source: str, what: str = "recipe section") -> M:
+    """Validate one recipe section (or a whole recipe) into `model`, with pydantic's errors rendered one
+    per line (a member validates the sections the controller sent it this way)."""
     try:
-        return Recipe.model_validate(data)
+        return model.model_validate(data)
     except ValidationError as exc:
         lines = []
         for err in exc.errors():
             loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
             lines.append(f"  {loc}: {err['msg']}")
         raise RecipeError(
-            f"{source} is not a valid recipe:\n" + "\n".join(lines),
+            f"{source} is not a valid {what}:\n" + "\n".join(lines),
             hint="`astraflow recipe show` prints the resolved recipe; docs/recipes.md lists every field",
         ) from None
 

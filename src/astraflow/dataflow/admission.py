@@ -50,7 +50,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from astraflow.config.recipe import Recipe
+from astraflow.config.recipe import PolicyConfig, Recipe
 from astraflow.dataflow.pipeline import Pipeline
 from astraflow.state import batches, tasks, trajectories, versions
 from astraflow.state.store import Store
@@ -317,18 +317,47 @@ class Admission:
         return True
 
 
-def admission_for(recipe: Recipe, store: Store, pipeline: Pipeline, roles: dict[str, str]) -> Admission:
-    """The run's admission: every policy's limits from the recipe, the workflow's task shape, the
+@dataclass(frozen=True)
+class AdmissionSections:
+    """The recipe's sections admission reads, and nothing else of it."""
+
+    mode: str
+    """`run.mode`: "async" (each policy within its bound) or "sync" (rounds in lock-step)."""
+    workflow: str
+    """`workflow.name`: the workflow whose `sequences_per_task` gives a task's shape."""
+    after_budget: str
+    """`workflow.after_budget`: whether a task of a finished policy is still admitted."""
+    policies: list[PolicyConfig]
+    """Every `[[policy]]` section: batch size, group size, staleness bound, trainable."""
+    budgets: dict[str, int]
+    """Policy name -> step budget (0 for a frozen policy)."""
+
+    @classmethod
+    def of(cls, recipe: Recipe) -> AdmissionSections:
+        """The sections of a validated recipe."""
+        return cls(
+            mode=recipe.run.mode,
+            workflow=recipe.workflow.name,
+            after_budget=recipe.workflow.after_budget,
+            policies=list(recipe.policy),
+            budgets={p.name: recipe.budget(p.name) for p in recipe.policy},
+        )
+
+
+def admission_for(
+    sections: AdmissionSections, store: Store, pipeline: Pipeline, roles: dict[str, str]
+) -> Admission:
+    """The run's admission: every policy's limits from its section, the workflow's task shape, the
     pipeline's admission stages (their bound tightens S; their group budget is asked too)."""
     from astraflow import plugins
 
-    wf_cls = plugins.load("workflows", recipe.workflow.name)
+    wf_cls = plugins.load("workflows", sections.workflow)
     limits: dict[str, PolicyLimits] = {}
-    for p in recipe.policy:
+    for p in sections.policies:
         # with replay, a batch consumes only its fresh part: admit for that rate, or work expires
         fresh = pipeline.fresh_per_batch(p.name, p.batch_prompts * p.group_size)
         limits[p.name] = PolicyLimits(
-            fresh, pipeline.max_staleness(p.name), recipe.budget(p.name) or None, p.trainable
+            fresh, pipeline.max_staleness(p.name), sections.budgets[p.name] or None, p.trainable
         )
 
     def shape(task_roles: dict[str, str], group_sizes: dict[str, int]) -> dict[str, int]:
@@ -346,9 +375,9 @@ def admission_for(recipe: Recipe, store: Store, pipeline: Pipeline, roles: dict[
     return Admission(
         store,
         limits,
-        mode=recipe.run.mode,
-        after_budget=recipe.workflow.after_budget,
+        mode=sections.mode,
+        after_budget=sections.after_budget,
         shape=shape,
         group_room=pipeline.group_room,
-        group_sizes={p.name: p.group_size for p in recipe.policy},
+        group_sizes={p.name: p.group_size for p in sections.policies},
     )

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from astraflow import log
 
 if TYPE_CHECKING:
-    from astraflow.config.recipe import Recipe
+    from astraflow.config.recipe import PolicyConfig, Recipe
     from astraflow.transport.client import MemberClient
 
 _log = log.get("launcher")
@@ -38,14 +38,14 @@ def recipe_commands(source: Path, model: str) -> list[str]:
     return []
 
 
-def require_model_dirs(recipe: Recipe, policies: list[str], client: MemberClient | None = None) -> None:
+def require_model_dirs(policies: list[PolicyConfig], client: MemberClient | None = None) -> None:
     """A member's check as it joins: every model it loads exists on this machine (the recipe names a
     path that each machine has); the client, if given, is closed before the error is raised."""
     from astraflow.errors import AstraflowError
 
-    for name in policies:
+    for pol in policies:
         try:
-            require_model_dir(recipe.get_policy(name), here=True)
+            require_model_dir(pol, here=True)
         except AstraflowError:
             if client is not None:
                 client.close("model directory missing")

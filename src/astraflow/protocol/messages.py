@@ -14,7 +14,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 # Caps on what a peer may send, checked by the decoder before a message reaches a handler
 # (docs/protocol.md "Limits"); frames as a whole are capped by the transport's MAXMSGSIZE.
@@ -196,10 +196,13 @@ class Hello(Msg, kw_only=True):
 
 
 class Welcome(Msg, kw_only=True):
-    """The controller's answer to Hello: the run's recipe and current versions."""
+    """The controller's answer to Hello: the recipe's sections the member's role reads, and the current
+    versions."""
 
     run_name: str
-    recipe: dict[str, Any]
+    sections: dict[str, Any]
+    """What the member's role reads of the recipe (roles/member_sections.py): a raas RaaSSections, a
+    trainer TrainerSections, an observer nothing; never the whole recipe."""
     heartbeat_interval_s: float
     versions: list[VersionInfo] = []
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from astraflow.config.recipe import Recipe
 from astraflow.protocol import messages as m
 from astraflow.state import members, versions
 from astraflow.state.batches import batch_recorded
@@ -58,15 +57,22 @@ def _recent(member: dict[str, Any], now: float, timeout_s: float) -> bool:
 
 
 def hello_refusal(
-    store: Store, recipe: Recipe, msg: m.Hello, principal: Principal | None, now: float | None = None
+    store: Store,
+    msg: m.Hello,
+    principal: Principal | None,
+    *,
+    policies: list[str],
+    member_timeout_s: float,
+    now: float | None = None,
 ) -> Refusal | None:
-    """Why this Hello may not join (None: it may). The Hello must already be capped."""
+    """Why this Hello may not join (None: it may): `policies` are the run's policy names,
+    `member_timeout_s` how long a silent member still holds its id. The Hello must already be capped."""
     t = time.time() if now is None else now
     if len(msg.member_id.encode()) > MAX_ID or not msg.member_id:
         return "bad_identity", f"a member id is 1 to {MAX_ID} bytes"
     if msg.role not in ROLES:
         return "bad_role", f"unknown role {msg.role!r}"
-    names = [p.name for p in recipe.policy]
+    names = policies
     unknown = [p for p in msg.policies if p not in names]
     if unknown:
         return "unknown_policy", f"no policy {unknown[0]!r} in this run; policies: {names}"
@@ -79,7 +85,7 @@ def hello_refusal(
             return "not_authorized", f"this key is for role {principal.role!r}, not {msg.role!r}"
         if msg.role == "trainer" and msg.policies != [principal.policy]:
             return "not_authorized", f"this key may train policy {principal.policy!r} only"
-    timeout = recipe.controller.member_timeout_s
+    timeout = member_timeout_s
     prev = store.member(msg.member_id)
     if prev is not None and _recent(prev, t, timeout):
         if prev["pid"] != msg.pid or prev["host"] != msg.host:
@@ -171,10 +177,13 @@ def batch_refusal(store: Store, policy: str, step: int) -> Refusal | None:
     return None
 
 
-def task_quota(store: Store, recipe: Recipe, member: dict[str, Any], asked: int) -> int:
-    """Tasks a worker may be leased now: its declared slots (capped) minus the leases it holds."""
-    slots = int(member["slots"] or 0) or recipe.rollout.slots
-    slots = min(slots, recipe.controller.max_member_slots)
+def task_quota(
+    store: Store, member: dict[str, Any], asked: int, *, default_slots: int, max_slots: int
+) -> int:
+    """Tasks a worker may be leased now: its declared slots (`default_slots`, `rollout.slots`, when it
+    declared none; capped at `max_slots`, `controller.max_member_slots`) minus the leases it holds."""
+    slots = int(member["slots"] or 0) or default_slots
+    slots = min(slots, max_slots)
     held = leases_held(store, member["id"])
     return max(0, min(asked, slots - held))
 

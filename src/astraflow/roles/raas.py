@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from astraflow import log
 from astraflow.engines.base import RolloutEngine
+from astraflow.errors import AstraflowError
 from astraflow.roles.policy_client import EnginePolicyClient, TaskPolicyClient
 from astraflow.roles.raas_sections import RaaSSections
 
@@ -435,7 +436,6 @@ def run_raas(
 ) -> int:
     """Join the controller as a rollout worker and serve until told to stop."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from astraflow.config.load import role_map, validate_recipe
     from astraflow.models.dirs import require_model_dirs
     from astraflow.roles.member import connect_retrying, make_hello
     from astraflow.transport.client import MemberClient
@@ -443,16 +443,20 @@ def run_raas(
     hello = make_hello("raas", member_id, policies=policies, region=region, slots=slots or 0)
     client = MemberClient(controller, hello, connect_timeout_s=connect_timeout_s)
     welcome = connect_retrying(client)
-    recipe = validate_recipe(welcome.recipe, source="recipe from the controller")
-    require_model_dirs(recipe, sorted(set(role_map(recipe).values())), client)
+    try:
+        sections = RaaSSections.from_wire(welcome.sections)
+    except AstraflowError:
+        client.close("bad sections")
+        raise
+    require_model_dirs(list(sections.policies.values()), client)
     import torch
 
-    torch.set_num_threads(recipe.rollout.threads)
-    n_slots = slots or recipe.rollout.slots
+    torch.set_num_threads(sections.rollout.threads)
+    n_slots = slots or sections.rollout.slots
     try:
         worker = RaaS(
             client,
-            RaaSSections.of(recipe),
+            sections,
             policies=policies,
             engine_override=engine,
             slots=n_slots,

@@ -16,7 +16,7 @@ from astraflow.roles.stop_flag import StopFlag
 from astraflow.roles.trainer_checkpoint import latest_checkpoint, save_checkpoint
 
 if TYPE_CHECKING:
-    from astraflow.config.recipe import Recipe
+    from astraflow.roles.trainer_sections import TrainerSections
     from astraflow.transport.client import MemberClient
 
 _log = log.get("trainer")
@@ -48,12 +48,12 @@ def run_trainer(
         dist.init_from_env("auto")
         if dist.rank() != 0:
             return _follow_rank0(policy)
-    client, welcome, recipe = _join(controller, policy, member_id, region, connect_timeout_s)
+    client, welcome, sections = _join(controller, policy, member_id, region, connect_timeout_s)
     if ranks > 1:
-        dist.broadcast(welcome.recipe)
+        dist.broadcast(welcome.sections)
     loop = TrainerLoop(
         client,
-        recipe,
+        sections,
         policy,
         ranks=ranks,
         checkpoint_dir=checkpoint_dir,
@@ -65,49 +65,48 @@ def run_trainer(
 
 
 def _follow_rank0(policy: str) -> int:
-    """A follower rank: the recipe comes from rank 0, which alone talks to the controller."""
+    """A follower rank: its sections of the recipe come from rank 0, which alone talks to the controller."""
     import torch
 
     from astraflow import plugins
-    from astraflow.config.load import validate_recipe
     from astraflow.roles.trainer_ranks import follow
+    from astraflow.roles.trainer_sections import TrainerSections
     from astraflow.trainers import distributed as dist
 
-    recipe = validate_recipe(dist.broadcast(None), source="recipe from rank 0")
-    pol = recipe.get_policy(policy)
+    sections = TrainerSections.from_wire(dist.broadcast(None))
+    pol = sections.policy
     torch.set_num_threads(pol.threads)
-    return follow(plugins.load("trainers", pol.trainer)(pol, seed=recipe.run.seed))
+    return follow(plugins.load("trainers", pol.trainer)(pol, seed=sections.seed))
 
 
 def _join(
     controller: str, policy: str, member_id: str | None, region: str, connect_timeout_s: float
 ) -> tuple[Any, Any, Any]:
-    """Join the controller as `policy`'s trainer; the client, its Welcome and the run's recipe. Refuses
-    (with the client closed) a policy the run does not have, a frozen one, or a missing model."""
-    from astraflow.config.load import validate_recipe
+    """Join the controller as `policy`'s trainer; the client, its Welcome and its sections of the recipe
+    (roles/trainer_sections.py). Refuses (with the client closed) sections that are not valid, a frozen
+    policy, or a missing model; the controller refuses a policy the run does not have."""
     from astraflow.models.dirs import require_model_dirs
     from astraflow.roles.member import connect_retrying, make_hello
+    from astraflow.roles.trainer_sections import TrainerSections
     from astraflow.transport.client import MemberClient
 
     hello = make_hello("trainer", member_id or f"trainer-{policy}", policies=[policy], region=region)
     client = MemberClient(controller, hello, connect_timeout_s=connect_timeout_s)
     welcome = connect_retrying(client)
-    recipe = validate_recipe(welcome.recipe, source="recipe from the controller")
     try:
-        pol = recipe.get_policy(policy)
-    except KeyError:
-        client.close("unknown policy")
-        raise AstraflowError(
-            f"the run has no policy {policy!r}", hint=f"policies: {', '.join(p.name for p in recipe.policy)}"
-        ) from None
+        sections = TrainerSections.from_wire(welcome.sections)
+    except AstraflowError:
+        client.close("bad sections")
+        raise
+    pol = sections.policy
     if not pol.trainable:
         client.close("frozen policy")
         raise AstraflowError(
             f"policy {policy!r} is frozen (trainable = false): it has no trainer",
             hint="RaaS workers serve it from its model directory at version 0",
         )
-    require_model_dirs(recipe, [policy], client)
-    return client, welcome, recipe
+    require_model_dirs([pol], client)
+    return client, welcome, sections
 
 
 class TrainerLoop:
@@ -118,7 +117,7 @@ class TrainerLoop:
     def __init__(
         self,
         client: MemberClient,
-        recipe: Recipe,
+        sections: TrainerSections,
         policy: str,
         *,
         ranks: int,
@@ -136,25 +135,25 @@ class TrainerLoop:
         from astraflow.trainers.guard import SkipGuard
 
         self.client = client
-        self.recipe = recipe
+        self.sections = sections
         self.policy = policy
-        self.pol = recipe.get_policy(policy)
-        self.budget = recipe.budget(policy)
+        self.pol = sections.policy
+        self.budget = sections.budget
         torch.set_num_threads(self.pol.threads)
         self.stop = StopFlag().install()
-        self.trainer = plugins.load("trainers", self.pol.trainer)(self.pol, seed=recipe.run.seed)
+        self.trainer = plugins.load("trainers", self.pol.trainer)(self.pol, seed=sections.seed)
         if ranks > 1:
             self.trainer = Leader(self.trainer)
             _log.info("training %s over %d ranks (FSDP2)", policy, ranks)
-        self.ckpt_root = checkpoint_dir or member_files.checkpoint_dir(recipe.run.name, policy)
+        self.ckpt_root = checkpoint_dir or member_files.checkpoint_dir(sections.run_name, policy)
         self.ckpt_root.mkdir(parents=True, exist_ok=True)
         _log.info("checkpoints of %s in %s", policy, self.ckpt_root)
         # the weight server binds a local address (the one that reaches the controller unless told) and
         # is announced under `host` when workers reach this host by another name (NAT, a load balancer)
         self.server, background = weight_publisher(
-            recipe.weights, weights_bind, policy, port=weights_port, advertise=host
+            sections.weights, weights_bind, policy, port=weights_port, advertise=host
         )
-        fast = trainer_transports(recipe.weights, policy, self.cuda_device or torch.device("cpu"), host)
+        fast = trainer_transports(sections.weights, policy, self.cuda_device or torch.device("cpu"), host)
         self.publisher = VersionAnnouncer(client, policy, self.server, fast, background, stop=self.stop)
         self.guard = SkipGuard(policy, self.pol.max_nonfinite_steps)
 
@@ -332,7 +331,7 @@ class TrainerLoop:
                 save_checkpoint(self.trainer, self.ckpt_root, self.pol.keep_checkpoints)
             _log.info("run stopped by the controller at step %d of %d", step, self.budget)
         _log.info("policy %s reached %d steps", self.policy, step)
-        if self.recipe.eval is not None:
+        if self.sections.eval:
             serve_until_done(self.client, self.policy, self.budget, self.stop)
             if self.stop():
                 return self.stopped()

@@ -10,13 +10,21 @@ from astraflow.dataflow.limits import seq_bytes
 from astraflow.protocol import messages as m
 from astraflow.roles import authz
 from astraflow.roles.controller.core import RETRY_S, ControllerCore, summary
-from astraflow.roles.controller.long_polls import Event
+from astraflow.roles.controller.outcome import Event, Outcome
 from astraflow.roles.controller.parked import Parked
 from astraflow.state import trajectories
 
 
-def on_batch_request(ctl: ControllerCore, member: dict[str, Any], msg: m.BatchRequest) -> m.Msg:
-    """The recorded batch of the step, a new one, not ready yet, or done."""
+def on_batch_request(ctl: ControllerCore, member: dict[str, Any], msg: m.BatchRequest) -> Outcome:
+    """The recorded batch of the step, a new one, not ready yet, or done (a batch or part served is
+    an event: admission may have room for more tasks)."""
+    reply = _batch_reply(ctl, msg)
+    served = isinstance(reply, m.BatchReply) and reply.ready
+    return Outcome(reply, (Event.BATCH_SERVED,) if served else ())
+
+
+def _batch_reply(ctl: ControllerCore, msg: m.BatchRequest) -> m.Msg:
+    """The reply to one BatchRequest."""
     try:
         pol = ctl.recipe.get_policy(msg.policy)
     except KeyError:
@@ -53,7 +61,6 @@ def on_batch_request(ctl: ControllerCore, member: dict[str, Any], msg: m.BatchRe
         ctl.made_progress()
     bounds = _part_bounds(ctl, [s.traj_id for s in batch.samples], [len(s.tokens) for s in batch.samples])
     served = ctl.pipeline.batch_samples(msg.policy, batch.samples)  # the estimator's batch stage
-    ctl.polls.notify(Event.BATCH_SERVED)
     return m.BatchReply(
         rid=msg.rid,
         policy=msg.policy,
@@ -89,7 +96,6 @@ def _batch_part(ctl: ControllerCore, msg: m.BatchRequest) -> m.Msg:
     samples = ctl.buffer.samples(rec[0][a:b], rec[1][a:b])
     if ctl.pipeline.batch_level(msg.policy):  # normalised over the whole batch, not this part
         samples = ctl.pipeline.batch_samples(msg.policy, samples, ctl.buffer.advantages(rec[0]), a)
-    ctl.polls.notify(Event.BATCH_SERVED)
     return m.BatchReply(
         rid=msg.rid,
         policy=msg.policy,

@@ -18,7 +18,7 @@ import msgspec
 from astraflow import log
 from astraflow.config.load import role_map
 from astraflow.config.recipe import Recipe
-from astraflow.dataflow.admission import admission_for
+from astraflow.dataflow.admission import AdmissionSections, admission_for
 from astraflow.dataflow.buffer import Buffer
 from astraflow.dataflow.control import RunControl
 from astraflow.dataflow.evaluation import EvalSections, Evaluator, without_held_out
@@ -31,6 +31,7 @@ from astraflow.protocol import messages as m
 from astraflow.roles.controller.long_polls import LongPolls
 from astraflow.roles.controller.parked import ParkedRequests
 from astraflow.roles.member_accounting import MemberAccounting
+from astraflow.roles.member_sections import sections_for
 from astraflow.roles.member_table import MemberTable
 from astraflow.state.ledger import Ledger, TaskRow
 from astraflow.state.store import Store
@@ -62,7 +63,7 @@ class ControllerCore:
         self.task_policies = list(dict.fromkeys(self.roles.values()))
         self.group_sizes = {p: recipe.get_policy(p).group_size for p in self.task_policies}
         self.group_size = max(self.group_sizes.values())
-        self.admission = admission_for(recipe, store, self.pipeline, self.roles)
+        self.admission = admission_for(AdmissionSections.of(recipe), store, self.pipeline, self.roles)
         self.progress = Progress(time.time())
         self.evals = (
             Evaluator(EvalSections.of(recipe), store, self.ledger, self.roles) if recipe.eval else None
@@ -87,8 +88,9 @@ class ControllerCore:
         """Members asked to leave (`astraflow leave`): they get no new tasks."""
         self.control = RunControl(store)
         """Paused admission and an operator's stop (`astraflow ctl`, the dashboard's keys)."""
-        self.recipe_doc: dict[str, Any] | None = None
-        """The recipe as sent in every Welcome (dumped once, at the first Hello)."""
+        self.welcome_sections: dict[tuple[str, tuple[str, ...]], dict[str, Any]] = {}
+        """(role, policies) -> the recipe's sections a Welcome carries to such a member
+        (roles/member_sections.py), dumped at the first Hello of each."""
         self.sinks = Sinks.from_specs(
             [(s.name, s.options) for s in recipe.metrics.sinks], run_dir, report=self.sink_event
         )
@@ -149,6 +151,15 @@ class ControllerCore:
                 for v in self.store.latest_versions()
             ]
         return list(self._versions)
+
+    def sections_for(self, role: str, policies: list[str]) -> dict[str, Any]:
+        """What a Welcome carries of the recipe to a member of `role` serving `policies` (checked
+        Hello): only the sections that role reads."""
+        key = (role, tuple(policies) if role == "trainer" else ())
+        doc = self.welcome_sections.get(key)
+        if doc is None:
+            doc = self.welcome_sections[key] = sections_for(self.recipe, role, policies, self.roles)
+        return doc
 
     def versions_changed(self) -> None:
         """Forget the cached versions and budgets (a version was recorded)."""

@@ -1,35 +1,23 @@
 """Long polls as subscriptions: a held request is handled again when an event that can change its
 answer happens, or at its deadline.
 
-The handlers say what changed by `notify`ing an `Event` (a result accepted, a batch served, a version
-recorded, the run's members or controls changed); each event names the held requests it may answer
-(`SUBSCRIBERS`). The loop (service.py) delivers the events a message caused once it is handled, and
-the deadlines every tick. Handling a held request again may cause events in turn (a batch served makes
-room for tasks); those are delivered in the same pass. What is held, and for how long, is
-roles/controller/parked.py.
+The handlers say what changed by returning an `Outcome` with its `Event`s (a result accepted, a batch
+served, a version recorded, the run's members or controls changed; outcome.py); each event names the
+held requests it may answer (`SUBSCRIBERS`). The loop (service.py) delivers the events a message
+caused once it is handled, and the deadlines every tick. Handling a held request again may cause
+events in turn (a batch served makes room for tasks); those are delivered in the same pass. What is
+held, and for how long, is roles/controller/parked.py.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from enum import Enum
+from collections.abc import Callable, Iterable
 
 from astraflow.protocol import messages as m
+from astraflow.roles.controller.outcome import Event, Outcome
 from astraflow.roles.controller.parked import Parked, ParkedRequests, may_park
 
-
-class Event(Enum):
-    """What a handler changed that a held request may be waiting on."""
-
-    RESULT_ACCEPTED = "result_accepted"
-    """A result was stored: a held BatchRequest may now be ready."""
-    BATCH_SERVED = "batch_served"
-    """A batch (or a part of one) went to its trainer: admission may have room for more tasks."""
-    VERSION_RECORDED = "version_recorded"
-    """A new version: every held TaskRequest is answered, so its worker hears of it and pulls it."""
-    RUN_CHANGED = "run_changed"
-    """A member left or drains, or an operator paused, resumed or stopped: every held request is answered."""
-
+__all__ = ["SUBSCRIBERS", "Answer", "Event", "LongPolls", "MayBeReady"]
 
 SUBSCRIBERS: dict[Event, tuple[tuple[str, ...], bool]] = {
     Event.RESULT_ACCEPTED: (("batch",), False),
@@ -39,23 +27,17 @@ SUBSCRIBERS: dict[Event, tuple[tuple[str, ...], bool]] = {
 }
 """Event -> (the kinds of held requests it may answer, whether each is answered whatever its answer)."""
 
-Answer = Callable[[Parked], "m.Msg | None"]
+Answer = Callable[[Parked], Outcome]
 """Handles a held request again, without its wait (the controller's own handling)."""
 MayBeReady = Callable[[Parked], bool]
 """A cheap check that a held BatchRequest is worth handling again."""
 
 
 class LongPolls:
-    """The held requests and the events not yet delivered to them."""
+    """The held requests, answered when the events that concern them come (or at their deadlines)."""
 
     def __init__(self) -> None:
         self.parked = ParkedRequests()
-        self.events: list[Event] = []
-
-    def notify(self, event: Event) -> None:
-        """A handler changed something `event` names; delivered by the next `deliver`."""
-        if event not in self.events:
-            self.events.append(event)
 
     def hold(
         self, ident: bytes, principal: object, msg: object, reply: m.Msg | None, now: float
@@ -72,16 +54,16 @@ class LongPolls:
         held.pop(ident, None)
         return reply
 
-    def deliver(self, now: float, answer: Answer, ready: MayBeReady) -> list[tuple[bytes, m.Msg]]:
-        """Answer the held requests the pending events subscribe to; the replies to send."""
-        events, self.events = self.events, []
+    def deliver(
+        self, events: Iterable[Event], now: float, answer: Answer, ready: MayBeReady
+    ) -> list[tuple[bytes, m.Msg]]:
+        """Answer the held requests these events (of one message) subscribe to; the replies to send."""
         out: list[tuple[bytes, m.Msg]] = []
-        for event in events:
+        for event in dict.fromkeys(events):  # each event once, in the order it first happened
             if not self.parked:
                 break
             kinds, answer_all = SUBSCRIBERS[event]
             out += self.wake(kinds, now, answer, ready, answer_all=answer_all)
-        self.events.clear()
         return out
 
     def wake(
@@ -97,7 +79,6 @@ class LongPolls:
         """Handle held requests of these kinds again; returns the replies to send (a request whose
         answer is still "nothing yet" stays held until its deadline, unless `answer_all`). Events the
         answers cause add the kinds they subscribe to, under the same flags."""
-        self.events.clear()  # only what these answers cause counts here
         out: list[tuple[bytes, m.Msg]] = []
         queue = list(kinds)
         while queue:
@@ -113,22 +94,23 @@ class LongPolls:
                 rest = maybe
             keep: list[Parked] = []
             for p in expired + rest:
-                reply = answer(p)
+                done = answer(p)
+                reply = done.reply
                 if p in rest and reply is not None and may_park(p.msg, reply):
                     keep.append(p)
                     continue
                 if reply is not None:
                     out.append((p.ident, reply))
-                queue += self._follow_ups(queue)
+                queue += _follow_ups(done.events, queue)
             self.parked.put_back(keep)
         return out
 
-    def _follow_ups(self, queue: list[str]) -> list[str]:
-        """The kinds the events of an answer subscribe to that are not queued yet (the events are spent)."""
-        extra: list[str] = []
-        for event in self.events:
-            for kind in SUBSCRIBERS[event][0]:
-                if kind not in queue and kind not in extra:
-                    extra.append(kind)
-        self.events.clear()
-        return extra
+
+def _follow_ups(events: tuple[Event, ...], queue: list[str]) -> list[str]:
+    """The kinds these events (of one answer) subscribe to that are not queued yet."""
+    extra: list[str] = []
+    for event in events:
+        for kind in SUBSCRIBERS[event][0]:
+            if kind not in queue and kind not in extra:
+                extra.append(kind)
+    return extra

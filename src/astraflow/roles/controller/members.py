@@ -1,6 +1,8 @@
 """Membership: a member joins (Hello), beats (Heartbeat), says Bye, or is asked to leave (Leave).
 
-Handlers over the store, the member table and the task ledger; each returns the reply.
+Handlers over the store, the member table and the task ledger; each returns its Outcome (outcome.py):
+the reply, the events it caused, and the member whose held requests are void. Bye and Leave take only
+what they change.
 """
 
 from __future__ import annotations
@@ -12,28 +14,21 @@ from astraflow import log
 from astraflow.protocol import messages as m
 from astraflow.roles import authz
 from astraflow.roles.controller.core import ControllerCore
-from astraflow.roles.controller.long_polls import Event
+from astraflow.roles.controller.outcome import Event, Outcome
+from astraflow.roles.member_table import MemberTable
+from astraflow.state.ledger import Ledger
+from astraflow.state.store import Store
 from astraflow.transport.principal import Principal
 
 _log = log.get("controller")
 
 
-def on_hello(ctl: ControllerCore, ident: bytes, msg: m.Hello, principal: Principal | None = None) -> m.Msg:
-    """Check protocol, identity and role, register the member, send the recipe and versions."""
-    if msg.protocol != m.PROTOCOL_VERSION:
-        return m.Error(
-            rid=msg.rid,
-            code="protocol_version",
-            message=f"controller speaks protocol {m.PROTOCOL_VERSION}, member {msg.protocol}; install matching astraflow versions",
-        )
-    if msg.member_id.encode() != ident:
-        return m.Error(rid=msg.rid, code="bad_identity", message="member_id must equal the socket identity")
-    msg = authz.cap_hello(msg)
-    ctl.flush_touches()  # the identity checks read last_seen from the store
-    refused = authz.hello_refusal(ctl.store, ctl.recipe, msg, principal)
-    if refused is not None:
-        _log.warning("refused Hello of %r as %s: %s", msg.member_id[:64], msg.role, refused[1])
-        return m.Error(rid=msg.rid, code=refused[0], message=refused[1])
+def on_hello(ctl: ControllerCore, ident: bytes, msg: m.Hello, principal: Principal | None = None) -> Outcome:
+    """Check protocol, identity and role, register the member, send its sections and the versions."""
+    checked = _checked_hello(ctl, ident, msg, principal)
+    if isinstance(checked, m.Error):
+        return Outcome(checked)
+    msg = checked
     with ctl.store.write():
         prev = ctl.store.member(msg.member_id)
         released = 0
@@ -59,25 +54,52 @@ def on_hello(ctl: ControllerCore, ident: bytes, msg: m.Hello, principal: Princip
         )
     ctl.members.joined(msg.member_id, time.time())
     _log.info("member %s joined as %s (%s)", msg.member_id, msg.role, msg.hardware or "?")
-    if ctl.recipe_doc is None:
-        ctl.recipe_doc = ctl.recipe.model_dump(mode="json")
-    # a member joining (again) starts afresh: what it had held from before is void; its client already
-    # failed those requests, and a late answer would grant tasks to nobody
-    ctl.parked.drop(ident)
-    return m.Welcome(
+    welcome = m.Welcome(
         rid=msg.rid,
         run_name=ctl.recipe.run.name,
-        recipe=ctl.recipe_doc,
+        sections=ctl.sections_for(msg.role, list(msg.policies)),
         heartbeat_interval_s=ctl.recipe.controller.heartbeat_interval_s,
         versions=ctl.versions(),
     )
+    # a member joining (again) starts afresh: what it had held from before is void; its client already
+    # failed those requests, and a late answer would grant tasks to nobody
+    return Outcome(welcome, void=ident)
 
 
-def on_heartbeat(ctl: ControllerCore, member: dict[str, Any], msg: m.Heartbeat) -> m.Msg:
+def _checked_hello(
+    ctl: ControllerCore, ident: bytes, msg: m.Hello, principal: Principal | None
+) -> m.Hello | m.Error:
+    """The Hello capped (authz.cap_hello), or why it is refused (protocol, identity, role, policies, keys)."""
+    if msg.protocol != m.PROTOCOL_VERSION:
+        return m.Error(
+            rid=msg.rid,
+            code="protocol_version",
+            message=f"controller speaks protocol {m.PROTOCOL_VERSION}, member {msg.protocol}; install matching astraflow versions",
+        )
+    if msg.member_id.encode() != ident:
+        return m.Error(rid=msg.rid, code="bad_identity", message="member_id must equal the socket identity")
+    msg = authz.cap_hello(msg)
+    ctl.flush_touches()  # the identity checks read last_seen from the store
+    refused = authz.hello_refusal(
+        ctl.store,
+        msg,
+        principal,
+        policies=[p.name for p in ctl.recipe.policy],
+        member_timeout_s=ctl.recipe.controller.member_timeout_s,
+    )
+    if refused is not None:
+        _log.warning("refused Hello of %r as %s: %s", msg.member_id[:64], msg.role, refused[1])
+        return m.Error(rid=msg.rid, code=refused[0], message=refused[1])
+    return msg
+
+
+def on_heartbeat(ctl: ControllerCore, member: dict[str, Any], msg: m.Heartbeat) -> Outcome:
     """Touch the member, renew its leases, tell it the versions and whether to stop."""
     now = time.time()
     if not ctl.accounting.heartbeat_allowed(member["id"], now):
-        return m.Error(rid=msg.rid, code="rate_limited", message="heartbeats too fast: nothing recorded")
+        return Outcome(
+            m.Error(rid=msg.rid, code="rate_limited", message="heartbeats too fast: nothing recorded")
+        )
     new_error = bool(msg.error) and ctl.accounting.new_error(member["id"], msg.error)
     slots = msg.busy + msg.free
     # last_seen needs no durability (a restarted controller gives every member a fresh timer):
@@ -100,33 +122,40 @@ def on_heartbeat(ctl: ControllerCore, member: dict[str, Any], msg: m.Heartbeat) 
     ident = str(member["id"]).encode()
     lost = [rid for rid in msg.waiting if not ctl.parked.holds(ident, rid)]
     versions = ctl.versions_for(member, msg)
-    return m.HeartbeatAck(rid=msg.rid, versions=versions, stop=ctl.stopping(), lost=lost)
+    return Outcome(m.HeartbeatAck(rid=msg.rid, versions=versions, stop=ctl.stopping(), lost=lost))
 
 
-def on_bye(ctl: ControllerCore, member: dict[str, Any], msg: m.Bye) -> m.Msg:
+def on_bye(
+    member: dict[str, Any],
+    msg: m.Bye,
+    *,
+    store: Store,
+    ledger: Ledger,
+    members: MemberTable,
+    draining: set[str],
+) -> Outcome:
     """Return the member's leases at once and mark it left."""
-    with ctl.store.write():
-        n = ctl.ledger.release_member(member["id"])
-        ctl.store.set_member_status(member["id"], "left")
-        ctl.members.gone(member["id"])
-        ctl.store.add_event("member_left", f"{member['id']} ({msg.reason[:500]}); {n} leases back")
-    ctl.parked.drop(str(member["id"]).encode())
-    ctl.draining.discard(member["id"])
-    ctl.polls.notify(Event.RUN_CHANGED)
+    with store.write():
+        n = ledger.release_member(member["id"])
+        store.set_member_status(member["id"], "left")
+        members.gone(member["id"])
+        store.add_event("member_left", f"{member['id']} ({msg.reason[:500]}); {n} leases back")
+    draining.discard(member["id"])
     _log.info("member %s left (%s); %d tasks requeued", member["id"], msg.reason[:200] or "-", n)
-    return m.Ack(rid=msg.rid)
+    return Outcome(m.Ack(rid=msg.rid), (Event.RUN_CHANGED,), void=str(member["id"]).encode())
 
 
-def on_leave(ctl: ControllerCore, msg: m.Leave, principal: Principal | None) -> m.Msg:
+def on_leave(msg: m.Leave, principal: Principal | None, *, store: Store, draining: set[str]) -> Outcome:
     """Drain a member (`astraflow leave`): no new tasks; it finishes or returns its leases and says Bye."""
     refused = authz.leave_refusal(msg, principal)
     if refused is not None:
-        return m.Error(rid=msg.rid, code=refused[0], message=refused[1])
-    member = ctl.store.member(msg.member_id)
+        return Outcome(m.Error(rid=msg.rid, code=refused[0], message=refused[1]))
+    member = store.member(msg.member_id)
     if member is None or member["status"] != "alive":
-        return m.Error(rid=msg.rid, code="unknown_member", message=f"no live member {msg.member_id!r}")
-    ctl.draining.add(member["id"])
-    ctl.store.add_event("member_draining", member["id"])
-    ctl.polls.notify(Event.RUN_CHANGED)
+        return Outcome(
+            m.Error(rid=msg.rid, code="unknown_member", message=f"no live member {msg.member_id!r}")
+        )
+    draining.add(member["id"])
+    store.add_event("member_draining", member["id"])
     _log.info("member %s asked to leave; draining it", member["id"])
-    return m.Ack(rid=msg.rid, detail="draining")
+    return Outcome(m.Ack(rid=msg.rid, detail="draining"), (Event.RUN_CHANGED,))

@@ -12,15 +12,23 @@ from astraflow.dataflow.limits import RefusedResult
 from astraflow.protocol import messages as m
 from astraflow.roles.controller.core import ControllerCore, summary
 from astraflow.roles.controller.lifecycle import check_failed_streak
-from astraflow.roles.controller.long_polls import Event
+from astraflow.roles.controller.outcome import Event, Outcome
 from astraflow.state.ledger import TaskRow
 from astraflow.state.member_health import Kind
 
 _log = log.get("controller")
 
 
-def on_task_result(ctl: ControllerCore, member: dict[str, Any], msg: m.TaskResult) -> m.Msg:
-    """Validate the lease; store trajectories, advantages and filter outcomes durably; then ack."""
+def on_task_result(ctl: ControllerCore, member: dict[str, Any], msg: m.TaskResult) -> Outcome:
+    """Validate the lease; store trajectories, advantages and filter outcomes durably; then ack (an
+    accepted result is an event: a held batch request may now be ready)."""
+    reply = _task_result(ctl, member, msg)
+    accepted = isinstance(reply, m.ResultAck) and reply.status == "accepted"
+    return Outcome(reply, (Event.RESULT_ACCEPTED,) if accepted else ())
+
+
+def _task_result(ctl: ControllerCore, member: dict[str, Any], msg: m.TaskResult) -> m.Msg:
+    """The reply to one result, stored (or charged) as on_task_result says."""
     if msg.error:
         status = member_failed(ctl, member, msg.task_id, msg.epoch, msg.error[:8000], "failures")
         return m.ResultAck(
@@ -43,12 +51,10 @@ def on_task_result(ctl: ControllerCore, member: dict[str, Any], msg: m.TaskResul
         # rolled back: nothing of the result is kept (advantages that do not fit a float)
         status = fail_attempt(ctl, member["id"], msg.task_id, msg.epoch, f"invalid result: {exc}")
         return m.Error(rid=msg.rid, code="bad_result", message=f"task {msg.task_id}: {exc} ({status})")
-    if status == "accepted":
-        ctl.polls.notify(Event.RESULT_ACCEPTED)
     return m.ResultAck(rid=msg.rid, task_id=msg.task_id, status=status)
 
 
-def on_task_results(ctl: ControllerCore, member: dict[str, Any], msg: m.TaskResults) -> m.Msg:
+def on_task_results(ctl: ControllerCore, member: dict[str, Any], msg: m.TaskResults) -> Outcome:
     """Group commit: check every result, store the valid ones in one transaction (stage state saved
     once per policy), then ack each. A result refused while stored rolls the group back, and each
     result is then handled alone, as a TaskResult would be."""
@@ -58,7 +64,7 @@ def on_task_results(ctl: ControllerCore, member: dict[str, Any], msg: m.TaskResu
     latest: dict[str, int] = {}
     for i, o in enumerate(msg.results):
         if o.error:
-            acks[i] = _outcome_ack(o.task_id, on_task_result(ctl, member, _single(o)))
+            acks[i] = _outcome_ack(o.task_id, _task_result(ctl, member, _single(o)))
             continue
         task = tasks.get(o.task_id)
         bad = _invalid(ctl, member, o, task, latest)
@@ -77,10 +83,10 @@ def on_task_results(ctl: ControllerCore, member: dict[str, Any], msg: m.TaskResu
                 ctl.pipeline.save(pol)
     except RefusedResult:
         for i, o, _task in good:
-            acks[i] = _outcome_ack(o.task_id, on_task_result(ctl, member, _single(o)))
-    if any(a.status == "accepted" for a in acks.values()):
-        ctl.polls.notify(Event.RESULT_ACCEPTED)
-    return m.ResultsAck(rid=msg.rid, acks=[acks[i] for i in range(len(msg.results))])
+            acks[i] = _outcome_ack(o.task_id, _task_result(ctl, member, _single(o)))
+    accepted = any(a.status == "accepted" for a in acks.values())
+    reply = m.ResultsAck(rid=msg.rid, acks=[acks[i] for i in range(len(msg.results))])
+    return Outcome(reply, (Event.RESULT_ACCEPTED,) if accepted else ())
 
 
 def _invalid(

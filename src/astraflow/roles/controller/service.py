@@ -1,8 +1,10 @@
 """The controller's IO: route each message to its handler, hold long polls, and run the loop.
 
 It is the only writer of state.db. Each message is handled in its own transaction, and a reply is
-sent only after that transaction committed, so whatever a member was told is on disk. Periodic
-work (liveness, lease expiry, refilling the task queue) runs between polls (lifecycle.py).
+sent only after that transaction committed, so whatever a member was told is on disk. A handler
+returns an `Outcome` (outcome.py): `dispatch` sends its reply (or holds the request) and hands its
+events to the long polls, whose answers it sends too. Periodic work (liveness, lease expiry,
+refilling the task queue) runs between polls (lifecycle.py).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from astraflow.protocol.codec import DecodeError
 from astraflow.roles import authz
 from astraflow.roles.controller import batches, lifecycle, members, results, tasks, versions
 from astraflow.roles.controller.core import ControllerCore, summary
-from astraflow.roles.controller.long_polls import Event
+from astraflow.roles.controller.outcome import Event, Outcome
 from astraflow.roles.controller.parked import Parked, immediate
 from astraflow.roles.run_control import on_control
 from astraflow.state.status import build_status
@@ -43,10 +45,16 @@ class Controller(ControllerCore):
     ) -> None:
         super().__init__(recipe, run_dir, store, allow_recipe_change=allow_recipe_change)
         self._handlers = cast(
-            "dict[type, Callable[[dict[str, Any], Any], m.Msg]]",
+            "dict[type, Callable[[dict[str, Any], Any], Outcome]]",
             {
                 m.Heartbeat: partial(members.on_heartbeat, self),
-                m.Bye: partial(members.on_bye, self),
+                m.Bye: partial(
+                    members.on_bye,
+                    store=self.store,
+                    ledger=self.ledger,
+                    members=self.members,
+                    draining=self.draining,
+                ),
                 m.TaskRequest: partial(tasks.on_task_request, self),
                 m.TaskResult: partial(results.on_task_result, self),
                 m.TaskResults: partial(results.on_task_results, self),
@@ -70,9 +78,15 @@ class Controller(ControllerCore):
     def handle(
         self, ident: bytes, msg: m.Msg | DecodeError, principal: Principal | None = None
     ) -> m.Msg | None:
-        """The reply to one message (None: no reply); `principal` is the sender's key (None: auth off)."""
+        """The reply to one message (None: no reply); `principal` is the sender's key (None: auth off).
+        Only the reply: `dispatch` also delivers the events the message caused."""
+        return self.outcome(ident, msg, principal).reply
+
+    def outcome(self, ident: bytes, msg: m.Msg | DecodeError, principal: Principal | None = None) -> Outcome:
+        """Handle one message: its reply and the events it caused (outcome.py); sends nothing."""
         if isinstance(msg, DecodeError):
-            return m.Error(rid=msg.rid, code=getattr(msg, "code", "bad_message"), message=str(msg)[:500])
+            code = getattr(msg, "code", "bad_message")
+            return Outcome(m.Error(rid=msg.rid, code=code, message=str(msg)[:500]))
         member_id = ident.decode("utf-8", "replace")
         rid = msg.rid
         if isinstance(msg, m.Hello):
@@ -80,9 +94,9 @@ class Controller(ControllerCore):
         if isinstance(msg, m.StatusRequest):
             self.flush_touches()
             room = self.admission.room(self.roles, self.group_sizes)
-            return m.StatusReply(rid=rid, status=build_status(self.store, room))
+            return Outcome(m.StatusReply(rid=rid, status=build_status(self.store, room)))
         if isinstance(msg, m.Leave):
-            return members.on_leave(self, msg, principal)
+            return members.on_leave(msg, principal, store=self.store, draining=self.draining)
         if isinstance(msg, m.Control):
             return self._on_control(msg, principal)
         if not isinstance(msg, m.Heartbeat):
@@ -90,45 +104,48 @@ class Controller(ControllerCore):
             self.members.forget(member_id)
         member = self.members.row(member_id)
         if member is None or member["status"] != "alive":
-            return m.Error(
-                rid=rid, code="unknown_member", message=f"{member_id!r} has not joined; send Hello"
+            return Outcome(
+                m.Error(rid=rid, code="unknown_member", message=f"{member_id!r} has not joined; send Hello")
             )
         refused = authz.message_refusal(member, msg, principal)
         if refused is not None:
             _log.warning("refused %s from %r: %s", type(msg).__name__, member_id[:64], refused[1])
-            return m.Error(rid=rid, code=refused[0], message=refused[1])
+            return Outcome(m.Error(rid=rid, code=refused[0], message=refused[1]))
         # each handler takes the message type it is keyed by
         handler = self._handlers.get(type(msg))
         if handler is None:
-            return m.Error(
-                rid=rid,
-                code="unexpected_message",
-                message=f"the controller does not take {type(msg).__name__}",
+            return Outcome(
+                m.Error(
+                    rid=rid,
+                    code="unexpected_message",
+                    message=f"the controller does not take {type(msg).__name__}",
+                )
             )
         return handler(member, msg)
 
-    def _on_control(self, msg: m.Control, principal: Principal | None) -> m.Msg:
-        """An operator's pause, resume or stop (roles/run_control.py)."""
+    def _on_control(self, msg: m.Control, principal: Principal | None) -> Outcome:
+        """An operator's pause, resume or stop (roles/run_control.py); one that was applied changes
+        the run for every held request."""
+        done: list[str] = []
 
         def applied(action: str) -> None:
             if action == "resume":
                 self.made_progress()  # the paused time is not a stall
                 self.refill()
-            self.polls.notify(Event.RUN_CHANGED)
+            done.append(action)
 
         names = [p.name for p in self.recipe.policy]
-        return on_control(
+        reply = on_control(
             msg, principal, store=self.store, control=self.control, policies=names, applied=applied
         )
+        return Outcome(reply, (Event.RUN_CHANGED,) if done else ())
 
-    def _handle_safely(
-        self, ident: bytes, msg: m.Msg | DecodeError, principal: Principal | None
-    ) -> m.Msg | None:
+    def _handle_safely(self, ident: bytes, msg: m.Msg | DecodeError, principal: Principal | None) -> Outcome:
         try:
-            return self.handle(ident, msg, principal)
+            return self.outcome(ident, msg, principal)
         except Exception as exc:  # a bad request must never take the controller down
             _log.exception("handling %s from %r failed", type(msg).__name__, ident)
-            return m.Error(rid=getattr(msg, "rid", 0), code="internal", message=str(exc)[:500])
+            return Outcome(m.Error(rid=getattr(msg, "rid", 0), code="internal", message=str(exc)[:500]))
 
     # ----- long polls ---------------------------------------------------------------------------
 
@@ -137,12 +154,15 @@ class Controller(ControllerCore):
     ) -> list[tuple[bytes, m.Msg]]:
         """Handle one message; the replies to send now: its own (unless it was held, long_polls.py)
         and those of held requests the events it caused may answer."""
-        self.polls.events.clear()  # only what this message causes is delivered after it
-        reply = self._handle_safely(ident, msg, principal)
+        done = self._handle_safely(ident, msg, principal)
+        if done.void is not None:
+            self.parked.drop(done.void)
         now = time.time()
-        reply = self.polls.hold(ident, principal, msg, reply, now)
+        reply = self.polls.hold(ident, principal, msg, done.reply, now)
         out = [(ident, reply)] if reply is not None else []
-        return out + self.polls.deliver(now, self._answer, self._may_be_ready)
+        if not done.events:
+            return out
+        return out + self.polls.deliver(done.events, now, self._answer, self._may_be_ready)
 
     def wake(
         self, kinds: tuple[str, ...], now: float, *, expired_only: bool = False, answer_all: bool = False
@@ -153,7 +173,7 @@ class Controller(ControllerCore):
             kinds, now, self._answer, self._may_be_ready, expired_only=expired_only, answer_all=answer_all
         )
 
-    def _answer(self, parked: Parked) -> m.Msg | None:
+    def _answer(self, parked: Parked) -> Outcome:
         return self._handle_safely(parked.ident, immediate(parked.msg), parked.principal)
 
     def _may_be_ready(self, parked: Parked) -> bool:

@@ -10,11 +10,17 @@ from typing import Any
 from astraflow.protocol import messages as m
 from astraflow.roles import authz
 from astraflow.roles.controller.core import RETRY_S, ControllerCore
+from astraflow.roles.controller.outcome import Outcome
 from astraflow.state.ledger import TaskRow
 
 
-def on_task_request(ctl: ControllerCore, member: dict[str, Any], msg: m.TaskRequest) -> m.Msg:
-    """Lease up to n admitted tasks the member can serve (credit-based flow control)."""
+def on_task_request(ctl: ControllerCore, member: dict[str, Any], msg: m.TaskRequest) -> Outcome:
+    """Lease up to n admitted tasks the member can serve (credit-based flow control); a lease
+    causes no event (what it changes, the work in flight, no held request waits on)."""
+    return Outcome(_lease(ctl, member, msg))
+
+
+def _lease(ctl: ControllerCore, member: dict[str, Any], msg: m.TaskRequest) -> m.Msg:
     if ctl.stopping():
         return m.TaskGrant(rid=msg.rid, stop=True, versions=ctl.versions())
     if member["id"] in ctl.draining:
@@ -35,7 +41,14 @@ def on_task_request(ctl: ControllerCore, member: dict[str, Any], msg: m.TaskRequ
     ctl.refill()
     ctl.members.touch(member["id"], now, loaded or None)
     with ctl.store.write():
-        n = ctl.accounting.quota(member, authz.task_quota(ctl.store, ctl.recipe, member, msg.n))
+        quota = authz.task_quota(
+            ctl.store,
+            member,
+            msg.n,
+            default_slots=ctl.recipe.rollout.slots,
+            max_slots=ctl.recipe.controller.max_member_slots,
+        )
+        n = ctl.accounting.quota(member, quota)
         with ctl.admission.leasing():
             leased = ctl.ledger.lease(member["id"], n, now, accept)
         for t in leased:

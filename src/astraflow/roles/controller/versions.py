@@ -11,22 +11,24 @@ from astraflow import log
 from astraflow.protocol import messages as m
 from astraflow.roles import authz
 from astraflow.roles.controller.core import ControllerCore
-from astraflow.roles.controller.long_polls import Event
 from astraflow.roles.controller.metrics_row import emit, step_metrics
+from astraflow.roles.controller.outcome import Event, Outcome
 
 _log = log.get("controller")
 
 
-def on_version(ctl: ControllerCore, member: dict[str, Any], msg: m.VersionPublished) -> m.Msg:
-    """Record the version and step, write the step's metrics, tell the curators; then ack."""
+def on_version(ctl: ControllerCore, member: dict[str, Any], msg: m.VersionPublished) -> Outcome:
+    """Record the version and step, write the step's metrics, tell the curators; then ack (a new
+    version is an event: the held task requests are answered with it)."""
     if msg.policy not in ctl.pipeline.policies:
-        return m.Error(rid=msg.rid, code="unknown_policy", message=f"no policy {msg.policy!r} in this run")
+        error = m.Error(rid=msg.rid, code="unknown_policy", message=f"no policy {msg.policy!r} in this run")
+        return Outcome(error)
     refused = authz.version_refusal(ctl.store, msg)
     if refused is not None:
         _log.warning(
             "refused version %d of %s from %s: %s", msg.version, msg.policy, member["id"], refused[1]
         )
-        return m.Error(rid=msg.rid, code=refused[0], message=refused[1])
+        return Outcome(m.Error(rid=msg.rid, code=refused[0], message=refused[1]))
     now = time.time()
     if msg.offers and msg.version >= ctl.offers.get(msg.policy, (-1, []))[0]:
         ctl.offers[msg.policy] = (msg.version, list(msg.offers))
@@ -49,9 +51,8 @@ def on_version(ctl: ControllerCore, member: dict[str, Any], msg: m.VersionPublis
     if row is not None:
         emit(ctl, row)
         retire(ctl, msg.policy, msg.step)
-    if new:
-        ctl.polls.notify(Event.VERSION_RECORDED)
-    return m.Ack(rid=msg.rid, detail="recorded" if new else "known")
+    ack = m.Ack(rid=msg.rid, detail="recorded" if new else "known")
+    return Outcome(ack, (Event.VERSION_RECORDED,) if new else ())
 
 
 def retire(ctl: ControllerCore, policy: str, step: int) -> None:
