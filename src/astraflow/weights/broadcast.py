@@ -84,8 +84,13 @@ def _group(store: Any, prefix: str, rank: int, size: int, device: torch.device, 
     if device.type == "cuda":  # pragma: no cover - needs GPUs
         import os
 
-        # a timed-out collective must fail in its wait, not tear the trainer's process down (the default)
+        # a timed-out collective must fail in its wait, not tear the trainer's process down (the default);
+        # and at once: on a timeout the watchdog signals a debug dump and waits for it (a minute by
+        # default) before it fails the work, and the survivors' waits with it
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+        os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "0")
+        os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "0")
+        os.environ.setdefault("TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC", "100")
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
         return dist.ProcessGroupNCCL(scoped, rank, size, opts)
