@@ -95,3 +95,27 @@ def fetch_manifest_or_none(addr: str) -> object:
         return fetch_manifest(addr, "p", 1, timeout_s=5)
     except VersionUnavailableError:
         return None
+
+
+def test_blob_bytes_is_the_size_the_blob_gets() -> None:
+    # the publisher pins host memory of this size before the first version (prewarm): a size that is
+    # off would pin blocks the host allocator never hands back for a blob
+    from astraflow.weights.snapshot import blob_bytes, state_dict_to_bytes
+
+    emb = torch.randn(7, 3)
+    cases = [
+        {"a": torch.zeros(3, dtype=torch.bfloat16), "b.weight": torch.ones(2, 5)},
+        {"emb": emb, "lm_head": emb, "n": torch.tensor(3, dtype=torch.int64)},  # tied, a scalar
+        {"x": torch.zeros(0), "mask": torch.ones(4, dtype=torch.bool)},  # an empty tensor
+    ]
+    for sd in cases:
+        assert blob_bytes(sd) == len(state_dict_to_bytes(sd))
+        assert blob_bytes(sd, {"step": "12"}) == len(state_dict_to_bytes(sd, {"step": "12"}))
+    assert blob_bytes({"c": torch.zeros(2, dtype=torch.complex64)}) is None  # through safetensors.save
+
+
+def test_prewarm_pins_nothing_for_host_weights() -> None:
+    from astraflow.weights.publisher import BackgroundPublisher
+
+    pub = BackgroundPublisher(server=None, policy="p")  # type: ignore[arg-type]  # prewarm needs no server
+    assert pub.prewarm({"w": torch.ones(4)}, 3) == 0.0

@@ -480,10 +480,15 @@ class TorchTrainer(Trainer):
             return lora.merged_state_dict(self.model)
         return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
 
+    @property
+    def snapshots_on_device(self) -> bool:
+        """Whether `weights_snapshot` copies on the GPU (one process, dense, CUDA)."""
+        return not self.sharded and self.config.lora is None and self.device.type == "cuda"
+
     def weights_snapshot(self) -> dict[str, Any]:
         """The current dense weights as a copy on the training device (fast: no host transfer), for a
         background publisher to copy to the host while the next step runs; export_weights otherwise."""
-        if self.sharded or self.config.lora is not None or self.device.type != "cuda":
+        if not self.snapshots_on_device:
             return self.export_weights()
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 

@@ -40,21 +40,7 @@ def state_dict_to_bytes(
     tensors = {name: t.detach() for name, t in sd.items()}
     if any(t.dtype not in _DTYPES for t in tensors.values()):
         return _save_via_safetensors(tensors, meta)
-    header: dict[str, object] = {"__metadata__": meta}
-    offset = 0
-    # safetensors orders data by dtype alignment then name; any order loads, so keep it simple
-    order = sorted(tensors)
-    for name in order:
-        t = tensors[name]
-        n = t.numel() * t.element_size()
-        header[name] = {
-            "dtype": _DTYPES[t.dtype],
-            "shape": list(t.shape),
-            "data_offsets": [offset, offset + n],
-        }
-        offset += n
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    header, head, order, offset = _layout(tensors, meta)
     base = 8 + len(head)
     # torch.empty leaves the pages untouched (bytearray(n) zeroes them first: a second pass)
     pinned = pinned and torch.cuda.is_available() and any(t.is_cuda for t in tensors.values())
@@ -71,6 +57,38 @@ def state_dict_to_bytes(
                 # device to host when t is not on the CPU (queued, not waited for, into pinned memory)
                 dst[base + start : base + end].copy_(src, non_blocking=pinned)
     return out
+
+
+def _layout(
+    tensors: dict[str, torch.Tensor], meta: dict[str, str]
+) -> tuple[dict[str, object], bytes, list[str], int]:
+    """The safetensors header (as a dict and as padded bytes), the tensors' order and their bytes."""
+    header: dict[str, object] = {"__metadata__": meta}
+    offset = 0
+    # safetensors orders data by dtype alignment then name; any order loads, so keep it simple
+    order = sorted(tensors)
+    for name in order:
+        t = tensors[name]
+        n = t.numel() * t.element_size()
+        header[name] = {
+            "dtype": _DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + n],
+        }
+        offset += n
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    return header, head, order, offset
+
+
+def blob_bytes(sd: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> int | None:
+    """The size `state_dict_to_bytes` gives `sd`, without writing it (None when it would go through
+    safetensors.save: a dtype we do not write ourselves)."""
+    tensors = {name: t.detach() for name, t in sd.items()}
+    if any(t.dtype not in _DTYPES for t in tensors.values()):
+        return None
+    _, head, _, offset = _layout(tensors, {"format": "pt", **(metadata or {})})
+    return 8 + len(head) + offset
 
 
 def _save_via_safetensors(sd: dict[str, torch.Tensor], meta: dict[str, str]) -> bytes:
