@@ -155,17 +155,8 @@ class TrainerLoop:
         )
         fast = trainer_transports(sections.weights, policy, self.cuda_device or torch.device("cpu"), host)
         self.publisher = VersionAnnouncer(client, policy, self.server, fast, background, stop=self.stop)
-        self._prewarm(background, sections.weights.keep_versions)
+        self.publisher.prewarm(self.trainer, sections.weights.keep_versions)
         self.guard = SkipGuard(policy, self.pol.max_nonfinite_steps)
-
-    def _prewarm(self, background: Any, keep_versions: int) -> None:
-        """Pin the host memory of the blobs to come before the first step (BackgroundPublisher.prewarm):
-        the versions the server keeps, one being written and one being sent."""
-        if not getattr(self.trainer, "snapshots_on_device", False):
-            return  # host snapshots (a CPU, several ranks, LoRA, a plugin trainer): nothing is pinned
-        seconds = background.prewarm(self.trainer.model.state_dict(), keep_versions + 2)
-        if seconds:
-            _log.info("pinned host memory for %d weight blobs in %.2f s", keep_versions + 2, seconds)
 
     @property
     def cuda_device(self) -> Any:

@@ -161,6 +161,15 @@ class VersionAnnouncer:
                 self.publisher.start(version, weights, {})
         return waited
 
+    def prewarm(self, trainer: Any, keep_versions: int) -> None:
+        """Pin the host memory of the blobs to come before the first step (BackgroundPublisher.prewarm):
+        the versions the server keeps, one being written and one being sent."""
+        if not getattr(trainer, "snapshots_on_device", False):
+            return  # host snapshots (a CPU, several ranks, LoRA, a plugin trainer): nothing is pinned
+        seconds = self.publisher.prewarm(trainer.model.state_dict(), keep_versions + 2)
+        if seconds:
+            _log.info("pinned host memory for %d weight blobs in %.2f s", keep_versions + 2, seconds)
+
     def close(self) -> None:
         """Stop the fast transports (slot files, broadcast hub)."""
         for t in self.fast:
