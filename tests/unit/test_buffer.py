@@ -45,11 +45,14 @@ def test_roundtrip_and_counts(tmp_path: Path) -> None:
     assert batch is not None and [s.traj_id for s in batch.samples] == ids
     s = batch.samples[0]
     assert (
-        s.tokens == [1] * 5
-        and s.loss_mask == [0, 0, 1, 1, 1]
-        and s.logprobs[-1] == -0.5
-        and s.versions[-1] == 0
+        s.token_list() == [1] * 5
+        and s.mask_list() == [0, 0, 1, 1, 1]
+        and s.logprob_list()[-1] == -0.5
+        and s.version_list()[-1] == 0
     )
+    # stored and served as the packed arrays the result carried: int32 and float32 little-endian
+    assert s.tokens == b"\x01\x00\x00\x00" * 5 and s.loss_mask == b"\x00\x00\x01\x01\x01"
+    assert s.logprobs[-4:] == b"\x00\x00\x00\xbf"
     assert buf.counts("main") == {"buffered": 0, "consumed": 2, "expired": 0, "dropped": 0}
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from astraflow.protocol.messages import Sequence
+from astraflow.protocol.messages import PackedSequence, Sequence
 
 
 @dataclass(frozen=True)
@@ -28,8 +28,8 @@ class Turn:
 _NONZERO_RUN = re.compile(rb"[^\x00]+")
 
 
-def mask_runs(loss_mask: list[int]) -> list[tuple[int, int]]:
-    """(start, length) of each maximal run of non-zero entries."""
+def mask_runs(loss_mask: list[int] | bytes) -> list[tuple[int, int]]:
+    """(start, length) of each maximal run of non-zero entries (a packed uint8 mask or a list)."""
     try:
         packed = bytes(loss_mask)  # a checked mask holds only 0 and 1: the runs are found in C
     except (ValueError, TypeError):
@@ -49,7 +49,7 @@ def mask_runs(loss_mask: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def sequence_turns(seq: Sequence, max_new_tokens: int) -> list[Turn]:
+def sequence_turns(seq: Sequence | PackedSequence, max_new_tokens: int) -> list[Turn]:
     """The policy turns of `seq`: recorded ones if present, else derived from its loss mask."""
     if seq.turns is not None:
         return [Turn(int(s), int(n), bool(t)) for s, n, t in seq.turns]
