@@ -68,7 +68,9 @@ def min_versions(seqs: list[PackedSequence]) -> list[int]:
     starts = np.cumsum([0] + [len(seqs[i].loss_mask) for i in idx[:-1]])
     known = versions >= 0
     generated = np.minimum.reduceat(np.where(mask & known, versions, _NONE), starts).tolist()
-    present = np.minimum.reduceat(np.where(known, versions, _NONE), starts).tolist()
+    present = generated
+    if _NONE in generated:  # a sequence with no versioned generated token: the oldest version present
+        present = np.minimum.reduceat(np.where(known, versions, _NONE), starts).tolist()
     for k, i in enumerate(idx):
         oldest = generated[k] if generated[k] != _NONE else present[k]
         out[i] = oldest if oldest != _NONE else -1
