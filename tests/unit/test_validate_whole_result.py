@@ -17,7 +17,7 @@ import pytest
 from astraflow.config.load import load_recipe
 from astraflow.dataflow.validate import ResultChecker
 from astraflow.protocol import messages as m
-from astraflow.protocol.codec import decode, encode
+from astraflow.protocol.codec import DecodeError, decode, encode
 from astraflow.protocol.messages import Episode, PackedSequence, SamplingParams, Sequence
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes/quickstart/recipe.toml"
@@ -151,3 +151,14 @@ def test_a_value_no_packed_type_holds_is_refused_when_packed() -> None:
         m.Outcome(task_id=1, epoch=1, episodes=[Episode(sequences=[FAULTS["mask of -1"](_seq(0))])])
     with pytest.raises(ValueError, match="tokens: .*int32"):
         PackedSequence.of(msgspec.structs.replace(_seq(0), tokens=[1, 2, 3, 4, 2**40]))
+
+
+def test_a_list_where_packed_bytes_belong_fails_decoding() -> None:
+    """A peer of protocol 4 (lists of numbers) or a forger gets bad_message, not a crash."""
+    raw = msgspec.msgpack.decode(
+        encode(m.TaskResult(task_id=1, epoch=1, episodes=[Episode(sequences=[_seq(0)])]))
+    )
+    raw["episodes"][0]["sequences"][0]["tokens"] = [1, 2, 3, 4, 5]
+    with pytest.raises(DecodeError) as err:
+        decode(msgspec.msgpack.encode(raw))
+    assert err.value.code == "bad_message" and "Expected `bytes`, got `array`" in str(err.value)

@@ -124,10 +124,15 @@ class PackedSequence(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     versions: Packed
     """int32 little-endian policy version of each token (-1 where the mask is 0)."""
     sampling: SamplingParams
+    """As in Sequence."""
     reward: float = 0.0
+    """As in Sequence."""
     role: Name = ""
+    """As in Sequence."""
     group_key: Annotated[str, msgspec.Meta(max_length=1024)] = ""
+    """As in Sequence."""
     turns: Annotated[list[tuple[int, int, bool]], msgspec.Meta(max_length=65536)] | None = None
+    """As in Sequence."""
 
     @classmethod
     def of(cls, s: Sequence) -> PackedSequence:
@@ -174,6 +179,7 @@ class PackedEpisode(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     sequences: Annotated[list[PackedSequence], msgspec.Meta(max_length=4096)]
     info: Annotated[dict[Name, Scalar], msgspec.Meta(max_length=256)] = {}
+    """As in Episode."""
 
     @classmethod
     def of(cls, ep: Episode | PackedEpisode) -> PackedEpisode:
@@ -269,13 +275,13 @@ class TrainSample(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     it was stored (PackedSequence's layout). Lists given in process are packed on construction."""
 
     traj_id: int
-    tokens: bytes
+    tokens: Packed
     """int32 little-endian token ids."""
-    loss_mask: bytes
+    loss_mask: Packed
     """uint8, one per token."""
-    logprobs: bytes
+    logprobs: Packed
     """float32 little-endian behaviour logprobs."""
-    versions: bytes
+    versions: Packed
     """int32 little-endian versions."""
     reward: float
     advantage: float
