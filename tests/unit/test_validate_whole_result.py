@@ -162,3 +162,11 @@ def test_a_list_where_packed_bytes_belong_fails_decoding() -> None:
     with pytest.raises(DecodeError) as err:
         decode(msgspec.msgpack.encode(raw))
     assert err.value.code == "bad_message" and "Expected `bytes`, got `array`" in str(err.value)
+
+
+def test_recorded_turns_that_fit_keep_a_result_on_the_whole_result_pass(checker: ResultChecker) -> None:
+    """Multi-turn transcripts record their turns: checked against the packed mask, no walk needed."""
+    seqs = [msgspec.structs.replace(_seq(k), turns=[(3, 2, k % 2 == 0)]) for k in range(N)]
+    packed = _packed(seqs)
+    assert packed is not None and checker._clean(packed, {"main"}, {"main": 3}, {})
+    assert _check(checker, [Episode(sequences=[s]) for s in seqs]) == ""

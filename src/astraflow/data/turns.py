@@ -56,15 +56,17 @@ def sequence_turns(seq: Sequence | PackedSequence, max_new_tokens: int) -> list[
     return [Turn(s, n, n >= max_new_tokens) for s, n in mask_runs(seq.loss_mask)]
 
 
-def turns_problem(seq: Sequence) -> str:
+def turns_problem(seq: Sequence | PackedSequence) -> str:
     """Why `seq.turns` cannot describe `seq` ('' when it can or is absent): each turn must lie inside
-    the tokens, on loss-mask 1 only, in order and without overlap."""
+    the tokens, on loss-mask 1 only, in order and without overlap (a packed sequence's token count is
+    its mask's: the caller checked that the arrays agree)."""
     if seq.turns is None:
         return ""
+    n = len(seq.loss_mask) if isinstance(seq, PackedSequence) else len(seq.tokens)
     end = 0
     for k, (start, length, _) in enumerate(seq.turns):
-        if start < end or length < 0 or start + length > len(seq.tokens):
-            return f"turn {k} ({start}, {length}) is out of order or outside the {len(seq.tokens)} tokens"
+        if start < end or length < 0 or start + length > n:
+            return f"turn {k} ({start}, {length}) is out of order or outside the {n} tokens"
         if not all(seq.loss_mask[start : start + length]):
             return f"turn {k} covers tokens with loss_mask 0"
         end = start + length

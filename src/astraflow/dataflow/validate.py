@@ -149,8 +149,6 @@ class ResultChecker:
         if not allowed.issuperset(by_policy):
             return False
         for policy, group in by_policy.items():
-            if any(s.turns is not None for s in group):
-                return False  # recorded turns are checked per sequence (turns_problem)
             sizes = [len(s.loss_mask) for s in group]
             # equal int32 sizes (4 bytes a token) make every size a whole number of items
             quads = [4 * n for n in sizes]
@@ -181,6 +179,9 @@ class ResultChecker:
                 return False
             rewards = [s.reward for s in group]
             if not all(map(math.isfinite, rewards)):
+                return False
+            # recorded turns (multi-turn transcripts) against the mask bytes, once the sizes agree
+            if any(turns_problem(s) for s in group if s.turns is not None):
                 return False
             if self.limits is not None and not self.limits.group_fits(policy, max(sizes), rewards):
                 return False
