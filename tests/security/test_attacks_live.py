@@ -13,11 +13,11 @@ import sys
 import time
 from pathlib import Path
 
-import msgspec
 import pytest
 import zmq
 
 from astraflow.protocol import messages as m
+from astraflow.protocol import packed
 from astraflow.protocol.codec import encode
 from astraflow.state.batches import decode_ids
 from tests.chaos.cluster import Cluster, ro
@@ -93,14 +93,19 @@ def test_attacks_fail_and_the_run_finishes(tiny_model: Path, tmp_path: Path) -> 
                 sampling=m.SamplingParams(),
             )
 
+        # and a packed array whose size is no whole number of int32s (7 bytes of tokens)
+        torn = m.PackedSequence.of(seq([1, 2, 3]))
+        torn.tokens = torn.tokens[:7]
         forged = [
             [m.Episode(sequences=[seq([1, vocab + 5, vocab * 9])])] * 8,
             [m.Episode(sequences=[seq([1, 2, 3])])] * 9,  # more than the group: it would overrun admission
             [m.Episode(sequences=[seq([1, 2, 3], n_lp=2)])] * 8,
+            [m.PackedEpisode(sequences=[torn])] * 8,
         ]
-        for task, episodes in zip(hoard, forged, strict=False):
+        for task, episodes in zip(hoard, forged, strict=True):
             r = rogue.ask(m.TaskResult(task_id=task.task_id, epoch=task.epoch, episodes=episodes))
             assert isinstance(r, m.Error) and r.code == "bad_result", r
+        assert "tokens is 7 bytes, not a whole number of 4-byte items" in r.message, r
 
         # it keeps heartbeating without reporting progress for longer than a lease: it keeps nothing
         until = time.monotonic() + 4.5
@@ -179,9 +184,8 @@ def test_attacks_fail_and_the_run_finishes(tiny_model: Path, tmp_path: Path) -> 
         )
         ids = [i for (row,) in db.execute("SELECT traj_ids FROM batches") for i in decode_ids(row)]
         assert len(ids) == len(set(ids)) == steps * 32, "a trajectory was trained twice or a batch is short"
-        toks = msgspec.msgpack.Decoder(list[int])
         for (blob,) in db.execute("SELECT tokens FROM trajectories"):
-            assert max(toks.decode(blob)) < vocab
+            assert max(packed.ints(blob)) < vocab  # stored as the packed int32 array the result carried
         assert (
             db.execute("SELECT COUNT(*) FROM tasks WHERE owner='rogue' AND status='done'").fetchone()[0] == 0
         )
@@ -194,7 +198,7 @@ def test_attacks_fail_and_the_run_finishes(tiny_model: Path, tmp_path: Path) -> 
     assert len(members) < 100, f"{len(members)} member rows kept after the silent Hellos"
     assert hw is None or hw <= 128
     assert any(e.startswith("raas-1 ") for e in events) and any(e.startswith("raas-2 ") for e in events)
-    assert fails["by_reason"].get("invalid_result") == 3
+    assert fails["by_reason"].get("invalid_result") == len(forged)
     assert "draining" in c.log("raas-2.log", tail=100_000)
     assert ran_leave, c.log("raas-1.log")
     print(f"500 silent Hellos took {ghosts_s:.1f}s")

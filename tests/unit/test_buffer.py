@@ -45,11 +45,14 @@ def test_roundtrip_and_counts(tmp_path: Path) -> None:
     assert batch is not None and [s.traj_id for s in batch.samples] == ids
     s = batch.samples[0]
     assert (
-        s.tokens == [1] * 5
-        and s.loss_mask == [0, 0, 1, 1, 1]
-        and s.logprobs[-1] == -0.5
-        and s.versions[-1] == 0
+        s.token_list() == [1] * 5
+        and s.mask_list() == [0, 0, 1, 1, 1]
+        and s.logprob_list()[-1] == -0.5
+        and s.version_list()[-1] == 0
     )
+    # stored and served as the packed arrays the result carried: int32 and float32 little-endian
+    assert s.tokens == b"\x01\x00\x00\x00" * 5 and s.loss_mask == b"\x00\x00\x01\x01\x01"
+    assert s.logprobs[-4:] == b"\x00\x00\x00\xbf"
     assert buf.counts("main") == {"buffered": 0, "consumed": 2, "expired": 0, "dropped": 0}
 
 
@@ -148,3 +151,34 @@ def test_batch_is_served_in_task_order_whatever_the_arrival(tmp_path: Path) -> N
         by_id = {i: (t, j) for t, group in ids.items() for j, i in enumerate(group)}
         served.append([by_id[s.traj_id] for s in batch.samples])
     assert served[0] == served[1] == [(1, 0), (1, 1), (2, 0), (2, 1), (3, 0), (3, 1)]
+
+
+def test_a_group_stores_each_sequence_s_trained_length_and_oldest_version(tmp_path: Path) -> None:
+    """min_versions works on the group's packed arrays at once: each row gets its own sequence's values,
+    including one that generated nothing (oldest version present) and one with no version at all (-1)."""
+    store = Store.open(tmp_path / "s.db")
+    masks_versions = [
+        ([0, 1, 1, 0, 1], [-1, 7, 4, -1, 9]),
+        ([0, 0], [-1, 2]),
+        ([0, 0, 0], [-1, -1, -1]),
+        ([1, 1, 1, 1, 1, 1, 1], [3, 3, 2, 8, 8, 8, 8]),
+        ([1, 0, 1], [-1, 5, 6]),  # an unversioned generated token is skipped
+    ]
+    seqs = [
+        Sequence(
+            policy="main",
+            tokens=[1] * len(mask),
+            loss_mask=mask,
+            logprobs=[0.0] * len(mask),
+            versions=versions,
+            sampling=SamplingParams(),
+        )
+        for mask, versions in masks_versions
+    ]
+    ids = Buffer(store).insert(1, "k1", seqs, [0.0] * len(seqs))
+    rows = store.query(
+        f"SELECT id, length, min_version FROM trajectories WHERE id IN ({','.join(map(str, ids))})"
+    )
+    got = {r["id"]: (r["length"], r["min_version"]) for r in rows}
+    assert [got[i] for i in ids] == [(3, 4), (0, 2), (0, -1), (7, 2), (2, 6)]
+    assert [min_version(s) for s in seqs] == [4, 2, -1, 2, 6]

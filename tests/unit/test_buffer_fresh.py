@@ -53,7 +53,7 @@ def test_a_rolled_back_insert_leaves_nothing_kept(tmp_path: Path) -> None:
     ids = buf.insert(2, "k2", [_seq(3, 0.0), _seq(4, 1.0)], [-0.5, 0.5])
     batch = buf.next_batch("main", 1, batch_size=2, max_staleness=0, version=0)
     assert batch is not None and [s.traj_id for s in batch.samples] == ids
-    assert [s.tokens[0] for s in batch.samples] == [3, 4]
+    assert [s.token_list()[0] for s in batch.samples] == [3, 4]
 
 
 def test_beyond_the_budget_the_oldest_are_read_from_the_store(

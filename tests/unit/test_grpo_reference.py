@@ -106,14 +106,14 @@ def test_trainer_gradient_is_the_dapo_token_mean_over_the_batch(model_dir: Path)
     loss, grads = TorchTrainer(pol).batch_gradients(batch)
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    width = max(len(s.tokens) for s in batch)
+    width = max(s.length for s in batch)
     ids = torch.zeros(len(batch), width, dtype=torch.long)
     attn = torch.zeros_like(ids)
     mask = torch.zeros(len(batch), width - 1)
     for i, s in enumerate(batch):
-        ids[i, : len(s.tokens)] = torch.tensor(s.tokens)
-        attn[i, : len(s.tokens)] = 1
-        mask[i, : len(s.tokens) - 1] = torch.tensor(s.loss_mask[1:], dtype=torch.float32)
+        ids[i, : s.length] = torch.tensor(s.token_list())
+        attn[i, : s.length] = 1
+        mask[i, : s.length - 1] = torch.tensor(s.mask_list()[1:], dtype=torch.float32)
     logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1] / TEMP
     logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
     adv = torch.tensor([s.advantage for s in batch]).unsqueeze(1)

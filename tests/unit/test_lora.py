@@ -46,7 +46,7 @@ def test_lora_trains_adapters_and_exports_merged_weights(tmp_path: Path) -> None
     plain = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     plain.load_state_dict(after)
     s = batch(1)[0]
-    tokens = torch.tensor([s.tokens])
+    tokens = torch.tensor([s.token_list()])
     attn = torch.ones_like(tokens)
     with torch.no_grad():
         merged = token_logprobs(plain, tokens, attn)

@@ -73,8 +73,8 @@ def test_fresh_tokens_match_and_stale_tokens_show_their_gap(
     p = mismatch.PREFIX
     # without a prox pass, minibatches=2 measures the first update only (the second sees moved weights)
     part = batch if loss == "decoupled_ppo" else batch[: math.ceil(len(batch) / minibatches)]
-    stale_n = sum(sum(s.loss_mask) for s in part if s.versions[-1] == 0)
-    fresh_n = sum(sum(s.loss_mask) for s in part if s.versions[-1] == 1)
+    stale_n = sum(sum(s.loss_mask) for s in part if s.version_list()[-1] == 0)
+    fresh_n = sum(sum(s.loss_mask) for s in part if s.version_list()[-1] == 1)
     assert got[p + "tokens_fresh"] == fresh_n and got[p + "tokens_stale"] == stale_n > 0
     assert got[p + "logp_abs_diff_fresh"] < 1e-5
     assert got[p + "ratio_fresh"] == pytest.approx(1.0, abs=1e-5)

@@ -167,9 +167,9 @@ def test_positive_advantage_raises_the_sequence_logprob(model_dir: Path) -> None
 
     good = msgspec.structs.replace(_batch(2, n=1)[0], advantage=1.0)
     trainer = TorchTrainer(_policy(model_dir))
-    tokens = torch.tensor([good.tokens])
+    tokens = torch.tensor([good.token_list()])
     attn = torch.ones_like(tokens)
-    mask = torch.tensor([good.loss_mask[1:]], dtype=torch.float32)
+    mask = torch.tensor([good.mask_list()[1:]], dtype=torch.float32)
     with torch.no_grad():
         start = float((token_logprobs(trainer.model, tokens, attn) * mask).sum())
     for _ in range(3):

@@ -115,10 +115,10 @@ def test_token_balanced_plan() -> None:
 def test_packed_rows_have_no_padding_and_reset_positions() -> None:
     samples = _samples(1, 5)
     mb = packing.build(samples, pack=True, row_tokens=0, pad_id=0, device=torch.device("cpu"))
-    assert mb.input_ids.shape == (1, sum(len(s.tokens) for s in samples))
+    assert mb.input_ids.shape == (1, sum(s.length for s in samples))
     assert mb.attention_mask is None
     starts = (mb.position_ids[0] == 0).nonzero().squeeze(-1).tolist()
-    assert starts == [0, *torch.tensor([len(s.tokens) for s in samples]).cumsum(0)[:-1].tolist()]
+    assert starts == [0, *torch.tensor([s.length for s in samples]).cumsum(0)[:-1].tolist()]
     assert int(mb.src.numel()) == sum(sum(s.loss_mask[1:]) for s in samples)
 
 
@@ -161,5 +161,5 @@ def test_sequences_do_not_attend_across_a_packed_boundary(model_dir: Path) -> No
     with torch.no_grad():
         lp_alone = trainer.policy_lm(alone)[0][0]
         lp_both = trainer.policy_lm(both)[0][1]
-    n = len(b.tokens) - 1
+    n = b.length - 1
     assert torch.allclose(lp_alone[:n], lp_both[:n], atol=1e-5)

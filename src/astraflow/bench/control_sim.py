@@ -114,25 +114,28 @@ class _Member:
 
 def _episodes(
     task: m.Task, policy: str, version: int, rng: random.Random, tokens: int = 3
-) -> list[m.Episode]:
-    """The task's group as trivial one-sequence episodes: 3 prompt tokens, `tokens` generated."""
+) -> list[m.PackedEpisode]:
+    """The task's group as trivial one-sequence episodes: 3 prompt tokens, `tokens` generated, packed
+    as a RaaS sends them."""
     n = task.group_sizes.get(policy, task.group_size) if task.group_sizes else task.group_size
-    return [
-        m.Episode(
-            sequences=[
-                m.Sequence(
-                    policy=policy,
-                    tokens=[1, 2, 3] + [4 + i % 5 for i in range(tokens)],
-                    loss_mask=[0, 0, 0] + [1] * tokens,
-                    logprobs=[0.0, 0.0, 0.0] + [-0.5] * tokens,
-                    versions=[-1, -1, -1] + [version] * tokens,
-                    reward=float(rng.random() < 0.5),
-                    sampling=m.SamplingParams(),
-                )
-            ]
-        )
-        for _ in range(n)
-    ]
+    return m.pack_episodes(
+        [
+            m.Episode(
+                sequences=[
+                    m.Sequence(
+                        policy=policy,
+                        tokens=[1, 2, 3] + [4 + i % 5 for i in range(tokens)],
+                        loss_mask=[0, 0, 0] + [1] * tokens,
+                        logprobs=[0.0, 0.0, 0.0] + [-0.5] * tokens,
+                        versions=[-1, -1, -1] + [version] * tokens,
+                        reward=float(rng.random() < 0.5),
+                        sampling=m.SamplingParams(),
+                    )
+                ]
+            )
+            for _ in range(n)
+        ]
+    )
 
 
 def simulate(spec: SimSpec) -> SimResult:

@@ -18,20 +18,22 @@ _VALID: list[m.Msg] = [
     m.TaskResult(
         task_id=1,
         epoch=1,
-        episodes=[
-            m.Episode(
-                sequences=[
-                    m.Sequence(
-                        policy="main",
-                        tokens=[1, 2],
-                        loss_mask=[0, 1],
-                        logprobs=[0, -1.0],
-                        versions=[-1, 0],
-                        sampling=m.SamplingParams(),
-                    )
-                ]
-            )
-        ],
+        episodes=m.pack_episodes(
+            [
+                m.Episode(
+                    sequences=[
+                        m.Sequence(
+                            policy="main",
+                            tokens=[1, 2],
+                            loss_mask=[0, 1],
+                            logprobs=[0, -1.0],
+                            versions=[-1, 0],
+                            sampling=m.SamplingParams(),
+                        )
+                    ]
+                )
+            ]
+        ),
     ),
     m.BatchRequest(policy="main", step=1),
     m.VersionPublished(policy="main", version=1, step=1, weights_addr="tcp://127.0.0.1:1"),

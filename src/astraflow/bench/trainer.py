@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from astraflow.errors import AstraflowError
+from astraflow.protocol import packed
 
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 """Dense bf16 tensor-core peaks (no sparsity) by card name fragment, TFLOP/s."""
@@ -80,10 +81,10 @@ def synthetic_batch(n: int, seq_len: int, prompt_len: int, vocab: int, seed: int
         out.append(
             TrainSample(
                 traj_id=i,
-                tokens=[rng.randrange(4, vocab) for _ in range(seq_len)],
-                loss_mask=[0] * prompt_len + [1] * gen,
-                logprobs=[0.0] * prompt_len + [-8.0] * gen,
-                versions=[-1] * prompt_len + [0] * gen,
+                tokens=packed.pack_ints("tokens", [rng.randrange(4, vocab) for _ in range(seq_len)]),
+                loss_mask=packed.pack_mask([0] * prompt_len + [1] * gen),
+                logprobs=packed.pack_floats("logprobs", [0.0] * prompt_len + [-8.0] * gen),
+                versions=packed.pack_ints("versions", [-1] * prompt_len + [0] * gen),
                 reward=float(i % 2),
                 advantage=1.0 if i % 2 else -1.0,
                 sampling=SamplingParams(),
@@ -225,7 +226,7 @@ def _baseline(
     if options.get("gradient_checkpointing"):
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     opt = torch.optim.AdamW(lm.parameters(), lr=1e-6, weight_decay=0.0)
-    ids = torch.tensor([s.tokens for s in samples], dtype=torch.long, device=dev)
+    ids = torch.tensor([s.token_list() for s in samples], dtype=torch.long, device=dev)
     labels = ids.clone()
     labels[:, : sum(1 for m in samples[0].loss_mask if not m)] = -100
     n = ids.shape[0]

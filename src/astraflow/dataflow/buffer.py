@@ -12,21 +12,18 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
-from itertools import compress
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from astraflow.data.base import BufferItem, BufferOrder
 from astraflow.data.order import EdfOrder, FifoOrder
 from astraflow.dataflow.limits import RefusedResult, nonfinite_row
-from astraflow.protocol.messages import SamplingParams, Sequence, TrainSample
+from astraflow.protocol import packed
+from astraflow.protocol.messages import PackedSequence, SamplingParams, Sequence, TrainSample
 from astraflow.state import batches, trajectories
 from astraflow.state.store import Store
-
-_enc = msgspec.msgpack.Encoder()
-_ints = msgspec.msgpack.Decoder(list[int])
-_floats = msgspec.msgpack.Decoder(list[float])
 
 FRESH_TOKENS = 262_144
 """Tokens of just-stored buffered trajectories kept in memory as ready TrainSamples (tens of MB at
@@ -55,15 +52,34 @@ def default_order(kind: str) -> BufferOrder:
     return EdfOrder() if kind == "edf" else FifoOrder()
 
 
-def min_version(seq: Sequence) -> int:
+_NONE = np.iinfo(np.int32).max
+
+
+def min_versions(seqs: list[PackedSequence]) -> list[int]:
+    """Oldest version among the tokens each sequence's policy generated (-1 when it generated none
+    with a version: then the oldest version present, else -1), for a group at once: one numpy pass
+    over the group's packed versions instead of Python numbers per token."""
+    out = [-1] * len(seqs)
+    idx = [i for i, s in enumerate(seqs) if s.loss_mask]
+    if not idx:
+        return out
+    versions = np.frombuffer(b"".join([seqs[i].versions for i in idx]), packed.INT32)
+    mask = np.frombuffer(b"".join([seqs[i].loss_mask for i in idx]), np.uint8) != 0
+    starts = np.cumsum([0] + [len(seqs[i].loss_mask) for i in idx[:-1]])
+    known = versions >= 0
+    generated = np.minimum.reduceat(np.where(mask & known, versions, _NONE), starts).tolist()
+    present = generated
+    if _NONE in generated:  # a sequence with no versioned generated token: the oldest version present
+        present = np.minimum.reduceat(np.where(known, versions, _NONE), starts).tolist()
+    for k, i in enumerate(idx):
+        oldest = generated[k] if generated[k] != _NONE else present[k]
+        out[i] = oldest if oldest != _NONE else -1
+    return out
+
+
+def min_version(seq: Sequence | PackedSequence) -> int:
     """Oldest version among the tokens this policy generated (-1 when it generated none)."""
-    oldest = min(compress(seq.versions, seq.loss_mask), default=-1)
-    if oldest >= 0:  # the common case, found in C: every generated token has a version
-        return oldest
-    vs = [v for v, m in zip(seq.versions, seq.loss_mask, strict=False) if m and v >= 0]
-    if not vs:
-        vs = [v for v in seq.versions if v >= 0]
-    return min(vs) if vs else -1
+    return min_versions([seq if isinstance(seq, PackedSequence) else PackedSequence.of(seq)])[0]
 
 
 class Buffer:
@@ -92,32 +108,35 @@ class Buffer:
         self,
         task_id: int,
         prompt_key: str,
-        seqs: list[Sequence],
+        group: list[PackedSequence] | list[Sequence],
         advantages: list[float],
         status: str = "buffered",
     ) -> list[int]:
-        """Store one group's sequences (one policy) with their advantages; returns trajectory ids."""
-        if not seqs:
+        """Store one group's sequences (one policy) with their advantages; returns trajectory ids.
+        The packed arrays are stored as they came (protocol/packed.py); lists are packed first."""
+        if not group:
             return []
+        seqs = [s if isinstance(s, PackedSequence) else PackedSequence.of(s) for s in group]
         for seq, adv in zip(seqs, advantages, strict=True):
             why = nonfinite_row(seq.reward, adv)
             if why:
                 raise RefusedResult(f"task {task_id}: {why} is not finite; not stored")
         with self.store.write():
             arrival = trajectories.max_trajectory_id(self.store)
+            oldest = min_versions(seqs)
             rows = [
                 (
                     task_id,
                     seq.policy,
                     prompt_key,
-                    _enc.encode(seq.tokens),
-                    _enc.encode(seq.loss_mask),
-                    _enc.encode(seq.logprobs),
-                    _enc.encode(seq.versions),
+                    seq.tokens,
+                    seq.loss_mask,
+                    seq.logprobs,
+                    seq.versions,
                     float(seq.reward),
                     float(adv),
-                    int(sum(seq.loss_mask)),
-                    min_version(seq),
+                    len(seq.loss_mask) - seq.loss_mask.count(0),
+                    oldest[i],
                     arrival + i + 1,
                     status,
                     seq.role,
@@ -136,13 +155,13 @@ class Buffer:
                 self._generated[pol] += sum(1 for seq in seqs if seq.policy == pol)
         return ids
 
-    def _remember(self, ids: list[int], seqs: list[Sequence], advantages: list[float]) -> None:
+    def _remember(self, ids: list[int], seqs: list[PackedSequence], advantages: list[float]) -> None:
         """Keep stored buffered trajectories as the TrainSamples `_samples` would read back."""
         for i, seq, adv in zip(ids, seqs, advantages, strict=True):
             sp = seq.sampling
             self._fresh[i] = TrainSample(
                 traj_id=i,
-                # the lists of the decoded result, which nothing changes after it is stored
+                # the arrays of the decoded result, as stored (bytes: nothing changes them)
                 tokens=seq.tokens,
                 loss_mask=seq.loss_mask,
                 logprobs=seq.logprobs,
@@ -152,9 +171,9 @@ class Buffer:
                 replay=False,
                 sampling=_sampling(float(sp.temperature), float(sp.top_p), int(sp.top_k)),
             )
-            self._fresh_tokens += len(seq.tokens)
+            self._fresh_tokens += len(seq.loss_mask)
         while self._fresh_tokens > FRESH_TOKENS and self._fresh:
-            self._fresh_tokens -= len(self._fresh.pop(next(iter(self._fresh))).tokens)
+            self._fresh_tokens -= len(self._fresh.pop(next(iter(self._fresh))).loss_mask)
 
     def _forget_fresh(self) -> None:
         self._fresh.clear()
@@ -166,7 +185,7 @@ class Buffer:
         for i in ids:
             sample = self._fresh.pop(i, None)
             if sample is not None:
-                self._fresh_tokens -= len(sample.tokens)
+                self._fresh_tokens -= len(sample.loss_mask)
                 out[i] = sample
         return out
 
@@ -202,8 +221,8 @@ class Buffer:
         return out
 
     def sample_bytes(self, ids: list[int]) -> list[int]:
-        """The stored bytes of each trajectory's per-token lists, in the order of `ids`: what they take
-        in a TrainSample (the same msgpack encoding), read without loading them."""
+        """The stored bytes of each trajectory's per-token arrays, in the order of `ids`: what they take
+        in a TrainSample (the same packed arrays), read without loading them."""
         if not ids:
             return []
         by_id = trajectories.token_bytes(self.store, ids)
@@ -320,10 +339,10 @@ class Buffer:
             out.append(
                 TrainSample(
                     traj_id=i,
-                    tokens=_ints.decode(r["tokens"]),
-                    loss_mask=_ints.decode(r["loss_mask"]),
-                    logprobs=_floats.decode(r["logprobs"]),
-                    versions=_ints.decode(r["versions"]),
+                    tokens=r["tokens"],
+                    loss_mask=r["loss_mask"],
+                    logprobs=r["logprobs"],
+                    versions=r["versions"],
                     reward=float(r["reward"]),
                     advantage=float(r["advantage"]),
                     replay=replay,

@@ -26,7 +26,8 @@ from astraflow.config.eval import EvalConfig
 from astraflow.config.recipe import Recipe, WorkflowConfig
 from astraflow.dataflow.source import prompt_key, read_jsonl
 from astraflow.errors import RecipeError
-from astraflow.protocol.messages import Episode
+from astraflow.protocol import packed
+from astraflow.protocol.messages import AnyEpisodes, pack_episodes
 from astraflow.state import eval_rounds
 from astraflow.state.ledger import Ledger, TaskRow
 from astraflow.state.store import Store
@@ -208,9 +209,10 @@ class Evaluator:
         """True while a round is not yet aggregated."""
         return bool(self.open_rounds)
 
-    def record(self, task_id: int, episodes: list[Episode]) -> None:
+    def record(self, task_id: int, episodes: AnyEpisodes) -> None:
         """Store an accepted eval task's per-sample rewards (call inside the result's transaction)."""
         policy, _version = self.open_tasks.pop(task_id)
+        episodes = pack_episodes(episodes)
         rewards: list[float] = []
         versions: list[int] = []
         for ep in episodes:
@@ -218,7 +220,9 @@ class Evaluator:
             if mine:
                 # one sample per episode: a policy playing several turns or roles gets their mean
                 rewards.append(sum(s.reward for s in mine) / len(mine))
-                versions.extend(v for s in mine for v, mk in zip(s.versions, s.loss_mask, strict=True) if mk)
+                versions.extend(
+                    v for s in mine for v, mk in zip(packed.ints(s.versions), s.loss_mask, strict=True) if mk
+                )
         eval_rounds.record_rewards(self.store, task_id, rewards, min(versions, default=-1))
 
     def finish_rounds(self) -> list[dict[str, Any]]:

@@ -14,19 +14,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from astraflow.config.recipe import PolicyConfig, Recipe
-from astraflow.protocol.messages import Episode, Sequence
+from astraflow.protocol.messages import AnyEpisodes, Sequence
 
 MIN_LOGPROB = -1000.0
 """Lowest behaviour logprob a generated token may carry: a token that unlikely is never sampled (in
 float32 no probability is below e^-104, in float64 below e^-745); 0.0 on masked tokens."""
 SAMPLE_OVERHEAD_BYTES = 256
-"""Bytes of a TrainSample's encoding besides its four per-token lists (field names, scalars)."""
+"""Bytes of a TrainSample's encoding besides its four per-token arrays (field names, scalars)."""
 
 
 def seq_bytes(n_tokens: int) -> int:
-    """An upper bound of the encoded size of a TrainSample of n tokens: msgpack ints take at most 9
-    bytes, floats 9, and each list 5 bytes of header (computed without encoding anything)."""
-    return SAMPLE_OVERHEAD_BYTES + n_tokens * (9 + 1 + 9 + 9) + 4 * 5
+    """An upper bound of the encoded size of a TrainSample of n tokens: packed arrays of 4 + 1 + 4 + 4
+    bytes a token, each with at most 5 bytes of msgpack header (computed without encoding anything)."""
+    return SAMPLE_OVERHEAD_BYTES + n_tokens * (4 + 1 + 4 + 4) + 4 * 5
 
 
 def model_max_positions(model_dir: str) -> int | None:
@@ -130,7 +130,7 @@ class Limits:
         return max(map(abs, rewards)) <= bound
 
 
-def info_problem(episodes: list[Episode]) -> str:
+def info_problem(episodes: AnyEpisodes) -> str:
     """Why an episode's info is unusable ('' when it is fine): its numbers feed step metrics."""
     for i, ep in enumerate(episodes):
         for k, v in ep.info.items():

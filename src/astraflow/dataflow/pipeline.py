@@ -31,7 +31,13 @@ from astraflow.dataflow.estimators import AdvantageEstimator, make_estimator
 from astraflow.dataflow.limits import RefusedResult
 from astraflow.errors import RecipeError
 from astraflow.log import get
-from astraflow.protocol.messages import Episode, Sequence, TrainSample
+from astraflow.protocol.messages import (
+    AnyEpisodes,
+    PackedEpisode,
+    PackedSequence,
+    TrainSample,
+    pack_episodes,
+)
 from astraflow.state.store import Store
 
 log = get("pipeline")
@@ -222,16 +228,17 @@ class Pipeline:
         buffer: Buffer,
         task_id: int,
         prompt_key: str,
-        episodes: list[Episode],
+        episodes: AnyEpisodes,
         read_only: Iterable[str] = (),
     ) -> list[GroupOutcome]:
         """Store a finished task's sequences: group advantages, curator feedback, filters, buffer entry.
 
         Groups are (policy, group key): the sequence's group_key, with its role in front for a policy
         that plays several roles (self-play: one baseline per role) unless the workflow shares them.
-        Sequences of read-only policies (frozen, or budget taken) are not kept."""
+        Sequences of read-only policies (frozen, or budget taken) are not kept; list episodes are packed."""
+        episodes = pack_episodes(episodes)
         skip = set(read_only)
-        groups: dict[tuple[str, str, str], list[tuple[Sequence, dict[str, Any]]]] = {}
+        groups: dict[tuple[str, str, str], list[tuple[PackedSequence, dict[str, Any]]]] = {}
         for ep in episodes:
             for seq in ep.sequences:
                 if seq.policy not in self.policies:
@@ -242,7 +249,7 @@ class Pipeline:
                 role = seq.role if seq.policy in self.split_roles else ""
                 groups.setdefault((seq.policy, role, seq.group_key), []).append((seq, ep.info))
         # every group's advantages first: a result with a non-finite one is refused before any state changes
-        planned: list[tuple[str, list[tuple[Sequence, dict[str, Any]]], list[float], list[float]]] = []
+        planned: list[tuple[str, list[tuple[PackedSequence, dict[str, Any]]], list[float], list[float]]] = []
         for (pol, _role, key), items in groups.items():
             rewards = [float(s.reward) for s, _ in items]
             estimator = self.policies[pol].estimator
@@ -279,7 +286,7 @@ class Pipeline:
         task_id: int,
         prompt_key: str,
         policy: str,
-        items: list[tuple[Sequence, dict[str, Any]]],
+        items: list[tuple[PackedSequence, dict[str, Any]]],
         rewards: list[float],
         advantages: list[float],
     ) -> GroupView:
@@ -299,7 +306,7 @@ class Pipeline:
             turn_truncated=[[t.truncated for t in ts] for ts in turns],
         )
 
-    def _observe_info(self, ep: Episode, skip: set[str], task_id: int) -> None:
+    def _observe_info(self, ep: PackedEpisode, skip: set[str], task_id: int) -> None:
         """Add an episode's numeric info to each (policy, role) it has sequences of."""
         if not ep.info:
             return  # nothing to add (take_info reads a missing task as no info)

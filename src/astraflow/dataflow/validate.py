@@ -4,7 +4,7 @@ A worker's result is data from the network: it may be buggy or forged. Everythin
 relies on is checked here: each policy has the sequences the task asks of it (the workflow's shape
 of the task's per-policy group sizes; at most that many for a policy read-only in the task), every
 sequence belongs to a policy the workflow's roles map to, token ids are inside the policy's vocabulary, the per-token
-lists have one entry per token, versions exist, logprobs are finite and at most 0, rewards are
+arrays have one entry per token, versions exist, logprobs are finite and at most 0, rewards are
 finite, sampling settings are those the task allowed (dataflow/sampling_rule.py), each sequence keeps
 to the bounds of dataflow/limits.py (length, |reward|, lowest logprob, bytes) and episode info numbers
 are finite. A result that fails is a failed attempt with the reason (docs/protocol.md).
@@ -15,15 +15,18 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from itertools import chain, compress
+from itertools import compress
 from pathlib import Path
+
+import numpy as np
 
 from astraflow import log
 from astraflow.config.recipe import Recipe
 from astraflow.data.turns import turns_problem
 from astraflow.dataflow.limits import MIN_LOGPROB, Limits, info_problem
 from astraflow.dataflow.sampling_rule import sampling_problem
-from astraflow.protocol.messages import Episode, Sequence
+from astraflow.protocol import packed
+from astraflow.protocol.messages import AnyEpisodes, PackedSequence, Sequence, pack_episodes
 
 _log = log.get("validate")
 
@@ -67,7 +70,7 @@ class ResultChecker:
 
     def check(
         self,
-        episodes: list[Episode],
+        episodes: AnyEpisodes,
         *,
         expected: dict[str, int],
         roles: dict[str, str],
@@ -79,7 +82,8 @@ class ResultChecker:
         admission counts with it, so more would overrun the staleness cap); fewer is fine, none
         included (a workflow may skip a role on some tasks, or generate less with a read-only
         policy: its groups are then smaller and admission queues more); `latest` is each policy's
-        newest version; `task_sampling` the task's sampling overrides (Task.sampling)."""
+        newest version; `task_sampling` the task's sampling overrides (Task.sampling). Episodes of
+        Python lists (in-process callers) are packed first, as a RaaS sends them."""
         if not episodes:
             return "0 episodes"
         allowed = set(roles.values())
@@ -88,89 +92,98 @@ class ResultChecker:
                 return f"episode {i} has no sequence"
             if len(ep.sequences) > MAX_SEQUENCES_PER_EPISODE:
                 return f"episode {i} has {len(ep.sequences)} sequences (at most {MAX_SEQUENCES_PER_EPISODE})"
-        seqs = [s for ep in episodes for s in ep.sequences]
         # the whole result's sequences are checked at once first; only a result that fails is walked
         # sequence by sequence, to name the first sequence at fault and why
+        clean = False
         try:
-            clean = self._clean(seqs, allowed, latest, task_sampling or {})
-        except (TypeError, ValueError):  # a value of the wrong type (in-process callers): walk them
-            clean = False
+            seqs = [s for ep in pack_episodes(episodes) for s in ep.sequences]
+        except ValueError:  # in-process lists with a value no packed type holds: the walk names it
+            seqs = []
+        if seqs:
+            try:
+                clean = self._clean(seqs, allowed, latest, task_sampling or {})
+            except (TypeError, ValueError):  # a value of the wrong type (in-process callers): walk them
+                clean = False
         for i, ep in enumerate(episodes if not clean else ()):
-            for j, s in enumerate(ep.sequences):
-                why = self._sequence(s, allowed, latest, task_sampling or {})
-                if not why and self.limits is not None:
-                    why = self.limits.sequence(s)
+            walked: list[Sequence | PackedSequence] = list(ep.sequences)
+            for j, s in enumerate(walked):
+                why = self._walk(s, allowed, latest, task_sampling or {})
                 if why:
                     return f"episode {i} sequence {j}: {why}"
-        why = info_problem(episodes)
-        if why:
-            return why
-        got: dict[str, int] = {}
-        for s in seqs:
-            got[s.policy] = got.get(s.policy, 0) + 1
-        for pol in sorted(allowed):
-            n, want = got.get(pol, 0), expected.get(pol, 0)
-            if n > want:
-                return (
-                    f"{n} sequences of policy {pol!r} in {len(episodes)} episodes, the task asks for at "
-                    f"most {want} (the workflow's sequences_per_task must count every sequence it returns)"
-                )
-        return ""
+        return info_problem(episodes) or _overrun(episodes, allowed, expected)
+
+    def _walk(
+        self,
+        s: Sequence | PackedSequence,
+        allowed: set[str],
+        latest: dict[str, int],
+        task_sampling: dict[str, float | int],
+    ) -> str:
+        """What is wrong with one sequence ('' when nothing), read as lists: slow, only for a result
+        the whole-result pass did not clear."""
+        if isinstance(s, PackedSequence):
+            if s.policy not in allowed:
+                return f"policy {s.policy!r} is not one the task's roles map to ({sorted(allowed)})"
+            why = packed.layout_problem(s.tokens, s.loss_mask, s.logprobs, s.versions)
+            if why:
+                return why
+            s = s.unpack()
+        why = self._sequence(s, allowed, latest, task_sampling)
+        if not why and self.limits is not None:
+            why = self.limits.sequence(s)
+        return why
 
     def _clean(
         self,
-        seqs: list[Sequence],
+        seqs: list[PackedSequence],
         allowed: set[str],
         latest: dict[str, int],
         task_sampling: dict[str, float | int],
     ) -> bool:
-        """Whether every sequence passes every check of `_sequence` and the limits, decided with a few
-        C-level passes over the result's tokens (per policy) instead of a dozen calls per sequence.
+        """Whether every sequence passes every check of `_walk`, decided with a few numpy reductions
+        over the result's packed arrays (per policy) instead of a dozen calls per sequence.
         False means "walk them one by one", never "invalid" by itself."""
-        by_policy: dict[str, list[Sequence]] = {}
+        by_policy: dict[str, list[PackedSequence]] = {}
         for s in seqs:
             by_policy.setdefault(s.policy, []).append(s)
         if not allowed.issuperset(by_policy):
             return False
         for policy, group in by_policy.items():
-            if any(s.turns is not None for s in group):
-                return False  # recorded turns are checked per sequence (turns_problem)
-            lengths = [len(s.tokens) for s in group]
+            sizes = [len(s.loss_mask) for s in group]
+            # equal int32 sizes (4 bytes a token) make every size a whole number of items
+            quads = [4 * n for n in sizes]
             if (
-                min(lengths) == 0
-                or lengths != [len(s.loss_mask) for s in group]
-                or lengths != [len(s.logprobs) for s in group]
-                or lengths != [len(s.versions) for s in group]
+                min(sizes) == 0
+                or quads != [len(s.tokens) for s in group]
+                or quads != [len(s.logprobs) for s in group]
+                or quads != [len(s.versions) for s in group]
             ):
                 return False
-            tokens = list(chain.from_iterable(s.tokens for s in group))
+            tokens = np.frombuffer(b"".join([s.tokens for s in group]), packed.INT32)
             vocab = self.vocab.get(policy)
-            if min(tokens) < 0 or (vocab is not None and max(tokens) >= vocab):
+            if tokens.min() < 0 or (vocab is not None and tokens.max() >= vocab):
                 return False
-            mask = list(chain.from_iterable(s.loss_mask for s in group))
-            # bytes() refuses anything outside 0..255; what is left after deleting 0s and 1s is the rest
-            try:
-                if bytes(mask).translate(None, b"\x00\x01"):
-                    return False
-            except (TypeError, ValueError):
+            mask = b"".join([s.loss_mask for s in group])
+            # what is left after deleting 0s and 1s is the rest
+            if mask.translate(None, b"\x00\x01"):
                 return False
-            logprobs = list(chain.from_iterable(s.logprobs for s in group))
-            # the sum is NaN when any value is NaN (the bounds exclude infinities, and values in
-            # [MIN_LOGPROB, 0] cannot add up to one)
-            total = sum(logprobs)
-            if total != total or max(logprobs) > 0.0 or min(logprobs) < MIN_LOGPROB:
+            logprobs = np.frombuffer(b"".join([s.logprobs for s in group]), packed.FLOAT32)
+            # a NaN makes max and min NaN, and every comparison with NaN is False
+            if not (logprobs.max() <= 0.0 and logprobs.min() >= MIN_LOGPROB):
                 return False
-            versions = list(chain.from_iterable(s.versions for s in group))
-            if (
-                max(versions) > latest.get(policy, 0)
-                or min(versions) < -1
-                or min(compress(versions, mask), default=0) < 0
-            ):
+            versions = np.frombuffer(b"".join([s.versions for s in group]), packed.INT32)
+            low = int(versions.min())
+            if int(versions.max()) > latest.get(policy, 0) or low < -1:
+                return False
+            if low < 0 and versions[np.frombuffer(mask, np.bool_)].min(initial=0) < 0:
                 return False
             rewards = [s.reward for s in group]
             if not all(map(math.isfinite, rewards)):
                 return False
-            if self.limits is not None and not self.limits.group_fits(policy, max(lengths), rewards):
+            # recorded turns (multi-turn transcripts) against the mask bytes, once the sizes agree
+            if any(turns_problem(s) for s in group if s.turns is not None):
+                return False
+            if self.limits is not None and not self.limits.group_fits(policy, max(sizes), rewards):
                 return False
             recipe_sampling = self.recipe.get_policy(policy).sampling
             for claimed in {s.sampling for s in group}:
@@ -216,3 +229,19 @@ class ResultChecker:
         if why:
             return f"sampling settings not allowed by the task: {why}"
         return turns_problem(s)
+
+
+def _overrun(episodes: AnyEpisodes, allowed: set[str], expected: dict[str, int]) -> str:
+    """Which policy has more sequences than the task asks of it ('' when none)."""
+    got: dict[str, int] = {}
+    for ep in episodes:
+        for s in ep.sequences:
+            got[s.policy] = got.get(s.policy, 0) + 1
+    for pol in sorted(allowed):
+        n, want = got.get(pol, 0), expected.get(pol, 0)
+        if n > want:
+            return (
+                f"{n} sequences of policy {pol!r} in {len(episodes)} episodes, the task asks for at "
+                f"most {want} (the workflow's sequences_per_task must count every sequence it returns)"
+            )
+    return ""

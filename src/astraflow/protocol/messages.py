@@ -9,12 +9,15 @@ which docs/protocol.md documents struct by struct.
 
 from __future__ import annotations
 
+import collections.abc
 import math
 from typing import Annotated, Any
 
 import msgspec
 
-PROTOCOL_VERSION = 5
+from astraflow.protocol import packed
+
+PROTOCOL_VERSION = 6
 
 # Caps on what a peer may send, checked by the decoder before a message reaches a handler
 # (docs/protocol.md "Limits"); frames as a whole are capped by the transport's MAXMSGSIZE.
@@ -99,12 +102,117 @@ class Sequence(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Policy turns as (start index, generated tokens, truncated); None: derived from loss_mask runs."""
 
 
+MAX_PACKED_BYTES = 1 << 26
+"""Most bytes of one packed per-token field (16 Mi tokens of int32); frames are capped lower still."""
+Packed = Annotated[bytes, msgspec.Meta(max_length=MAX_PACKED_BYTES)]
+"""A packed per-token array (protocol/packed.py): int32, uint8 or float32, little-endian."""
+
+
+class PackedSequence(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A Sequence as it travels in a result and is stored: its per-token lists as packed arrays.
+
+    Built from a Sequence by `of`; the controller checks the arrays without turning them into lists
+    (dataflow/validate.py), and a size that is not a whole number of items is refused there."""
+
+    policy: Name
+    tokens: Packed
+    """int32 little-endian token ids."""
+    loss_mask: Packed
+    """uint8, one per token: 1 on trained tokens, 0 elsewhere."""
+    logprobs: Packed
+    """float32 little-endian behaviour logprobs, one per token."""
+    versions: Packed
+    """int32 little-endian policy version of each token (-1 where the mask is 0)."""
+    sampling: SamplingParams
+    """As in Sequence."""
+    reward: float = 0.0
+    """As in Sequence."""
+    role: Name = ""
+    """As in Sequence."""
+    group_key: Annotated[str, msgspec.Meta(max_length=1024)] = ""
+    """As in Sequence."""
+    turns: Annotated[list[tuple[int, int, bool]], msgspec.Meta(max_length=65536)] | None = None
+    """As in Sequence."""
+
+    @classmethod
+    def of(cls, s: Sequence) -> PackedSequence:
+        """The packed form of a sequence (ValueError naming the field when a value does not fit its type)."""
+        return cls(
+            policy=s.policy,
+            tokens=packed.pack_ints("tokens", s.tokens),
+            loss_mask=packed.pack_mask(s.loss_mask),
+            logprobs=packed.pack_floats("logprobs", s.logprobs),
+            versions=packed.pack_ints("versions", s.versions),
+            sampling=s.sampling,
+            reward=s.reward,
+            role=s.role,
+            group_key=s.group_key,
+            turns=s.turns,
+        )
+
+    def unpack(self) -> Sequence:
+        """The Sequence these arrays hold (ValueError when a size is not a whole number of items)."""
+        return Sequence(
+            policy=self.policy,
+            tokens=packed.ints(self.tokens),
+            loss_mask=list(self.loss_mask),
+            logprobs=packed.floats(self.logprobs),
+            versions=packed.ints(self.versions),
+            sampling=self.sampling,
+            reward=self.reward,
+            role=self.role,
+            group_key=self.group_key,
+            turns=self.turns,
+        )
+
+
 class Episode(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """One run of a workflow on one sample: sequences for one or more policies."""
 
     sequences: Annotated[list[Sequence], msgspec.Meta(max_length=4096)]
     info: Annotated[dict[Name, Scalar], msgspec.Meta(max_length=256)] = {}
     """Free-form numbers a workflow reports (e.g. correctness, turns); scalars only."""
+
+
+class PackedEpisode(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """An Episode as it travels in a result: its sequences packed."""
+
+    sequences: Annotated[list[PackedSequence], msgspec.Meta(max_length=4096)]
+    info: Annotated[dict[Name, Scalar], msgspec.Meta(max_length=256)] = {}
+    """As in Episode."""
+
+    @classmethod
+    def of(cls, ep: Episode | PackedEpisode) -> PackedEpisode:
+        """The packed form of an episode (itself when packed already); a value that does not fit its
+        type raises ValueError naming the sequence and the field."""
+        if isinstance(ep, PackedEpisode):
+            return ep
+        out = []
+        for j, s in enumerate(ep.sequences):
+            try:
+                out.append(s if isinstance(s, PackedSequence) else PackedSequence.of(s))
+            except ValueError as exc:
+                raise ValueError(f"sequence {j}: {exc}") from None
+        return cls(sequences=out, info=ep.info)
+
+
+AnyEpisodes = collections.abc.Sequence[Episode | PackedEpisode]
+"""Episodes of Python lists (built in process) or packed (decoded from the wire)."""
+
+
+def pack_episodes(episodes: AnyEpisodes) -> list[PackedEpisode]:
+    """Episodes in their packed form (those already packed as they are); ValueError names the episode,
+    sequence and field of a value that does not fit its type."""
+    out = []
+    for i, ep in enumerate(episodes):
+        if type(ep) is PackedEpisode:
+            out.append(ep)
+            continue
+        try:
+            out.append(PackedEpisode.of(ep))
+        except ValueError as exc:
+            raise ValueError(f"episode {i} {exc}") from None
+    return out
 
 
 class WeightOffer(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -163,18 +271,54 @@ class Task(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class TrainSample(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """One sequence as a trainer receives it, with its group advantage."""
+    """One sequence as a trainer receives it, with its group advantage; its per-token data packed as
+    it was stored (PackedSequence's layout). Lists given in process are packed on construction."""
 
     traj_id: int
-    tokens: list[int]
-    loss_mask: list[int]
-    logprobs: list[float]
-    versions: list[int]
+    tokens: Packed
+    """int32 little-endian token ids."""
+    loss_mask: Packed
+    """uint8, one per token."""
+    logprobs: Packed
+    """float32 little-endian behaviour logprobs."""
+    versions: Packed
+    """int32 little-endian versions."""
     reward: float
     advantage: float
     sampling: SamplingParams
     """Sampling settings of the behaviour distribution: the trainer recomputes logprobs under them."""
     replay: bool = False
+
+    def __post_init__(self) -> None:
+        if type(self.tokens) is not bytes:
+            self.tokens = packed.pack_ints("tokens", self.tokens)
+        if type(self.loss_mask) is not bytes:
+            self.loss_mask = packed.pack_mask(self.loss_mask)
+        if type(self.logprobs) is not bytes:
+            self.logprobs = packed.pack_floats("logprobs", self.logprobs)
+        if type(self.versions) is not bytes:
+            self.versions = packed.pack_ints("versions", self.versions)
+
+    @property
+    def length(self) -> int:
+        """Tokens in the sample."""
+        return len(self.tokens) // 4
+
+    def token_list(self) -> list[int]:
+        """The token ids as Python ints."""
+        return packed.ints(self.tokens)
+
+    def mask_list(self) -> list[int]:
+        """The loss mask as Python ints."""
+        return list(self.loss_mask)
+
+    def logprob_list(self) -> list[float]:
+        """The behaviour logprobs as Python floats (float32 values)."""
+        return packed.floats(self.logprobs)
+
+    def version_list(self) -> list[int]:
+        """The versions as Python ints."""
+        return packed.ints(self.versions)
 
 
 # ----- membership --------------------------------------------------------------------------------
@@ -278,12 +422,16 @@ class TaskGrant(Msg, kw_only=True):
 
 
 class TaskResult(Msg, kw_only=True):
-    """The episodes of a leased task (or the error that ended it)."""
+    """The episodes of a leased task (or the error that ended it). Episodes built in process are
+    packed on construction (a value that does not fit its packed type raises ValueError)."""
 
     task_id: int
     epoch: int
-    episodes: Annotated[list[Episode], msgspec.Meta(max_length=4096)] = []
+    episodes: Annotated[list[PackedEpisode], msgspec.Meta(max_length=4096)] = []
     error: Text = ""
+
+    def __post_init__(self) -> None:
+        self.episodes = pack_episodes(self.episodes)
 
 
 class ResultAck(Msg, kw_only=True):
@@ -298,12 +446,16 @@ MAX_RESULTS = 1024
 
 
 class Outcome(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """One task's result inside TaskResults: the fields of a TaskResult."""
+    """One task's result inside TaskResults: the fields of a TaskResult (episodes built in process
+    are packed on construction)."""
 
     task_id: int
     epoch: int
-    episodes: Annotated[list[Episode], msgspec.Meta(max_length=4096)] = []
+    episodes: Annotated[list[PackedEpisode], msgspec.Meta(max_length=4096)] = []
     error: Text = ""
+
+    def __post_init__(self) -> None:
+        self.episodes = pack_episodes(self.episodes)
 
 
 class TaskResults(Msg, kw_only=True):

@@ -305,7 +305,7 @@ class RaaS:
 
     async def _run_task(self, task: Any) -> None:
         """Run one task's group of episodes and report the result (or the error)."""
-        from astraflow.protocol.messages import Outcome
+        from astraflow.protocol.messages import Outcome, pack_episodes
 
         self.active.add(task.task_id)
         try:
@@ -326,7 +326,7 @@ class RaaS:
                 self.workflow.run_group(dict(task.sample), clients, sizes),
                 timeout=self.sections.rollout.task_timeout_s,
             )
-            result = Outcome(task_id=task.task_id, epoch=task.epoch, episodes=list(episodes))
+            result = Outcome(task_id=task.task_id, epoch=task.epoch, episodes=pack_episodes(list(episodes)))
         except asyncio.CancelledError:
             raise
         except TimeoutError:

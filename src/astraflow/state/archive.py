@@ -25,7 +25,7 @@ COLUMNS = (
     "id, task_id, policy, prompt_key, tokens, loss_mask, logprobs, versions, reward, advantage, length, "
     "min_version, arrival, status, consumed_step, role, group_key, temperature, top_p, top_k"
 )
-"""The trajectories columns an archive file keeps (every one: token lists stay msgpack bytes)."""
+"""The trajectories columns an archive file keeps (every one: the per-token arrays stay packed bytes)."""
 ARCHIVE_DIR = "archive"
 
 

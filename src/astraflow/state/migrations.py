@@ -212,6 +212,56 @@ def m0008_retired_tasks(db: Database) -> None:
     db.table("retired_tasks").create({"owner": str, "done": int}, pk="owner")
 
 
+PACKED_MIGRATION = "0009_packed_tokens"
+"""The migration after which trajectories hold packed arrays (protocol 6) instead of msgpack lists."""
+
+
+def m0009_packed_tokens(db: Database) -> None:
+    """Trajectories' per-token columns become packed little-endian arrays (int32 tokens and versions,
+    uint8 loss mask, float32 logprobs: protocol/packed.py) instead of msgpack lists; every stored row
+    is converted in this transaction. Archive files written before it hold msgpack lists and are not
+    rewritten: a run that has them is refused with the reason (resume it with the astraflow that wrote it)."""
+    import msgspec
+
+    from astraflow.protocol import packed
+    from astraflow.state.store import StateError
+
+    if (
+        "archived" in db.table_names()
+        and db.execute("SELECT COUNT(*) FROM archived WHERE file != ''").fetchone()[0]
+    ):
+        raise StateError(
+            "this run's archive/ files hold token lists in the msgpack format of protocol 5 and earlier; this astraflow "
+            "(protocol 6) stores packed arrays and does not convert archive files",
+            hint="resume or read this run with the astraflow version that wrote it",
+        )
+    ints = msgspec.msgpack.Decoder(list[int])
+    floats = msgspec.msgpack.Decoder(list[float])
+    conn = db.conn
+    after = 0
+    while True:
+        rows = conn.execute(
+            "SELECT id, tokens, loss_mask, logprobs, versions FROM trajectories WHERE id > ? ORDER BY id LIMIT 1000",
+            (after,),
+        ).fetchall()
+        if not rows:
+            break
+        conn.executemany(
+            "UPDATE trajectories SET tokens = ?, loss_mask = ?, logprobs = ?, versions = ? WHERE id = ?",
+            [
+                (
+                    packed.pack_ints("tokens", ints.decode(tok)),
+                    packed.pack_mask(ints.decode(mask)),
+                    packed.pack_floats("logprobs", floats.decode(lp)),
+                    packed.pack_ints("versions", ints.decode(ver)),
+                    i,
+                )
+                for i, tok, mask, lp, ver in rows
+            ],
+        )
+        after = rows[-1][0]
+
+
 MIGRATIONS: list[tuple[str, Migration]] = [
     ("0001_initial", m0001_initial),
     ("0002_sequence_roles", m0002_sequence_roles),
@@ -221,6 +271,7 @@ MIGRATIONS: list[tuple[str, Migration]] = [
     ("0006_member_index", m0006_member_index),
     ("0007_archived", m0007_archived),
     ("0008_retired_tasks", m0008_retired_tasks),
+    (PACKED_MIGRATION, m0009_packed_tokens),
 ]
 """Every migration in the order applied; append only."""
 

@@ -12,13 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import msgspec
-
+from astraflow.protocol import packed
 from astraflow.state import tasks
 from astraflow.state.store import StateError, Store
-
-_ints = msgspec.msgpack.Decoder(list[int])
-_floats = msgspec.msgpack.Decoder(list[float])
 
 BUSY_TIMEOUT_S = 0.2
 """How long a dashboard read waits on a locked database before skipping this poll."""
@@ -69,19 +65,36 @@ def _sample(r: Any, with_logprobs: bool) -> Sample:
         task_id=int(r["task_id"]),
         policy=r["policy"],
         prompt_key=r["prompt_key"] or "",
-        tokens=_ints.decode(r["tokens"]),
-        loss_mask=_ints.decode(r["loss_mask"]),
-        versions=_ints.decode(r["versions"]),
+        tokens=packed.ints(r["tokens"]),
+        loss_mask=list(r["loss_mask"]),
+        versions=packed.ints(r["versions"]),
         reward=float(r["reward"]),
         advantage=float(r["advantage"] or 0.0),
         status=r["status"],
         consumed_step=None if r["consumed_step"] is None else int(r["consumed_step"]),
-        logprobs=_floats.decode(r["logprobs"]) if with_logprobs else [],
+        logprobs=packed.floats(r["logprobs"]) if with_logprobs else [],
+    )
+
+
+def require_packed(store: Store) -> None:
+    """Refuse a state.db whose trajectories are still msgpack lists (written before protocol 6 and not
+    opened since by a controller, which converts them): reading them as packed arrays would misread."""
+    from astraflow.state.migrations import PACKED_MIGRATION
+
+    has = store.scalar("SELECT COUNT(*) FROM sqlite_master WHERE type = 'table' AND name = 'migrations'")
+    if has and store.scalar("SELECT COUNT(*) FROM migrations WHERE name = ?", (PACKED_MIGRATION,)):
+        return
+    raise StateError(
+        "this state.db stores token lists in the msgpack format of protocol 5 and earlier; this astraflow reads "
+        "packed arrays (protocol 6)",
+        hint="open the run once with this version's `astraflow controller` (it converts them), or read "
+        "it with the astraflow that wrote it",
     )
 
 
 def recent_samples(store: Store, policy: str, limit: int = 50, with_logprobs: bool = False) -> list[Sample]:
     """The newest trajectories of a policy, newest first."""
+    require_packed(store)
     rows = store.query(
         f"SELECT {_SAMPLE_COLS}{', logprobs' if with_logprobs else ''} FROM trajectories "
         "WHERE policy = ? ORDER BY id DESC LIMIT ?",
@@ -112,6 +125,8 @@ def _archived_newest(store: Store, policy: str, limit: int, with_logprobs: bool)
 def every_sample(store: Store, page: int = 10_000) -> Iterator[Sample]:
     """Every trajectory of the run, by id: those in state.db and those a retention pass archived."""
     import heapq
+
+    require_packed(store)
 
     from astraflow.state import archive
 

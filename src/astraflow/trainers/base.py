@@ -22,7 +22,8 @@ class Trainer(ABC):
 
     @abstractmethod
     def step(self, batch: list[TrainSample]) -> dict[str, float]:
-        """Take one optimizer step (minibatches inside) and return metrics."""
+        """Take one optimizer step (minibatches inside) and return metrics; the samples' per-token data are
+        packed arrays (TrainSample)."""
 
     @abstractmethod
     def export_weights(self) -> dict[str, Any]:

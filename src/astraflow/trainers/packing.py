@@ -18,12 +18,12 @@ longest first, each to the currently lightest micro-batch.
 from __future__ import annotations
 
 import heapq
-from array import array
-from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from astraflow.protocol import packed
 from astraflow.protocol.messages import TrainSample
 
 
@@ -54,7 +54,7 @@ def plan(
     Otherwise the update's sequences are balanced by tokens into world x k groups, k the same on every
     rank (so every rank runs the same number of forward/backward passes); a group may be empty.
     """
-    lengths = [len(s.tokens) for s in samples]
+    lengths = [s.length for s in samples]
     if micro_batch_tokens <= 0 and world == 1:
         return [
             list(range(i, min(i + micro_batch, len(samples)))) for i in range(0, len(samples), micro_batch)
@@ -113,16 +113,6 @@ class MicroBatch:
         return (self.mask.shape[0], self.mask.shape[1])
 
 
-def _longs(xs: Sequence[int]) -> torch.Tensor:
-    """A Python int list as an int64 tensor (through array: a C loop, ~20x faster than torch.tensor)."""
-    return torch.frombuffer(array("q", xs), dtype=torch.long) if xs else torch.zeros(0, dtype=torch.long)
-
-
-def _floats(xs: Sequence[float]) -> torch.Tensor:
-    """A Python float list as a float32 tensor (through array, like _longs)."""
-    return torch.frombuffer(array("f", xs), dtype=torch.float32) if xs else torch.zeros(0)
-
-
 def _rows(lengths: list[int], pack: bool, row_tokens: int) -> list[list[int]]:
     """Sequences (indices) per row: one each when not packing, else first-fit decreasing into rows
     of `row_tokens` (0 = a single row for all)."""
@@ -173,44 +163,44 @@ def build(
             one_per_row=True,
         )
     for s in samples:
-        if not (len(s.loss_mask) == len(s.logprobs) == len(s.versions) == len(s.tokens)):
+        if not (4 * len(s.loss_mask) == len(s.logprobs) == len(s.versions) == len(s.tokens)):
             raise ValueError(f"sample {s.traj_id}: tokens, loss_mask, logprobs and versions differ in length")
-    lengths = [len(s.tokens) for s in samples]
+    lengths = [s.length for s in samples]
     rows = _rows(lengths, pack, row_tokens)
     width = max(sum(lengths[i] for i in row) for row in rows)
     b, view_len = len(samples), max(lengths) - 1
     span = max(view_len, 0)
-    # Flat Python lists filled by slices, then one tensor each: a tensor per sequence costs more than
-    # the whole micro-batch when sequences are short (the quickstart's are 9 tokens).
-    ids_l = [pad_id] * (len(rows) * width)
-    pos_l = [0] * (len(rows) * width)
-    attn_l = [0] * (len(rows) * width)
-    mask_l = [0] * (b * span)
-    beh_l = [0.0] * (b * span)
-    ver_l = [-1] * (b * span)
+    # Flat arrays filled by slices of each sample's packed bytes (one copy each), then one tensor each:
+    # a tensor per sequence costs more than the whole micro-batch when sequences are short.
+    ids_l = np.full(len(rows) * width, pad_id, dtype=np.int64)
+    pos_l = np.zeros(len(rows) * width, dtype=np.int64)
+    attn_l = np.zeros(len(rows) * width, dtype=np.int64)
+    mask_l = np.zeros(b * span, dtype=np.float32)
+    beh_l = np.zeros(b * span, dtype=np.float32)
+    ver_l = np.full(b * span, -1, dtype=np.int64)
     first = [0] * b  # flat index of each sequence's first token in the rows
     for r, row in enumerate(rows):
         start, end = r * width, (r + 1) * width
         for i in row:
             s, n = samples[i], lengths[i]
-            ids_l[start : start + n] = s.tokens
-            pos_l[start : start + n] = range(n)
-            attn_l[start : start + n] = [1] * n
+            ids_l[start : start + n] = np.frombuffer(s.tokens, packed.INT32)
+            pos_l[start : start + n] = np.arange(n)
+            attn_l[start : start + n] = 1
             # Position j of the views is token j+1, predicted by the hidden state at token j.
-            at = i * span
-            mask_l[at : at + max(n - 1, 0)] = s.loss_mask[1:]
-            beh_l[at : at + max(n - 1, 0)] = s.logprobs[1:]
-            ver_l[at : at + max(n - 1, 0)] = s.versions[1:]
+            at, k = i * span, max(n - 1, 0)
+            mask_l[at : at + k] = np.frombuffer(s.loss_mask, packed.UINT8)[1:]
+            beh_l[at : at + k] = np.frombuffer(s.logprobs, packed.FLOAT32)[1:]
+            ver_l[at : at + k] = np.frombuffer(s.versions, packed.INT32)[1:]
             first[i] = start
             start += n
         if pack and start < end:
             # Trailing padding is its own "sequence" (positions from 0) so nothing attends into it.
-            pos_l[start:end] = range(end - start)
-    ids = _longs(ids_l).reshape(len(rows), width)
-    pos = _longs(pos_l).reshape(len(rows), width)
-    attn = _longs(attn_l).reshape(len(rows), width)
-    mask = _floats(mask_l).reshape(b, span)
-    behaviour = _floats(beh_l).reshape(b, span)
+            pos_l[start:end] = np.arange(end - start)
+    ids = torch.from_numpy(ids_l).reshape(len(rows), width)
+    pos = torch.from_numpy(pos_l).reshape(len(rows), width)
+    attn = torch.from_numpy(attn_l).reshape(len(rows), width)
+    mask = torch.from_numpy(mask_l).reshape(b, span)
+    behaviour = torch.from_numpy(beh_l).reshape(b, span)
     seq, j = mask.nonzero(as_tuple=True)
     src_t = torch.tensor(first, dtype=torch.long)[seq] + j
     # Trained positions in the rows' order (row by row, left to right), as the hidden states lie.
@@ -236,7 +226,7 @@ def build(
         adv=torch.tensor([s.advantage for s in samples], dtype=torch.float32).to(device),
         rewards=torch.tensor([s.reward for s in samples], dtype=torch.float32).to(device),
         sequences=b,
-        versions=_longs(ver_l).reshape(b, span).to(device),
+        versions=torch.from_numpy(ver_l).reshape(b, span).to(device),
         # Conservative: a top_k at or above the vocabulary also counts (the exact path, only slower).
         filtered=any(s.sampling.filtered() for s in samples),
         one_per_row=all(len(row) == 1 for row in rows),

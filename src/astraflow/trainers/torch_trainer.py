@@ -450,7 +450,7 @@ class TorchTrainer(Trainer):
         version = self._step - 1
         stale = []
         for s in batch:
-            trained = [v for v, m in zip(s.versions, s.loss_mask, strict=True) if m and v >= 0]
+            trained = [v for v, m in zip(s.version_list(), s.loss_mask, strict=True) if m and v >= 0]
             stale.append(version - min(trained) if trained else 0)
         tokens = sum(sum(s.loss_mask) for s in batch)
         return {

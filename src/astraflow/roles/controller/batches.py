@@ -59,7 +59,7 @@ def _batch_reply(ctl: ControllerCore, msg: m.BatchRequest) -> m.Msg:
         return m.BatchReply(rid=msg.rid, policy=msg.policy, step=msg.step, retry_after_s=RETRY_S)
     if batch.new:
         ctl.made_progress()
-    bounds = _part_bounds(ctl, [s.traj_id for s in batch.samples], [len(s.tokens) for s in batch.samples])
+    bounds = _part_bounds(ctl, [s.traj_id for s in batch.samples], [s.length for s in batch.samples])
     served = ctl.pipeline.batch_samples(msg.policy, batch.samples)  # the estimator's batch stage
     return m.BatchReply(
         rid=msg.rid,
