@@ -75,6 +75,9 @@ def _engine(
     from astraflow.weights.broadcast import BroadcastMember
 
     torch.set_num_threads(1)
+    from astraflow import log
+
+    log.setup(name)  # the member's joins, failures and generations on stderr (a churn run's story)
     dev = _device(kind, index)
     member = BroadcastMember(address, token, name, dev, timeout_s=timeout_s)
     out.put((name, -1, time.time(), True))  # started
@@ -264,6 +267,9 @@ def _churn(
     """Kill an engine during a broadcast and add a new one: time until every live engine holds a newer version."""
     import torch
 
+    from astraflow import log
+
+    log.setup("hub")  # the hub's dropped and new generations on stderr, beside the engines'
     victim = sorted(pool.procs)[0]
     _progress(f"churn: killing {victim} during version {v}, starting engine-new")
     t0 = time.time()

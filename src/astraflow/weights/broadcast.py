@@ -398,6 +398,7 @@ class BroadcastMember:
         if self._closed:
             return
         g = int(store.get(key))
+        _log.info("broadcast: %s joins generation %d", ticket, g)
         while not self._closed:
             tickets = json.loads(store.get(f"{self.token}/g{g}/members"))
             rank = tickets.index(ticket) + 1
