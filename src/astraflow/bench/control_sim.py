@@ -13,6 +13,7 @@ deadline passes, and writes its result file last.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import json
 import random
@@ -22,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import zmq
 
 from astraflow.protocol import messages as m
@@ -116,25 +118,27 @@ def _episodes(
     task: m.Task, policy: str, version: int, rng: random.Random, tokens: int = 3
 ) -> list[m.PackedEpisode]:
     """The task's group as trivial one-sequence episodes: 3 prompt tokens, `tokens` generated, packed
-    as a RaaS sends them."""
+    as a RaaS sends them (packed once per version and length: the simulator's own cost must stay small
+    beside the controller's on a shared machine)."""
     n = task.group_sizes.get(policy, task.group_size) if task.group_sizes else task.group_size
-    return m.pack_episodes(
-        [
-            m.Episode(
-                sequences=[
-                    m.Sequence(
-                        policy=policy,
-                        tokens=[1, 2, 3] + [4 + i % 5 for i in range(tokens)],
-                        loss_mask=[0, 0, 0] + [1] * tokens,
-                        logprobs=[0.0, 0.0, 0.0] + [-0.5] * tokens,
-                        versions=[-1, -1, -1] + [version] * tokens,
-                        reward=float(rng.random() < 0.5),
-                        sampling=m.SamplingParams(),
-                    )
-                ]
-            )
-            for _ in range(n)
-        ]
+    template = _template(policy, version, tokens)
+    return [
+        m.PackedEpisode(sequences=[msgspec.structs.replace(template, reward=float(rng.random() < 0.5))])
+        for _ in range(n)
+    ]
+
+
+@functools.lru_cache(maxsize=8)
+def _template(policy: str, version: int, tokens: int) -> m.PackedSequence:
+    return m.PackedSequence.of(
+        m.Sequence(
+            policy=policy,
+            tokens=[1, 2, 3] + [4 + i % 5 for i in range(tokens)],
+            loss_mask=[0, 0, 0] + [1] * tokens,
+            logprobs=[0.0, 0.0, 0.0] + [-0.5] * tokens,
+            versions=[-1, -1, -1] + [version] * tokens,
+            sampling=m.SamplingParams(),
+        )
     )
 
 
