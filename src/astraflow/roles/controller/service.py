@@ -44,6 +44,11 @@ class Controller(ControllerCore):
         self, recipe: Recipe, run_dir: Path, store: Store, *, allow_recipe_change: bool = False
     ) -> None:
         super().__init__(recipe, run_dir, store, allow_recipe_change=allow_recipe_change)
+        self._hand_over(recipe, run_dir, store)
+
+    def _hand_over(self, recipe: Recipe, run_dir: Path, store: Store) -> None:
+        """Give each member message's handler the parts of the state it reads, once (a flood of
+        messages must not rebuild them): keywords, or one context per concern."""
         rc, cc = recipe.rollout, recipe.controller
         self._heartbeat = partial(
             members.on_heartbeat,
