@@ -1,4 +1,4 @@
-"""The controller's state: what it owns and the reads every handler shares.
+"""The controller's state: what it owns, composed of the parts the handlers take.
 
 `ControllerCore` holds the store, the task ledger, the buffers and data pipelines, the member table,
 the parked long polls, the policies' versions (policy_versions.py), the run's end (run_end.py), the
@@ -14,7 +14,6 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from astraflow import log
 from astraflow.config.load import role_map
 from astraflow.config.recipe import Recipe
 from astraflow.dataflow.admission import AdmissionSections, admission_for
@@ -32,7 +31,7 @@ from astraflow.roles.controller.metrics_row import StepMetrics
 from astraflow.roles.controller.parked import ParkedRequests
 from astraflow.roles.controller.policy_versions import PolicyVersions
 from astraflow.roles.controller.progress import made_progress
-from astraflow.roles.controller.run_end import RunEnd, summary
+from astraflow.roles.controller.run_end import RunEnd
 from astraflow.roles.controller.task_queue import TaskQueue, TaskShapes
 from astraflow.roles.member_accounting import MemberAccounting
 from astraflow.roles.member_sections import sections_for
@@ -40,14 +39,13 @@ from astraflow.roles.member_table import MemberTable
 from astraflow.state.ledger import Ledger
 from astraflow.state.store import Store
 
-_log = log.get("controller")
-
 RETRY_S = 0.2
 """retry_after_s told to members when nothing is available yet."""
 
 
 class ControllerCore:
-    """The run's state as the controller holds it, and the reads and transitions every handler shares."""
+    """The run's state as the controller holds it, and the reads and transitions the periodic work,
+    the IO side and the tests use (each one delegates to the part that holds it)."""
 
     def __init__(
         self, recipe: Recipe, run_dir: Path, store: Store, *, allow_recipe_change: bool = False
@@ -179,7 +177,7 @@ class ControllerCore:
             doc = self.welcome_sections[key] = sections_for(self.recipe, role, policies, self.roles)
         return doc
 
-    # ----- transitions every handler shares ------------------------------------------------------
+    # ----- transitions --------------------------------------------------------------------------
 
     def flush_touches(self) -> None:
         """Write the heartbeats seen since the last flush (last_seen, loaded version, slots) at once."""
@@ -197,6 +195,3 @@ class ControllerCore:
         """Record a metric sink's failure or recovery as an event (`status`, the dashboard, `up`)."""
         with self.store.write():
             self.store.add_event(kind, detail[:1000])
-
-
-__all__ = ["RETRY_S", "ControllerCore", "summary"]

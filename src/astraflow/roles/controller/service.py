@@ -22,9 +22,10 @@ from astraflow.protocol import messages as m
 from astraflow.protocol.codec import DecodeError
 from astraflow.roles import authz
 from astraflow.roles.controller import batches, lifecycle, members, results, tasks, versions
-from astraflow.roles.controller.core import ControllerCore, summary
+from astraflow.roles.controller.core import ControllerCore
 from astraflow.roles.controller.outcome import Event, Outcome
 from astraflow.roles.controller.parked import Parked, immediate
+from astraflow.roles.controller.run_end import summary
 from astraflow.roles.run_control import on_control
 from astraflow.state.status import build_status
 from astraflow.state.store import Store
