@@ -167,3 +167,33 @@ def test_a_handler_returns_its_events_and_answers_no_held_request_itself(
     ]
     bye = c.outcome(b"w", m.Bye(reason="done"))
     assert isinstance(bye.reply, m.Ack) and bye.events == (Event.RUN_CHANGED,) and bye.void == b"w"
+
+
+def test_the_heartbeat_handler_takes_the_held_rids_as_data_not_the_held_table(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """`members.on_heartbeat` gets the parts it reads and the rids of the member's held requests
+    (roles/controller/service.py hands them over): `lost` is the waited-on rids not among them, whatever
+    the IO side's table holds. The same through dispatch: the test of heartbeats and lost rids above."""
+    from astraflow.roles.controller import members
+
+    c = _controller(tiny_model, tmp_path)
+    assert isinstance(
+        _to(c.dispatch(b"trainer-main", _hello("trainer-main", "trainer")), "trainer-main")[0], m.Welcome
+    )
+    member = c.members.row("trainer-main")
+    assert member is not None
+    done = members.on_heartbeat(
+        member,
+        m.Heartbeat(waiting=[7, 8, 9]),
+        held=(8,),
+        store=c.store,
+        ledger=c.ledger,
+        members=c.members,
+        accounting=c.accounting,
+        versions=c.policy_versions,
+        run=c.run,
+        lease_max_age_s=60.0,
+    )
+    assert isinstance(done.reply, m.HeartbeatAck) and done.reply.lost == [7, 9] and not done.reply.stop
+    assert len(c.parked) == 0  # nothing was held: only the rids it was given decided

@@ -22,7 +22,6 @@ from astraflow.config.recipe import Recipe
 from astraflow.data.base import GroupFilter, GroupView
 from astraflow.dataflow.buffer import Buffer
 from astraflow.dataflow.source import PromptSource
-from astraflow.metrics.sinks import Sinks
 from astraflow.protocol import messages as m
 from astraflow.roles.controller import Controller
 from astraflow.state.failure_tail import FailureTail
@@ -138,7 +137,7 @@ def test_a_step_row_cut_off_by_a_kill_is_rewritten_on_restart(tiny_model: Path, 
     join(c, "trainer-main", "trainer")
     assert isinstance(take_step(c, 1), m.Ack)
     # the cut: step 2 commits, and the process dies before any sink receives its row
-    c.sinks = Sinks({})
+    c.sinks.sinks = {}
     assert isinstance(take_step(c, 2), m.Ack)
     assert [r["step"] for r in rows(tmp_path)] == [1]
     # one definition per name: the batch's reward (controller) and the trainer's own, apart
@@ -169,7 +168,7 @@ def test_a_real_controller_fails_loudly_on_a_full_disk_and_rewrites_the_rows_onc
     join(c, "w1", "raas")
     join(c, "trainer-main", "trainer")
     assert isinstance(take_step(c, 1), m.Ack)
-    c.sinks = Sinks({})  # the cut: step 2 commits, the process dies before the sinks get its row
+    c.sinks.sinks = {}  # the cut: step 2 commits, the process dies before the sinks get its row
     assert isinstance(take_step(c, 2), m.Ack)
     c.store.close()
     kept = tmp_path / "metrics.jsonl.kept"

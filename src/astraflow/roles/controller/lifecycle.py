@@ -1,5 +1,6 @@
 """The run's life: start (or resume) it, the periodic work between polls (liveness, lease expiry,
-queue refill, eval rounds, the end of the run), stalls, failure streaks and when the loop may exit."""
+queue refill, eval rounds, the end of the run), stalls and when the loop may exit (a failure streak
+ends the run through run_end.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from astraflow.dataflow import failures
 from astraflow.dataflow.poisoned import drop_poisoned
 from astraflow.dataflow.stall import stall_report
 from astraflow.roles import authz
-from astraflow.roles.controller.core import ControllerCore, summary
+from astraflow.roles.controller.core import ControllerCore
 from astraflow.roles.controller.metrics_row import emit, rewrite_lost_rows
 from astraflow.state import members
 
@@ -59,7 +60,7 @@ def start(ctl: ControllerCore) -> None:
             ctl.recipe.run.name,
             {p["name"]: p["step"] for p in ctl.store.policies()},
         )
-        rewrite_lost_rows(ctl)
+        rewrite_lost_rows(ctl.store, ctl.run_dir / "metrics.jsonl", ctl.sinks, ctl.run)
     ctl.refill()
 
 
@@ -68,17 +69,17 @@ def tick(ctl: ControllerCore, now: float | None = None) -> None:
     t = time.time() if now is None else now
     expired = _expire(ctl, t)
     if expired:
-        check_failed_streak(ctl, "lease expired (no progress reported within rollout.lease_timeout_s)")
+        ctl.run.check_failed_streak("lease expired (no progress reported within rollout.lease_timeout_s)")
     ctl.refill()
     if ctl.evals is not None and ctl.evals.pending():
         with ctl.store.write():
             rows = ctl.evals.finish_rounds()
         for row in rows:
-            emit(ctl, row)
+            emit(ctl.sinks, ctl.run, row)
             ctl.made_progress(t)
     budgets_met = ctl.finished() and not ctl.evals_pending()
     if ctl.finished_at is None and (budgets_met or ctl.control.stopped):
-        ctl.finished_at = t
+        ctl.run.finished_at = t
         _log.info("%s; telling members to stop", ctl.control.end_reason(ctl.finished()))
     if ctl.finished_at is None and not ctl.control.paused:
         check_stall(ctl, t)  # a paused run waits on purpose
@@ -136,20 +137,6 @@ def check_stall(ctl: ControllerCore, now: float) -> None:
             ctl.store.add_event("stall_fail", json.dumps(report, sort_keys=True))
         ctl.exit_code = 1
         ctl.stop_requested = True
-
-
-def check_failed_streak(ctl: ControllerCore, error: str) -> None:
-    """End the run (exit 1) once max_failed_tasks tasks in a row failed every attempt."""
-    n = ctl.recipe.rollout.max_failed_tasks
-    if ctl.failed is None and failures.failed_streak(ctl.store, n):
-        ctl.failed = failures.tail(error, 2000)
-        ctl.finished_at = time.time()
-        ctl.store.add_event("run_failed", f"{n} tasks in a row failed; last error: {summary(error)}")
-        _log.error(
-            "%d tasks in a row failed every attempt (rollout.max_failed_tasks); ending the run. Last error:\n%s",
-            n,
-            failures.tail(error, 2000),
-        )
 
 
 def should_exit(ctl: ControllerCore, now: float) -> bool:

@@ -1,13 +1,15 @@
 """Membership: a member joins (Hello), beats (Heartbeat), says Bye, or is asked to leave (Leave).
 
 Handlers over the store, the member table and the task ledger; each returns its Outcome (outcome.py):
-the reply, the events it caused, and the member whose held requests are void. Bye and Leave take only
-what they change.
+the reply, the events it caused, and the member whose held requests are void. Heartbeat, Bye and
+Leave take only what they read and change (the Heartbeat the rids of the member's held requests as
+data, not the held-request table); Hello takes the core.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 from typing import Any
 
 from astraflow import log
@@ -15,6 +17,9 @@ from astraflow.protocol import messages as m
 from astraflow.roles import authz
 from astraflow.roles.controller.core import ControllerCore
 from astraflow.roles.controller.outcome import Event, Outcome
+from astraflow.roles.controller.policy_versions import PolicyVersions
+from astraflow.roles.controller.run_end import RunEnd
+from astraflow.roles.member_accounting import MemberAccounting
 from astraflow.roles.member_table import MemberTable
 from astraflow.state.ledger import Ledger
 from astraflow.state.store import Store
@@ -93,36 +98,45 @@ def _checked_hello(
     return msg
 
 
-def on_heartbeat(ctl: ControllerCore, member: dict[str, Any], msg: m.Heartbeat) -> Outcome:
-    """Touch the member, renew its leases, tell it the versions and whether to stop."""
+def on_heartbeat(
+    member: dict[str, Any],
+    msg: m.Heartbeat,
+    *,
+    held: Collection[int],
+    store: Store,
+    ledger: Ledger,
+    members: MemberTable,
+    accounting: MemberAccounting,
+    versions: PolicyVersions,
+    run: RunEnd,
+    lease_max_age_s: float,
+) -> Outcome:
+    """Touch the member, renew its leases, tell it the versions and whether to stop. `held` is the
+    rids of the member's requests the controller holds (long polls): the ones it waits on that are
+    neither held nor answered are `lost`."""
     now = time.time()
-    if not ctl.accounting.heartbeat_allowed(member["id"], now):
+    if not accounting.heartbeat_allowed(member["id"], now):
         return Outcome(
             m.Error(rid=msg.rid, code="rate_limited", message="heartbeats too fast: nothing recorded")
         )
-    new_error = bool(msg.error) and ctl.accounting.new_error(member["id"], msg.error)
+    new_error = bool(msg.error) and accounting.new_error(member["id"], msg.error)
     slots = msg.busy + msg.free
     # last_seen needs no durability (a restarted controller gives every member a fresh timer):
     # it is written with the other heartbeats of this tick, before the liveness check reads it
-    ctl.members.touch(
-        member["id"], now, dict(msg.loaded) if msg.loaded else None, slots if slots > 0 else None
-    )
+    members.touch(member["id"], now, dict(msg.loaded) if msg.loaded else None, slots if slots > 0 else None)
     if msg.active or new_error:
-        with ctl.store.write():
+        with store.write():
             # only leases the worker reports working on are renewed, and none past the task timeout
-            rc = ctl.recipe.rollout
-            max_age = rc.lease_max_age_s or rc.task_timeout_s + rc.lease_timeout_s
-            ctl.ledger.renew_tasks(member["id"], msg.active, now, max_age_s=max_age)
+            ledger.renew_tasks(member["id"], msg.active, now, max_age_s=lease_max_age_s)
             if new_error:
-                ctl.store.add_event("member_error", f"{member['id']}: {msg.error[:500]}")
+                store.add_event("member_error", f"{member['id']}: {msg.error[:500]}")
     if new_error:
         _log.warning("member %s reports: %s", member["id"], msg.error[:500])
     # Requests are handled in the order they arrive, so every request the member sent before this
     # heartbeat is answered (its reply is ahead of this one) or held; any other was never received.
-    ident = str(member["id"]).encode()
-    lost = [rid for rid in msg.waiting if not ctl.parked.holds(ident, rid)]
-    versions = ctl.versions_for(member, msg)
-    return Outcome(m.HeartbeatAck(rid=msg.rid, versions=versions, stop=ctl.stopping(), lost=lost))
+    lost = [rid for rid in msg.waiting if rid not in held]
+    infos = versions.for_member(member, msg)
+    return Outcome(m.HeartbeatAck(rid=msg.rid, versions=infos, stop=run.stopping(), lost=lost))
 
 
 def on_bye(

@@ -60,11 +60,9 @@ class ParkedRequests:
         held = self.batches if isinstance(msg, m.BatchRequest) else self.tasks
         held[ident] = Parked(ident, principal, msg, now + min(float(msg.wait_s), MAX_WAIT_S))
 
-    def holds(self, ident: bytes, rid: int) -> bool:
-        """Whether a request of this member with this rid is held."""
-        return any(
-            p is not None and p.msg.rid == rid for p in (self.batches.get(ident), self.tasks.get(ident))
-        )
+    def held_rids(self, ident: bytes) -> tuple[int, ...]:
+        """The rids of this member's held requests (at most one per kind)."""
+        return tuple(p.msg.rid for p in (self.batches.get(ident), self.tasks.get(ident)) if p is not None)
 
     def drop(self, ident: bytes) -> None:
         """Forget what a member had parked (it sent a newer request of the same kind, or left)."""

@@ -4,93 +4,121 @@ charged to the member and the task (docs/architecture.md, "Group commit")."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from astraflow import log
 from astraflow.dataflow import failures
+from astraflow.dataflow.admission import Admission
+from astraflow.dataflow.buffer import Buffer
+from astraflow.dataflow.evaluation import Evaluator
 from astraflow.dataflow.limits import RefusedResult
+from astraflow.dataflow.pipeline import Pipeline
+from astraflow.dataflow.stall import Progress
+from astraflow.dataflow.validate import ResultChecker
 from astraflow.protocol import messages as m
-from astraflow.roles.controller.core import ControllerCore, summary
-from astraflow.roles.controller.lifecycle import check_failed_streak
 from astraflow.roles.controller.outcome import Event, Outcome
-from astraflow.state.ledger import TaskRow
+from astraflow.roles.controller.progress import made_progress
+from astraflow.roles.controller.run_end import RunEnd, summary
+from astraflow.roles.controller.task_queue import TaskShapes
+from astraflow.roles.member_accounting import MemberAccounting
+from astraflow.state.ledger import Ledger, TaskRow
 from astraflow.state.member_health import Kind
+from astraflow.state.store import Store
 
 _log = log.get("controller")
 
 
-def on_task_result(ctl: ControllerCore, member: dict[str, Any], msg: m.TaskResult) -> Outcome:
+@dataclass(frozen=True, slots=True)
+class Intake:
+    """What taking a result reads and changes: the lease, the checks, the stage pipeline and buffer,
+    the eval rounds, the member's record, the stall clock and the failure streak."""
+
+    store: Store
+    ledger: Ledger
+    checker: ResultChecker
+    admission: Admission
+    shapes: TaskShapes
+    pipeline: Pipeline
+    buffer: Buffer
+    evals: Evaluator | None
+    accounting: MemberAccounting
+    progress: Progress
+    run: RunEnd
+
+
+def on_task_result(ctx: Intake, member: dict[str, Any], msg: m.TaskResult) -> Outcome:
     """Validate the lease; store trajectories, advantages and filter outcomes durably; then ack (an
     accepted result is an event: a held batch request may now be ready)."""
-    reply = _task_result(ctl, member, msg)
+    reply = _task_result(ctx, member, msg)
     accepted = isinstance(reply, m.ResultAck) and reply.status == "accepted"
     return Outcome(reply, (Event.RESULT_ACCEPTED,) if accepted else ())
 
 
-def _task_result(ctl: ControllerCore, member: dict[str, Any], msg: m.TaskResult) -> m.Msg:
+def _task_result(ctx: Intake, member: dict[str, Any], msg: m.TaskResult) -> m.Msg:
     """The reply to one result, stored (or charged) as on_task_result says."""
     if msg.error:
-        status = member_failed(ctl, member, msg.task_id, msg.epoch, msg.error[:8000], "failures")
+        status = member_failed(ctx, member, msg.task_id, msg.epoch, msg.error[:8000], "failures")
         return m.ResultAck(
             rid=msg.rid,
             task_id=msg.task_id,
             status="failed" if status in ("requeued", "failed") else status,
         )
-    task = ctl.ledger.get(msg.task_id)
-    bad = _invalid(ctl, member, msg, task, None)
+    task = ctx.ledger.get(msg.task_id)
+    bad = _invalid(ctx, member, msg, task, None)
     if bad is not None:
         return m.Error(rid=msg.rid, code="bad_result", message=bad)
     try:
-        with ctl.store.write():
-            status = _store_result(ctl, member, msg, task)
+        with ctx.store.write():
+            status = _store_result(ctx, member, msg, task)
             if status == "accepted" and task is not None:
                 # stage state commits with the result that changed it: a kill -9 loses neither
                 for pol in task.policies:
-                    ctl.pipeline.save(pol)
+                    ctx.pipeline.save(pol)
     except RefusedResult as exc:
         # rolled back: nothing of the result is kept (advantages that do not fit a float)
-        status = fail_attempt(ctl, member["id"], msg.task_id, msg.epoch, f"invalid result: {exc}")
+        status = fail_attempt(ctx, member["id"], msg.task_id, msg.epoch, f"invalid result: {exc}")
         return m.Error(rid=msg.rid, code="bad_result", message=f"task {msg.task_id}: {exc} ({status})")
     return m.ResultAck(rid=msg.rid, task_id=msg.task_id, status=status)
 
 
-def on_task_results(ctl: ControllerCore, member: dict[str, Any], msg: m.TaskResults) -> Outcome:
+def on_task_results(ctx: Intake, member: dict[str, Any], msg: m.TaskResults) -> Outcome:
     """Group commit: check every result, store the valid ones in one transaction (stage state saved
     once per policy), then ack each. A result refused while stored rolls the group back, and each
     result is then handled alone, as a TaskResult would be."""
     acks: dict[int, m.OutcomeAck] = {}
     good: list[tuple[int, m.Outcome, TaskRow | None]] = []
-    tasks = ctl.ledger.get_many(o.task_id for o in msg.results if not o.error)
+    tasks = ctx.ledger.get_many(o.task_id for o in msg.results if not o.error)
     latest: dict[str, int] = {}
     for i, o in enumerate(msg.results):
         if o.error:
-            acks[i] = _outcome_ack(o.task_id, _task_result(ctl, member, _single(o)))
+            acks[i] = _outcome_ack(o.task_id, _task_result(ctx, member, _single(o)))
             continue
         task = tasks.get(o.task_id)
-        bad = _invalid(ctl, member, o, task, latest)
+        bad = _invalid(ctx, member, o, task, latest)
         if bad is not None:
             acks[i] = m.OutcomeAck(task_id=o.task_id, status="invalid", code="bad_result", message=bad)
         else:
             good.append((i, o, task))
     try:
-        with ctl.store.write():
+        with ctx.store.write():
             fed: dict[str, None] = {}
             for i, o, task in good:
-                acks[i] = m.OutcomeAck(task_id=o.task_id, status=_store_result(ctl, member, o, task))
+                acks[i] = m.OutcomeAck(task_id=o.task_id, status=_store_result(ctx, member, o, task))
                 if acks[i].status == "accepted" and task is not None:
                     fed.update(dict.fromkeys(task.policies))
             for pol in fed:
-                ctl.pipeline.save(pol)
+                ctx.pipeline.save(pol)
     except RefusedResult:
         for i, o, _task in good:
-            acks[i] = _outcome_ack(o.task_id, _task_result(ctl, member, _single(o)))
+            acks[i] = _outcome_ack(o.task_id, _task_result(ctx, member, _single(o)))
     accepted = any(a.status == "accepted" for a in acks.values())
     reply = m.ResultsAck(rid=msg.rid, acks=[acks[i] for i in range(len(msg.results))])
     return Outcome(reply, (Event.RESULT_ACCEPTED,) if accepted else ())
 
 
 def _invalid(
-    ctl: ControllerCore,
+    ctx: Intake,
     member: dict[str, Any],
     res: m.TaskResult | m.Outcome,
     task: TaskRow | None,
@@ -103,38 +131,38 @@ def _invalid(
         return None
     if not latest:
         latest = {} if latest is None else latest
-        latest.update({p["name"]: int(p["version"]) for p in ctl.store.policies()})
-    sizes = ctl.task_sizes(task)
-    bad = ctl.checker.check(
+        latest.update({p["name"]: int(p["version"]) for p in ctx.store.policies()})
+    sizes = ctx.shapes.sizes(task)
+    bad = ctx.checker.check(
         res.episodes,
-        expected=ctl.admission.task_sequences(task.roles, sizes),
+        expected=ctx.admission.task_sequences(task.roles, sizes),
         roles=task.roles,
         latest=latest,
-        task_sampling=ctl.task_sampling(task),
+        task_sampling=ctx.shapes.sampling(task),
     )
     if not bad:
         return None
-    status = member_failed(ctl, member, res.task_id, res.epoch, f"invalid result: {bad}", "invalid")
+    status = member_failed(ctx, member, res.task_id, res.epoch, f"invalid result: {bad}", "invalid")
     return f"task {res.task_id}: {bad} ({status})"
 
 
 def _store_result(
-    ctl: ControllerCore, member: dict[str, Any], res: m.TaskResult | m.Outcome, task: TaskRow | None
+    ctx: Intake, member: dict[str, Any], res: m.TaskResult | m.Outcome, task: TaskRow | None
 ) -> str:
     """Complete the task's lease and store what the result brings (inside the caller's transaction,
     which also saves the stage state of the task's policies); the status."""
-    with ctl.store.write():
-        status = ctl.ledger.complete(res.task_id, res.epoch, member["id"])
+    with ctx.store.write():
+        status = ctx.ledger.complete(res.task_id, res.epoch, member["id"])
         if status == "accepted":
-            ctl.accounting.succeeded(member["id"])
-        if status == "accepted" and ctl.is_eval(res.task_id):
-            assert ctl.evals is not None
-            ctl.evals.record(res.task_id, res.episodes)
-            ctl.made_progress()
+            ctx.accounting.succeeded(member["id"])
+        if status == "accepted" and ctx.shapes.is_eval(res.task_id):
+            assert ctx.evals is not None
+            ctx.evals.record(res.task_id, res.episodes)
+            made_progress(ctx.store, ctx.progress)
         elif status == "accepted":
             assert task is not None
-            ctl.pipeline.ingest(
-                ctl.buffer,
+            ctx.pipeline.ingest(
+                ctx.buffer,
                 task.id,
                 task.prompt_key,
                 res.episodes,
@@ -142,33 +170,33 @@ def _store_result(
                 # it fed, even when that policy's budget was taken while the task ran
                 read_only=task.read_only,
             )
-            ctl.made_progress()
+            made_progress(ctx.store, ctx.progress)
     return status
 
 
 def member_failed(
-    ctl: ControllerCore, member: dict[str, Any], task_id: int, epoch: int, error: str, kind: Kind
+    ctx: Intake, member: dict[str, Any], task_id: int, epoch: int, error: str, kind: Kind
 ) -> str:
     """A member's attempt failed: charge the member; the task too unless a healthy peer does far better."""
-    task = ctl.ledger.get(task_id)
+    task = ctx.ledger.get(task_id)
     if task is None or task.status != "leased" or task.epoch != epoch or task.owner != member["id"]:
-        return fail_attempt(ctl, member["id"], task_id, epoch, error)  # not a live attempt of its own
-    if ctl.accounting.failed(member, kind) or not ctl.ledger.give_back(task_id, epoch, member["id"]):
-        return fail_attempt(ctl, member["id"], task_id, epoch, error)
+        return fail_attempt(ctx, member["id"], task_id, epoch, error)  # not a live attempt of its own
+    if ctx.accounting.failed(member, kind) or not ctx.ledger.give_back(task_id, epoch, member["id"]):
+        return fail_attempt(ctx, member["id"], task_id, epoch, error)
     return "requeued"
 
 
-def fail_attempt(ctl: ControllerCore, member_id: str, task_id: int, epoch: int, error: str) -> str:
+def fail_attempt(ctx: Intake, member_id: str, task_id: int, epoch: int, error: str) -> str:
     """End a leased attempt with an error: count it by reason and end the run after too many failed tasks."""
-    with ctl.store.write():
-        status = ctl.ledger.fail(task_id, epoch, member_id, error)
+    with ctx.store.write():
+        status = ctx.ledger.fail(task_id, epoch, member_id, error)
         if status in ("requeued", "failed"):
-            reason = failures.record(ctl.store, error)
-            ctl.store.add_event("task_failed", f"task {task_id} on {member_id}: {reason}: {summary(error)}")
+            reason = failures.record(ctx.store, error)
+            ctx.store.add_event("task_failed", f"task {task_id} on {member_id}: {reason}: {summary(error)}")
     if status in ("requeued", "failed"):
         _log.warning("task %d failed on %s (%s):\n%s", task_id, member_id, status, error[:8000])
         if status == "failed":
-            check_failed_streak(ctl, error)
+            ctx.run.check_failed_streak(error)
     return status
 
 

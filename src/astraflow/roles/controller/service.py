@@ -17,14 +17,15 @@ from pathlib import Path
 from typing import Any, cast
 
 from astraflow import log
-from astraflow.config.recipe import Recipe
+from astraflow.config.recipe import PolicyConfig, Recipe
 from astraflow.protocol import messages as m
 from astraflow.protocol.codec import DecodeError
 from astraflow.roles import authz
 from astraflow.roles.controller import batches, lifecycle, members, results, tasks, versions
-from astraflow.roles.controller.core import ControllerCore, summary
+from astraflow.roles.controller.core import ControllerCore
 from astraflow.roles.controller.outcome import Event, Outcome
 from astraflow.roles.controller.parked import Parked, immediate
+from astraflow.roles.controller.run_end import summary
 from astraflow.roles.run_control import on_control
 from astraflow.state.status import build_status
 from astraflow.state.store import Store
@@ -44,10 +45,82 @@ class Controller(ControllerCore):
         self, recipe: Recipe, run_dir: Path, store: Store, *, allow_recipe_change: bool = False
     ) -> None:
         super().__init__(recipe, run_dir, store, allow_recipe_change=allow_recipe_change)
+        self._hand_over(recipe, run_dir, store)
+
+    def _hand_over(self, recipe: Recipe, run_dir: Path, store: Store) -> None:
+        """Give each member message's handler the parts of the state it reads, once (a flood of
+        messages must not rebuild them): keywords, or one context per concern."""
+        rc, cc = recipe.rollout, recipe.controller
+        self._heartbeat = partial(
+            members.on_heartbeat,
+            store=store,
+            ledger=self.ledger,
+            members=self.members,
+            accounting=self.accounting,
+            versions=self.policy_versions,
+            run=self.run,
+            lease_max_age_s=rc.lease_max_age_s or rc.task_timeout_s + rc.lease_timeout_s,
+        )
+        """The Heartbeat's handler; the rids of the member's held requests are added per message."""
+        policies: dict[str, PolicyConfig] = {}
+        for p in recipe.policy:
+            policies.setdefault(p.name, p)
+        self._batching = batches.Batching(
+            policies=policies,
+            budgets={name: recipe.budget(name) for name in policies},
+            batch_part_bytes=cc.batch_part_bytes,
+            store=store,
+            buffer=self.buffer,
+            pipeline=self.pipeline,
+            queue=self.queue,
+            progress=self.progress,
+            run=self.run,
+        )
+        leasing = tasks.Leasing(
+            store=store,
+            ledger=self.ledger,
+            admission=self.admission,
+            control=self.control,
+            evals=self.evals,
+            queue=self.queue,
+            shapes=self.shapes,
+            members=self.members,
+            accounting=self.accounting,
+            draining=self.draining,
+            versions=self.policy_versions,
+            run=self.run,
+            group_sizes=self.group_sizes,
+            default_slots=rc.slots,
+            max_member_slots=cc.max_member_slots,
+        )
+        intake = results.Intake(
+            store=store,
+            ledger=self.ledger,
+            checker=self.checker,
+            admission=self.admission,
+            shapes=self.shapes,
+            pipeline=self.pipeline,
+            buffer=self.buffer,
+            evals=self.evals,
+            accounting=self.accounting,
+            progress=self.progress,
+            run=self.run,
+        )
+        publishing = versions.Publishing(
+            store=store,
+            versions=self.policy_versions,
+            pipeline=self.pipeline,
+            metrics=self.step_metrics,
+            sinks=self.sinks,
+            evals=self.evals,
+            progress=self.progress,
+            run=self.run,
+            retention=cc.retention,
+            run_dir=run_dir,
+        )
         self._handlers = cast(
             "dict[type, Callable[[dict[str, Any], Any], Outcome]]",
             {
-                m.Heartbeat: partial(members.on_heartbeat, self),
                 m.Bye: partial(
                     members.on_bye,
                     store=self.store,
@@ -55,15 +128,15 @@ class Controller(ControllerCore):
                     members=self.members,
                     draining=self.draining,
                 ),
-                m.TaskRequest: partial(tasks.on_task_request, self),
-                m.TaskResult: partial(results.on_task_result, self),
-                m.TaskResults: partial(results.on_task_results, self),
-                m.BatchRequest: partial(batches.on_batch_request, self),
-                m.VersionPublished: partial(versions.on_version, self),
+                m.TaskRequest: partial(tasks.on_task_request, leasing),
+                m.TaskResult: partial(results.on_task_result, intake),
+                m.TaskResults: partial(results.on_task_results, intake),
+                m.BatchRequest: partial(batches.on_batch_request, self._batching),
+                m.VersionPublished: partial(versions.on_version, publishing),
             },
         )
-        """The member messages' handlers, each taking the message type it is keyed by (built once: a
-        heartbeat flood must not rebuild it per message)."""
+        """The member messages' handlers (but Heartbeat's), each taking the message type it is keyed by
+        and only the parts of the state it reads (built once: a flood must not rebuild them per message)."""
 
     def start(self) -> None:
         """Record the run (or read it back on restart) and give surviving members a fresh timer."""
@@ -111,6 +184,9 @@ class Controller(ControllerCore):
         if refused is not None:
             _log.warning("refused %s from %r: %s", type(msg).__name__, member_id[:64], refused[1])
             return Outcome(m.Error(rid=rid, code=refused[0], message=refused[1]))
+        if isinstance(msg, m.Heartbeat):
+            # the held requests are the IO side's: the handler gets their rids as data
+            return self._heartbeat(member, msg, held=self.parked.held_rids(ident))
         # each handler takes the message type it is keyed by
         handler = self._handlers.get(type(msg))
         if handler is None:
@@ -177,7 +253,7 @@ class Controller(ControllerCore):
         return self._handle_safely(parked.ident, immediate(parked.msg), parked.principal)
 
     def _may_be_ready(self, parked: Parked) -> bool:
-        return batches.batch_may_be_ready(self, parked)
+        return batches.batch_may_be_ready(self._batching, parked)
 
     # ----- the loop -----------------------------------------------------------------------------
 

@@ -5,57 +5,91 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+from astraflow.dataflow.admission import Admission
+from astraflow.dataflow.control import RunControl
+from astraflow.dataflow.evaluation import Evaluator
 from astraflow.protocol import messages as m
 from astraflow.roles import authz
-from astraflow.roles.controller.core import RETRY_S, ControllerCore
+from astraflow.roles.controller.core import RETRY_S
 from astraflow.roles.controller.outcome import Outcome
-from astraflow.state.ledger import TaskRow
+from astraflow.roles.controller.policy_versions import PolicyVersions
+from astraflow.roles.controller.run_end import RunEnd
+from astraflow.roles.controller.task_queue import TaskQueue, TaskShapes
+from astraflow.roles.member_accounting import MemberAccounting
+from astraflow.roles.member_table import MemberTable
+from astraflow.state.ledger import Ledger, TaskRow
+from astraflow.state.store import Store
 
 
-def on_task_request(ctl: ControllerCore, member: dict[str, Any], msg: m.TaskRequest) -> Outcome:
+@dataclass(frozen=True, slots=True)
+class Leasing:
+    """What a lease reads and changes: the ledger within admission, the member's share and table."""
+
+    store: Store
+    ledger: Ledger
+    admission: Admission
+    control: RunControl
+    evals: Evaluator | None
+    queue: TaskQueue
+    shapes: TaskShapes
+    members: MemberTable
+    accounting: MemberAccounting
+    draining: set[str]
+    """Members asked to leave: they get no new tasks."""
+    versions: PolicyVersions
+    run: RunEnd
+    group_sizes: dict[str, int]
+    default_slots: int
+    """rollout.slots: a member's share when it names none."""
+    max_member_slots: int
+    """controller.max_member_slots: the most tasks one member may hold."""
+
+
+def on_task_request(ctx: Leasing, member: dict[str, Any], msg: m.TaskRequest) -> Outcome:
     """Lease up to n admitted tasks the member can serve (credit-based flow control); a lease
     causes no event (what it changes, the work in flight, no held request waits on)."""
-    return Outcome(_lease(ctl, member, msg))
+    return Outcome(_lease(ctx, member, msg))
 
 
-def _lease(ctl: ControllerCore, member: dict[str, Any], msg: m.TaskRequest) -> m.Msg:
-    if ctl.stopping():
-        return m.TaskGrant(rid=msg.rid, stop=True, versions=ctl.versions())
-    if member["id"] in ctl.draining:
+def _lease(ctx: Leasing, member: dict[str, Any], msg: m.TaskRequest) -> m.Msg:
+    if ctx.run.stopping():
+        return m.TaskGrant(rid=msg.rid, stop=True, versions=ctx.versions.latest())
+    if member["id"] in ctx.draining:
         return m.Error(rid=msg.rid, code="draining", message="asked to leave: finish your tasks and say Bye")
-    if not ctl.accounting.may_lease(member):
-        ctl.members.touch(member["id"], time.time(), dict(msg.loaded) or None)
-        return m.TaskGrant(rid=msg.rid, versions=ctl.versions(), retry_after_s=RETRY_S)
+    if not ctx.accounting.may_lease(member):
+        ctx.members.touch(member["id"], time.time(), dict(msg.loaded) or None)
+        return m.TaskGrant(rid=msg.rid, versions=ctx.versions.latest(), retry_after_s=RETRY_S)
     now = time.time()
     loaded = dict(msg.loaded)
-    admit = _admission_filter(ctl, set(member["policies"]), loaded)
+    admit = _admission_filter(ctx, set(member["policies"]), loaded)
 
     def accept(task: TaskRow) -> bool:
         ok = admit(task)
         if ok:  # the ledger leases every task accepted: it is in flight for the next ones
-            ctl.admission.leased(task.roles, task.group_size, task.read_only)
+            ctx.admission.leased(task.roles, task.group_size, task.read_only)
         return ok
 
-    ctl.refill()
-    ctl.members.touch(member["id"], now, loaded or None)
-    with ctl.store.write():
+    ctx.queue.refill()
+    ctx.members.touch(member["id"], now, loaded or None)
+    with ctx.store.write():
         quota = authz.task_quota(
-            ctl.store,
+            ctx.store,
             member,
             msg.n,
-            default_slots=ctl.recipe.rollout.slots,
-            max_slots=ctl.recipe.controller.max_member_slots,
+            default_slots=ctx.default_slots,
+            max_slots=ctx.max_member_slots,
         )
-        n = ctl.accounting.quota(member, quota)
-        with ctl.admission.leasing():
-            leased = ctl.ledger.lease(member["id"], n, now, accept)
+        n = ctx.accounting.quota(member, quota)
+        with ctx.admission.leasing():
+            leased = ctx.ledger.lease(member["id"], n, now, accept)
         for t in leased:
             # what the worker is told not to keep is what its result is stored by (results.py)
-            read_only = set(t.read_only) | set(ctl.admission.read_only(t.policies))
+            read_only = set(t.read_only) | set(ctx.admission.read_only(t.policies))
             if read_only != set(t.read_only):
-                ctl.ledger.set_read_only(t, read_only)
+                ctx.ledger.set_read_only(t, read_only)
     tasks = [
         m.Task(
             task_id=t.id,
@@ -63,32 +97,31 @@ def _lease(ctl: ControllerCore, member: dict[str, Any], msg: m.TaskRequest) -> m
             sample=t.sample,
             group_size=t.group_size,
             roles=t.roles,
-            group_sizes=ctl.task_sizes(t),
+            group_sizes=ctx.shapes.sizes(t),
             read_only=t.read_only,
-            sampling=ctl.task_sampling(t),
+            sampling=ctx.shapes.sampling(t),
         )
         for t in leased
     ]
     return m.TaskGrant(
         rid=msg.rid,
         tasks=tasks,
-        versions=ctl.versions_for(member),
+        versions=ctx.versions.for_member(member),
         retry_after_s=0.0 if tasks else RETRY_S,
     )
 
 
-def _admission_filter(
-    ctl: ControllerCore, serves: set[str], loaded: dict[str, int]
-) -> Callable[[TaskRow], bool]:
+def _admission_filter(ctx: Leasing, serves: set[str], loaded: dict[str, int]) -> Callable[[TaskRow], bool]:
     """Whether a queued task may go to a worker serving `serves` and holding `loaded`, for one lease call."""
     refused: set[tuple[Any, ...]] = set()
+    evals, admission = ctx.evals, ctx.admission
 
     def admit(task: TaskRow) -> bool:
         pols = task.policies
-        if ctl.evals is not None and ctl.evals.is_eval(task.id):
-            return (not serves or serves.issuperset(pols)) and ctl.evals.may_lease(task, loaded)
+        if evals is not None and evals.is_eval(task.id):
+            return (not serves or serves.issuperset(pols)) and evals.may_lease(task, loaded)
         feeds = [p for p in pols if p not in task.read_only]
-        per = ctl.admission.task_sequences(task.roles, ctl.group_sizes)
+        per = admission.task_sequences(task.roles, ctx.group_sizes)
         # Within one lease call every lease only adds work ahead, so a task shape refused once
         # stays refused: later queued tasks of that shape are skipped without asking the store.
         key = (tuple(pols), tuple(feeds), tuple(sorted(per.items())))
@@ -97,9 +130,9 @@ def _admission_filter(
         # a task that feeds no policy still training would be run only to be thrown away
         ok = (
             (not serves or serves.issuperset(pols))
-            and ctl.control.may_lease(feeds)
-            and bool(ctl.admission.active(feeds))
-            and ctl.admission.may_lease(loaded, feeds, per)
+            and ctx.control.may_lease(feeds)
+            and bool(admission.active(feeds))
+            and admission.may_lease(loaded, feeds, per)
         )
         if not ok:
             refused.add(key)
