@@ -145,32 +145,52 @@ def allreduce_bus_gbs(world: int, kind: str, nbytes: int) -> float:
 
 
 class _Engines:
-    """The engine processes and their reports."""
+    """The engine processes and their reports, one queue each: a queue's writers share a lock and a
+    pipe, so an engine killed while it reports would block (or tear the message of) every other writer
+    of a shared one, and the bench would wait for reports that never come."""
 
     def __init__(self, address: str, token: str, kind: str, timeout_s: float) -> None:
         self.ctx = mp.get_context("spawn")
         self.address, self.token, self.kind, self.timeout_s = address, token, kind, timeout_s
-        self.out = self.ctx.Queue()
+        self.outs: dict[str, Any] = {}
         self.stop = self.ctx.Event()
         self.procs: dict[str, Any] = {}
         self.seen: dict[str, dict[int, float]] = {}
         self.bad: list[str] = []
 
     def start(self, name: str, index: int) -> None:
+        out = self.ctx.Queue()
         p = self.ctx.Process(
             target=_engine,
-            args=(self.address, self.token, name, self.kind, index, self.timeout_s, self.out, self.stop),
+            args=(self.address, self.token, name, self.kind, index, self.timeout_s, out, self.stop),
             daemon=True,
         )
         p.start()
-        self.procs[name] = p
+        self.procs[name], self.outs[name] = p, out
         self.seen[name] = {}
 
     def kill(self, name: str) -> None:
         p = self.procs.pop(name)
+        self.outs.pop(name)  # never read again: the kill may leave half a report in it
         os.kill(p.pid, signal.SIGKILL)
         p.join(10)
         self.seen.pop(name, None)
+
+    def _drain(self) -> bool:
+        """Take every report waiting in the live engines' queues; whether there was any."""
+        got = False
+        for out in list(self.outs.values()):
+            while True:
+                try:
+                    name, v, at, ok = out.get_nowait()
+                except queue.Empty:
+                    break
+                got = True
+                if name in self.seen:
+                    self.seen[name].setdefault(v, at)
+                    if not ok:
+                        self.bad.append(f"{name} v{v}")
+        return got
 
     def wait(self, version: int, timeout_s: float) -> dict[str, float]:
         """Arrival time of `version` (or a newer one) at every live engine."""
@@ -187,14 +207,8 @@ class _Engines:
             if left <= 0:
                 missing = sorted(set(self.procs) - set(done))
                 raise TimeoutError(f"engines {missing} did not receive version {version} in {timeout_s:.0f}s")
-            try:
-                name, v, at, ok = self.out.get(timeout=min(left, 1.0))
-            except queue.Empty:
-                continue
-            if name in self.seen:
-                self.seen[name].setdefault(v, at)
-                if not ok:
-                    self.bad.append(f"{name} v{v}")
+            if not self._drain():
+                time.sleep(min(left, 0.005))
 
     def close(self) -> None:
         self.stop.set()
