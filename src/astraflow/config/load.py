@@ -12,7 +12,7 @@ from pydantic import BaseModel, ValidationError
 from astraflow.config.recipe import Recipe
 from astraflow.errors import PluginError, RecipeError
 
-M = TypeVar("M", bound=BaseModel)
+M = TypeVar("M")
 
 
 def parse_value(text: str) -> Any:
@@ -139,10 +139,15 @@ def validate_recipe(data: dict[str, Any], source: str = "recipe") -> Recipe:
 
 
 def validate_section(model: type[M], data: Any, source: str, what: str = "recipe section") -> M:
-    """Validate one recipe section (or a whole recipe) into `model`, with pydantic's errors rendered one
-    per line (a member validates the sections the controller sent it this way)."""
+    """Validate one recipe section (or a whole recipe) into `model` (a pydantic model, or a dataclass
+    pydantic can validate: the sections a member receives), with pydantic's errors rendered one per
+    line."""
+    from pydantic import TypeAdapter
+
     try:
-        return model.model_validate(data)
+        if isinstance(model, type) and issubclass(model, BaseModel):
+            return model.model_validate(data)
+        return TypeAdapter(model).validate_python(data)
     except ValidationError as exc:
         lines = []
         for err in exc.errors():

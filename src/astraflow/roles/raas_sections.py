@@ -6,33 +6,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import ConfigDict, TypeAdapter
 
 from astraflow.config.recipe import PolicyConfig, Recipe, RolloutConfig, WeightsConfig, WorkflowConfig
-
-
-class _Wire(BaseModel):
-    """The sections as the Welcome carries them (`Welcome.sections` of a raas member)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    workflow: WorkflowConfig
-    """`[workflow]`."""
-    roles: dict[str, str]
-    """Workflow role -> policy name."""
-    policies: dict[str, PolicyConfig]
-    """The `[[policy]]` sections of the policies the roles map to, by name."""
-    rollout: RolloutConfig
-    """`[rollout]`."""
-    weights: WeightsConfig
-    """`[weights]`."""
-    seed: int
-    """`run.seed`."""
 
 
 @dataclass(frozen=True)
 class RaaSSections:
     """The recipe's sections a RaaS uses, and nothing else of it."""
+
+    __pydantic_config__ = ConfigDict(extra="forbid")  # Welcome.sections: nothing else is accepted
 
     workflow: WorkflowConfig
     """The workflow it runs (`[workflow]`)."""
@@ -64,26 +47,11 @@ class RaaSSections:
 
     def to_wire(self) -> dict[str, Any]:
         """The sections as a Welcome carries them (plain JSON values)."""
-        return _Wire(
-            workflow=self.workflow,
-            roles=self.roles,
-            policies=self.policies,
-            rollout=self.rollout,
-            weights=self.weights,
-            seed=self.seed,
-        ).model_dump(mode="json")
+        return dict(TypeAdapter(RaaSSections).dump_python(self, mode="json"))
 
     @classmethod
     def from_wire(cls, doc: dict[str, Any]) -> RaaSSections:
         """The sections a Welcome carried, validated (RecipeError naming each bad field)."""
         from astraflow.config.load import validate_section
 
-        w = validate_section(_Wire, doc, "the sections from the controller", what="set of worker sections")
-        return cls(
-            workflow=w.workflow,
-            roles=w.roles,
-            policies=w.policies,
-            rollout=w.rollout,
-            weights=w.weights,
-            seed=w.seed,
-        )
+        return validate_section(cls, doc, "the sections from the controller", what="set of worker sections")

@@ -7,33 +7,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import ConfigDict, TypeAdapter
 
 from astraflow.config.recipe import PolicyConfig, Recipe, WeightsConfig
-
-
-class _Wire(BaseModel):
-    """The sections as the Welcome carries them (`Welcome.sections` of a trainer)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    policy: PolicyConfig
-    """Its policy's `[[policy]]` section."""
-    budget: int
-    """Its step budget (`policy.steps`, else `run.steps`; 0 for a frozen policy)."""
-    run_name: str
-    """`run.name`."""
-    seed: int
-    """`run.seed`."""
-    weights: WeightsConfig
-    """`[weights]`."""
-    eval: bool
-    """Whether the run has an `[eval]` table."""
 
 
 @dataclass(frozen=True)
 class TrainerSections:
     """The recipe's sections a trainer uses, and nothing else of it."""
+
+    __pydantic_config__ = ConfigDict(extra="forbid")  # Welcome.sections: nothing else is accepted
 
     policy: PolicyConfig
     """The policy it trains: model, trainer, optimizer, loss, checkpoints, threads."""
@@ -63,26 +46,11 @@ class TrainerSections:
 
     def to_wire(self) -> dict[str, Any]:
         """The sections as a Welcome carries them (plain JSON values)."""
-        return _Wire(
-            policy=self.policy,
-            budget=self.budget,
-            run_name=self.run_name,
-            seed=self.seed,
-            weights=self.weights,
-            eval=self.eval,
-        ).model_dump(mode="json")
+        return dict(TypeAdapter(TrainerSections).dump_python(self, mode="json"))
 
     @classmethod
     def from_wire(cls, doc: dict[str, Any]) -> TrainerSections:
         """The sections a Welcome carried, validated (RecipeError naming each bad field)."""
         from astraflow.config.load import validate_section
 
-        w = validate_section(_Wire, doc, "the sections from the controller", what="set of trainer sections")
-        return cls(
-            policy=w.policy,
-            budget=w.budget,
-            run_name=w.run_name,
-            seed=w.seed,
-            weights=w.weights,
-            eval=w.eval,
-        )
+        return validate_section(cls, doc, "the sections from the controller", what="set of trainer sections")
