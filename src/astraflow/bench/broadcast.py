@@ -155,6 +155,7 @@ class _Engines:
         self.outs: dict[str, Any] = {}
         self.stop = self.ctx.Event()
         self.procs: dict[str, Any] = {}
+        self.devices: dict[str, int] = {}
         self.seen: dict[str, dict[int, float]] = {}
         self.bad: list[str] = []
 
@@ -166,15 +167,17 @@ class _Engines:
             daemon=True,
         )
         p.start()
-        self.procs[name], self.outs[name] = p, out
+        self.procs[name], self.outs[name], self.devices[name] = p, out, index
         self.seen[name] = {}
 
-    def kill(self, name: str) -> None:
+    def kill(self, name: str) -> int:
+        """SIGKILL engine `name`; returns the device index it held."""
         p = self.procs.pop(name)
         self.outs.pop(name)  # never read again: the kill may leave half a report in it
         os.kill(p.pid, signal.SIGKILL)
         p.join(10)
         self.seen.pop(name, None)
+        return self.devices.pop(name)
 
     def _drain(self) -> bool:
         """Take every report waiting in the live engines' queues; whether there was any."""
@@ -266,7 +269,7 @@ def run_preset(
             gbs=nbytes / med / 1e9,
             seconds_all=times,
         )
-        if churn and engines >= 2:
+        if churn:
             row["churn"] = _churn(hub, pool, weights, repeats + 1, engines, dev)
         row["digest_mismatches"] = pool.bad
     finally:
@@ -288,8 +291,9 @@ def _churn(
     _progress(f"churn: killing {victim} during version {v}, starting engine-new")
     t0 = time.time()
     hub.publish(v, weights)
-    pool.kill(victim)  # mid-broadcast (the publish returned; the sender thread is sending)
-    pool.start("engine-new", engines)  # takes the dead engine's device
+    freed = pool.kill(victim)  # mid-broadcast (the publish returned; the sender thread is sending)
+    # the newcomer takes the dead engine's device: NCCL refuses two ranks of one group on one GPU
+    pool.start("engine-new", freed)
     if dev.type == "cuda":
         torch.cuda.current_stream(dev).synchronize()
     # the killed member's generation fails at its collective timeout; survivors and the newcomer
