@@ -49,6 +49,8 @@ def test_bench_e2e_reports_throughput_busy_fractions_and_weight_sync(
     assert (
         0 < eng["busy"] <= 1 and eng["decode_rows_per_s"] >= 0 and eng["pulls"] >= 1 and eng["applied"] >= 1
     )
+    # the apply's time splits into the copy and the running rows' KV recompute
+    assert 0 <= eng["kv_recompute_s"] <= eng["apply_s"]
     lines = (run_dir / "logs/raas-0.stats.jsonl").read_text().splitlines()
     assert json.loads(lines[-1])["engines"]["main"]["version"] >= 2
     assert "weight sync per step" in out.stderr and "trainer busy" in out.stderr

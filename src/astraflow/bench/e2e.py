@@ -212,6 +212,8 @@ def read_workers(
                 "mb_per_pull": (per_pull("bytes") or 0.0) / 1e6 if n > 0 else None,
                 "applied": len(applies),
                 "apply_s": _mean([float(x[2]) for x in applies]),
+                # of which the running rows' KV recompute (absent in stats files of older engines)
+                "kv_recompute_s": _mean([float(x[3]) for x in applies if len(x) > 3]),
                 "lag_s": _mean(lags),
             }
         out[path.name.removesuffix(".stats.jsonl")] = {"window_s": dt, "engines": engines}
@@ -242,12 +244,14 @@ def read_e2e(run_dir: Path, gpus: GpuSampler | None = None) -> dict[str, Any]:
         fetch = _mean([e["fetch_s"] for e in parts])
         load = _mean([e["load_s"] for e in parts])
         apply = _mean([e["apply_s"] for e in parts if e.get("apply_s") is not None])
+        recompute = _mean([e["kv_recompute_s"] for e in parts if e.get("kv_recompute_s") is not None])
         known = [v for v in (p["publish_s"], fetch, load, apply) if v is not None]
         p["weight_sync"] = {
             "publish_s": p["publish_s"],
             "fetch_s": fetch,
             "load_s": load,
             "apply_s": apply,
+            "kv_recompute_s": recompute,
             "total_s": sum(known) if len(known) == 4 else None,
             "lag_s": _mean([e["lag_s"] for e in parts if e.get("lag_s") is not None]),
         }
@@ -287,7 +291,8 @@ def format_report(rep: dict[str, Any]) -> str:
         w = p["weight_sync"]
         lines.append(
             f"{name}: weight sync per step {f(w['total_s'], '.2f')}s = publish {f(w['publish_s'], '.2f')} + "
-            f"fetch {f(w['fetch_s'], '.2f')} + load {f(w['load_s'], '.2f')} + apply {f(w['apply_s'], '.2f')}; "
+            f"fetch {f(w['fetch_s'], '.2f')} + load {f(w['load_s'], '.2f')} + apply {f(w['apply_s'], '.2f')} "
+            f"(of which the running rows' KV recompute {f(w.get('kv_recompute_s'), '.2f')}); "
             f"recorded -> decoding lag {f(w['lag_s'], '.2f')}s"
         )
     for wname, w in rep["workers"].items():

@@ -21,8 +21,9 @@ class EngineStats:
         self.decode_s = 0.0
         self.decode_steps = 0
         self.row_steps = 0
-        self.applies: deque[tuple[int, float, float]] = deque(maxlen=256)
-        """(version, wall time it was applied, seconds the copy and the KV recompute took)."""
+        self.applies: deque[tuple[int, float, float, float]] = deque(maxlen=256)
+        """(version, wall time it was applied, seconds the copy and the KV recompute took, seconds of
+        those the recompute of the running rows' KV took)."""
         self.n_applied = 0
 
     def add(self, weight_s: float, prefill_s: float, decode_s: float, rows: int) -> None:
@@ -34,9 +35,9 @@ class EngineStats:
             self.decode_steps += 1
             self.row_steps += rows
 
-    def applied(self, version: int, seconds: float) -> None:
-        """A weight version went live."""
-        self.applies.append((version, time.time(), seconds))
+    def applied(self, version: int, seconds: float, recompute_s: float = 0.0) -> None:
+        """A weight version went live in `seconds`, `recompute_s` of them rebuilding running rows' KV."""
+        self.applies.append((version, time.time(), seconds, recompute_s))
         self.n_applied += 1
 
     def snapshot(self) -> dict[str, Any]:

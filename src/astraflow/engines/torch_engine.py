@@ -257,15 +257,17 @@ class TorchEngine(RolloutEngine):
         t0 = time.perf_counter()
         with self._cond:
             staged, self._staged = self._staged, None
+        t_copy = t0
         if staged is not None:
             self._decode.apply_weights(*staged)
+            t_copy = time.perf_counter()
             with self._applied:
                 self._applied.notify_all()
             if self._decode.rows:
                 self._decode.recompute_cache()
         t1 = time.perf_counter()
         if staged is not None:
-            self._stats.applied(staged[0], t1 - t0)
+            self._stats.applied(staged[0], t1 - t0, t1 - t_copy)
         if admitted:
             _resolve_all(self._decode.admit([(p.request, p) for p in admitted]))
         t2 = time.perf_counter()
