@@ -129,16 +129,16 @@ def test_a_pull_that_dies_mid_transfer_loses_nothing(
         held = HeldWeights()
         fetch_version([small.address], POLICY, 0, expect_sha256=shas[0], held=held)
         kept = bytes(held.get(POLICY).blob)  # type: ignore[union-attr]
-        data = PullConnection.data
+        frame = PullConnection.frame  # receives each chunk's bytes
         seen: list[int] = []
 
-        def stop_midway(self: PullConnection, dest: memoryview | None) -> int:
+        def stop_midway(self: PullConnection) -> zmq.Frame:
             seen.append(1)
             if len(seen) == 4:
                 small.close()  # the server goes away after a few chunks of version 1
-            return data(self, dest)
+            return frame(self)
 
-        monkeypatch.setattr(PullConnection, "data", stop_midway)
+        monkeypatch.setattr(PullConnection, "frame", stop_midway)
         with pytest.raises(Exception, match="did not send"):
             fetch_version(
                 [small.address], POLICY, 1, expect_sha256=shas[1], held=held, window=1, idle_timeout_s=1.0
@@ -196,24 +196,71 @@ def test_a_relay_serves_a_second_worker(
         wclient.fetch_manifest(relay, POLICY, 2)
 
 
+def test_a_failed_pull_returns_only_after_every_chunk_copy_into_its_buffer_ended(
+    trainer: WeightServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chunks are copied into the destination by the hashing threads; a pull that fails must not
+    return while one still writes there (the buffer goes back to a pool and serves the next pull)."""
+    import threading
+    import time
+
+    from astraflow.weights import chunk_pull
+
+    small = WeightServer(keypair=KeyPair(*zmq.curve_keypair()), chunk_bytes=4096)
+    place = chunk_pull._place
+    started, ended = [0], [0]
+    lock = threading.Lock()
+
+    def slow_place(frame: zmq.Frame, dest: memoryview) -> str:
+        with lock:
+            started[0] += 1
+        time.sleep(0.3)  # a copy still running when the pull gives up
+        out = place(frame, dest)
+        with lock:
+            ended[0] += 1
+        return out
+
+    frame = PullConnection.frame
+    seen: list[int] = []
+
+    def stop_midway(self: PullConnection) -> zmq.Frame:
+        seen.append(1)
+        if len(seen) == 3:
+            small.close()
+        return frame(self)
+
+    try:
+        shas = _serve(small, _versions(2))
+        monkeypatch.setattr(chunk_pull, "_place", slow_place)
+        monkeypatch.setattr(PullConnection, "frame", stop_midway)
+        with pytest.raises(Exception, match="did not send"):
+            fetch_version(
+                [small.address], POLICY, 1, expect_sha256=shas[1], held=HeldWeights(), idle_timeout_s=1.0
+            )
+        with lock:
+            assert started[0] >= 1 and ended[0] == started[0]
+    finally:
+        small.close()
+
+
 def test_a_relay_killed_mid_transfer_sends_the_worker_to_the_trainer(
     trainer: WeightServer,
     relay_proc: tuple[subprocess.Popen[str], str, list[str]],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     proc, relay, shas = relay_proc
-    data = PullConnection.data
+    frame = PullConnection.frame  # receives each chunk's bytes
     seen: list[int] = []
     killed: list[int] = []
 
-    def kill_midway(self: PullConnection, dest: memoryview | None) -> int:
+    def kill_midway(self: PullConnection) -> zmq.Frame:
         seen.append(1)
         if len(seen) == 4 and not killed:
             os.kill(proc.pid, signal.SIGKILL)  # the relay dies after a few chunks of the version
             killed.append(len(seen))
-        return data(self, dest)
+        return frame(self)
 
-    monkeypatch.setattr(PullConnection, "data", kill_midway)
+    monkeypatch.setattr(PullConnection, "frame", kill_midway)
     held = HeldWeights()
     got = fetch_version(
         [relay, trainer.address], POLICY, 1, expect_sha256=shas[1], held=held, window=1, idle_timeout_s=1.0

@@ -7,6 +7,11 @@ least loaded connection believed to deliver. The requests of a connection that d
 says so) or leaves one unanswered for the resend interval go to the front of the queue for the
 others; a connection that delivers a chunk failing its sha256 gets no more requests and the chunk is
 asked again elsewhere, and only when every connection the pull may open did so does it fail.
+
+The loop itself only moves requests and frames: each chunk's bytes are received as libzmq holds them
+(no copy) and copied into place and hashed by the hashing threads (both release the GIL), so a pull
+over several connections copies and checks on several cores. A pull that ends, even by an error,
+first waits for those copies: the destination is never written after `run` returns.
 """
 
 from __future__ import annotations
@@ -14,9 +19,10 @@ from __future__ import annotations
 import hashlib
 import time
 from collections import deque
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from typing import TYPE_CHECKING
 
+import numpy as np
 import zmq
 
 from astraflow import log
@@ -62,6 +68,12 @@ class ChunkPull:
 
     def run(self) -> None:
         """Until every chunk arrived and passed its sha256, or an error."""
+        try:
+            self._run()
+        finally:
+            wait([f for _, _, f in self.checks])  # no copy into dest outlives the pull
+
+    def _run(self) -> None:
         p = self.puller
         while True:
             self._settle()
@@ -142,17 +154,16 @@ class ChunkPull:
         start, end = chunk_span(m, index)
         if self.got[index]:
             conn.data(None)
-        elif msg.nbytes != end - start or conn.data(self.dest[start:end]) != end - start:
-            if msg.nbytes != end - start:
-                conn.data(None)
+            return
+        frame = conn.frame()
+        if msg.nbytes != end - start or len(frame) != end - start:
             raise WeightIntegrityError(
                 f"chunk {index} of {m.policy}@{m.version} from {addr} has the wrong size",
                 hint="the server or the network corrupted it; retry, or pull from another peer",
             )
-        else:
-            self.got[index] = True
-            self.remaining -= 1
-            self.checks.append((index, conn, hash_pool().submit(_sha_hex, self.dest[start:end])))
+        self.got[index] = True
+        self.remaining -= 1
+        self.checks.append((index, conn, hash_pool().submit(_place, frame, self.dest[start:end])))
 
     def _pick(self) -> PullConnection | None:
         """The connection for the next request: the least loaded one believed to deliver, else (none
@@ -180,5 +191,7 @@ class ChunkPull:
         )
 
 
-def _sha_hex(view: memoryview) -> str:
-    return hashlib.sha256(view).hexdigest()
+def _place(frame: zmq.Frame, dest: memoryview) -> str:
+    """Copy a received chunk into its place and return the hex sha256 of what landed there."""
+    np.copyto(np.frombuffer(dest, dtype=np.uint8), np.frombuffer(frame.buffer, dtype=np.uint8))
+    return hashlib.sha256(dest).hexdigest()

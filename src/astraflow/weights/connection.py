@@ -106,6 +106,15 @@ class PullConnection:
         while self.sock.getsockopt(zmq.RCVMORE):
             self.sock.recv(copy=False)
 
+    def frame(self) -> zmq.Frame:
+        """Receive a WeightChunk's bytes as libzmq holds them (no copy): the caller copies them where
+        they belong, on another thread if it likes (the frame keeps the bytes alive until dropped)."""
+        got = self.sock.recv(copy=False)
+        if self.sock.getsockopt(zmq.RCVMORE):
+            self.skip_rest()
+            raise ProtocolError(f"weight server {self.addr} sent a chunk with extra frames", hint="")
+        return got
+
     def data(self, dest: memoryview | None) -> int:
         """Receive a WeightChunk's bytes straight into `dest` (None: drop them); their length."""
         if dest is None:
