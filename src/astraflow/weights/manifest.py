@@ -15,7 +15,7 @@ LEAF_BYTES = 4 << 20
 """Leaf size of the blob digest; also the weight server's default chunk size (chunks = leaves)."""
 _TREE_TAG = b"astraflow-weights-tree-v1\x00"
 """Prefix of the root's input, so a root never equals the sha256 of some blob's plain bytes."""
-HASH_THREADS = 8
+HASH_THREADS = 16
 """At most this many hashing threads a process."""
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
