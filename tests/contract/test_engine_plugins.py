@@ -186,3 +186,96 @@ def test_vllm_refuses_a_bad_slot_and_keeps_its_weights(vllm_engine: Any, models:
     (out,) = asyncio.run(eng.generate([probe]))
     assert out.versions == [held] * 6
     _assert_matches(Harness("vllm", eng, models), probe, out)  # the old weights, untouched
+
+
+def test_sglang_takes_a_same_host_version_through_update_from_tensor(models: Models, tmp_path: Path) -> None:
+    """Against the FAKE server: a version the RaaS got through a /dev/shm slot reaches the server as
+    `/update_weights_from_tensor` naming its tensors (a torch shared-memory segment, rebuilt by the
+    server's restricted unpickler), not as a file: nothing is written, the request is a few KiB, the
+    server's weights are the new version's exactly and decode as it."""
+    sg = pytest.importorskip("astraflow_sglang.engine", reason="astraflow-sglang is not installed")
+    from astraflow.metrics.role_stats import PullStats
+    from astraflow.roles.weight_sync import WeightSync
+    from astraflow.weights.transport import SharedTransport
+    from tests.contract.conftest import Harness
+    from tests.contract.test_engine_contract import _assert_matches
+
+    server = FakeSglangServer(models.a, max_running_requests=4)
+    server.start()
+    eng = sg.SglangEngine(str(models.a), sg.SglangEngineConfig(url=server.url, weights_dir=str(tmp_path)))
+    trainer = SharedTransport(torch.device("cpu"), policy="p")
+    weights = models.state_dict(1)
+    nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+
+    async def deliver() -> None:
+        sync = WeightSync({"p": eng}, {"shm": SharedTransport(eng.device)}, ["ipc"], PullStats())
+        offer = trainer.publish(1, weights)
+        assert offer is not None
+        sync.poll({"p": VersionInfo(policy="p", version=1, weights_addr="", offers=[offer])})
+        await sync.until_settled(60.0)
+
+    try:
+        asyncio.run(deliver())
+        assert eng.version == 1 and eng.last_error == "" and server.weight_version == "1"
+        update = [c for c in server.calls if c not in ("/generate", "/get_server_info")]
+        assert update == [
+            "/pause_generation",
+            "/update_weights_from_tensor",
+            "/flush_cache",
+            "/continue_generation",
+        ]
+        sent = dict(server.body_bytes)["/update_weights_from_tensor"]
+        assert sent < 64 << 10 < nbytes // 10, (sent, nbytes)  # the tensors are named, not sent
+        assert list(tmp_path.iterdir()) == []  # no file written
+        have = server.model.state_dict()
+        assert all(torch.equal(have[k], v) for k, v in weights.items())
+        probe = GenerationRequest(prompt_ids=[1, 5, 9], max_new_tokens=4, seed=1, sampling=SamplingParams())
+        (out,) = asyncio.run(eng.generate([probe]))
+        assert out.versions == [1] * 4
+        _assert_matches(Harness("sglang", eng, models), probe, out)
+    finally:
+        eng.close()
+        trainer.close()
+        server.stop()
+
+
+def test_sglang_refuses_a_bad_slot_and_keeps_its_weights(models: Models, tmp_path: Path) -> None:
+    """Against the FAKE server: a layout that does not fit the checkpoint is refused at once; a slot
+    whose bytes changed after the RaaS checked them is refused before the server is asked anything."""
+    sg = pytest.importorskip("astraflow_sglang.engine", reason="astraflow-sglang is not installed")
+    from astraflow.errors import WeightsMismatchError
+    from astraflow.weights.transport import SharedTransport
+    from tests.unit.test_slot_ref import _corrupt
+
+    server = FakeSglangServer(models.a, max_running_requests=4)
+    server.start()
+    eng = sg.SglangEngine(str(models.a), sg.SglangEngineConfig(url=server.url, weights_dir=str(tmp_path)))
+    trainer = SharedTransport(torch.device("cpu"), policy="p")
+    other = SharedTransport(torch.device("cpu"), policy="p-other-model")
+    raas = SharedTransport(torch.device("cpu"))
+    try:
+        wrong = {"model.embed_tokens.weight": torch.zeros(3, 3)}
+        with pytest.raises(WeightsMismatchError):
+            eng.load_weights(1, wrong)
+        offer = other.publish(1, wrong)
+        assert offer is not None
+        got = raas.receive(VersionInfo(policy="p", version=1, weights_addr="", offers=[offer]), offer)
+        with pytest.raises(WeightsMismatchError):
+            eng.load_slot(1, got.slot)
+        got.release()
+        offer = trainer.publish(2, models.state_dict(1))
+        assert offer is not None
+        got = raas.receive(VersionInfo(policy="p", version=2, weights_addr="", offers=[offer]), offer)
+        _corrupt(got.slot.path)  # after the RaaS's own check passed
+        assert eng.load_slot(2, got.slot)
+        deadline = time.monotonic() + 60
+        while not eng.last_error and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert "digest" in eng.last_error and eng.version == 0
+        assert server.weight_version == "default" and "/pause_generation" not in server.calls
+        got.release()
+    finally:
+        eng.close()
+        trainer.close()
+        other.close()
+        server.stop()

@@ -136,7 +136,9 @@ class VllmEngine(RolloutEngine):
         self._capacity = int(self._engine.vllm_config.scheduler_config.max_num_seqs)
         self.device = _device(self._engine.vllm_config.device_config.device_type)
         """Where vLLM's weights live: the RaaS maps same-host versions there (CUDA IPC on a GPU)."""
-        self._expected = _checkpoint_meta(Path(model_path))
+        from astraflow.engines.weights import checkpoint_meta
+
+        self._expected = checkpoint_meta(Path(model_path))
         self.last_error = ""
         """Why the last staged version was not applied ("" when it was)."""
         self._version = 0
@@ -336,11 +338,10 @@ class VllmEngine(RolloutEngine):
     def _check(self, offered: Mapping[str, Any]) -> None:
         """WeightsMismatchError unless every offered tensor is one of the checkpoint's, with its shape
         and a dtype of its kind (no check when the model is not a local directory)."""
-        if self._expected is None:
-            return
         from astraflow.engines.weights import check_weights
 
-        check_weights(self._expected, offered)
+        if self._expected is not None:
+            check_weights(self._expected, offered)
 
     def _apply(self, version: int, payload: dict[str, Any] | SlotRef) -> None:
         """Reload weights in place, then make every running sequence recompute its KV under them."""
@@ -390,48 +391,6 @@ def _device(device_type: str) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device(device_type or "cpu")
 
-
-def _checkpoint_meta(model_dir: Path) -> dict[str, torch.Tensor] | None:
-    """The checkpoint's tensors as meta tensors (names, shapes, dtypes read from the safetensors
-    headers; no bytes), with the tied output embedding a trainer's state dict also names; None when
-    `model_dir` is not a local directory of safetensors files."""
-    import json
-
-    import torch
-    from safetensors import safe_open
-
-    files = sorted(model_dir.glob("*.safetensors")) if model_dir.is_dir() else []
-    if not files:
-        return None
-    out: dict[str, torch.Tensor] = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as st:
-            for name in st.keys():  # noqa: SIM118 - a safe_open handle is not a mapping
-                sl = st.get_slice(name)
-                dtype = _ST_DTYPES.get(sl.get_dtype())
-                if dtype is not None:
-                    out[name] = torch.empty(sl.get_shape(), dtype=getattr(torch, dtype), device="meta")
-    config = model_dir / "config.json"
-    tied = config.exists() and json.loads(config.read_text()).get("tie_word_embeddings", False)
-    embed = out.get("model.embed_tokens.weight")
-    if tied and embed is not None and "lm_head.weight" not in out:
-        out["lm_head.weight"] = embed
-    return out
-
-
-_ST_DTYPES = {
-    "F64": "float64",
-    "F32": "float32",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "I64": "int64",
-    "I32": "int32",
-    "I16": "int16",
-    "I8": "int8",
-    "U8": "uint8",
-    "BOOL": "bool",
-}
-"""safetensors dtype names -> torch's (looked up lazily: torch is imported inside functions)."""
 
 _NEUTRAL = {"min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
 """vLLM sampling options astraflow's trainer cannot reproduce, at the values that leave them off."""
