@@ -279,3 +279,51 @@ def test_sglang_refuses_a_bad_slot_and_keeps_its_weights(models: Models, tmp_pat
         trainer.close()
         other.close()
         server.stop()
+
+
+def test_sglang_cuda_payload_names_the_trainers_buffer_as_torch_rebuilds_it() -> None:
+    """The CUDA IPC payload cannot be opened without a GPU: its pickle is read here without running it,
+    and each tensor's arguments are bound to torch's own `rebuild_cuda_tensor` signature: a view of the
+    trainer's buffer at the tensor's offset (in elements), its shape and contiguous stride, the GPU
+    named by UUID (SGLang's patched rebuild maps it to its own index), the handle as exported."""
+    import base64
+    import inspect
+    import io
+    import pickle
+
+    import msgspec
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    pytest.importorskip("astraflow_sglang.engine", reason="astraflow-sglang is not installed")
+    from astraflow_sglang.tensor_payload import from_slot
+
+    from astraflow.weights import packed
+    from astraflow.weights.shared_buffer import IpcHandle
+    from astraflow.weights.slot_ref import SlotRef
+
+    weights = {"a.weight": torch.zeros(3, 5), "b.bias": torch.zeros(7, dtype=torch.bfloat16)}
+    layout = packed.plan(weights)
+    h = IpcHandle(1, b"H" * 64, layout.nbytes, 0, b"R" * 8, 16, b"", False, layout.nbytes, "GPU-1234")
+    ref = SlotRef("cuda_ipc", "/dev/shm/x", msgspec.msgpack.encode(h), 4, "f1:0:0:0", layout.to_json())
+    calls: list[tuple[Any, ...]] = []
+
+    class Reader(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            if (module, name) == ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"):
+                return lambda *args: calls.append(args) or len(calls) - 1
+            assert module.split(".")[0] in ("torch", "builtins", "copyreg"), (module, name)
+            return super().find_class(module, name)
+
+    payload = from_slot(ref)
+    named = Reader(io.BytesIO(base64.b64decode(payload.serialized))).load()
+    assert [n for n, _ in named] == [e.name for e in layout.entries]
+    params = list(inspect.signature(rebuild_cuda_tensor).parameters)
+    for (_name, i), e in zip(named, layout.entries, strict=True):
+        got = dict(zip(params, calls[i], strict=True))
+        dtype = getattr(torch, e.dtype)
+        assert got["tensor_size"] == torch.Size(e.shape) and got["dtype"] is dtype
+        assert got["tensor_offset"] * torch.empty((), dtype=dtype).element_size() == e.offset
+        assert got["tensor_stride"] == torch.empty(e.shape).stride()
+        assert got["storage_device"] == "GPU-1234" and got["storage_handle"] == h.handle
+        assert got["storage_size_bytes"] == layout.nbytes and got["ref_counter_handle"] == h.ref_handle
+        assert got["requires_grad"] is False and got["event_handle"] is None
