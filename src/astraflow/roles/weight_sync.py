@@ -172,9 +172,8 @@ class WeightSync:
             if not _hand_slot(engine, info.version, got):
                 tensors = got.tensors
                 if got.lent and not hasattr(engine, "wait_version"):
-                    tensors = {
-                        k: v.clone() for k, v in tensors.items()
-                    }  # this engine cannot say when it copied
+                    # this engine cannot say when it copied: give it copies and let the buffer go
+                    tensors = {k: v.clone() for k, v in tensors.items()}
                     got.release()
                 engine.load_weights(info.version, tensors)
         except Exception as exc:  # weights that do not fit: keep the old ones, report, never retry

@@ -4,10 +4,11 @@ vLLM runs in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) with synchronous sched
 `step()` returns exactly the tokens that one forward pass produced. That makes versions exact:
 between two steps the thread applies staged weights (a worker-extension RPC that reloads them in
 place: from the same-host slot the worker maps itself, given only a reference to it, or from
-safetensors bytes), resets the prefix cache and preempts every running request, so vLLM
-recomputes their KV under the new weights; tokens are tagged with the version in force when their
-step ran. Offered weights are checked against the checkpoint's names, shapes and dtypes first. Requests that arrive while others decode join the running batch (vLLM's continuous
-batching); a group of n samples is one vLLM request with `n`, so its prompt is prefilled once.
+safetensors bytes), resets the prefix cache and preempts every running request, so vLLM recomputes
+their KV under the new weights; tokens are tagged with the version in force when their step ran.
+Offered weights are checked against the checkpoint's names, shapes and dtypes first. Requests that
+arrive while others decode join the running batch (vLLM's continuous batching); a group of n samples
+is one vLLM request with `n`, so its prompt is prefilled once.
 """
 
 from __future__ import annotations
