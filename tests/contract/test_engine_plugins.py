@@ -199,6 +199,7 @@ def test_sglang_takes_a_same_host_version_through_update_from_tensor(models: Mod
     from astraflow.weights.transport import SharedTransport
     from tests.contract.conftest import Harness
     from tests.contract.test_engine_contract import _assert_matches
+    from tests.unit.test_slot_ref import _publish
 
     server = FakeSglangServer(models.a, max_running_requests=4)
     server.start()
@@ -207,23 +208,40 @@ def test_sglang_takes_a_same_host_version_through_update_from_tensor(models: Mod
     weights = models.state_dict(1)
     nbytes = sum(t.numel() * t.element_size() for t in weights.values())
 
-    async def deliver() -> None:
-        sync = WeightSync({"p": eng}, {"shm": SharedTransport(eng.device)}, ["ipc"], PullStats())
-        offer = trainer.publish(1, weights)
-        assert offer is not None
-        sync.poll({"p": VersionInfo(policy="p", version=1, weights_addr="", offers=[offer])})
+    sync: Any = None
+
+    async def deliver(version: int, sd: dict[str, torch.Tensor]) -> None:
+        nonlocal sync
+        if sync is None:
+            sync = WeightSync({"p": eng}, {"shm": SharedTransport(eng.device)}, ["ipc"], PullStats())
+        offer = await _publish(trainer, version, sd)  # waits for the RaaS to let go of a slot
+        sync.poll({"p": VersionInfo(policy="p", version=version, weights_addr="", offers=[offer])})
         await sync.until_settled(60.0)
 
-    try:
-        asyncio.run(deliver())
+    async def deliver_two() -> None:
+        await deliver(1, weights)
+        segment = eng._segment
         assert eng.version == 1 and eng.last_error == "" and server.weight_version == "1"
+        await deliver(2, models.state_dict(2))
+        assert eng.version == 2 and server.weight_version == "2" and eng._segment is segment  # reused
+        have = server.model.state_dict()
+        assert all(torch.equal(have[k], v) for k, v in models.state_dict(2).items())
+        await deliver(3, weights)
+
+    try:
+        asyncio.run(deliver_two())
+        assert eng.version == 3 and eng.last_error == "" and server.weight_version == "3"
         update = [c for c in server.calls if c not in ("/generate", "/get_server_info")]
-        assert update == [
-            "/pause_generation",
-            "/update_weights_from_tensor",
-            "/flush_cache",
-            "/continue_generation",
-        ]
+        assert (
+            update
+            == [
+                "/pause_generation",
+                "/update_weights_from_tensor",
+                "/flush_cache",
+                "/continue_generation",
+            ]
+            * 3
+        )
         sent = dict(server.body_bytes)["/update_weights_from_tensor"]
         assert sent < 64 << 10 < nbytes // 10, (sent, nbytes)  # the tensors are named, not sent
         assert list(tmp_path.iterdir()) == []  # no file written
@@ -231,7 +249,7 @@ def test_sglang_takes_a_same_host_version_through_update_from_tensor(models: Mod
         assert all(torch.equal(have[k], v) for k, v in weights.items())
         probe = GenerationRequest(prompt_ids=[1, 5, 9], max_new_tokens=4, seed=1, sampling=SamplingParams())
         (out,) = asyncio.run(eng.generate([probe]))
-        assert out.versions == [1] * 4
+        assert out.versions == [3] * 4
         _assert_matches(Harness("sglang", eng, models), probe, out)
     finally:
         eng.close()

@@ -113,6 +113,8 @@ class SglangEngine(RolloutEngine):
         """Where the RaaS maps same-host versions (weights/transport.py reads it)."""
         self._expected = checkpoint_meta(self.model_path)
         self._importer: Any = None
+        self._segment: Any = None
+        """The torch shared-memory segment shm versions are copied into (one, reused)."""
         self.last_error = ""
         """Why the last staged version was not applied ("" when it was)."""
         self._version = 0
@@ -293,10 +295,11 @@ class SglangEngine(RolloutEngine):
 
         got = read_slot(ref, self._slot_importer()) if ref.kind == "shm" else None
         try:
-            payload = from_slot(ref, got.tensors if got is not None else None)
+            payload = from_slot(ref, got.tensors if got is not None else None, self._segment)
         finally:
             if got is not None:
                 got.release()
+        self._segment = payload.keep if payload.keep is not None else self._segment
         body = {
             "serialized_named_tensors": [payload.serialized] * self._ranks,
             "load_format": None,
@@ -304,7 +307,6 @@ class SglangEngine(RolloutEngine):
             "weight_version": str(version),
         }
         self._update(version, "/update_weights_from_tensor", body)
-        del payload  # the shared copy lives until the server has loaded from it
 
     def _apply_from_disk(self, version: int, state_dict: dict[str, Any]) -> None:
         """Write the weights where the server reads them, then `/update_weights_from_disk`."""

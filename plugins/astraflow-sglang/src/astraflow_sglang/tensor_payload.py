@@ -13,7 +13,9 @@ KiB whatever the model's size:
   patched rebuild function maps to its own device index (indices differ between processes);
 - `shm` slot: the packed bytes are copied once into a torch shared-memory segment (torch's
   file_system sharing: a segment another process opens by name) and each tensor is `rebuild_tensor`
-  of it at the tensor's offset. The copy is kept alive until the server answered.
+  of it at the tensor's offset. The engine reuses one segment for every version (updates are
+  sequential, and the server has copied from it when it answers), so a server that refuses a request
+  before opening the segment costs no memory beyond it.
 
 This module writes these pickles (it never reads one). The facts come from SGLang's source (the
 request struct, MultiprocessingSerializer, the model runner's update_weights_from_tensor and torch
@@ -55,15 +57,18 @@ class TensorPayload:
     keep: Any = None
 
 
-def from_slot(ref: SlotRef, tensors: dict[str, torch.Tensor] | None = None) -> TensorPayload:
+def from_slot(
+    ref: SlotRef, tensors: dict[str, torch.Tensor] | None = None, reuse: torch.Tensor | None = None
+) -> TensorPayload:
     """The payload naming the version of `ref`: its CUDA IPC buffer (cuda_ipc), or for shm a shared
-    copy of `tensors` (the slot's checked views, weights/slot_ref.read_slot)."""
+    copy of `tensors` (the slot's checked views, weights/slot_ref.read_slot), written into `reuse`
+    (the `keep` of an earlier payload) when it is large enough."""
     layout = packed.Layout.from_json(ref.layout)
     if ref.kind == "cuda_ipc":
         return TensorPayload(_encode(_cuda_items(layout, msgspec.msgpack.decode(ref.ipc, type=IpcHandle))))
     if tensors is None:
         raise ValueError("an shm slot's payload needs its mapped tensors")
-    buf, items = _shared_items(layout, tensors)
+    buf, items = _shared_items(layout, tensors, reuse)
     return TensorPayload(_encode(items), keep=buf)
 
 
@@ -102,7 +107,7 @@ def _cuda_items(layout: packed.Layout, h: IpcHandle) -> list[tuple[str, Any]]:
 
 
 def _shared_items(
-    layout: packed.Layout, tensors: dict[str, torch.Tensor]
+    layout: packed.Layout, tensors: dict[str, torch.Tensor], reuse: torch.Tensor | None
 ) -> tuple[torch.Tensor, list[tuple[str, Any]]]:
     """Copy the version into one torch shared-memory segment and name each tensor as a view of it."""
     from torch.multiprocessing.reductions import (
@@ -111,9 +116,10 @@ def _shared_items(
         rebuild_typed_storage,
     )
 
-    buf = torch.empty(max(layout.nbytes, 1), dtype=torch.uint8)
+    fits = reuse is not None and reuse.numel() >= layout.nbytes
+    buf = reuse if reuse is not None and fits else torch.empty(max(layout.nbytes, 1), dtype=torch.uint8)
     storage = buf.untyped_storage()
-    manager, handle, size = storage._share_filename_cpu_()
+    manager, handle, size = storage._share_filename_cpu_()  # moves it into a segment once
     packed.pack(tensors, layout, buf)
     # the receiver's rebuild drops one reference: hold one for it, as torch's own reducer does
     storage._shared_incref()
