@@ -178,6 +178,7 @@ def test_vllm_refuses_a_bad_slot_and_keeps_its_weights(vllm_engine: Any, models:
         while not eng.last_error and time.monotonic() < deadline:
             time.sleep(0.02)
         assert "digest" in eng.last_error and eng.version == held
+        assert eng.slot_refused(held + 2)  # the RaaS then fetches it again and hands over tensors
         got.release()
     finally:
         trainer.close()
@@ -289,7 +290,7 @@ def test_sglang_refuses_a_bad_slot_and_keeps_its_weights(models: Models, tmp_pat
         deadline = time.monotonic() + 60
         while not eng.last_error and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert "digest" in eng.last_error and eng.version == 0
+        assert "digest" in eng.last_error and eng.version == 0 and eng.slot_refused(2)
         assert server.weight_version == "default" and "/pause_generation" not in server.calls
         got.release()
     finally:

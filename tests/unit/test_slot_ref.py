@@ -33,6 +33,9 @@ class SlotEngine:
         self.got: list[str] = []
         """What each update came as: "slot" or "tensors"."""
         self.error = ""
+        self.refused = -1
+        self.before_read: Any = None
+        """Called with the slot's path just before the engine reads it (a test corrupts it there)."""
         self._importer = SharedImporter(torch.device("cpu"))
         self._applied = threading.Condition()
 
@@ -53,11 +56,14 @@ class SlotEngine:
         raw = slot.encode()  # what would cross an engine's own RPC
 
         def read() -> None:
+            if self.before_read is not None:
+                self.before_read(slot.path)
             try:
                 got = read_slot(SlotRef.decode(raw), self._importer)
             except WeightIntegrityError as exc:
                 with self._applied:
                     self.error = str(exc)
+                    self.refused = version
                     self._applied.notify_all()
                 return
             try:
@@ -77,6 +83,9 @@ class SlotEngine:
                 self._applied.notify_all()
 
         threading.Thread(target=apply).start() if thread else apply()
+
+    def slot_refused(self, version: int) -> bool:
+        return self.refused >= version > self.version
 
     def wait_version(self, version: int, timeout: float | None = None) -> bool:
         with self._applied:
@@ -232,3 +241,48 @@ def test_a_slot_corrupted_after_the_raas_checked_it_is_refused_by_the_engine() -
         got.release()
     finally:
         trainer.close()
+
+
+def test_a_slot_the_engine_refuses_is_fetched_again_by_the_next_path() -> None:
+    """The slot's bytes go bad between the RaaS's check and the engine's read: the engine refuses it
+    and keeps its weights; the RaaS fetches the version again, its own check of the slot fails now,
+    and the ZeroMQ pull brings the version, handed over as tensors; the slot's lock is let go."""
+    from astraflow.metrics.role_stats import PullStats
+    from astraflow.roles.weight_sync import WeightSync
+    from astraflow.weights.server import WeightServer
+    from astraflow.weights.snapshot import state_dict_to_bytes
+    from astraflow.weights.transport import SharedTransport, ZmqTransport
+
+    trainer = SharedTransport(torch.device("cpu"), policy="p")
+    server = WeightServer("127.0.0.1", chunk_bytes=4096)
+    engine = SlotEngine(OLD)
+    engine.before_read = _corrupt
+    new = _scaled(7.0)
+
+    async def scenario() -> None:
+        cpu = torch.device("cpu")
+        sync = WeightSync(
+            {"p": engine}, {"shm": SharedTransport(cpu), "zmq": ZmqTransport()}, ["ipc", "zmq"], PullStats()
+        )
+        offer = trainer.publish(1, new)
+        assert offer is not None
+        m = server.publish("p", 1, state_dict_to_bytes(new))
+        v1 = VersionInfo(policy="p", version=1, weights_addr=server.address, sha256=m.sha256, offers=[offer])
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 60.0
+        while engine.version < 1:
+            assert loop.time() < deadline, (engine.got, engine.error, sync.last_error)
+            sync.poll({"p": v1})  # the worker's loop polls its announced versions like this
+            await sync.until_settled(1.0)
+            await asyncio.sleep(0.05)
+        assert engine.got == ["slot", "tensors"] and sync.paths["p"] == "zmq"
+        assert "digest" in engine.error and "refused from its slot" in sync.last_error
+        assert torch.equal(engine.params["w"], new["w"]) and torch.equal(engine.params["b"], new["b"])
+        await _publish(trainer, 2, new)  # both slots free again: the refused one was let go
+        await _publish(trainer, 3, new)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        trainer.close()
+        server.close()

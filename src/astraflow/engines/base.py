@@ -75,7 +75,10 @@ class RolloutEngine(ABC):
         of being handed tensors. False (the default): the RaaS calls `load_weights` with the tensors.
         An engine that takes it checks names, shapes and dtypes at once (raising leaves the old weights
         in place), maps and checks the digest itself, and applies between decode steps like
-        `load_weights`; the slot stays locked until `version` (or a newer one) is in use."""
+        `load_weights`; the slot stays locked until `version` (or a newer one) is in use. If a check
+        fails where it reads the slot, it keeps the old weights and says so through an optional
+        `slot_refused(version) -> bool`: the RaaS then fetches the version again and hands it over as
+        tensors."""
         return False
 
     @property

@@ -117,6 +117,8 @@ class SglangEngine(RolloutEngine):
         """The torch shared-memory segment shm versions are copied into (one, reused)."""
         self.last_error = ""
         """Why the last staged version was not applied ("" when it was)."""
+        self._refused = -1
+        """The newest version whose slot failed this engine's check."""
         self._version = 0
         self._rids = itertools.count()
         self._inflight: set[str] = set()
@@ -216,6 +218,11 @@ class SglangEngine(RolloutEngine):
             self._cond.notify()
         return True
 
+    def slot_refused(self, version: int) -> bool:
+        """Whether `version`'s slot failed this engine's check (and nothing newer applied): the RaaS
+        then hands it over as tensors."""
+        return self._refused >= version > self._version
+
     @property
     def version(self) -> int:
         """The weight version the server decodes with."""
@@ -293,7 +300,11 @@ class SglangEngine(RolloutEngine):
         from astraflow.weights.slot_ref import read_slot
         from astraflow_sglang.tensor_payload import from_slot
 
-        got = read_slot(ref, self._slot_importer()) if ref.kind == "shm" else None
+        try:
+            got = read_slot(ref, self._slot_importer()) if ref.kind == "shm" else None
+        except Exception:
+            self._refused = max(self._refused, version)
+            raise
         try:
             payload = from_slot(ref, got.tensors if got is not None else None, self._segment)
         finally:

@@ -142,6 +142,8 @@ class VllmEngine(RolloutEngine):
         self._expected = checkpoint_meta(Path(model_path))
         self.last_error = ""
         """Why the last staged version was not applied ("" when it was)."""
+        self._refused = -1
+        """The newest version vLLM's worker refused to read from its slot."""
         self._version = 0
         self._ids = itertools.count()
         self._live: dict[str, _Live] = {}
@@ -212,6 +214,11 @@ class VllmEngine(RolloutEngine):
             self._staged = (version, slot)  # a slot holds a whole version: it supersedes what is staged
             self._cond.notify()
         return True
+
+    def slot_refused(self, version: int) -> bool:
+        """Whether `version` was refused where vLLM's worker read its slot (and nothing newer applied):
+        the RaaS then hands it over as tensors."""
+        return self._refused >= version > self._version
 
     @property
     def version(self) -> int:
@@ -359,6 +366,7 @@ class VllmEngine(RolloutEngine):
             if refused:
                 # each worker checks the slot before its first copy: the old weights are still in place
                 self.last_error = f"version {version} not applied: {refused[0]}"[:2000]
+                self._refused = max(self._refused, version)
                 _log.error("%s; keeping version %d", self.last_error, self._version)
                 return
         self.last_error = ""
