@@ -8,15 +8,28 @@ ignore_eos, sampling_seed) and return_logprob, and answers output_ids plus meta_
 (finish_reason {"type": stop|length|abort}, output_token_logprobs [[logprob, id, None], ...] of the
 TEMPERED distribution, weight_version); /pause_generation {"mode": "abort"} returns every in-flight
 request with what it has and holds new ones until /continue_generation; /update_weights_from_disk
-{model_path, weight_version}; /flush_cache; /abort_request {rid}; /get_server_info
-(max_running_requests). It keeps only a per-request KV cache (no shared prefix cache), so /flush_cache
-does nothing here: the plugin's cache handling is only as right as SGLang's documentation.
+{model_path, weight_version}; /update_weights_from_tensor (below); /flush_cache; /abort_request {rid};
+/get_server_info (max_running_requests, tp_size). It keeps only a per-request KV cache (no shared
+prefix cache), so /flush_cache does nothing here: the plugin's cache handling is only as right as
+SGLang's documentation.
+
+/update_weights_from_tensor decodes what SGLang's server decodes, as read in its source: a JSON body
+{serialized_named_tensors: one base64 string per tensor-parallel rank, load_format, flush_cache,
+weight_version}; this (rank 0's) entry is a pickle of [(name, tensor), ...] loaded by a restricted
+unpickler that admits only torch, builtins and copyreg globals (SGLang's admits those among others),
+so tensors arrive as torch's own rebuild calls (a shared-memory segment here; a CUDA IPC handle cannot
+be opened on a CPU). It answers {success, message}, 400 when it loaded nothing. Unlike SGLang, which
+copies tensor by tensor and may leave a failed update half-applied, the FAKE checks every name and
+shape before it copies.
 """
 
 from __future__ import annotations
 
+import base64
 import inspect
+import io
 import json
+import pickle
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -52,6 +65,8 @@ class FakeSglangServer:
         self._aborted: set[str] = set()
         self.calls: list[str] = []
         """Paths called, in order (the tests read the update sequence from it)."""
+        self.body_bytes: list[tuple[str, int]] = []
+        """(path, request body length) of each call."""
         self._http = _Server(("127.0.0.1", 0), self._handler())
         self._http.daemon_threads = True
         self._thread = threading.Thread(target=self._http.serve_forever, name="fake-sglang", daemon=True)
@@ -113,6 +128,26 @@ class FakeSglangServer:
                 self.weight_version = str(body["weight_version"])
         return {"success": True, "message": "updated"}
 
+    def update_weights_from_tensor(self, body: dict[str, Any]) -> Any:
+        if body.get("load_format") is not None:
+            return {"success": False, "message": "the FAKE server implements load_format null only"}
+        raw = base64.b64decode(body["serialized_named_tensors"][0], validate=True)
+        named = _WeightUnpickler(io.BytesIO(raw)).load()
+        with self._model_lock:
+            params = self.model.state_dict()
+            bad = [
+                n
+                for n, t in named
+                if not isinstance(t, torch.Tensor) or n not in params or t.shape != params[n].shape
+            ]
+            if bad:
+                return {"success": False, "message": f"tensors that do not fit the model: {bad[:5]}"}
+            for name, t in named:
+                params[name].copy_(t.to(params[name].device))
+            if body.get("weight_version") is not None:
+                self.weight_version = str(body["weight_version"])
+        return {"success": True, "message": "Success"}
+
     def flush_cache(self, body: dict[str, Any]) -> Any:
         return {"success": True}
 
@@ -125,7 +160,7 @@ class FakeSglangServer:
         return {"success": True}
 
     def get_server_info(self, body: dict[str, Any]) -> Any:
-        return {"max_running_requests": self.max_running_requests, "version": "FAKE"}
+        return {"max_running_requests": self.max_running_requests, "tp_size": 1, "version": "FAKE"}
 
     # ----- decoding -----------------------------------------------------------------------------
 
@@ -188,6 +223,7 @@ class FakeSglangServer:
             "/pause_generation": server.pause_generation,
             "/continue_generation": server.continue_generation,
             "/update_weights_from_disk": server.update_weights_from_disk,
+            "/update_weights_from_tensor": server.update_weights_from_tensor,
             "/flush_cache": server.flush_cache,
             "/abort_request": server.abort_request,
             "/get_server_info": server.get_server_info,
@@ -201,9 +237,11 @@ class FakeSglangServer:
                     return
                 server.calls.append(self.path)
                 length = int(self.headers.get("Content-Length") or 0)
+                server.body_bytes.append((self.path, length))
                 body = json.loads(self.rfile.read(length)) if length else {}
                 try:
-                    payload, code = fn(body), 200
+                    payload = fn(body)
+                    code = 400 if isinstance(payload, dict) and payload.get("success") is False else 200
                 except Exception as exc:  # reported to the client like SGLang's 400s
                     payload, code = {"error": {"message": str(exc)}}, 400
                 raw = json.dumps(payload).encode()
@@ -220,3 +258,16 @@ class FakeSglangServer:
                 pass  # quiet
 
         return Handler
+
+
+class _WeightUnpickler(pickle.Unpickler):
+    """Loads a weight payload, admitting only torch, builtins and copyreg globals (torch's tensor and
+    storage rebuild functions, dtypes, sizes); anything else is refused, as SGLang's server refuses
+    modules outside its list."""
+
+    _MODULES = ("torch", "builtins", "copyreg")
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module.split(".")[0] not in self._MODULES:
+            raise pickle.UnpicklingError(f"refused global {module}.{name}")
+        return super().find_class(module, name)

@@ -6,9 +6,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from astraflow.protocol.messages import SamplingParams
+
+if TYPE_CHECKING:
+    from astraflow.weights.slot_ref import SlotRef
 
 
 @dataclass
@@ -65,6 +68,18 @@ class RolloutEngine(ABC):
     def load_weights(self, version: int, state_dict: Mapping[str, Any]) -> None:
         """Schedule new weights; they apply between decode steps, so in-flight sequences continue
         under the new version. Thread-safe; returns at once."""
+
+    def load_slot(self, version: int, slot: SlotRef) -> bool:
+        """Optionally take a version as a reference to the same-host slot that holds it (the RaaS got
+        it by shm or CUDA IPC; weights/slot_ref.py) and map it where the engine's weights live, instead
+        of being handed tensors. False (the default): the RaaS calls `load_weights` with the tensors.
+        An engine that takes it checks names, shapes and dtypes at once (raising leaves the old weights
+        in place), maps and checks the digest itself, and applies between decode steps like
+        `load_weights`; the slot stays locked until `version` (or a newer one) is in use. If a check
+        fails where it reads the slot, it keeps the old weights and says so through an optional
+        `slot_refused(version) -> bool`: the RaaS then fetches the version again and hands it over as
+        tensors."""
+        return False
 
     @property
     @abstractmethod

@@ -2,11 +2,13 @@
 
     idle -> fetching -> staged -> applied
                  \\-> idle (failed: retried)   \\-> rejected (the engine refused it: never retried)
+                                               \\-> idle (the slot failed the engine's check: refetched)
 
 `PolicySync` is the pure core (no sockets, no threads: unit-tested as is); `WeightSync` drives it for
 a worker: it fetches each announced version by the fastest transport the pair shares
 (weights/transport.py), falling back path by path, hands the tensors to the engine (which applies
-them between decode steps) and releases a shared slot once its engine has copied it.
+them between decode steps), or, to an engine that maps same-host slots itself, a reference to the
+slot (`load_slot`), and releases a shared slot once its engine has copied it.
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ class PolicySync:
     rejected: set[tuple[int, str]] = field(default_factory=set)
     """(version, address) the engine refused: never fetched again."""
     retry_at: float = 0.0
+    slot_refused: set[int] = field(default_factory=set)
+    """Versions the engine would not read from their same-host slot: given to it as tensors next time."""
 
     def on_announce(self, info: VersionInfo, now: float) -> bool:
         """A version was announced; True when it should be fetched now (state -> fetching)."""
@@ -84,6 +88,14 @@ class PolicySync:
         self.rejected.add((info.version, info.weights_addr))
         if self.target is info:
             self.state = State.REJECTED
+
+    def on_slot_refused(self, info: VersionInfo, now: float) -> None:
+        """The engine read a staged version from its slot and a check failed there (the old weights
+        stay): back to idle, fetched again after RETRY_S and then handed over as tensors (a slot whose
+        bytes are bad fails the worker's own check then, and the next path is taken)."""
+        self.slot_refused.add(info.version)
+        if self.target is info and self.state is State.STAGED:
+            self.state, self.retry_at = State.IDLE, now + RETRY_S
 
     def on_engine(self, version: int) -> None:
         """The engine decodes with `version` now."""
@@ -168,11 +180,13 @@ class WeightSync:
             got.release()
             return
         try:
-            tensors = got.tensors
-            if got.lent and not hasattr(engine, "wait_version"):
-                tensors = {k: v.clone() for k, v in tensors.items()}  # this engine cannot say when it copied
-                got.release()
-            engine.load_weights(info.version, tensors)
+            if info.version in ps.slot_refused or not _hand_slot(engine, info.version, got):
+                tensors = got.tensors
+                if got.lent and not hasattr(engine, "wait_version"):
+                    # this engine cannot say when it copied: give it copies and let the buffer go
+                    tensors = {k: v.clone() for k, v in tensors.items()}
+                    got.release()
+                engine.load_weights(info.version, tensors)
         except Exception as exc:  # weights that do not fit: keep the old ones, report, never retry
             got.release()
             ps.on_rejected(info)
@@ -183,20 +197,53 @@ class WeightSync:
             self.changed.set()
             return
         self.stats.add(ps.policy, t1 - t0, time.perf_counter() - t1, got.nbytes)
-        if got.lent:
-            _release_when_applied(engine, info.version, got)
+        loop = asyncio.get_running_loop()
+
+        def slot_refused() -> None:
+            try:
+                loop.call_soon_threadsafe(self._on_slot_refused, ps, info)
+            except RuntimeError:
+                pass  # the loop is gone: the worker is exiting
+
+        _watch_apply(engine, info.version, got, slot_refused)
+        self.changed.set()
+
+    def _on_slot_refused(self, ps: PolicySync, info: VersionInfo) -> None:
+        engine = self.engines[ps.policy]
+        ps.on_slot_refused(info, time.monotonic())
+        why = getattr(engine, "last_error", "") or "a check failed where it read the slot"
+        self.last_error = f"{ps.policy} version {info.version} refused from its slot: {why}"[:2000]
+        _log.warning("%s; fetching it again", self.last_error)
         self.changed.set()
 
 
-def _release_when_applied(engine: Any, version: int, got: Any) -> None:
-    """Release a shared slot or a lent receive buffer once the engine copied it (applied this
-    version or a newer one)."""
+def _hand_slot(engine: Any, version: int, got: Any) -> bool:
+    """Hand the engine a reference to the same-host slot `got` came from, if it takes one (it then maps
+    the slot itself); False: the engine is to be given the tensors."""
+    load_slot = getattr(engine, "load_slot", None)
+    if got.slot is None or not callable(load_slot) or not hasattr(engine, "wait_version"):
+        return False  # an engine that cannot say when it read the slot would keep it locked forever
+    return bool(load_slot(version, got.slot))
+
+
+def _watch_apply(engine: Any, version: int, got: Any, on_slot_refused: Any) -> None:
+    """Until the engine decodes with `version` (or a newer one), says it refused `version` from its
+    slot (`slot_refused(version)`, optional) or dies: then release a shared slot or a lent receive
+    buffer, and tell `on_slot_refused` of a refusal."""
+    refused = getattr(engine, "slot_refused", None)
+    if not hasattr(engine, "wait_version") or not (got.lent or callable(refused)):
+        return
 
     def wait() -> None:
-        while not engine.wait_version(version, timeout=1.0):
-            if not getattr(engine, "healthy", lambda: True)():
-                break  # a dead engine reads nothing more
-        got.release()
+        try:
+            while not engine.wait_version(version, timeout=1.0):
+                if callable(refused) and refused(version):
+                    on_slot_refused()
+                    break
+                if not getattr(engine, "healthy", lambda: True)():
+                    break  # a dead engine reads nothing more
+        finally:
+            got.release()
 
     threading.Thread(target=wait, name=f"release-{version}", daemon=True).start()
 

@@ -27,7 +27,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import torch
@@ -35,6 +35,9 @@ import torch
 from astraflow import log
 from astraflow.errors import WeightIntegrityError
 from astraflow.weights import packed
+
+if TYPE_CHECKING:
+    from astraflow.weights.slot_ref import SlotRef
 
 _log = log.get("weights.shared")
 SHM_DIR = Path(os.environ.get("ASTRAFLOW_SHM_DIR", "/dev/shm"))
@@ -72,6 +75,8 @@ class IpcHandle(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     event_handle: bytes
     event_sync: bool
     numel: int
+    device_uuid: str = ""
+    """The GPU's UUID (device indices differ between processes with other CUDA_VISIBLE_DEVICES)."""
 
 
 @dataclass
@@ -206,6 +211,9 @@ class Received:
     _keep: list[Any] = field(default_factory=list)
     _on_release: Callable[[], None] | None = None
     """Hands a lent receive buffer back (the ZeroMQ pull's)."""
+    slot: SlotRef | None = None
+    """The slot this version was mapped from (same-host paths): an engine that maps slots itself is
+    handed this instead of `tensors` (weights/slot_ref.py)."""
 
     @property
     def lent(self) -> bool:
@@ -230,7 +238,7 @@ class SharedImporter:
     def __init__(self, device: torch.device) -> None:
         """Device tensors are read from where the engine runs (the IPC mapping opens there)."""
         self.device = device
-        self._maps: dict[tuple[str, bytes], tuple[torch.Tensor, packed.Layout, mmap.mmap]] = {}
+        self._maps: dict[tuple[str, bytes], tuple[torch.Tensor, packed.Layout, mmap.mmap, bytes]] = {}
 
     def receive(self, kind: str, path: str, ipc: bytes, version: int, expect_digest: str) -> Received:
         """Lock, check and map one announced version; StaleOfferError when the slot moved on,
@@ -241,7 +249,7 @@ class SharedImporter:
             key = (path, ipc)
             if key not in self._maps:
                 self._maps[key] = self._map(path, kind, ipc)
-            data, layout, mapping = self._maps[key]
+            data, layout, mapping, table = self._maps[key]
             _magic, have, _t, _o, _n = _HEAD.unpack_from(mapping, 0)
             if have != version:
                 raise StaleOfferError(f"shared slot {path} holds version {have}, not {version}", hint="")
@@ -251,14 +259,17 @@ class SharedImporter:
                     f"shared slot {path} version {version}: digest {got} != announced {expect_digest}",
                     hint="the slot's bytes are not what the trainer announced; pulling over ZeroMQ instead",
                 )
-            out = Received(version, packed.views(data, layout), layout.nbytes, fd)
+            from astraflow.weights.slot_ref import SlotRef
+
+            ref = SlotRef(kind, path, ipc, version, expect_digest, table)
+            out = Received(version, packed.views(data, layout), layout.nbytes, fd, slot=ref)
             fd = -1
             return out
         finally:
             if fd >= 0:
                 os.close(fd)
 
-    def _map(self, path: str, kind: str, ipc: bytes) -> tuple[torch.Tensor, packed.Layout, mmap.mmap]:
+    def _map(self, path: str, kind: str, ipc: bytes) -> tuple[torch.Tensor, packed.Layout, mmap.mmap, bytes]:
         # a descriptor of its own: mmap keeps a duplicate of it, which must not share the lock's
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -270,7 +281,8 @@ class SharedImporter:
         if magic != _MAGIC:
             raise WeightIntegrityError("not an astraflow weight slot", hint="")
         start = _HEAD.size + _DIGEST_BYTES
-        layout = packed.Layout.from_json(bytes(mapping[start : start + tlen]))
+        table = bytes(mapping[start : start + tlen])
+        layout = packed.Layout.from_json(table)
         if layout.nbytes != nbytes:
             raise WeightIntegrityError("weight slot header and layout disagree", hint="")
         if kind == "cuda_ipc":
@@ -282,7 +294,7 @@ class SharedImporter:
                 # a read-only mapping: torch warns that it is not writable; the views are only read
                 warnings.simplefilter("ignore", UserWarning)
                 data = torch.frombuffer(memoryview(mapping), dtype=torch.uint8, count=nbytes, offset=data_off)
-        return data, layout, mapping
+        return data, layout, mapping, table
 
 
 def _lock_shared(fd: int) -> None:
@@ -316,6 +328,7 @@ def _share_cuda(buf: torch.Tensor) -> IpcHandle:
         bytes(ev_h or b""),
         bool(ev_sync),
         buf.numel(),
+        str(torch.cuda.get_device_properties(int(device)).uuid),
     )
 
 

@@ -2,11 +2,15 @@
 
 Generation is `/generate` with token ids and `return_logprob`; a group of n samples is one batched
 call whose prompts SGLang's radix cache prefills once. A weight update runs on a background thread:
-write the weights as safetensors where the server can read them, `/pause_generation` (mode "abort":
-in-flight requests return what they have so far), `/update_weights_from_disk` with the new
-`weight_version`, `/flush_cache`, `/continue_generation`. Each aborted sample is then resubmitted
-as a continuation (prompt + its tokens so far), so every token's version is exact: it is the
-`weight_version` the server reports for the call that produced it, and no call spans an update.
+`/pause_generation` (mode "abort": in-flight requests return what they have so far), the update with
+the new `weight_version`, `/flush_cache`, `/continue_generation`. The update is
+`/update_weights_from_tensor` when the RaaS got the version through a same-host slot (`load_slot`:
+the request names the tensors, by CUDA IPC handle or torch shared-memory segment, see
+tensor_payload.py), else `/update_weights_from_disk` of safetensors written where the server reads
+them. Each aborted sample is then resubmitted as a continuation (prompt + its tokens so far), so every
+token's version is exact: it is the `weight_version` the server reports for the call that produced
+it, and no call spans an update. Offered weights are checked against the checkpoint's names, shapes
+and dtypes before anything is sent.
 
 SGLang returns logprobs of the tempered distribution (log_softmax(logits / T)), not renormalised
 after top-p / top-k; the trainer would then compute a different ratio, so requests with top_p < 1 or
@@ -25,7 +29,7 @@ import urllib.request
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -33,6 +37,9 @@ from astraflow import log
 from astraflow.engines.base import Completion, GenerationRequest, RolloutEngine
 from astraflow.errors import AstraflowError
 from astraflow.protocol.messages import SamplingParams
+
+if TYPE_CHECKING:
+    from astraflow.weights.slot_ref import SlotRef
 
 _log = log.get("engines.sglang")
 _MODEL_FILES = ("config.json", "generation_config.json")
@@ -52,6 +59,10 @@ class SglangEngineConfig(BaseModel):
     """Longest wait for one HTTP call."""
     capacity: int | None = Field(None, ge=1)
     """Sequences decoded together; None = the server's max_running_requests."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Where this RaaS maps same-host versions before naming them to the server: cuda (the RaaS runs on
+    the server's GPU host with CUDA) takes the trainer's CUDA IPC offers and passes their handles on;
+    cpu takes /dev/shm slots."""
 
 
 class SglangEngine(RolloutEngine):
@@ -92,10 +103,26 @@ class SglangEngine(RolloutEngine):
                 hint="set policy.engine_options.capacity",
             )
         self._capacity = int(cap)
+        self._ranks = int(info.get("tp_size") or 1) if isinstance(info, dict) else 1
+        """One `serialized_named_tensors` entry per tensor-parallel rank of the server."""
+        import torch
+
+        from astraflow.engines.weights import checkpoint_meta
+
+        self.device = torch.device(config.device)
+        """Where the RaaS maps same-host versions (weights/transport.py reads it)."""
+        self._expected = checkpoint_meta(self.model_path)
+        self._importer: Any = None
+        self._segment: Any = None
+        """The torch shared-memory segment shm versions are copied into (one, reused)."""
+        self.last_error = ""
+        """Why the last staged version was not applied ("" when it was)."""
+        self._refused = -1
+        """The newest version whose slot failed this engine's check."""
         self._version = 0
         self._rids = itertools.count()
         self._inflight: set[str] = set()
-        self._staged: tuple[int, dict[str, Any]] | None = None
+        self._staged: tuple[int, dict[str, Any] | SlotRef] | None = None
         self._cond = threading.Condition()
         self._applied = threading.Condition(threading.Lock())
         self._closed = False
@@ -167,12 +194,34 @@ class SglangEngine(RolloutEngine):
         return [Completion(tokens[i], logprobs[i], versions[i], finish[i], _used(request)) for i in range(n)]
 
     def load_weights(self, version: int, state_dict: Mapping[str, Any]) -> None:
-        """Stage new weights (a full state dict); the update thread hands them to the server."""
+        """Check the weights against the checkpoint (WeightsMismatchError: nothing is staged) and stage
+        them; the update thread writes them where the server reads them and has it load them."""
+        self._check(state_dict)
         with self._cond:
-            merged = dict(self._staged[1]) if self._staged is not None else {}
+            staged = self._staged[1] if self._staged is not None else {}
+            merged = dict(staged) if isinstance(staged, dict) else {}
             merged.update(state_dict)
             self._staged = (version, merged)
             self._cond.notify()
+
+    def load_slot(self, version: int, slot: SlotRef) -> bool:
+        """Take a same-host version by reference: check its layout against the checkpoint (raises
+        WeightsMismatchError) and stage it; the update thread names its tensors to the server through
+        `/update_weights_from_tensor`, with no file written."""
+        if slot.kind == "cuda_ipc" and self.device.type != "cuda":
+            return False
+        from astraflow.weights.slot_ref import layout_meta
+
+        self._check(layout_meta(slot))
+        with self._cond:
+            self._staged = (version, slot)  # a slot holds a whole version: it supersedes what is staged
+            self._cond.notify()
+        return True
+
+    def slot_refused(self, version: int) -> bool:
+        """Whether `version`'s slot failed this engine's check (and nothing newer applied): the RaaS
+        then hands it over as tensors."""
+        return self._refused >= version > self._version
 
     @property
     def version(self) -> int:
@@ -226,13 +275,52 @@ class SglangEngine(RolloutEngine):
                     return
                 staged, self._staged = self._staged, None
             assert staged is not None
+            version, payload = staged
             try:
-                self._apply(*staged)
-            except Exception:  # keep serving the old version; the next update may succeed
-                _log.exception("weight update to version %d failed", staged[0])
+                if isinstance(payload, dict):
+                    self._apply_from_disk(version, payload)
+                else:
+                    self._apply_from_slot(version, payload)
+                self.last_error = ""
+            except Exception as exc:  # keep serving the old version; the next update may succeed
+                self.last_error = f"version {version} not applied: {type(exc).__name__}: {exc}"[:2000]
+                _log.exception("weight update to version %d failed", version)
 
-    def _apply(self, version: int, state_dict: dict[str, Any]) -> None:
-        """Write the weights, then pause (abort) -> update -> flush -> continue on the server."""
+    def _check(self, offered: Mapping[str, Any]) -> None:
+        """WeightsMismatchError unless every offered tensor is one of the checkpoint's, with its shape
+        and a dtype of its kind (no check when the model path is not a local directory)."""
+        from astraflow.engines.weights import check_weights
+
+        if self._expected is not None:
+            check_weights(self._expected, offered)
+
+    def _apply_from_slot(self, version: int, ref: SlotRef) -> None:
+        """Name the slot's tensors to the server (`/update_weights_from_tensor`); an shm slot is mapped
+        and checked (version, layout, digest) here first, a CUDA IPC one was checked by the RaaS."""
+        from astraflow.weights.slot_ref import read_slot
+        from astraflow_sglang.tensor_payload import from_slot
+
+        try:
+            got = read_slot(ref, self._slot_importer()) if ref.kind == "shm" else None
+        except Exception:
+            self._refused = max(self._refused, version)
+            raise
+        try:
+            payload = from_slot(ref, got.tensors if got is not None else None, self._segment)
+        finally:
+            if got is not None:
+                got.release()
+        self._segment = payload.keep if payload.keep is not None else self._segment
+        body = {
+            "serialized_named_tensors": [payload.serialized] * self._ranks,
+            "load_format": None,
+            "flush_cache": True,
+            "weight_version": str(version),
+        }
+        self._update(version, "/update_weights_from_tensor", body)
+
+    def _apply_from_disk(self, version: int, state_dict: dict[str, Any]) -> None:
+        """Write the weights where the server reads them, then `/update_weights_from_disk`."""
         import torch
         from safetensors.torch import save_file
 
@@ -243,13 +331,17 @@ class SglangEngine(RolloutEngine):
                 shutil.copy2(self.model_path / name, out / name)
         tensors = {k: torch.as_tensor(v).detach().contiguous().cpu() for k, v in state_dict.items()}
         save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+        body = {"model_path": str(out), "weight_version": str(version), "flush_cache": True}
+        self._update(version, "/update_weights_from_disk", body)
+        for old in Path(self.config.weights_dir).glob("v*"):
+            if old != out and old.is_dir():
+                shutil.rmtree(old, ignore_errors=True)
+
+    def _update(self, version: int, path: str, body: dict[str, Any]) -> None:
+        """Pause (abort) -> update -> flush -> continue on the server; then decode with `version`."""
         self._call("POST", "/pause_generation", {"mode": "abort"})
         try:
-            reply = self._call(
-                "POST",
-                "/update_weights_from_disk",
-                {"model_path": str(out), "weight_version": str(version), "flush_cache": True},
-            )
+            reply = self._call("POST", path, body)
             if not (isinstance(reply, dict) and reply.get("success")):
                 raise RuntimeError(f"server refused the update: {reply}")
             self._call("POST", "/flush_cache")
@@ -258,9 +350,16 @@ class SglangEngine(RolloutEngine):
         with self._applied:
             self._version = version
             self._applied.notify_all()
-        for old in Path(self.config.weights_dir).glob("v*"):
-            if old != out and old.is_dir():
-                shutil.rmtree(old, ignore_errors=True)
+
+    def _slot_importer(self) -> Any:
+        """This engine's importer of /dev/shm slots (it keeps each slot mapped once)."""
+        if self._importer is None:
+            import torch
+
+            from astraflow.weights.shared_buffer import SharedImporter
+
+            self._importer = SharedImporter(torch.device("cpu"))
+        return self._importer
 
     def _abort(self, rids: list[str]) -> None:
         for rid in rids:

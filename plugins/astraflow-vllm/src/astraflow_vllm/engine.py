@@ -3,10 +3,12 @@
 vLLM runs in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) with synchronous scheduling, so each
 `step()` returns exactly the tokens that one forward pass produced. That makes versions exact:
 between two steps the thread applies staged weights (a worker-extension RPC that reloads them in
-place from safetensors bytes), resets the prefix cache and preempts every running request, so vLLM
-recomputes their KV under the new weights; tokens are tagged with the version in force when their
-step ran. Requests that arrive while others decode join the running batch (vLLM's continuous
-batching); a group of n samples is one vLLM request with `n`, so its prompt is prefilled once.
+place: from the same-host slot the worker maps itself, given only a reference to it, or from
+safetensors bytes), resets the prefix cache and preempts every running request, so vLLM recomputes
+their KV under the new weights; tokens are tagged with the version in force when their step ran.
+Offered weights are checked against the checkpoint's names, shapes and dtypes first. Requests that
+arrive while others decode join the running batch (vLLM's continuous batching); a group of n samples
+is one vLLM request with `n`, so its prompt is prefilled once.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import os
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -25,6 +28,11 @@ from astraflow import log
 from astraflow.engines.base import Completion, GenerationRequest, RolloutEngine
 from astraflow.errors import AstraflowError
 from astraflow.protocol.messages import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+    from astraflow.weights.slot_ref import SlotRef
 
 _log = log.get("engines.vllm")
 EXTENSION = "astraflow_vllm.worker.WeightReloadExtension"
@@ -127,12 +135,21 @@ class VllmEngine(RolloutEngine):
                 hint="check the model directory, and on CPU that its head_dim is one vLLM's CPU attention supports (32, 64, 80, 96, 112, 128, ...)",
             ) from exc
         self._capacity = int(self._engine.vllm_config.scheduler_config.max_num_seqs)
+        self.device = _device(self._engine.vllm_config.device_config.device_type)
+        """Where vLLM's weights live: the RaaS maps same-host versions there (CUDA IPC on a GPU)."""
+        from astraflow.engines.weights import checkpoint_meta
+
+        self._expected = checkpoint_meta(Path(model_path))
+        self.last_error = ""
+        """Why the last staged version was not applied ("" when it was)."""
+        self._refused = -1
+        """The newest version vLLM's worker refused to read from its slot."""
         self._version = 0
         self._ids = itertools.count()
         self._live: dict[str, _Live] = {}
         self._inbox: list[tuple[str, _Live]] = []
         self._aborts: list[str] = []
-        self._staged: tuple[int, dict[str, Any]] | None = None
+        self._staged: tuple[int, dict[str, Any] | SlotRef] | None = None
         self._cond = threading.Condition()
         self._applied = threading.Condition(threading.Lock())
         self._closed = False
@@ -172,14 +189,36 @@ class VllmEngine(RolloutEngine):
             raise
 
     def load_weights(self, version: int, state_dict: Mapping[str, Any]) -> None:
-        """Stage new weights; the engine thread reloads them between two steps."""
+        """Check the weights against the checkpoint's names, shapes and dtypes (WeightsMismatchError:
+        nothing is staged) and stage them; the engine thread reloads them between two steps."""
+        self._check(state_dict)
         with self._cond:
-            merged = dict(self._staged[1]) if self._staged is not None else {}
-            merged.update(
-                state_dict
-            )  # a newer version supersedes one not applied yet; partial updates compose
+            staged = self._staged[1] if self._staged is not None else {}
+            # a newer version supersedes one not applied yet; partial updates compose
+            merged = dict(staged) if isinstance(staged, dict) else {}
+            merged.update(state_dict)
             self._staged = (version, merged)
             self._cond.notify()
+
+    def load_slot(self, version: int, slot: SlotRef) -> bool:
+        """Take a same-host version by reference: check its layout against the checkpoint (raises
+        WeightsMismatchError) and stage it; vLLM's worker maps and checks the slot itself, so only the
+        reference crosses `collective_rpc`. False (send tensors instead) for a CUDA IPC slot when vLLM
+        is not on a GPU."""
+        if slot.kind == "cuda_ipc" and self.device.type != "cuda":
+            return False
+        from astraflow.weights.slot_ref import layout_meta
+
+        self._check(layout_meta(slot))
+        with self._cond:
+            self._staged = (version, slot)  # a slot holds a whole version: it supersedes what is staged
+            self._cond.notify()
+        return True
+
+    def slot_refused(self, version: int) -> bool:
+        """Whether `version` was refused where vLLM's worker read its slot (and nothing newer applied):
+        the RaaS then hands it over as tensors."""
+        return self._refused >= version > self._version
 
     @property
     def version(self) -> int:
@@ -304,13 +343,33 @@ class VllmEngine(RolloutEngine):
                     ],
                 )
 
-    def _apply(self, version: int, state_dict: dict[str, Any]) -> None:
-        """Reload weights in place, then make every running sequence recompute its KV under them."""
-        import torch
-        from safetensors.torch import save
+    def _check(self, offered: Mapping[str, Any]) -> None:
+        """WeightsMismatchError unless every offered tensor is one of the checkpoint's, with its shape
+        and a dtype of its kind (no check when the model is not a local directory)."""
+        from astraflow.engines.weights import check_weights
 
-        tensors = {k: torch.as_tensor(v).detach().contiguous().cpu() for k, v in state_dict.items()}
-        self._engine.collective_rpc("astraflow_reload_weights", args=(save(tensors),))
+        if self._expected is not None:
+            check_weights(self._expected, offered)
+
+    def _apply(self, version: int, payload: dict[str, Any] | SlotRef) -> None:
+        """Reload weights in place, then make every running sequence recompute its KV under them."""
+        if isinstance(payload, dict):
+            import torch
+            from safetensors.torch import save
+
+            tensors = {k: torch.as_tensor(v).detach().contiguous().cpu() for k, v in payload.items()}
+            self._engine.collective_rpc("astraflow_reload_weights", args=(save(tensors),))
+        else:
+            refused = [
+                r for r in self._engine.collective_rpc("astraflow_load_slot", args=(payload.encode(),)) if r
+            ]
+            if refused:
+                # each worker checks the slot before its first copy: the old weights are still in place
+                self.last_error = f"version {version} not applied: {refused[0]}"[:2000]
+                self._refused = max(self._refused, version)
+                _log.error("%s; keeping version %d", self.last_error, self._version)
+                return
+        self.last_error = ""
         # Preempting the running requests drops their KV; vLLM recomputes it (prompt + tokens so far)
         # under the new weights, so each later logprob is exactly the new version's.
         self._engine.reset_prefix_cache(reset_running_requests=True)
@@ -331,6 +390,15 @@ class VllmEngine(RolloutEngine):
             engine.engine_core.shutdown()
         except Exception:  # shutting down twice or half-built: nothing left to release
             _log.debug("vLLM shutdown raised", exc_info=True)
+
+
+def _device(device_type: str) -> torch.device:
+    """The torch device vLLM's (in-process) worker runs on."""
+    import torch
+
+    if device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(device_type or "cpu")
 
 
 _NEUTRAL = {"min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
