@@ -1,7 +1,7 @@
 """The CUDA IPC payload of the SGLang plugin on a GPU machine: a trainer's packed device buffer, named
 to SGLang by `/update_weights_from_tensor`'s pickle, rebuilds in another process into the trainer's
 tensors, byte for byte. The rebuild follows SGLang's reduction patch as read in its source (the GPU
-named by UUID); no SGLang runs here either. Written without a GPU at hand: not yet run."""
+named by UUID); no SGLang runs here either. Passed on 2 x H200 (2026-11-27)."""
 
 from __future__ import annotations
 
