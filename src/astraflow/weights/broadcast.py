@@ -110,7 +110,8 @@ def _bcast_all(pg: Any, chunks: list[torch.Tensor], timeout_s: float) -> None:
     calling thread would go on (the hub to its next message, into a group whose member is gone; a
     member into a sync that never returns): on a GPU the thread polls the last chunk's work (NCCL runs
     one group's collectives in order) until it completes — NCCL's watchdog marks a timed-out
-    collective failed, and `wait` then raises — and, should even that not come, aborts the group."""
+    collective failed — and, should even that not come, aborts the group. A completed collective is
+    then checked for the error it ended with (NCCL's `wait` does not raise it)."""
     import torch.distributed as dist
 
     opts = dist.BroadcastOptions()
@@ -130,6 +131,12 @@ def _bcast_all(pg: Any, chunks: list[torch.Tensor], timeout_s: float) -> None:
             pause = min(pause * 2, 0.005)
     for work in works:
         work.wait()
+        # an NCCL collective that an abort ended counts as completed and its `wait` does not raise:
+        # its bytes are torn, so it must fail here (found on GPUs: a survivor of a member killed
+        # mid-version handed that version on, and only the digest check caught it)
+        failed = work.exception()
+        if failed is not None:
+            raise RuntimeError(f"a broadcast failed: {failed}")
 
 
 def _send_header(
