@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from astraflow.bench.trl import TRL_VERSION
+from astraflow.bench.trl_install import TRL_VERSION
 from astraflow.cli.bench.common import app, parse_seed_list, sigterm_as_interrupt
 
 if TYPE_CHECKING:
@@ -62,14 +62,8 @@ def data(
     import signal
 
     from astraflow import log
-    from astraflow.bench.data import (
-        format_seed_table,
-        format_table,
-        parse_seeds,
-        run_names,
-        run_recipe,
-        summarize,
-    )
+    from astraflow.bench.data import parse_seeds, run_names, run_recipe
+    from astraflow.bench.data_compare import format_seed_table, format_table, summarize
     from astraflow.config.load import load_recipe, validate_plugins
     from astraflow.errors import AstraflowError
 
