@@ -9,8 +9,10 @@
    that starts "Over 400 lines because".
 4. Every import of an astraflow module names one that exists (mypy runs with ignore_missing_imports, so
    a module moved by one change and imported under TYPE_CHECKING by another would pass it as Any).
-
-(Function complexity, at most 15, is ruff's C901 rule in pyproject.toml.)
+5. No function over complexity 15 on the paths a newcomer starts from (cli/, launch/, roles/), counted
+   with boolean operators too: 1 + each if, elif, ternary, loop (and its else), except handler (and a
+   try's else), comprehension (and its ifs), match case, assert, and each `and`/`or` operand beyond the
+   first. Ruff's C901 (pyproject.toml) holds every module to 15 without the boolean operators.
 
 Each rule has an allow-list of what is not yet moved, with the reason. Run: python scripts/check_layout.py
 """
@@ -104,6 +106,58 @@ def long_without_reason() -> list[str]:
             continue
         if "Over 400 lines because" not in " ".join((ast.get_docstring(tree) or "").split()):
             out.append(f"{rel}: {n} lines")
+    return out
+
+
+MAX_COMPLEXITY = 15
+COMPLEXITY_PATHS = ("cli/", "launch/", "roles/")
+"""The packages a newcomer reads first (cli -> launch -> roles): rule 5 holds them to MAX_COMPLEXITY."""
+
+_NESTED = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+"""Scored on their own, not as part of the function that holds them."""
+
+
+def _decisions(node: ast.AST) -> int:
+    """The decision points `node` itself adds (rule 5)."""
+    if isinstance(node, (ast.If, ast.IfExp, ast.Assert)):
+        return 1
+    if isinstance(node, ast.BoolOp):
+        return len(node.values) - 1
+    if isinstance(node, (ast.For, ast.AsyncFor, ast.While)):
+        return 1 + bool(node.orelse)
+    if isinstance(node, (ast.Try, ast.TryStar)):
+        return len(node.handlers) + bool(node.orelse)
+    if isinstance(node, ast.comprehension):
+        return 1 + len(node.ifs)
+    if isinstance(node, ast.Match):
+        wildcard = any(isinstance(c.pattern, ast.MatchAs) and c.pattern.pattern is None for c in node.cases)
+        return max(0, len(node.cases) - wildcard)
+    return 0
+
+
+def complexity(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """1 + the decision points of the function's own body (a nested function or class is scored on its
+    own; a lambda's body counts as the function's)."""
+    total = 1
+    todo: list[ast.AST] = [s for s in fn.body if not isinstance(s, _NESTED)]
+    while todo:
+        node = todo.pop()
+        total += _decisions(node)
+        todo.extend(c for c in ast.iter_child_nodes(node) if not isinstance(c, _NESTED))
+    return total
+
+
+def too_complex() -> list[str]:
+    """'module:line: name (N)' of every function on COMPLEXITY_PATHS over MAX_COMPLEXITY."""
+    out = []
+    for rel, tree in _modules():
+        if not rel.startswith(COMPLEXITY_PATHS):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = complexity(node)
+                if n > MAX_COMPLEXITY:
+                    out.append(f"{rel}:{node.lineno}: {node.name} ({n})")
     return out
 
 
@@ -212,6 +266,9 @@ def main() -> int:
         bad += 1
     for line in unresolved_imports():
         print(f"import of a module that does not exist: {line}")
+        bad += 1
+    for line in too_complex():
+        print(f"function over complexity {MAX_COMPLEXITY} on the newcomer's path: {line}")
         bad += 1
     for line in long_without_reason():
         print(f'long module without "Over 400 lines because" in its docstring: {line}')

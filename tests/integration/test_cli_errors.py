@@ -118,7 +118,11 @@ def test_member_without_the_model_directory(tmp_path: Path) -> None:
         env={**os.environ},
     )
     try:
-        time.sleep(1.0)
+        # the controller writes its address once it listens: join after that, not after a guessed time
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "run" / "controller.addr").exists():
+            assert ctl.poll() is None and time.monotonic() < deadline, "the controller did not start"
+            time.sleep(0.05)
         for role in (["--role", "raas"], ["--role", "trainer", "--policy", "main"]):
             out = run_cli("join", *role, "--controller", addr, "--connect-timeout", "20")
             assert_clean_error(out, "/nonexistent/tiny-qwen3", "does not exist on this machine")

@@ -3,6 +3,7 @@ failing child or the launcher's own death leave no process behind."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -114,11 +115,16 @@ def test_killing_the_launcher_takes_its_children_down(tiny_model: Path, tmp_path
         assert len(kids) == 4
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-        left = wait_gone(list(kids))
+        # each child stops on its own (SIGTERM from the kernel when its parent died): wait for that,
+        # with a deadline that holds on a loaded machine
+        left = wait_gone(list(kids), timeout=60)
         assert left == [], [kids[p] for p in left]
     finally:
         if proc.poll() is None:
             proc.kill()
+        for pid in children_of_run(run_dir):  # a child that did not stop leaves no orphan behind
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def trainer_pids(run_dir: Path) -> list[int]:

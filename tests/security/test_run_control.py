@@ -95,7 +95,7 @@ def test_pause_holds_admission_and_leases_until_resumed(ctl: Controller, tiny_mo
         again = Controller(_recipe(tiny_model), ctl.run_dir, ctl.store)
         assert again.control.is_paused("main")
         ctl.tick(ctl.progress.last + 10_000)  # a paused run is not a stall
-        assert ctl.exit_code == 0 and not ctl.stop_requested
+        assert ctl.loop.exit_code == 0 and not ctl.loop.stop_requested
         join(ctl, "w")  # that far-off tick declared the worker dead
         assert isinstance(ask(ctl, "cli", m.Control(action="resume", policy=policy)), m.Ack)
         grant = lease(ctl, "w")

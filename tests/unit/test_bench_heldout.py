@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 from astraflow.bench import heldout
-from astraflow.bench.trl import Side, format_heldout, heldout_curves
+from astraflow.bench.trl import Side, heldout_curves
+from astraflow.bench.trl_tables import format_heldout
 from astraflow.config.load import load_recipe
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 from astraflow.bench import trl as bench_trl
-from astraflow.bench.trl import Side, aggregate, last_tenth, reaching, run_bench
+from astraflow.bench.trl import Side, last_tenth, reaching, run_bench
+from astraflow.bench.trl_tables import aggregate, steps_ratio
 from astraflow.errors import AstraflowError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -71,9 +72,9 @@ def test_aggregate_over_seeds_by_hand() -> None:
     assert agg["wall_s"]["mean"] == pytest.approx(11.0)
     # an unreached seed leaves the ratio out rather than flattering the side
     theirs = aggregate([Side("trl", 1.0, 1.0, curve(60, 20)).summary(0.8) for _ in range(3)])
-    assert bench_trl.steps_ratio(agg, theirs) is None
+    assert steps_ratio(agg, theirs) is None
     ours = aggregate([Side("astraflow", 1.0, 1.0, curve(60, r)).summary(0.8) for r in (21, 26, 31)])
-    assert bench_trl.steps_ratio(ours, theirs) == pytest.approx(30.0 / 24.0)
+    assert steps_ratio(ours, theirs) == pytest.approx(30.0 / 24.0)
 
 
 def test_seeds_run_one_pair_each_and_summarise(

@@ -1,5 +1,6 @@
 """The layout rules `make check` enforces (scripts/check_layout.py): SQL only in state/, no package cycles,
-no long module without a reason, every astraflow import resolves."""
+no long module without a reason, every astraflow import resolves, no function over complexity 15 on
+the newcomer's path."""
 
 from __future__ import annotations
 
@@ -71,3 +72,21 @@ def test_every_astraflow_import_names_a_module_that_exists(tmp_path: Path) -> No
     )
     check.SRC = pkg
     assert check.unresolved_imports() == ["user.py:5: astraflow.dataflow.ledger"]
+
+
+def test_no_function_over_complexity_15_on_the_newcomers_path(tmp_path: Path) -> None:
+    check = _check()
+    assert check.too_complex() == []
+    # boolean operators count (ruff's C901 does not count them); a nested function is scored on its own;
+    # modules off the path are not checked
+    branches = "".join(f"    if x == {i} and y or z:\n        return {i}\n" for i in range(5))
+    nested = "    def inner():\n" + "".join(
+        f"        if x == {i}:\n            return {i}\n" for i in range(20)
+    )
+    pkg = tmp_path / "astraflow"
+    for sub in ("roles", "state"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "m.py").write_text(f"def f(x, y, z):\n{branches}\ndef g(x):\n{nested}    return inner\n")
+    check.SRC = pkg
+    # f: 1 + 5 ifs + 5 x 2 boolean operands = 16; g: 1; inner: 21
+    assert check.too_complex() == ["roles/m.py:1: f (16)", "roles/m.py:14: inner (21)"]

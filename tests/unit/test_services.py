@@ -74,10 +74,9 @@ def test_a_service_that_never_listens_times_out(tmp_path: Path) -> None:
         name="env", command=[sys.executable, "-c", "import time; time.sleep(60)"], ready="127.0.0.1:1"
     )
     cfg.ready_timeout_s = 0.5
-    t0 = time.monotonic()
     with pytest.raises(AstraflowError, match="did not accept connections on 127.0.0.1:1 within 0.5s"):
         start_services(sup, [cfg])
-    assert time.monotonic() - t0 < 20
+    assert sup.children[0].running  # the ready timeout ended the wait, not the service's exit
     sup.stop_all(grace_s=2)
     assert not sup.children[0].running
 
@@ -176,12 +175,15 @@ def test_a_service_that_stops_during_the_run_ends_the_run(tmp_path: Path) -> Non
     quits = [sys.executable, "-c", "import time; time.sleep(0.5)"]
     start_services(sup, [ServiceConfig(name="env", command=quits)])
     recipe = SimpleNamespace(trainable=lambda: [SimpleNamespace(name="main")], budget=lambda name: 1)
-    t0 = time.monotonic()
     try:
-        assert _watch(sup, _no_pool(sup, tmp_path), recipe, tmp_path, {"signal": 0}, t0, max_restarts=0) == 1
+        code = _watch(
+            sup, _no_pool(sup, tmp_path), recipe, tmp_path, {"signal": 0}, time.monotonic(), max_restarts=0
+        )
+        assert code == 1
+        # the service's end ended the run, not the stand-in trainer's (it still runs)
+        assert [c.running for c in sup.children if c.name == "trainer-main"] == [True]
     finally:
         sup.stop_all(grace_s=2)
-    assert time.monotonic() - t0 < 30
 
 
 def test_a_service_with_restarts_left_is_started_again_and_the_run_goes_on(tmp_path: Path) -> None:

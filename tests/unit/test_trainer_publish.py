@@ -102,3 +102,45 @@ def test_weights_that_fail_the_check_are_never_offered_nor_announced(announcer: 
         pub.flush(block=False)  # what the trainer's loop calls between batch requests
     assert fast.seen == [] and client.sent == [] and not pub.busy
     assert pub.server.held("p") == []
+
+
+class _SilentClient:
+    """A controller that is gone: every request fails to connect (a stand-in). Records each attempt's
+    timeout; one longer than the caller's give-up fails the test at once instead of waiting it out."""
+
+    def __init__(self, most_s: float) -> None:
+        self.most_s = most_s
+        self.timeouts: list[float] = []
+
+    def request(self, msg: Any, timeout_s: float = 10.0) -> Any:
+        from astraflow.errors import ConnectError
+
+        self.timeouts.append(timeout_s)
+        assert timeout_s <= self.most_s, f"an attempt of {timeout_s}s past a give-up of {self.most_s}s"
+        raise ConnectError("controller at tcp://gone did not answer")
+
+    def check_reachable(self) -> None:
+        pass
+
+    def tick(self) -> None:
+        pass
+
+
+def test_a_stopping_trainers_last_announcement_gives_up_as_told_with_fast_offers_too() -> None:
+    """A trainer stopped by a signal announces the version in flight with a short give-up (the
+    launcher that stopped it stops the controller too): the fast job's announcement takes that
+    give-up as well, so a gone controller costs the trainer seconds, not the default 600 s."""
+    from astraflow.errors import ConnectError
+
+    server = WeightServer()
+    try:
+        client, fast = _SilentClient(most_s=0.5), _GatedTransport()
+        fast.gate.set()
+        pub = VersionAnnouncer(client, "p", server, [fast])
+        pub.publish(1, {"w": torch.tensor([1.0])}, {"loss": 1.0})
+        pub._job.done.wait(10)
+        with pytest.raises(ConnectError):
+            pub.flush(block=True, give_up_after_s=0.5)
+        assert client.timeouts and fast.seen == [(1, 1.0)]
+    finally:
+        server.close()

@@ -52,11 +52,7 @@ def pack(
     from astraflow.errors import AstraflowError
 
     if check_bundle is not None:
-        problems = p.check(check_bundle)
-        for line in problems:
-            typer.echo(line)
-        typer.echo(f"{check_bundle}: {'damaged' if problems else 'intact'}")
-        raise typer.Exit(1 if problems else 0)
+        _check(check_bundle)
     if recipe is None or out is None:
         raise AstraflowError("pack needs a RECIPE and --out", hint="astraflow pack RECIPE --out BUNDLE")
     if out.exists():
@@ -95,3 +91,14 @@ def pack(
     work.rename(out)
     size = sum(f["size"] for f in manifest["files"].values())
     typer.echo(f"wrote {out}: {len(manifest['files'])} files, {size / 2**20:.0f} MiB")
+
+
+def _check(bundle: Path) -> None:
+    """Verify a bundle's checksums: print each problem and exit 1 if damaged, 0 if intact."""
+    from astraflow.cluster import pack as p
+
+    problems = p.check(bundle)
+    for line in problems:
+        typer.echo(line)
+    typer.echo(f"{bundle}: {'damaged' if problems else 'intact'}")
+    raise typer.Exit(1 if problems else 0)

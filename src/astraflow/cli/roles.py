@@ -122,6 +122,35 @@ def member_credentials(key: Path | None, controller_key: str | None) -> Any:
     return creds
 
 
+def _member_keys(
+    key: Path | None, controller_key: str | None, keys: Path | None, member_id: str | None
+) -> str | None:
+    """Install this member's credentials and (a trainer's) pull keys; the member id, which is the
+    key's name unless given."""
+    from astraflow.transport.keys import KeyStore
+    from astraflow.weights.server import set_pull_keys
+
+    creds = member_credentials(key, controller_key)
+    if creds is not None and member_id is None and creds.keypair.name:
+        member_id = creds.keypair.name  # the key's name is the member id the controller expects
+    if keys is not None:
+        if creds is None:
+            raise AstraflowError("--keys needs --key", hint="the weight server uses this member's key pair")
+        set_pull_keys(KeyStore(keys))
+    return member_id
+
+
+def _trainer_ranks(policy: list[str] | None, nproc: int) -> None:
+    """A trainer names one policy; with --nproc > 1 outside torchrun, this command runs again as its ranks."""
+    if not policy or len(policy) != 1:
+        raise AstraflowError("a trainer trains exactly one policy", hint="pass --policy NAME once")
+    if nproc > 1:
+        from astraflow.roles.trainer_ranks import exec_torchrun, world_from_env
+
+        if world_from_env() == 1:
+            exec_torchrun(nproc)  # the ranks run this command again, without --nproc
+
+
 def join(
     role: Annotated[str, typer.Option("--role", help="raas or trainer.")],
     controller: Annotated[
@@ -206,8 +235,6 @@ def join(
     from astraflow import log
     from astraflow.roles import member_files
     from astraflow.shutdown import exit_process
-    from astraflow.transport.keys import KeyStore
-    from astraflow.weights.server import set_pull_keys
 
     if role not in ("raas", "trainer"):
         raise AstraflowError(f"unknown role {role!r}", hint="--role raas or --role trainer")
@@ -215,24 +242,12 @@ def join(
         raise AstraflowError(
             "pass the controller's endpoint with --controller", hint="e.g. --controller tcp://HOST:7600"
         )
-    creds = member_credentials(key, controller_key)
-    if creds is not None and member_id is None and creds.keypair.name:
-        member_id = creds.keypair.name  # the key's name is the member id the controller expects
-    if keys is not None:
-        if creds is None:
-            raise AstraflowError("--keys needs --key", hint="the weight server uses this member's key pair")
-        set_pull_keys(KeyStore(keys))
-
+    member_id = _member_keys(key, controller_key, keys, member_id)
     log.setup(member_id or role)
     # `up` sends each child's output to RUN/logs/<member>.log itself
     member_files.configure(run_dir, log_file=False if controller_file is not None else None)
-    if role == "trainer" and (not policy or len(policy) != 1):
-        raise AstraflowError("a trainer trains exactly one policy", hint="pass --policy NAME once")
-    if role == "trainer" and nproc > 1:
-        from astraflow.roles.trainer_ranks import exec_torchrun, world_from_env
-
-        if world_from_env() == 1:
-            exec_torchrun(nproc)  # the ranks run this command again, without --nproc
+    if role == "trainer":
+        _trainer_ranks(policy, nproc)
     if controller_file is not None:
         from astraflow.launch.early_start import controller_from_file
 

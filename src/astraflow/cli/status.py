@@ -33,23 +33,7 @@ def render(doc: dict[str, Any]) -> str:
     """A short human-readable rendering of the status document."""
     lines = []
     for p in doc.get("policies", []):
-        rm = p.get("reward_mean")
-        rtxt = "-" if rm is None else f"{rm:.3f}"
-        if p.get("trainable", True):
-            budget = f"/{p['budget']}" if p.get("budget") else ""
-            done = " (finished)" if p.get("finished") else ""
-            lines.append(
-                f"policy {p['name']}: step {p['step']}{budget} version {p['version']} reward {rtxt}{done}"
-            )
-        else:
-            lines.append(f"policy {p['name']}: frozen, version {p['version']}")
-        skipped = p.get("skipped_steps") or []
-        if skipped:
-            shown = ", ".join(str(k) for k in skipped[-5:])
-            n = len(skipped)
-            lines.append(
-                f"  {n} step{'s' if n != 1 else ''} skipped by the trainer (non-finite loss or gradient norm): {shown}"
-            )
+        lines += _policy_lines(p)
     paused = doc.get("control", {}).get("paused", [])
     if paused:
         lines.append("admission paused: " + ("the whole run" if "*" in paused else ", ".join(paused)))
@@ -71,6 +55,26 @@ def render(doc: dict[str, Any]) -> str:
             f"member {m['id']}: {m['role']} {m['status']} policies={','.join(m.get('policies', []))}"
         )
     return "\n".join(lines)
+
+
+def _policy_lines(p: dict[str, Any]) -> list[str]:
+    """One policy's line (its step, version and reward, or frozen) and its skipped steps."""
+    rm = p.get("reward_mean")
+    rtxt = "-" if rm is None else f"{rm:.3f}"
+    if p.get("trainable", True):
+        budget = f"/{p['budget']}" if p.get("budget") else ""
+        done = " (finished)" if p.get("finished") else ""
+        lines = [f"policy {p['name']}: step {p['step']}{budget} version {p['version']} reward {rtxt}{done}"]
+    else:
+        lines = [f"policy {p['name']}: frozen, version {p['version']}"]
+    skipped = p.get("skipped_steps") or []
+    if skipped:
+        shown = ", ".join(str(k) for k in skipped[-5:])
+        n = len(skipped)
+        lines.append(
+            f"  {n} step{'s' if n != 1 else ''} skipped by the trainer (non-finite loss or gradient norm): {shown}"
+        )
+    return lines
 
 
 def status(

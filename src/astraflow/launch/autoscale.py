@@ -33,6 +33,17 @@ class Decision:
     """The worker to drain (remove)."""
 
 
+@dataclass(frozen=True)
+class _Load:
+    """The pool's slots, the busy ones, the tasks waiting, and whether that is pressure or idling."""
+
+    slots: int
+    busy: int
+    queued: int
+    pressure: bool
+    idle: bool
+
+
 @dataclass
 class Autoscaler:
     """Decides, one call at a time, whether to add or drain a RaaS worker."""
@@ -52,6 +63,23 @@ class Autoscaler:
             return self._change("add", f"{count} workers, fewer than min {cfg.min}", now)
         if count > cfg.max:
             return self._change("remove", f"{count} workers, more than max {cfg.max}", now, demand, workers)
+        load = self._observe(demand, now)
+        if pending:
+            return Decision("hold", f"{pending} worker(s) starting or draining")
+        if now - self.last_change < cfg.cooldown_s:
+            return Decision("hold", "cooling down")
+        if load.pressure and count < cfg.max and now - (self.pressure_since or now) >= cfg.window_s:
+            return self._change(
+                "add", f"{load.queued} tasks queued, {load.busy}/{load.slots} slots busy", now
+            )
+        if load.idle and count > cfg.min and now - (self.idle_since or now) >= cfg.window_s:
+            reason = f"{load.slots - load.busy}/{load.slots} slots idle"
+            return self._change("remove", reason, now, demand, workers)
+        return Decision("hold", "within bounds")
+
+    def _observe(self, demand: dict[str, Any], now: float) -> _Load:
+        """The pool's load now; starts (or ends) the pressure and idle windows."""
+        cfg = self.config
         slots = int(demand.get("slots") or 0)
         busy = int(demand.get("busy_slots") or 0)
         queued = int(demand.get("waiting", demand.get("queued")) or 0)
@@ -61,15 +89,7 @@ class Autoscaler:
             (self.pressure_since if self.pressure_since is not None else now) if pressure else None
         )
         self.idle_since = (self.idle_since if self.idle_since is not None else now) if idle else None
-        if pending:
-            return Decision("hold", f"{pending} worker(s) starting or draining")
-        if now - self.last_change < cfg.cooldown_s:
-            return Decision("hold", "cooling down")
-        if pressure and count < cfg.max and now - (self.pressure_since or now) >= cfg.window_s:
-            return self._change("add", f"{queued} tasks queued, {busy}/{slots} slots busy", now)
-        if idle and count > cfg.min and now - (self.idle_since or now) >= cfg.window_s:
-            return self._change("remove", f"{slots - busy}/{slots} slots idle", now, demand, workers)
-        return Decision("hold", "within bounds")
+        return _Load(slots, busy, queued, pressure, idle)
 
     def decide_pool(
         self, demand: dict[str, Any], workers: list[str], draining: Mapping[str, float], now: float

@@ -19,7 +19,7 @@ from typing import Any
 
 from astraflow import log
 from astraflow.errors import AstraflowError
-from astraflow.launch.autoscale import Autoscaler, overdue
+from astraflow.launch.autoscale import Autoscaler, Decision, overdue
 from astraflow.launch.supervisor import Child, Supervisor
 from astraflow.metrics.role_stats import STATS_ENV
 
@@ -107,12 +107,19 @@ class LocalPool:
         if demand is None:
             return
         workers = {c.name: c for c in self.sup.children if c.role == "raas" and c.running}
+        self._terminate_overdue(workers, now)
+        self._act(self.autoscaler.decide_pool(demand, list(workers), self.draining, now), workers, now)
+
+    def _terminate_overdue(self, workers: dict[str, Child], now: float) -> None:
+        """Forget the drained workers that left; SIGTERM those the Leave did not reach in time."""
         self.draining = {n: t for n, t in self.draining.items() if n in workers}
         for name in overdue(self.draining, now, self.rollout.drain_timeout_s):
             proc = workers[name].proc
             if proc is not None:
                 proc.send_signal(signal.SIGTERM)
-        decision = self.autoscaler.decide_pool(demand, list(workers), self.draining, now)
+
+    def _act(self, decision: Decision, workers: dict[str, Child], now: float) -> None:
+        """Start a worker under a free name (add) or drain the one named (remove)."""
         if decision.action == "add":
             free = [n for n in self.names if n not in workers]
             if free:

@@ -142,6 +142,19 @@ class Supervisor:
     def stop_all(self, grace_s: float = 10.0, drain_s: float = 0.0) -> None:
         """SIGTERM the RaaS workers first and give them drain_s to finish or return their leases while
         the controller still runs; then the trainers and the controller; SIGKILL stragglers."""
+        self._drain_workers(drain_s)
+        order = {"raas": 0, "trainer": 1, "controller": 2, "service": 3}
+        for c in sorted(self.children, key=lambda c: order.get(c.role, 0)):
+            if c.running and c.proc is not None:
+                _signal(c, signal.SIGTERM)
+        self._reap(grace_s)
+        for c in self.children:
+            if c.log_file is not None:
+                c.log_file.close()
+                c.log_file = None
+
+    def _drain_workers(self, drain_s: float) -> None:
+        """SIGTERM the running RaaS workers and wait up to drain_s (+2 s) for them to exit."""
         workers = [c for c in self.children if c.role == "raas" and c.running and c.proc is not None]
         for c in workers:
             assert c.proc is not None
@@ -152,11 +165,10 @@ class Supervisor:
             try:
                 c.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                pass  # killed below with the others if it does not stop within grace_s
-        order = {"raas": 0, "trainer": 1, "controller": 2, "service": 3}
-        for c in sorted(self.children, key=lambda c: order.get(c.role, 0)):
-            if c.running and c.proc is not None:
-                _signal(c, signal.SIGTERM)
+                pass  # killed by stop_all with the others if it does not stop within grace_s
+
+    def _reap(self, grace_s: float) -> None:
+        """Wait up to grace_s for every child to exit; SIGKILL those that do not."""
         deadline = time.monotonic() + grace_s
         for c in self.children:
             if c.proc is None:
@@ -167,10 +179,6 @@ class Supervisor:
                 _log.warning("%s did not stop within %.0fs; killing it", c.name, grace_s)
                 _signal(c, signal.SIGKILL)
                 c.proc.wait()
-        for c in self.children:
-            if c.log_file is not None:
-                c.log_file.close()
-                c.log_file = None
 
 
 def _signal(child: Child, sig: int) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 from astraflow import log
 from astraflow.launch.pool import LocalPool, check_bounds, pool_names
 from astraflow.launch.progress import Progress
-from astraflow.launch.restarts import MAX_RAAS_RESTARTS, restart_or_fail, restart_rules
+from astraflow.launch.restarts import MAX_RAAS_RESTARTS, RestartRule, restart_or_fail, restart_rules
 from astraflow.launch.supervisor import Child, Supervisor, _die_with_parent, astraflow_cmd, tail_log
 from astraflow.models.dirs import check_models
 
@@ -209,22 +209,7 @@ def _watch(
                 return 130
             viewer, progress.show = None, True  # closed after the last step: the roles finish on their own
         trainers_done = _all_exited_0(trainers)
-        for child, rc in sup.exited():
-            if child.proc is None or child.proc.pid in seen_dead:
-                continue
-            seen_dead.add(child.proc.pid)
-            if (rc == 0 and child.role != "service") or trainers_done or pool.was_drained(child):
-                continue  # a graceful stop (the controller said so, or the run is over); a service must not stop
-            if restart_or_fail(sup, rules, child, rc):
-                continue
-            progress.failures()  # the failures that ended it, read before the run is left
-            _log.error(
-                "%s failed (exit %s); last lines of %s:\n%s",
-                child.name,
-                rc,
-                child.log_path,
-                tail_log(child.log_path),
-            )
+        if _a_child_failed(sup, pool, rules, seen_dead, trainers_done, progress):
             return 1
         if _all_exited_0(trainers):
             _finish(sup, progress, run_dir, t0, stop, viewer)
@@ -232,6 +217,36 @@ def _watch(
         if not trainers_done:
             pool.watch(pool.address)
         time.sleep(0.1)
+
+
+def _a_child_failed(
+    sup: Supervisor,
+    pool: LocalPool,
+    rules: dict[str, RestartRule],
+    seen_dead: set[int],
+    trainers_done: bool,
+    progress: Progress,
+) -> bool:
+    """Look at the children that exited since the last look (`seen_dead`: their process ids): restart
+    those restart_rules allows; True (logged) when one failed for good, which ends the run."""
+    for child, rc in sup.exited():
+        if child.proc is None or child.proc.pid in seen_dead:
+            continue
+        seen_dead.add(child.proc.pid)
+        if (rc == 0 and child.role != "service") or trainers_done or pool.was_drained(child):
+            continue  # a graceful stop (the controller said so, or the run is over); a service must not stop
+        if restart_or_fail(sup, rules, child, rc):
+            continue
+        progress.failures()  # the failures that ended it, read before the run is left
+        _log.error(
+            "%s failed (exit %s); last lines of %s:\n%s",
+            child.name,
+            rc,
+            child.log_path,
+            tail_log(child.log_path),
+        )
+        return True
+    return False
 
 
 def _all_exited_0(trainers: list[Child]) -> bool:

@@ -68,48 +68,71 @@ def hello_refusal(
     """Why this Hello may not join (None: it may): `policies` are the run's policy names,
     `member_timeout_s` how long a silent member still holds its id. The Hello must already be capped."""
     t = time.time() if now is None else now
+    return (
+        _shape_refusal(msg, policies)
+        or _key_refusal(msg, principal)
+        or _membership_refusal(store, msg, t, member_timeout_s)
+    )
+
+
+def _shape_refusal(msg: m.Hello, policies: list[str]) -> Refusal | None:
+    """What the Hello alone gets wrong: its id's length, its role, the policies it names."""
     if len(msg.member_id.encode()) > MAX_ID or not msg.member_id:
         return "bad_identity", f"a member id is 1 to {MAX_ID} bytes"
     if msg.role not in ROLES:
         return "bad_role", f"unknown role {msg.role!r}"
-    names = policies
-    unknown = [p for p in msg.policies if p not in names]
+    unknown = [p for p in msg.policies if p not in policies]
     if unknown:
-        return "unknown_policy", f"no policy {unknown[0]!r} in this run; policies: {names}"
+        return "unknown_policy", f"no policy {unknown[0]!r} in this run; policies: {policies}"
     if msg.role == "trainer" and len(msg.policies) != 1:
         return "bad_role", "a trainer trains exactly one policy"
-    if principal is not None:
-        if principal.name != msg.member_id:
-            return "bad_identity", f"this key belongs to member {principal.name!r}"
-        if principal.role != msg.role:
-            return "not_authorized", f"this key is for role {principal.role!r}, not {msg.role!r}"
-        if msg.role == "trainer" and msg.policies != [principal.policy]:
-            return "not_authorized", f"this key may train policy {principal.policy!r} only"
-    timeout = member_timeout_s
+    return None
+
+
+def _key_refusal(msg: m.Hello, principal: Principal | None) -> Refusal | None:
+    """With authentication on: the id, role and (a trainer's) policy must be the key's."""
+    if principal is None:
+        return None
+    if principal.name != msg.member_id:
+        return "bad_identity", f"this key belongs to member {principal.name!r}"
+    if principal.role != msg.role:
+        return "not_authorized", f"this key is for role {principal.role!r}, not {msg.role!r}"
+    if msg.role == "trainer" and msg.policies != [principal.policy]:
+        return "not_authorized", f"this key may train policy {principal.policy!r} only"
+    return None
+
+
+def _membership_refusal(store: Store, msg: m.Hello, t: float, timeout: float) -> Refusal | None:
+    """What the members already joined forbid: another live process under this id, a full member
+    table, another live trainer of the policy."""
     prev = store.member(msg.member_id)
-    if prev is not None and _recent(prev, t, timeout):
-        if prev["pid"] != msg.pid or prev["host"] != msg.host:
-            # another process under a live id: it would take the live one's leases
-            return (
-                "member_id_in_use",
-                f"member {msg.member_id!r} is alive (pid {prev['pid']} on {prev['host']!r}); "
-                f"retry once it left or fell silent for {timeout:g}s",
-            )
+    if (
+        prev is not None
+        and _recent(prev, t, timeout)
+        and (prev["pid"] != msg.pid or prev["host"] != msg.host)
+    ):
+        # another process under a live id: it would take the live one's leases
+        return (
+            "member_id_in_use",
+            f"member {msg.member_id!r} is alive (pid {prev['pid']} on {prev['host']!r}); "
+            f"retry once it left or fell silent for {timeout:g}s",
+        )
     if prev is None and members.member_count(store) >= MAX_MEMBERS:
         return "too_many_members", f"{MAX_MEMBERS} members are registered; retry later"
-    if msg.role == "trainer":
-        for other in store.members("alive"):
-            if (
-                other["id"] != msg.member_id
-                and other["role"] == "trainer"
-                and msg.policies[0] in other["policies"]
-                and _recent(other, t, timeout)
-            ):
-                return (
-                    "trainer_taken",
-                    f"policy {msg.policies[0]!r} already has a live trainer ({other['id']!r}); "
-                    f"retry once it left or fell silent for {timeout:g}s",
-                )
+    if msg.role != "trainer":
+        return None
+    for other in store.members("alive"):
+        if (
+            other["id"] != msg.member_id
+            and other["role"] == "trainer"
+            and msg.policies[0] in other["policies"]
+            and _recent(other, t, timeout)
+        ):
+            return (
+                "trainer_taken",
+                f"policy {msg.policies[0]!r} already has a live trainer ({other['id']!r}); "
+                f"retry once it left or fell silent for {timeout:g}s",
+            )
     return None
 
 

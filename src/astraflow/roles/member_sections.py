@@ -24,3 +24,22 @@ def sections_for(recipe: Recipe, role: str, policies: list[str], roles: dict[str
     if role == "trainer":
         return TrainerSections.of(recipe, policies[0]).to_wire()
     return {}
+
+
+class WelcomeSections:
+    """The `Welcome.sections` per kind of member, each dumped at the first Hello of such a member: a
+    worker's are the same for every worker, a trainer's are its policy's."""
+
+    def __init__(self, recipe: Recipe, roles: dict[str, str]) -> None:
+        self.recipe = recipe
+        self.roles = roles
+        self.dumped: dict[tuple[str, tuple[str, ...]], dict[str, Any]] = {}
+        """(role, policies) -> the sections such a member's Welcome carries."""
+
+    def __call__(self, role: str, policies: list[str]) -> dict[str, Any]:
+        """What a Welcome carries of the recipe to a member of `role` serving `policies` (checked Hello)."""
+        key = (role, tuple(policies) if role == "trainer" else ())
+        doc = self.dumped.get(key)
+        if doc is None:
+            doc = self.dumped[key] = sections_for(self.recipe, role, policies, self.roles)
+        return doc

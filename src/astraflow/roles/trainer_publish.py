@@ -106,8 +106,9 @@ class VersionAnnouncer:
         start a queued blob; raises the worker's error (weights that failed `check`)."""
         self.flush(block=False)
 
-    def _finish_job(self, block: bool) -> None:
-        """Announce the fast job's version once its offers are ready (at once if not `block`)."""
+    def _finish_job(self, block: bool, give_up_after_s: float = 600.0) -> None:
+        """Announce the fast job's version once its offers are ready (at once if not `block`); an
+        announcement waiting on the controller gives up after `give_up_after_s`."""
         job = self._job
         if job is None or (not block and not job.done.is_set()):
             return
@@ -118,13 +119,13 @@ class VersionAnnouncer:
         metrics = {**job.metrics, "trainer_publish_fast_s": job.seconds} if job.metrics else {}
         if not job.offers:
             # no fast path took it (every slot being read, a transport failed): the blob carries it
-            self.flush(block=True)
+            self.flush(block=True, give_up_after_s=give_up_after_s)
             self.publisher.start(job.version, job.weights, metrics)
             return
-        self._announce(job.version, "", 0, job.offers, metrics)
+        self._announce(job.version, "", 0, job.offers, metrics, give_up_after_s)
         self._early.add(job.version)
         self._offers[job.version] = job.offers
-        self.flush(block=False)
+        self.flush(block=False, give_up_after_s=give_up_after_s)
         if self.publisher.busy:
             self._queued = (job.version, job.weights)  # a blob older than this one is never started
         else:
@@ -136,7 +137,8 @@ class VersionAnnouncer:
         waited = 0.0
         if self._job is not None:
             t0 = time.monotonic()
-            self._finish_job(block)  # the fast job's version first (its error, if any, raised here)
+            # the fast job's version first (its error, if any, raised here), under the same give-up
+            self._finish_job(block, give_up_after_s)
             waited += time.monotonic() - t0
         while self.publisher.busy:
             if not block and not self.publisher.ready():

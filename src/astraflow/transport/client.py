@@ -1,7 +1,8 @@
 """A member's end of the control plane: one DEALER owned by a background thread, with heartbeats.
 
-Over 400 lines because it is one class, the member's socket thread, whose send, receive,
-heartbeat and reconnect paths share the socket; one-shot requests are in transport/control_client.py.
+`MemberClient` is what a role holds: requests, the load and progress its heartbeats carry, the hang
+watchdog; its socket thread is transport/member_loop.py. One-shot requests (no Hello, no heartbeats)
+are transport/control_client.py.
 """
 
 from __future__ import annotations
@@ -355,56 +356,3 @@ class MemberClient:
         finally:
             loop.sock.close(0)
             ctx.term()
-
-
-def request_once(
-    controller: str, msg: Msg, *, ident: str, timeout_s: float, credentials: MemberCredentials | None = None
-) -> Msg | None:
-    """Send one request that needs no Hello (status, leave) and return the reply, or None on timeout.
-
-    With credentials the request goes over CURVE under the key's name (the controller knows the sender
-    only by its key); an unknown key gets no answer at all, which reads as a timeout here.
-
-    Without an answer the request is sent again on a fresh connection after 0.5 s, 1 s, 2 s, ... (up
-    to 5 s apart): the controller's ROUTER ignores a connection whose identity a previous connection
-    still holds until it has seen that one close (two `ctl` calls in a row under one key's name), and
-    it never delivers from the ignored one. Only idempotent requests may use this (status, pause,
-    resume, stop, leave); the first answer wins. When the first attempt goes unanswered, a probe
-    (transport/probe.py) raises the cause it finds (nothing listening, a refused key, a bad address).
-    """
-    from astraflow.protocol.codec import decode, encode
-    from astraflow.transport.probe import parse_endpoint
-
-    parse_endpoint(controller)  # a bad address is one line with a hint, not zmq's "Invalid argument"
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-    if credentials is not None:
-        ident = credentials.keypair.name or ident
-    payload = encode(msg)
-    deadline = time.monotonic() + timeout_s
-    wait_s = 0.5
-    while True:
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        if credentials is not None:
-            curve_client(sock, credentials.keypair, credentials.controller_public)
-        sock.setsockopt(zmq.ROUTING_ID, routing_id(ident, credentials))
-        try:
-            sock.connect(controller)
-            try:
-                sock.send(payload, zmq.NOBLOCK)
-            except zmq.Again:
-                pass  # no connection to queue to yet: the next attempt sends again
-            left = deadline - time.monotonic()
-            if left > 0 and sock.poll(int(min(left, wait_s) * 1000)):
-                return decode(sock.recv())
-        finally:
-            sock.close()
-        if time.monotonic() >= deadline:
-            return None
-        if wait_s == 0.5:  # the first attempt went unanswered: a refused key or a bad address says why now
-            from astraflow.transport.probe import probe
-
-            err = probe(controller, credentials, timeout_s=min(3.0, max(0.5, deadline - time.monotonic())))
-            if err is not None:
-                raise err
-        wait_s = min(wait_s * 2, 5.0)

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from astraflow.bench.trl import TRL_VERSION
+from astraflow.bench.trl_install import TRL_VERSION
 from astraflow.cli.bench.common import app, parse_seed_list, sigterm_as_interrupt
+
+if TYPE_CHECKING:
+    from astraflow.bench.data import RunResult
 
 
 @app.command("data")
@@ -59,14 +62,8 @@ def data(
     import signal
 
     from astraflow import log
-    from astraflow.bench.data import (
-        format_seed_table,
-        format_table,
-        parse_seeds,
-        run_names,
-        run_recipe,
-        summarize,
-    )
+    from astraflow.bench.data import parse_seeds, run_names, run_recipe
+    from astraflow.bench.data_compare import format_seed_table, format_table, summarize
     from astraflow.config.load import load_recipe, validate_plugins
     from astraflow.errors import AstraflowError
 
@@ -93,15 +90,7 @@ def data(
         res = run_recipe(path, name, run_dir, overrides, timeout_s, seed=seed)
         results.append(res)
         label = name if seed is None else f"{name} seed {seed}"
-        if res.ok:
-            reward = "-" if res.reward_final is None else f"{res.reward_final:.3f}"
-            line = (
-                f"[{i}/{len(jobs)}] {label}: ok, {res.steps} steps, reward {reward}, "
-                f"{res.generated} rollouts, {res.wall_s:.0f}s -> {res.run_dir}"
-            )
-        else:
-            line = f"[{i}/{len(jobs)}] {label}: FAILED after {res.wall_s:.0f}s: {res.error}"
-        typer.echo(line, err=json_)
+        typer.echo(f"[{i}/{len(jobs)}] {label}: {_outcome(res)}", err=json_)
     summary = summarize(results, target=target, target_frac=target_frac, window=window)
     summary["out"] = str(base)
     (base / "bench.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -111,6 +100,14 @@ def data(
     typer.echo(f"\nfull results: {base / 'bench.json'}", err=json_)
     if json_:
         typer.echo(json.dumps(summary, indent=2))
+
+
+def _outcome(res: RunResult) -> str:
+    """One finished run of `bench data`, in words."""
+    if not res.ok:
+        return f"FAILED after {res.wall_s:.0f}s: {res.error}"
+    reward = "-" if res.reward_final is None else f"{res.reward_final:.3f}"
+    return f"ok, {res.steps} steps, reward {reward}, {res.generated} rollouts, {res.wall_s:.0f}s -> {res.run_dir}"
 
 
 @app.command("pipeline")

@@ -56,6 +56,16 @@ def _batch_reply(ctx: Batching, msg: m.BatchRequest) -> m.Msg:
     pol = ctx.policies.get(msg.policy)
     if pol is None:
         return m.Error(rid=msg.rid, code="unknown_policy", message=f"no policy {msg.policy!r} in this run")
+    early = _not_a_batch(ctx, msg)
+    if early is not None:
+        return early
+    if msg.part > 0:
+        return _batch_part(ctx, msg)
+    return _first_part(ctx, msg, pol)
+
+
+def _not_a_batch(ctx: Batching, msg: m.BatchRequest) -> m.Msg | None:
+    """The reply when this step gets no batch (a bad step, the run failed or is over, a refusal), or None."""
     if msg.step < 1:
         return m.Error(rid=msg.rid, code="bad_request", message="steps are numbered from 1")
     if ctx.run.failed is not None:
@@ -69,8 +79,11 @@ def _batch_reply(ctx: Batching, msg: m.BatchRequest) -> m.Msg:
     refused = authz.batch_refusal(ctx.store, msg.policy, msg.step)
     if refused is not None:
         return m.Error(rid=msg.rid, code=refused[0], message=refused[1])
-    if msg.part > 0:
-        return _batch_part(ctx, msg)
+    return None
+
+
+def _first_part(ctx: Batching, msg: m.BatchRequest, pol: PolicyConfig) -> m.Msg:
+    """The step's batch (recorded now, or as recorded before), its first part; or "not yet"."""
     # a trainer one step ahead holds version step-1 (still being announced): staleness counts from it
     version = max(int(ctx.store.policy(msg.policy)["version"]), msg.step - 1)
     with ctx.store.write():

@@ -4,7 +4,8 @@
 the parked long polls, the policies' versions (policy_versions.py), the run's end (run_end.py), the
 task queue (task_queue.py) and the metrics row (metrics_row.py). The handlers (members.py, tasks.py,
 results.py, batches.py, versions.py) take only the parts they read, which `Controller` (service.py,
-with the message routing and the loop) hands them; the periodic work (lifecycle.py) takes the core.
+with the message routing and the loop) hands them, as it hands the periodic work (lifecycle.py) its
+own; none of them takes the core.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any
 
 from astraflow.config.load import role_map
 from astraflow.config.recipe import Recipe
@@ -34,7 +34,7 @@ from astraflow.roles.controller.progress import made_progress
 from astraflow.roles.controller.run_end import RunEnd
 from astraflow.roles.controller.task_queue import TaskQueue, TaskShapes
 from astraflow.roles.member_accounting import MemberAccounting
-from astraflow.roles.member_sections import sections_for
+from astraflow.roles.member_sections import WelcomeSections
 from astraflow.roles.member_table import MemberTable
 from astraflow.state.ledger import Ledger
 from astraflow.state.store import Store
@@ -44,8 +44,8 @@ RETRY_S = 0.2
 
 
 class ControllerCore:
-    """The run's state as the controller holds it, and the reads and transitions the periodic work,
-    the IO side and the tests use (each one delegates to the part that holds it)."""
+    """The run's state as the controller holds it, and the reads and transitions the IO side
+    and the tests use (each one delegates to the part that holds it)."""
 
     def __init__(
         self, recipe: Recipe, run_dir: Path, store: Store, *, allow_recipe_change: bool = False
@@ -72,18 +72,13 @@ class ControllerCore:
         if self.evals is not None:
             epochs = without_held_out(epochs, self.evals.identities())
         self.source = PromptSource(epochs, store)
-        self.stop_requested = False
-        self.exit_code = 0
-        self.last_tick = 0.0
-        self.last_prune = 0.0
         self.checker = ResultChecker(recipe)
         self.draining: set[str] = set()
         """Members asked to leave (`astraflow leave`): they get no new tasks."""
         self.control = RunControl(store)
         """Paused admission and an operator's stop (`astraflow ctl`, the dashboard's keys)."""
-        self.welcome_sections: dict[tuple[str, tuple[str, ...]], dict[str, Any]] = {}
-        """(role, policies) -> the recipe's sections a Welcome carries to such a member
-        (roles/member_sections.py), dumped at the first Hello of each."""
+        self.welcome = WelcomeSections(recipe, self.roles)
+        """The recipe's sections a Welcome carries to each kind of member (roles/member_sections.py)."""
         self.polls = LongPolls()
         """Long polls (long_polls.py): held requests and the events that answer them."""
         self.members = MemberTable(store)
@@ -167,15 +162,6 @@ class ControllerCore:
     def versions(self) -> list[m.VersionInfo]:
         """The newest version of each policy that has one."""
         return self.policy_versions.latest()
-
-    def sections_for(self, role: str, policies: list[str]) -> dict[str, Any]:
-        """What a Welcome carries of the recipe to a member of `role` serving `policies` (checked
-        Hello): only the sections that role reads."""
-        key = (role, tuple(policies) if role == "trainer" else ())
-        doc = self.welcome_sections.get(key)
-        if doc is None:
-            doc = self.welcome_sections[key] = sections_for(self.recipe, role, policies, self.roles)
-        return doc
 
     # ----- transitions --------------------------------------------------------------------------
 

@@ -1,25 +1,26 @@
 """Membership: a member joins (Hello), beats (Heartbeat), says Bye, or is asked to leave (Leave).
 
 Handlers over the store, the member table and the task ledger; each returns its Outcome (outcome.py):
-the reply, the events it caused, and the member whose held requests are void. Heartbeat, Bye and
-Leave take only what they read and change (the Heartbeat the rids of the member's held requests as
-data, not the held-request table); Hello takes the core.
+the reply, the events it caused, and the member whose held requests are void. Each takes only what it
+reads and changes: Hello a `Joining`, Heartbeat, Bye and Leave their parts as keywords (the Heartbeat
+the rids of the member's held requests as data, not the held-request table).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Collection
+from dataclasses import dataclass
 from typing import Any
 
 from astraflow import log
 from astraflow.protocol import messages as m
 from astraflow.roles import authz
-from astraflow.roles.controller.core import ControllerCore
 from astraflow.roles.controller.outcome import Event, Outcome
 from astraflow.roles.controller.policy_versions import PolicyVersions
 from astraflow.roles.controller.run_end import RunEnd
 from astraflow.roles.member_accounting import MemberAccounting
+from astraflow.roles.member_sections import WelcomeSections
 from astraflow.roles.member_table import MemberTable
 from astraflow.state.ledger import Ledger
 from astraflow.state.store import Store
@@ -28,21 +29,43 @@ from astraflow.transport.principal import Principal
 _log = log.get("controller")
 
 
-def on_hello(ctl: ControllerCore, ident: bytes, msg: m.Hello, principal: Principal | None = None) -> Outcome:
+@dataclass(frozen=True, slots=True)
+class Joining:
+    """What a Hello reads and changes: the identity checks' inputs, the member's row and the leases of
+    a previous process under its id, and what the Welcome carries."""
+
+    store: Store
+    ledger: Ledger
+    members: MemberTable
+    draining: set[str]
+    """Members asked to leave: a new process under a draining id is not draining."""
+    versions: PolicyVersions
+    sections: WelcomeSections
+    """The recipe's sections a member of each role reads (roles/member_sections.py)."""
+    run_name: str
+    policies: list[str]
+    """The run's policy names: a Hello may name only these."""
+    member_timeout_s: float
+    """controller.member_timeout_s: how long a silent member still holds its id."""
+    heartbeat_interval_s: float
+    """controller.heartbeat_interval_s, told to the member in its Welcome."""
+
+
+def on_hello(ctx: Joining, ident: bytes, msg: m.Hello, principal: Principal | None = None) -> Outcome:
     """Check protocol, identity and role, register the member, send its sections and the versions."""
-    checked = _checked_hello(ctl, ident, msg, principal)
+    checked = _checked_hello(ctx, ident, msg, principal)
     if isinstance(checked, m.Error):
         return Outcome(checked)
     msg = checked
-    with ctl.store.write():
-        prev = ctl.store.member(msg.member_id)
+    with ctx.store.write():
+        prev = ctx.store.member(msg.member_id)
         released = 0
         if prev is not None and (prev.get("pid") != msg.pid or prev.get("host") != msg.host):
             # a new process under an id that fell silent holds none of the old one's tasks
-            released = ctl.ledger.release_member(msg.member_id)
+            released = ctx.ledger.release_member(msg.member_id)
             # a drain was asked of the old process; the same process rejoining stays draining
-            ctl.draining.discard(msg.member_id)
-        ctl.store.upsert_member(
+            ctx.draining.discard(msg.member_id)
+        ctx.store.upsert_member(
             msg.member_id,
             msg.role,
             policies=list(msg.policies),
@@ -52,19 +75,19 @@ def on_hello(ctl: ControllerCore, ident: bytes, msg: m.Hello, principal: Princip
             pid=msg.pid,
             host=msg.host,
         )
-        ctl.store.add_event(
+        ctx.store.add_event(
             "member_joined" if prev is None else "member_rejoined",
             f"{msg.member_id} {msg.role}"
             + (f"; {released} leases of its previous process back" if released else ""),
         )
-    ctl.members.joined(msg.member_id, time.time())
+    ctx.members.joined(msg.member_id, time.time())
     _log.info("member %s joined as %s (%s)", msg.member_id, msg.role, msg.hardware or "?")
     welcome = m.Welcome(
         rid=msg.rid,
-        run_name=ctl.recipe.run.name,
-        sections=ctl.sections_for(msg.role, list(msg.policies)),
-        heartbeat_interval_s=ctl.recipe.controller.heartbeat_interval_s,
-        versions=ctl.versions(),
+        run_name=ctx.run_name,
+        sections=ctx.sections(msg.role, list(msg.policies)),
+        heartbeat_interval_s=ctx.heartbeat_interval_s,
+        versions=ctx.versions.latest(),
     )
     # a member joining (again) starts afresh: what it had held from before is void; its client already
     # failed those requests, and a late answer would grant tasks to nobody
@@ -72,7 +95,7 @@ def on_hello(ctl: ControllerCore, ident: bytes, msg: m.Hello, principal: Princip
 
 
 def _checked_hello(
-    ctl: ControllerCore, ident: bytes, msg: m.Hello, principal: Principal | None
+    ctx: Joining, ident: bytes, msg: m.Hello, principal: Principal | None
 ) -> m.Hello | m.Error:
     """The Hello capped (authz.cap_hello), or why it is refused (protocol, identity, role, policies, keys)."""
     if msg.protocol != m.PROTOCOL_VERSION:
@@ -84,13 +107,13 @@ def _checked_hello(
     if msg.member_id.encode() != ident:
         return m.Error(rid=msg.rid, code="bad_identity", message="member_id must equal the socket identity")
     msg = authz.cap_hello(msg)
-    ctl.flush_touches()  # the identity checks read last_seen from the store
+    ctx.members.flush()  # the identity checks read last_seen from the store
     refused = authz.hello_refusal(
-        ctl.store,
+        ctx.store,
         msg,
         principal,
-        policies=[p.name for p in ctl.recipe.policy],
-        member_timeout_s=ctl.recipe.controller.member_timeout_s,
+        policies=ctx.policies,
+        member_timeout_s=ctx.member_timeout_s,
     )
     if refused is not None:
         _log.warning("refused Hello of %r as %s: %s", msg.member_id[:64], msg.role, refused[1])

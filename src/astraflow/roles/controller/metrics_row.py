@@ -48,19 +48,8 @@ class StepMetrics:
             rewards.append(reward)
             stale.append(ref - min_version)
             task_ids.append(task_id)
-        counts = self.buffer.open_counts(msg.policy)
-        if self.archived:
-            from astraflow.state.archive import archived_counts
-
-            for k, v in archived_counts(self.store, msg.policy).items():
-                if k in counts:
-                    counts[k] += v
-        tasks = self.ledger.counts()
+        counts = self._counts(msg.policy)
         generated = self.buffer.generated(msg.policy)
-        hist = self.rate_hist.setdefault(msg.policy, deque(maxlen=6))
-        hist.append((now, generated))
-        t0, g0 = hist[0]
-        rate = (generated - g0) / (now - t0) if now > t0 else 0.0
         row: dict[str, Any] = dict(self.pipeline.metrics(msg.policy))
         row.update(self.pipeline.take_info(msg.policy, task_ids))
         row.update(self.buffer.role_metrics(fresh_ids))
@@ -71,18 +60,36 @@ class StepMetrics:
                 "version": msg.version,
                 "time": now,
                 "reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
-                "samples_per_s": rate,
+                "samples_per_s": self._rate(msg.policy, now, generated),
                 "samples_generated": generated,
                 "staleness_mean": sum(stale) / len(stale) if stale else 0.0,
                 "staleness_max": float(max(stale)) if stale else 0.0,
                 "expired": counts["expired"],
                 "dropped": counts["dropped"],
                 "buffered": counts["buffered"],
-                **{f"tasks_{k}": v for k, v in tasks.items()},
+                **{f"tasks_{k}": v for k, v in self.ledger.counts().items()},
             }
         )
         # a peer's NaN would be stored as NULL or as text no JSON reader takes
         return with_trainer_metrics(row, {k: float(v) for k, v in msg.metrics.items() if math.isfinite(v)})
+
+    def _counts(self, policy: str) -> dict[str, int]:
+        """The policy's trajectories by status, with those a retention pass archived added back."""
+        counts = self.buffer.open_counts(policy)
+        if self.archived:
+            from astraflow.state.archive import archived_counts
+
+            for k, v in archived_counts(self.store, policy).items():
+                if k in counts:
+                    counts[k] += v
+        return counts
+
+    def _rate(self, policy: str, now: float, generated: int) -> float:
+        """Samples generated per second over the policy's last few steps."""
+        hist = self.rate_hist.setdefault(policy, deque(maxlen=6))
+        hist.append((now, generated))
+        t0, g0 = hist[0]
+        return (generated - g0) / (now - t0) if now > t0 else 0.0
 
 
 def with_trainer_metrics(row: dict[str, Any], trainer: dict[str, float]) -> dict[str, Any]:

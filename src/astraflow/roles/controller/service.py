@@ -45,12 +45,27 @@ class Controller(ControllerCore):
         self, recipe: Recipe, run_dir: Path, store: Store, *, allow_recipe_change: bool = False
     ) -> None:
         super().__init__(recipe, run_dir, store, allow_recipe_change=allow_recipe_change)
+        self.loop = lifecycle.LoopState()
+        """Whether to stop (a signal, a stall) and with which exit code; when the loop last ticked."""
         self._hand_over(recipe, run_dir, store)
 
     def _hand_over(self, recipe: Recipe, run_dir: Path, store: Store) -> None:
         """Give each member message's handler the parts of the state it reads, once (a flood of
         messages must not rebuild them): keywords, or one context per concern."""
         rc, cc = recipe.rollout, recipe.controller
+        self._joining = members.Joining(
+            store=store,
+            ledger=self.ledger,
+            members=self.members,
+            draining=self.draining,
+            versions=self.policy_versions,
+            sections=self.welcome,
+            run_name=recipe.run.name,
+            policies=[p.name for p in recipe.policy],
+            member_timeout_s=cc.member_timeout_s,
+            heartbeat_interval_s=cc.heartbeat_interval_s,
+        )
+        """The Hello's handler's parts."""
         self._heartbeat = partial(
             members.on_heartbeat,
             store=store,
@@ -137,14 +152,59 @@ class Controller(ControllerCore):
         )
         """The member messages' handlers (but Heartbeat's), each taking the message type it is keyed by
         and only the parts of the state it reads (built once: a flood must not rebuild them per message)."""
+        self._starting = lifecycle.Starting(
+            recipe=recipe,
+            allow_recipe_change=self.allow_recipe_change,
+            store=store,
+            members=self.members,
+            evals=self.evals,
+            sinks=self.sinks,
+            run=self.run,
+            queue=self.queue,
+            run_dir=run_dir,
+        )
+        stalls = lifecycle.Stalls(
+            recipe=recipe,
+            store=store,
+            admission=self.admission,
+            buffer=self.buffer,
+            ledger=self.ledger,
+            roles=self.roles,
+            group_sizes=self.group_sizes,
+            task_policies=self.task_policies,
+            progress=self.progress,
+            warn_s=cc.stall_warn_s,
+            fail_s=cc.stall_fail_s,
+        )
+        self._ticking = lifecycle.Ticking(
+            store=store,
+            ledger=self.ledger,
+            members=self.members,
+            accounting=self.accounting,
+            versions=self.policy_versions,
+            run=self.run,
+            control=self.control,
+            queue=self.queue,
+            evals=self.evals,
+            sinks=self.sinks,
+            progress=self.progress,
+            stalls=stalls,
+            loop=self.loop,
+            member_timeout_s=cc.member_timeout_s,
+            heartbeat_interval_s=cc.heartbeat_interval_s,
+            forget_after_s=cc.forget_after_s,
+        )
+        """The periodic work's parts (lifecycle.py)."""
 
     def start(self) -> None:
         """Record the run (or read it back on restart) and give surviving members a fresh timer."""
-        lifecycle.start(self)
+        lifecycle.start(self._starting)
 
     def tick(self, now: float | None = None) -> None:
-        """Liveness, lease expiry, queue refill, end-of-run bookkeeping (lifecycle.py)."""
-        lifecycle.tick(self, now)
+        """Liveness, lease expiry, queue refill, end-of-run bookkeeping (lifecycle.py); the held
+        requests of members it declared dead die with them."""
+        for mid in lifecycle.tick(self._ticking, now):
+            self.parked.drop(mid.encode())
 
     # ----- routing ------------------------------------------------------------------------------
 
@@ -163,7 +223,7 @@ class Controller(ControllerCore):
         member_id = ident.decode("utf-8", "replace")
         rid = msg.rid
         if isinstance(msg, m.Hello):
-            return members.on_hello(self, ident, msg, principal)
+            return members.on_hello(self._joining, ident, msg, principal)
         if isinstance(msg, m.StatusRequest):
             self.flush_touches()
             room = self.admission.room(self.roles, self.group_sizes)
@@ -259,17 +319,17 @@ class Controller(ControllerCore):
 
     def serve(self, server: Any) -> int:
         """Poll, dispatch, do periodic work; returns 0 on a signal or at the run's end, 1 if the run failed."""
-        while not self.stop_requested:
+        while not self.loop.stop_requested:
             for ident, principal, msg in server.poll(int(TICK_S * 1000)):
                 for to, reply in self.dispatch(ident, msg, principal):
                     server.send(to, reply)
             now = time.time()
-            if now - self.last_tick >= TICK_S:
-                self.last_tick = now
+            if now - self.loop.last_tick >= TICK_S:
+                self.loop.last_tick = now
                 self.tick(now)
                 for to, reply in self.wake(("batch", "task"), now, expired_only=True):
                     server.send(to, reply)
-                if lifecycle.should_exit(self, now):
+                if lifecycle.should_exit(self._ticking, now):
                     _log.info("run finished; exiting")
                     break
         self.pipeline.save()
@@ -277,7 +337,7 @@ class Controller(ControllerCore):
         if self.failed is not None:
             _log.error("run failed: %s", summary(self.failed))
             return 1
-        return self.exit_code
+        return self.loop.exit_code
 
 
 def run_controller(
@@ -298,7 +358,7 @@ def run_controller(
         )
 
         def on_signal(signum: int, _frame: Any) -> None:
-            ctl.stop_requested = True
+            ctl.loop.stop_requested = True
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, on_signal)
