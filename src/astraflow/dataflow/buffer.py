@@ -129,10 +129,6 @@ class Buffer:
                     task_id,
                     seq.policy,
                     prompt_key,
-                    seq.tokens,
-                    seq.loss_mask,
-                    seq.logprobs,
-                    seq.versions,
                     float(seq.reward),
                     float(adv),
                     len(seq.loss_mask) - seq.loss_mask.count(0),
@@ -147,7 +143,8 @@ class Buffer:
                 )
                 for i, (seq, adv) in enumerate(zip(seqs, advantages, strict=True))
             ]
-            ids = trajectories.insert_trajectories(self.store, rows)
+            arrays = [(seq.tokens, seq.loss_mask, seq.logprobs, seq.versions) for seq in seqs]
+            ids = trajectories.insert_trajectories(self.store, rows, arrays)
             if status == "buffered":
                 self._remember(ids, seqs, advantages)
         for pol in {seq.policy for seq in seqs}:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sqlite3
 from typing import Any
 
+from astraflow.state import token_groups
 from astraflow.state.store import Store
 
 STATUSES = ("buffered", "consumed", "expired", "dropped")
@@ -25,20 +26,23 @@ def max_trajectory_id(store: Store) -> int:
         return int(c.execute("SELECT COALESCE(MAX(id), 0) FROM trajectories").fetchone()[0])
 
 
-def insert_trajectories(store: Store, rows: list[tuple[Any, ...]]) -> list[int]:
-    """Insert rows of (task_id, policy, prompt_key, tokens, loss_mask, logprobs, versions, reward,
-    advantage, length, min_version, arrival, status, role, group_key, temperature, top_p, top_k) in one
-    statement; returns their ids (consecutive: one writer, one transaction)."""
+def insert_trajectories(
+    store: Store, rows: list[tuple[Any, ...]], arrays: list[token_groups.Arrays]
+) -> list[int]:
+    """Insert one group: rows of (task_id, policy, prompt_key, reward, advantage, length, min_version,
+    arrival, status, role, group_key, temperature, top_p, top_k) in one statement and their packed
+    arrays as one token_groups row; returns their ids (consecutive: one writer, one transaction)."""
     with store.write() as c:
         c.executemany(
-            "INSERT INTO trajectories (task_id, policy, prompt_key, tokens, loss_mask, logprobs, versions, "
-            "reward, advantage, length, min_version, arrival, status, consumed_step, role, group_key, "
-            "temperature, top_p, top_k) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, NULL, ?, ?, ?, ?, ?)",
+            "INSERT INTO trajectories (task_id, policy, prompt_key, reward, advantage, length, min_version, "
+            "arrival, status, consumed_step, role, group_key, temperature, top_p, top_k) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, NULL, ?, ?, ?, ?, ?)",
             rows,
         )
         last = int(c.execute("SELECT last_insert_rowid()").fetchone()[0])
-    return list(range(last - len(rows) + 1, last + 1))
+        first = last - len(rows) + 1
+        token_groups.insert_group(store, first, arrays)
+    return list(range(first, last + 1))
 
 
 def count(store: Store, policy: str, status: str | None = None) -> int:
@@ -108,15 +112,8 @@ def reward_rows(store: Store, ids: list[int]) -> list[tuple[float, int, int]]:
 
 
 def token_bytes(store: Store, ids: list[int]) -> dict[int, int]:
-    """Stored bytes of each trajectory's per-token lists, read without loading them."""
-    if not ids:
-        return {}
-    rows = store.query(
-        "SELECT id, LENGTH(tokens) + LENGTH(loss_mask) + LENGTH(logprobs) + LENGTH(versions) AS n "
-        f"FROM trajectories WHERE id IN ({_marks(len(ids))})",
-        tuple(ids),
-    )
-    return {int(r["id"]): int(r["n"]) for r in rows}
+    """Stored bytes of each trajectory's per-token arrays, read without loading them."""
+    return {i: n * token_groups.TOKEN_BYTES for i, n in token_groups.token_counts(store, ids).items()}
 
 
 def advantages(store: Store, ids: list[int]) -> dict[int, float]:
@@ -170,16 +167,16 @@ def mark_consumed(store: Store, step: int, ids: list[int]) -> None:
         )
 
 
-def sample_rows(store: Store, ids: list[int]) -> dict[int, sqlite3.Row]:
+def sample_rows(store: Store, ids: list[int]) -> dict[int, dict[str, Any]]:
     """Id -> row (id, tokens, loss_mask, logprobs, versions, reward, advantage, temperature, top_p, top_k)."""
     if not ids:
         return {}
     rows = store.query(
-        "SELECT id, tokens, loss_mask, logprobs, versions, reward, advantage, temperature, top_p, top_k "
+        "SELECT id, reward, advantage, temperature, top_p, top_k "
         f"FROM trajectories WHERE id IN ({_marks(len(ids))})",
         tuple(ids),
     )
-    return {r["id"]: r for r in rows}
+    return {r["id"]: r for r in token_groups.with_arrays(rows, token_groups.arrays(store, ids))}
 
 
 def reward_by_version(store: Store, policy: str) -> list[tuple[int, float, int]]:
