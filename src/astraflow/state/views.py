@@ -82,7 +82,12 @@ def require_packed(store: Store) -> None:
 
     has = store.scalar("SELECT COUNT(*) FROM sqlite_master WHERE type = 'table' AND name = 'migrations'")
     done = (
-        {r[0] for r in store.query("SELECT name FROM migrations WHERE name IN (?, ?)", (PACKED_MIGRATION, TOKEN_GROUPS_MIGRATION))}
+        {
+            r[0]
+            for r in store.query(
+                "SELECT name FROM migrations WHERE name IN (?, ?)", (PACKED_MIGRATION, TOKEN_GROUPS_MIGRATION)
+            )
+        }
         if has
         else set()
     )
