@@ -9,18 +9,18 @@ asks again for a step it already received gets the same trajectories in the same
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
 import msgspec
-import numpy as np
 
 from astraflow.data.base import BufferItem, BufferOrder
 from astraflow.data.order import EdfOrder, FifoOrder
 from astraflow.dataflow.limits import RefusedResult, nonfinite_row
-from astraflow.protocol import packed
+from astraflow.dataflow.pending import Pending, min_versions
 from astraflow.protocol.messages import PackedSequence, SamplingParams, Sequence, TrainSample
 from astraflow.state import batches, trajectories
 from astraflow.state.store import Store
@@ -52,31 +52,6 @@ def default_order(kind: str) -> BufferOrder:
     return EdfOrder() if kind == "edf" else FifoOrder()
 
 
-_NONE = np.iinfo(np.int32).max
-
-
-def min_versions(seqs: list[PackedSequence]) -> list[int]:
-    """Oldest version among the tokens each sequence's policy generated (-1 when it generated none
-    with a version: then the oldest version present, else -1), for a group at once: one numpy pass
-    over the group's packed versions instead of Python numbers per token."""
-    out = [-1] * len(seqs)
-    idx = [i for i, s in enumerate(seqs) if s.loss_mask]
-    if not idx:
-        return out
-    versions = np.frombuffer(b"".join([seqs[i].versions for i in idx]), packed.INT32)
-    mask = np.frombuffer(b"".join([seqs[i].loss_mask for i in idx]), np.uint8) != 0
-    starts = np.cumsum([0] + [len(seqs[i].loss_mask) for i in idx[:-1]])
-    known = versions >= 0
-    generated = np.minimum.reduceat(np.where(mask & known, versions, _NONE), starts).tolist()
-    present = generated
-    if _NONE in generated:  # a sequence with no versioned generated token: the oldest version present
-        present = np.minimum.reduceat(np.where(known, versions, _NONE), starts).tolist()
-    for k, i in enumerate(idx):
-        oldest = generated[k] if generated[k] != _NONE else present[k]
-        out[i] = oldest if oldest != _NONE else -1
-    return out
-
-
 def min_version(seq: Sequence | PackedSequence) -> int:
     """Oldest version among the tokens this policy generated (-1 when it generated none)."""
     return min_versions([seq if isinstance(seq, PackedSequence) else PackedSequence.of(seq)])[0]
@@ -103,6 +78,28 @@ class Buffer:
         a miss reads the store. Cleared on a rollback: the ids of a rolled-back insert are reused."""
         self._fresh_tokens = 0
         store.on_rollback.append(self._forget_fresh)
+        self._pending: Pending | None = None
+        """The groups of the open `grouped` block, written when it ends."""
+
+    @contextmanager
+    def grouped(self) -> Iterator[None]:
+        """A write transaction inside which `insert` hands out ids at once and writes nothing yet: the
+        groups are written when the block ends, two statements for all of them (dataflow/pending.py).
+        A block inside another joins it."""
+        if self._pending is not None:
+            yield
+            return
+        with self.store.write():
+            self._pending = Pending(trajectories.max_trajectory_id(self.store) + 1)
+            try:
+                yield
+                pending = self._pending
+                pending.write(self.store)
+            finally:
+                self._pending = None
+            for g in pending.groups:
+                if g.status == "buffered":
+                    self._remember(list(range(g.first_id, g.first_id + len(g.seqs))), g.seqs, g.advantages)
 
     def insert(
         self,
@@ -112,8 +109,9 @@ class Buffer:
         advantages: list[float],
         status: str = "buffered",
     ) -> list[int]:
-        """Store one group's sequences (one policy) with their advantages; returns trajectory ids.
-        The packed arrays are stored as they came (protocol/packed.py); lists are packed first."""
+        """Store one group's sequences (one policy) with their advantages; returns trajectory ids
+        (inside `grouped`, written when its block ends). The packed arrays are stored as they came
+        (protocol/packed.py); lists are packed first."""
         if not group:
             return []
         seqs = [s if isinstance(s, PackedSequence) else PackedSequence.of(s) for s in group]
@@ -121,32 +119,9 @@ class Buffer:
             why = nonfinite_row(seq.reward, adv)
             if why:
                 raise RefusedResult(f"task {task_id}: {why} is not finite; not stored")
-        with self.store.write():
-            arrival = trajectories.max_trajectory_id(self.store)
-            oldest = min_versions(seqs)
-            rows = [
-                (
-                    task_id,
-                    seq.policy,
-                    prompt_key,
-                    float(seq.reward),
-                    float(adv),
-                    len(seq.loss_mask) - seq.loss_mask.count(0),
-                    oldest[i],
-                    arrival + i + 1,
-                    status,
-                    seq.role,
-                    seq.group_key,
-                    float(seq.sampling.temperature),
-                    float(seq.sampling.top_p),
-                    int(seq.sampling.top_k),
-                )
-                for i, (seq, adv) in enumerate(zip(seqs, advantages, strict=True))
-            ]
-            arrays = [(seq.tokens, seq.loss_mask, seq.logprobs, seq.versions) for seq in seqs]
-            ids = trajectories.insert_trajectories(self.store, rows, arrays)
-            if status == "buffered":
-                self._remember(ids, seqs, advantages)
+        with self.grouped():
+            assert self._pending is not None
+            ids = self._pending.add(task_id, prompt_key, seqs, list(advantages), status)
         for pol in {seq.policy for seq in seqs}:
             if pol in self._generated:
                 self._generated[pol] += sum(1 for seq in seqs if seq.policy == pol)

@@ -28,23 +28,27 @@ TOKEN_BYTES = sum(packed.ITEM_BYTES.values())
 """Stored bytes per token of the four arrays together."""
 
 
-def insert_group(store: Store, first_id: int, arrays: Sequence[Arrays]) -> None:
-    """Store the arrays of the trajectories first_id, first_id + 1, ... (one group, in id order)."""
-    tokens, masks, logprobs, versions = zip(*arrays, strict=True)
+def insert_groups(store: Store, groups: Sequence[tuple[int, Sequence[Arrays]]]) -> None:
+    """Store groups' arrays, one row each: (first trajectory id, its sequences' arrays in id order)."""
     with store.write() as c:
-        c.execute(
+        c.executemany(
             "INSERT INTO token_groups (first_id, rows, lengths, tokens, loss_mask, logprobs, versions) "
             "VALUES (?, ?, ?, ?, ?, ?, ?)",
-            (
-                first_id,
-                len(arrays),
-                np.fromiter(map(len, masks), packed.INT32, len(arrays)).tobytes(),
-                b"".join(tokens),
-                b"".join(masks),
-                b"".join(logprobs),
-                b"".join(versions),
-            ),
+            [_row(first, arrays) for first, arrays in groups],
         )
+
+
+def _row(first_id: int, arrays: Sequence[Arrays]) -> tuple[Any, ...]:
+    tokens, masks, logprobs, versions = zip(*arrays, strict=True)
+    return (
+        first_id,
+        len(arrays),
+        np.fromiter(map(len, masks), packed.INT32, len(arrays)).tobytes(),
+        b"".join(tokens),
+        b"".join(masks),
+        b"".join(logprobs),
+        b"".join(versions),
+    )
 
 
 def _ids_json(ids: Iterable[int]) -> str:

@@ -26,12 +26,16 @@ def max_trajectory_id(store: Store) -> int:
         return int(c.execute("SELECT COALESCE(MAX(id), 0) FROM trajectories").fetchone()[0])
 
 
-def insert_trajectories(
-    store: Store, rows: list[tuple[Any, ...]], arrays: list[token_groups.Arrays]
-) -> list[int]:
-    """Insert one group: rows of (task_id, policy, prompt_key, reward, advantage, length, min_version,
-    arrival, status, role, group_key, temperature, top_p, top_k) in one statement and their packed
-    arrays as one token_groups row; returns their ids (consecutive: one writer, one transaction)."""
+def insert_groups(
+    store: Store,
+    first_id: int,
+    rows: list[tuple[Any, ...]],
+    groups: list[tuple[int, list[token_groups.Arrays]]],
+) -> None:
+    """Insert groups of trajectories whose ids are first_id, first_id + 1, ... in row order: rows of
+    (task_id, policy, prompt_key, reward, advantage, length, min_version, arrival, status, role,
+    group_key, temperature, top_p, top_k) in one statement, and each group's arrays (its first id and
+    its sequences' arrays) as token_groups rows in one more. Raises if SQLite gave other ids."""
     with store.write() as c:
         c.executemany(
             "INSERT INTO trajectories (task_id, policy, prompt_key, reward, advantage, length, min_version, "
@@ -40,9 +44,9 @@ def insert_trajectories(
             rows,
         )
         last = int(c.execute("SELECT last_insert_rowid()").fetchone()[0])
-        first = last - len(rows) + 1
-        token_groups.insert_group(store, first, arrays)
-    return list(range(first, last + 1))
+        if last != first_id + len(rows) - 1:
+            raise RuntimeError(f"trajectory ids {last - len(rows) + 1}..{last}, expected from {first_id}")
+        token_groups.insert_groups(store, groups)
 
 
 def count(store: Store, policy: str, status: str | None = None) -> int:

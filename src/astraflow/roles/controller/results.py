@@ -101,7 +101,8 @@ def on_task_results(ctx: Intake, member: dict[str, Any], msg: m.TaskResults) -> 
         else:
             good.append((i, o, task))
     try:
-        with ctx.store.write():
+        # the groups of every result are written together when the block ends (dataflow/pending.py)
+        with ctx.store.write(), ctx.buffer.grouped():
             fed: dict[str, None] = {}
             for i, o, task in good:
                 acks[i] = m.OutcomeAck(task_id=o.task_id, status=_store_result(ctx, member, o, task))
