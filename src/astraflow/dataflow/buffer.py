@@ -30,6 +30,10 @@ FRESH_TOKENS = 262_144
 most), so that the batch which consumes them is built without reading and decoding them back."""
 
 
+TAKEN_KEPT = 8
+"""Batches whose fresh items are kept for their step's metrics row (Buffer.taken_rows)."""
+
+
 @dataclass
 class Batch:
     """A recorded batch: its samples in order, and what taking it did."""
@@ -80,6 +84,9 @@ class Buffer:
         store.on_rollback.append(self._forget_fresh)
         self._pending: Pending | None = None
         """The groups of the open `grouped` block, written when it ends."""
+        self._taken: dict[tuple[str, int], list[BufferItem]] = {}
+        """(policy, step) -> the fresh items of the newest batches taken, in id order, for the step's
+        metrics row (`taken_rows`); a few steps at most."""
 
     @contextmanager
     def grouped(self) -> Iterator[None]:
@@ -184,6 +191,14 @@ class Buffer:
         """Trajectories of a policy per status: buffered, consumed, expired, dropped."""
         return trajectories.status_counts(self.store, policy)
 
+    def taken_rows(self, policy: str, step: int, fresh_ids: list[int]) -> list[tuple[float, int, int]]:
+        """(reward, oldest version, task id) of a recorded batch's fresh trajectories, in id order: as
+        kept when this controller took the batch, else read from the store."""
+        kept = self._taken.pop((policy, step), None)
+        if kept is not None and [it.traj_id for it in kept] == sorted(fresh_ids):
+            return [(it.reward, it.min_version, it.task_id) for it in kept]
+        return trajectories.reward_rows(self.store, fresh_ids)
+
     def role_metrics(self, traj_ids: list[int]) -> dict[str, float]:
         """Per workflow role of these trajectories: `role/<role>/reward_mean` and `role/<role>/sequences`."""
         out: dict[str, float] = {}
@@ -265,6 +280,9 @@ class Buffer:
             batches.record_batch(self.store, policy, step, ids, flags, ref, time.time())
             trajectories.mark_consumed(self.store, step, [it.traj_id for it in fresh])
             samples = self._samples(ids, flags, self._take_fresh(ids))
+            self._taken[(policy, step)] = sorted(fresh, key=lambda it: it.traj_id)
+            while len(self._taken) > TAKEN_KEPT:
+                del self._taken[next(iter(self._taken))]
         return Batch(
             policy, step, samples, ref, expired=len(stale), staleness=[ref - it.min_version for it in fresh]
         )
