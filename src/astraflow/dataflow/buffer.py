@@ -8,6 +8,7 @@ asks again for a step it already received gets the same trajectories in the same
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -122,10 +123,12 @@ class Buffer:
         if not group:
             return []
         seqs = [s if isinstance(s, PackedSequence) else PackedSequence.of(s) for s in group]
-        for seq, adv in zip(seqs, advantages, strict=True):
-            why = nonfinite_row(seq.reward, adv)
-            if why:
-                raise RefusedResult(f"task {task_id}: {why} is not finite; not stored")
+        # one C-level pass over the group's floats; only a group with a bad one is walked to name it
+        if not (all(map(math.isfinite, [s.reward for s in seqs])) and all(map(math.isfinite, advantages))):
+            for seq, adv in zip(seqs, advantages, strict=True):
+                why = nonfinite_row(seq.reward, adv)
+                if why:
+                    raise RefusedResult(f"task {task_id}: {why} is not finite; not stored")
         with self.grouped():
             assert self._pending is not None
             ids = self._pending.add(task_id, prompt_key, seqs, list(advantages), status)
