@@ -85,6 +85,12 @@ class Buffer:
         store.on_rollback.append(self._forget_fresh)
         self._pending: Pending | None = None
         """The groups of the open `grouped` block, written when it ends."""
+        self._items: dict[str, dict[int, BufferItem]] = {}
+        """Policy -> its buffered trajectories (id -> item), as state.db holds them: read once by the
+        policy's first batch after a start, then kept by `insert` and `next_batch` (the controller
+        is the only writer, and nothing else changes a buffered row's status while it runs). Cleared
+        on a rollback, so the next batch reads the store again."""
+        store.on_rollback.append(self._items.clear)
         self._taken: dict[tuple[str, int], list[BufferItem]] = {}
         """(policy, step) -> the fresh items of the newest batches taken, in id order, for the step's
         metrics row (`taken_rows`); a few steps at most."""
@@ -102,9 +108,12 @@ class Buffer:
             try:
                 yield
                 pending = self._pending
-                pending.write(self.store)
+                stored = pending.write(self.store)
             finally:
                 self._pending = None
+            for policy, it in stored:
+                if policy in self._items:
+                    self._items[policy][it.traj_id] = it
             for g in pending.groups:
                 if g.status == "buffered":
                     self._remember(list(range(g.first_id, g.first_id + len(g.seqs))), g.seqs, g.advantages)
@@ -261,13 +270,14 @@ class Buffer:
         with self.store.write():
             # The step trains on the weights of the previous step at the earliest.
             ref = max(version, step - 1)
-            rows = trajectories.buffered_items(self.store, policy)
-            # the row's columns are BufferItem's fields in order (trajectories.buffered_items)
-            buffered = [BufferItem(*r) for r in rows]
+            mine = self._buffered(policy)
+            buffered = list(mine.values())
             stale = [it.traj_id for it in buffered if ref - it.min_version > max_staleness]
             if stale:
                 trajectories.expire(self.store, stale)
                 self._take_fresh(stale)
+                for i in stale:
+                    del mine[i]
             items = [it for it in buffered if ref - it.min_version <= max_staleness]
             n_replay = max(0, min(int(self._replay(policy, batch_size)), batch_size))
             replay_ids: list[int] = []
@@ -282,6 +292,8 @@ class Buffer:
             flags = [False] * len(fresh) + [True] * len(replay_ids)
             batches.record_batch(self.store, policy, step, ids, flags, ref, time.time())
             trajectories.mark_consumed(self.store, step, [it.traj_id for it in fresh])
+            for it in fresh:
+                del mine[it.traj_id]
             samples = self._samples(ids, flags, self._take_fresh(ids))
             self._taken[(policy, step)] = sorted(fresh, key=lambda it: it.traj_id)
             while len(self._taken) > TAKEN_KEPT:
@@ -289,6 +301,15 @@ class Buffer:
         return Batch(
             policy, step, samples, ref, expired=len(stale), staleness=[ref - it.min_version for it in fresh]
         )
+
+    def _buffered(self, policy: str) -> dict[int, BufferItem]:
+        """The policy's buffered trajectories (read from the store the first time)."""
+        mine = self._items.get(policy)
+        if mine is None:
+            # the row's columns are BufferItem's fields in order (trajectories.buffered_items)
+            rows = trajectories.buffered_items(self.store, policy)
+            mine = self._items[policy] = {int(r[0]): BufferItem(*r) for r in rows}
+        return mine
 
     @staticmethod
     def _choose(order: BufferOrder, items: list[BufferItem], n: int) -> list[BufferItem]:

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from astraflow.data.base import BufferItem
 from astraflow.protocol import packed
 from astraflow.protocol.messages import PackedSequence
 from astraflow.state import trajectories
@@ -52,10 +53,11 @@ class Pending:
         self.next_id += len(seqs)
         return list(range(first, self.next_id))
 
-    def write(self, store: Store) -> None:
-        """Write every queued group: two statements in all (inside the caller's transaction)."""
+    def write(self, store: Store) -> list[tuple[str, BufferItem]]:
+        """Write every queued group: two statements in all (inside the caller's transaction); the
+        buffered ones as (policy, item), as the buffer orders them."""
         if not self.groups:
-            return
+            return []
         every = [s for g in self.groups for s in g.seqs]
         oldest = iter(min_versions(every))
         rows: list[tuple[Any, ...]] = []
@@ -85,6 +87,10 @@ class Pending:
             for g in self.groups
         ]
         trajectories.insert_groups(store, self.groups[0].first_id, rows, groups)
+        # (traj_id, task_id, min_version, arrival, reward, advantage, length): arrival is the id
+        return [
+            (r[1], BufferItem(r[7], r[0], r[6], r[7], r[3], r[4], r[5])) for r in rows if r[8] == "buffered"
+        ]
 
 
 def min_versions(seqs: list[PackedSequence]) -> list[int]:
