@@ -184,8 +184,8 @@ def test_attacks_fail_and_the_run_finishes(tiny_model: Path, tmp_path: Path) -> 
         )
         ids = [i for (row,) in db.execute("SELECT traj_ids FROM batches") for i in decode_ids(row)]
         assert len(ids) == len(set(ids)) == steps * 32, "a trajectory was trained twice or a batch is short"
-        for (blob,) in db.execute("SELECT tokens FROM trajectories"):
-            assert max(packed.ints(blob)) < vocab  # stored as the packed int32 array the result carried
+        for (blob,) in db.execute("SELECT tokens FROM token_groups"):
+            assert max(packed.ints(blob)) < vocab  # stored as the packed int32 arrays the results carried
         assert (
             db.execute("SELECT COUNT(*) FROM tasks WHERE owner='rogue' AND status='done'").fetchone()[0] == 0
         )

@@ -66,3 +66,38 @@ def test_beyond_the_budget_the_oldest_are_read_from_the_store(
     batch = buf.next_batch("main", 1, batch_size=3, max_staleness=0, version=0)
     assert batch is not None
     assert _reply(batch.samples) == _reply(buf.samples(ids, [False] * 3))
+
+
+def test_a_step_metrics_rows_kept_when_its_batch_was_taken_are_what_the_store_reads(tmp_path: Path) -> None:
+    from astraflow.state import trajectories
+
+    store = Store.open(tmp_path / "s.db")
+    buf = Buffer(store)
+    b = buf.insert(2, "k2", [_seq(3, 0.0), _seq(4, 1.0)], [-0.5, 0.5])
+    a = buf.insert(1, "k1", [_seq(1, 1.0), _seq(2, 0.0)], [0.5, -0.5])
+    batch = buf.next_batch("main", 1, batch_size=4, max_staleness=0, version=0)
+    assert batch is not None and [s.traj_id for s in batch.samples] == a + b  # task order, not id order
+    from_store = trajectories.reward_rows(store, a + b)
+    assert buf.taken_rows("main", 1, a + b) == from_store and from_store[0][2] == 2  # id order
+    assert not buf._taken  # handed out once; a second ask (or a restarted controller) reads the store
+    assert Buffer(store).taken_rows("main", 1, a + b) == from_store
+
+
+def test_the_buffered_items_kept_in_memory_are_what_the_store_holds(tmp_path: Path) -> None:
+    store = Store.open(tmp_path / "s.db")
+    buf = Buffer(store)
+    buf.insert(1, "k1", [_seq(1, 1.0), _seq(2, 0.0)], [0.5, -0.5])
+    assert buf.next_batch("main", 1, batch_size=4, max_staleness=0, version=0) is None  # reads the store
+    assert "main" in buf._items
+    with pytest.raises(RuntimeError), store.write():  # a rolled-back insert leaves nothing behind
+        buf.insert(9, "k9", [_seq(9, 1.0)], [0.0])
+        raise RuntimeError("refused after its rows were written")
+    buf.insert(2, "k2", [_seq(3, 0.0), _seq(4, 1.0)], [-0.5, 0.5])
+    buf.insert(3, "k3", [_seq(5, 0.0), _seq(6, 1.0)], [-0.5, 0.5])
+    batch = buf.next_batch("main", 1, batch_size=4, max_staleness=0, version=0)
+    assert batch is not None and len(buf._buffered("main")) == 2
+    buf.insert(4, "k4", [_seq(7, 0.0), _seq(8, 1.0)], [-0.5, 0.5])
+    assert buf.next_batch("main", 2, batch_size=4, max_staleness=0, version=2) is None  # all expired
+    buf.insert(5, "k5", [_seq(10, 0.0)], [0.0])
+    assert buf._buffered("main") == Buffer(store)._buffered("main")  # a restarted controller reads the same
+    assert [it.task_id for it in buf._buffered("main").values()] == [5]

@@ -16,7 +16,7 @@ from astraflow.dataflow.buffer import Buffer
 from astraflow.state import migrations, views
 from astraflow.state.store import StateError, Store
 
-BEFORE = [m for m in migrations.MIGRATIONS if m[0] != migrations.PACKED_MIGRATION]
+BEFORE = migrations.MIGRATIONS[: [m[0] for m in migrations.MIGRATIONS].index(migrations.PACKED_MIGRATION)]
 TOKENS, MASK, LOGPROBS, VERSIONS = [7, 8, 9, 10], [0, 0, 1, 1], [0.0, 0.0, -0.1, -2.5], [-1, -1, 3, 4]
 
 

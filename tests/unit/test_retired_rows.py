@@ -24,9 +24,8 @@ def _task(store: Store, status: str, owner: str) -> int:
 def _trajectory(store: Store, task_id: int) -> None:
     with store.write() as c:
         c.execute(
-            "INSERT INTO trajectories (task_id, policy, prompt_key, tokens, loss_mask, logprobs, versions, "
-            "reward, advantage, length, min_version, arrival, status) "
-            "VALUES (?, 'main', 'p', x'', x'', x'', x'', 0, 0, 1, 0, 0, 'buffered')",
+            "INSERT INTO trajectories (task_id, policy, prompt_key, reward, advantage, length, min_version, "
+            "arrival, status) VALUES (?, 'main', 'p', 0, 0, 1, 0, 0, 'buffered')",
             (task_id,),
         )
 

@@ -33,7 +33,9 @@ def test_migration_0001_creates_every_table(tmp_path: Path) -> None:
     ):
         assert t in names, t
     assert {"status", "epoch", "owner", "lease_expiry", "attempts"} <= set(db["tasks"].columns_dict)
-    assert {"min_version", "arrival", "consumed_step", "tokens"} <= set(db["trajectories"].columns_dict)
+    assert {"min_version", "arrival", "consumed_step"} <= set(db["trajectories"].columns_dict)
+    assert "tokens" not in db["trajectories"].columns_dict  # its arrays live in token_groups (0010)
+    assert {"first_id", "rows", "lengths", "tokens", "loss_mask"} <= set(db["token_groups"].columns_dict)
     assert {"role", "group_key", "temperature", "top_p", "top_k"} <= set(db["trajectories"].columns_dict)
     assert {"policy", "version", "status", "metrics"} <= set(db["eval_rounds"].columns_dict)
     assert {"task_id", "rewards", "min_version", "done"} <= set(db["eval_tasks"].columns_dict)

@@ -170,3 +170,33 @@ def test_recorded_turns_that_fit_keep_a_result_on_the_whole_result_pass(checker:
     packed = _packed(seqs)
     assert packed is not None and checker._clean(packed, {"main"}, {"main": 3}, {})
     assert _check(checker, [Episode(sequences=[s]) for s in seqs]) == ""
+
+
+@pytest.mark.parametrize(
+    "fault", ["negative token", "nan logprob", "future version", "other top_k", "too long"]
+)
+def test_results_checked_together_clear_only_what_each_alone_passes(
+    checker: ResultChecker, fault: str
+) -> None:
+    """A group commit's results are checked in one pass per (roles, task overrides) (clear_together):
+    a fault in one result clears none of its pass, the others' pass is cleared, and each result's
+    answer is the one it gets alone."""
+    results = [[Episode(sequences=[_seq(k)]) for k in range(4)] for _ in range(4)]
+    results[2][1].sequences[0] = FAULTS[fault](results[2][1].sequences[0])
+    overrides: list[dict[str, float | int]] = [{}, {}, {"temperature": 1.0}, {"temperature": 1.0}]
+    flags = checker.clear_together(list(zip(results, [ROLES] * 4, overrides, strict=True)), {"main": 3})
+    assert flags == [True, True, False, False]
+    for eps, sampling, cleared in zip(results, overrides, flags, strict=True):
+        alone = checker.check(
+            eps, expected={"main": N}, roles=ROLES, latest={"main": 3}, task_sampling=sampling
+        )
+        got = checker.check(
+            eps,
+            expected={"main": N},
+            roles=ROLES,
+            latest={"main": 3},
+            task_sampling=sampling,
+            cleared=cleared,
+        )
+        assert got == alone
+    assert _check(checker, results[2]).startswith("episode 1 sequence 0: ")

@@ -114,6 +114,8 @@ class Admission:
         self._ahead: dict[str, int] | None = None
         """Inside `leasing()`: `ahead` per policy, read once when first asked and then kept up to
         date by `leased`."""
+        self._steps: dict[tuple[str, str], int] = {}
+        """Inside `leasing()`: (what, policy) -> steps taken or version published, read once a call."""
 
     # ----- counting ---------------------------------------------------------------------------------
 
@@ -168,11 +170,21 @@ class Admission:
 
     def taken(self, policy: str) -> int:
         """Steps whose batch was taken."""
-        return batches.last_batch_step(self.store, policy)
+        if self._leasing and ("taken", policy) in self._steps:
+            return self._steps[("taken", policy)]
+        n = batches.last_batch_step(self.store, policy)
+        if self._leasing:
+            self._steps[("taken", policy)] = n
+        return n
 
     def published(self, policy: str) -> int:
         """The policy's newest published version (0 before its first step)."""
-        return versions.published_version(self.store, policy)
+        if self._leasing and ("published", policy) in self._steps:
+            return self._steps[("published", policy)]
+        v = versions.published_version(self.store, policy)
+        if self._leasing:
+            self._steps[("published", policy)] = v
+        return v
 
     def target_version(self, policy: str) -> int:
         """max(published version, steps whose batch was taken): the version the next batch trains on at least."""
@@ -191,12 +203,15 @@ class Admission:
         """One lease call: `ahead` is counted from the store once (two GROUP BY queries over the
         buffered trajectories and the leased tasks) and then advanced by `leased` for every task the
         call leases, instead of being counted again for each task: with thousands of tasks in flight
-        that count was the cost of a lease."""
+        that count was the cost of a lease. The steps taken and versions published are read once too
+        (no batch is taken and no version published while a lease call runs)."""
         self._leasing, self._ahead = True, None
+        self._steps.clear()
         try:
             yield
         finally:
             self._leasing, self._ahead = False, None
+            self._steps.clear()
 
     def leased(self, roles: dict[str, str], group_size: int, read_only: Iterable[str]) -> None:
         """A task was just leased inside `leasing()`: what it adds to `ahead`, counted as `_sequences`

@@ -8,19 +8,20 @@ asks again for a step it already received gets the same trajectories in the same
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
 import msgspec
-import numpy as np
 
 from astraflow.data.base import BufferItem, BufferOrder
 from astraflow.data.order import EdfOrder, FifoOrder
 from astraflow.dataflow.limits import RefusedResult, nonfinite_row
-from astraflow.protocol import packed
+from astraflow.dataflow.pending import Pending, min_versions
 from astraflow.protocol.messages import PackedSequence, SamplingParams, Sequence, TrainSample
 from astraflow.state import batches, trajectories
 from astraflow.state.store import Store
@@ -28,6 +29,10 @@ from astraflow.state.store import Store
 FRESH_TOKENS = 262_144
 """Tokens of just-stored buffered trajectories kept in memory as ready TrainSamples (tens of MB at
 most), so that the batch which consumes them is built without reading and decoding them back."""
+
+
+TAKEN_KEPT = 8
+"""Batches whose fresh items are kept for their step's metrics row (Buffer.taken_rows)."""
 
 
 @dataclass
@@ -50,31 +55,6 @@ class Batch:
 def default_order(kind: str) -> BufferOrder:
     """The built-in order named by PolicyConfig.order."""
     return EdfOrder() if kind == "edf" else FifoOrder()
-
-
-_NONE = np.iinfo(np.int32).max
-
-
-def min_versions(seqs: list[PackedSequence]) -> list[int]:
-    """Oldest version among the tokens each sequence's policy generated (-1 when it generated none
-    with a version: then the oldest version present, else -1), for a group at once: one numpy pass
-    over the group's packed versions instead of Python numbers per token."""
-    out = [-1] * len(seqs)
-    idx = [i for i, s in enumerate(seqs) if s.loss_mask]
-    if not idx:
-        return out
-    versions = np.frombuffer(b"".join([seqs[i].versions for i in idx]), packed.INT32)
-    mask = np.frombuffer(b"".join([seqs[i].loss_mask for i in idx]), np.uint8) != 0
-    starts = np.cumsum([0] + [len(seqs[i].loss_mask) for i in idx[:-1]])
-    known = versions >= 0
-    generated = np.minimum.reduceat(np.where(mask & known, versions, _NONE), starts).tolist()
-    present = generated
-    if _NONE in generated:  # a sequence with no versioned generated token: the oldest version present
-        present = np.minimum.reduceat(np.where(known, versions, _NONE), starts).tolist()
-    for k, i in enumerate(idx):
-        oldest = generated[k] if generated[k] != _NONE else present[k]
-        out[i] = oldest if oldest != _NONE else -1
-    return out
 
 
 def min_version(seq: Sequence | PackedSequence) -> int:
@@ -103,6 +83,40 @@ class Buffer:
         a miss reads the store. Cleared on a rollback: the ids of a rolled-back insert are reused."""
         self._fresh_tokens = 0
         store.on_rollback.append(self._forget_fresh)
+        self._pending: Pending | None = None
+        """The groups of the open `grouped` block, written when it ends."""
+        self._items: dict[str, dict[int, BufferItem]] = {}
+        """Policy -> its buffered trajectories (id -> item), as state.db holds them: read once by the
+        policy's first batch after a start, then kept by `insert` and `next_batch` (the controller
+        is the only writer, and nothing else changes a buffered row's status while it runs). Cleared
+        on a rollback, so the next batch reads the store again."""
+        store.on_rollback.append(self._items.clear)
+        self._taken: dict[tuple[str, int], list[BufferItem]] = {}
+        """(policy, step) -> the fresh items of the newest batches taken, in id order, for the step's
+        metrics row (`taken_rows`); a few steps at most."""
+
+    @contextmanager
+    def grouped(self) -> Iterator[None]:
+        """A write transaction inside which `insert` hands out ids at once and writes nothing yet: the
+        groups are written when the block ends, two statements for all of them (dataflow/pending.py).
+        A block inside another joins it."""
+        if self._pending is not None:
+            yield
+            return
+        with self.store.write():
+            self._pending = Pending(trajectories.max_trajectory_id(self.store) + 1)
+            try:
+                yield
+                pending = self._pending
+                stored = pending.write(self.store)
+            finally:
+                self._pending = None
+            for policy, it in stored:
+                if policy in self._items:
+                    self._items[policy][it.traj_id] = it
+            for g in pending.groups:
+                if g.status == "buffered":
+                    self._remember(list(range(g.first_id, g.first_id + len(g.seqs))), g.seqs, g.advantages)
 
     def insert(
         self,
@@ -112,44 +126,21 @@ class Buffer:
         advantages: list[float],
         status: str = "buffered",
     ) -> list[int]:
-        """Store one group's sequences (one policy) with their advantages; returns trajectory ids.
-        The packed arrays are stored as they came (protocol/packed.py); lists are packed first."""
+        """Store one group's sequences (one policy) with their advantages; returns trajectory ids
+        (inside `grouped`, written when its block ends). The packed arrays are stored as they came
+        (protocol/packed.py); lists are packed first."""
         if not group:
             return []
         seqs = [s if isinstance(s, PackedSequence) else PackedSequence.of(s) for s in group]
-        for seq, adv in zip(seqs, advantages, strict=True):
-            why = nonfinite_row(seq.reward, adv)
-            if why:
-                raise RefusedResult(f"task {task_id}: {why} is not finite; not stored")
-        with self.store.write():
-            arrival = trajectories.max_trajectory_id(self.store)
-            oldest = min_versions(seqs)
-            rows = [
-                (
-                    task_id,
-                    seq.policy,
-                    prompt_key,
-                    seq.tokens,
-                    seq.loss_mask,
-                    seq.logprobs,
-                    seq.versions,
-                    float(seq.reward),
-                    float(adv),
-                    len(seq.loss_mask) - seq.loss_mask.count(0),
-                    oldest[i],
-                    arrival + i + 1,
-                    status,
-                    seq.role,
-                    seq.group_key,
-                    float(seq.sampling.temperature),
-                    float(seq.sampling.top_p),
-                    int(seq.sampling.top_k),
-                )
-                for i, (seq, adv) in enumerate(zip(seqs, advantages, strict=True))
-            ]
-            ids = trajectories.insert_trajectories(self.store, rows)
-            if status == "buffered":
-                self._remember(ids, seqs, advantages)
+        # one C-level pass over the group's floats; only a group with a bad one is walked to name it
+        if not (all(map(math.isfinite, [s.reward for s in seqs])) and all(map(math.isfinite, advantages))):
+            for seq, adv in zip(seqs, advantages, strict=True):
+                why = nonfinite_row(seq.reward, adv)
+                if why:
+                    raise RefusedResult(f"task {task_id}: {why} is not finite; not stored")
+        with self.grouped():
+            assert self._pending is not None
+            ids = self._pending.add(task_id, prompt_key, seqs, list(advantages), status)
         for pol in {seq.policy for seq in seqs}:
             if pol in self._generated:
                 self._generated[pol] += sum(1 for seq in seqs if seq.policy == pol)
@@ -212,6 +203,14 @@ class Buffer:
         """Trajectories of a policy per status: buffered, consumed, expired, dropped."""
         return trajectories.status_counts(self.store, policy)
 
+    def taken_rows(self, policy: str, step: int, fresh_ids: list[int]) -> list[tuple[float, int, int]]:
+        """(reward, oldest version, task id) of a recorded batch's fresh trajectories, in id order: as
+        kept when this controller took the batch, else read from the store."""
+        kept = self._taken.pop((policy, step), None)
+        if kept is not None and [it.traj_id for it in kept] == sorted(fresh_ids):
+            return [(it.reward, it.min_version, it.task_id) for it in kept]
+        return trajectories.reward_rows(self.store, fresh_ids)
+
     def role_metrics(self, traj_ids: list[int]) -> dict[str, float]:
         """Per workflow role of these trajectories: `role/<role>/reward_mean` and `role/<role>/sequences`."""
         out: dict[str, float] = {}
@@ -271,13 +270,14 @@ class Buffer:
         with self.store.write():
             # The step trains on the weights of the previous step at the earliest.
             ref = max(version, step - 1)
-            rows = trajectories.buffered_items(self.store, policy)
-            # the row's columns are BufferItem's fields in order (trajectories.buffered_items)
-            buffered = [BufferItem(*r) for r in rows]
+            mine = self._buffered(policy)
+            buffered = list(mine.values())
             stale = [it.traj_id for it in buffered if ref - it.min_version > max_staleness]
             if stale:
                 trajectories.expire(self.store, stale)
                 self._take_fresh(stale)
+                for i in stale:
+                    del mine[i]
             items = [it for it in buffered if ref - it.min_version <= max_staleness]
             n_replay = max(0, min(int(self._replay(policy, batch_size)), batch_size))
             replay_ids: list[int] = []
@@ -292,10 +292,24 @@ class Buffer:
             flags = [False] * len(fresh) + [True] * len(replay_ids)
             batches.record_batch(self.store, policy, step, ids, flags, ref, time.time())
             trajectories.mark_consumed(self.store, step, [it.traj_id for it in fresh])
+            for it in fresh:
+                del mine[it.traj_id]
             samples = self._samples(ids, flags, self._take_fresh(ids))
+            self._taken[(policy, step)] = sorted(fresh, key=lambda it: it.traj_id)
+            while len(self._taken) > TAKEN_KEPT:
+                del self._taken[next(iter(self._taken))]
         return Batch(
             policy, step, samples, ref, expired=len(stale), staleness=[ref - it.min_version for it in fresh]
         )
+
+    def _buffered(self, policy: str) -> dict[int, BufferItem]:
+        """The policy's buffered trajectories (read from the store the first time)."""
+        mine = self._items.get(policy)
+        if mine is None:
+            # the row's columns are BufferItem's fields in order (trajectories.buffered_items)
+            rows = trajectories.buffered_items(self.store, policy)
+            mine = self._items[policy] = {int(r[0]): BufferItem(*r) for r in rows}
+        return mine
 
     @staticmethod
     def _choose(order: BufferOrder, items: list[BufferItem], n: int) -> list[BufferItem]:

@@ -19,13 +19,17 @@ from pathlib import Path
 from typing import Any
 
 from astraflow.errors import AstraflowError
+from astraflow.state import token_groups
 from astraflow.state.store import Store
 
 COLUMNS = (
     "id, task_id, policy, prompt_key, tokens, loss_mask, logprobs, versions, reward, advantage, length, "
     "min_version, arrival, status, consumed_step, role, group_key, temperature, top_p, top_k"
 )
-"""The trajectories columns an archive file keeps (every one: the per-token arrays stay packed bytes)."""
+"""The columns an archive file keeps, one row per trajectory: every column of its trajectory row and
+its per-token arrays (packed bytes, from state/token_groups.py)."""
+_COLUMN_NAMES = [c.strip() for c in COLUMNS.split(",")]
+_ROW_COLUMNS = ", ".join(c for c in _COLUMN_NAMES if c not in ("tokens", "loss_mask", "logprobs", "versions"))
 ARCHIVE_DIR = "archive"
 
 
@@ -69,9 +73,11 @@ def retire(store: Store, run_dir: Path, policy: str, step: int, keep_steps: int,
         "(status = 'consumed' AND consumed_step <= ?) OR (status IN ('expired', 'dropped') AND id <= ?))"
     )
     params = (policy, top, cut, int(newest_consumed))
-    rows = store.query(f"SELECT {COLUMNS} FROM trajectories {where} ORDER BY id", params)
-    if not rows:
+    small = store.query(f"SELECT {_ROW_COLUMNS} FROM trajectories {where} ORDER BY id", params)
+    if not small:
         return 0
+    found = token_groups.arrays(store, [int(r["id"]) for r in small])
+    rows = [{c: r[c] for c in _COLUMN_NAMES} for r in token_groups.with_arrays(small, found)]
     first, last = int(rows[0]["id"]), int(rows[-1]["id"])
     name = ""
     if action == "archive":
@@ -84,6 +90,7 @@ def retire(store: Store, run_dir: Path, policy: str, step: int, keep_steps: int,
     with store.write() as c:
         # the controller is the only writer and runs the pass in one go: the same rows as selected
         c.execute(f"DELETE FROM trajectories {where}", params)
+        token_groups.delete_emptied(store, token_groups.groups_of(store, found))
         c.executemany(
             "INSERT INTO archived (file, policy, status, rows, first_id, last_id, created) VALUES (?, ?, ?, ?, ?, ?, ?)",
             [(name, policy, s, n, first, last, now) for s, n in sorted(counts.items())],
@@ -94,10 +101,7 @@ def retire(store: Store, run_dir: Path, policy: str, step: int, keep_steps: int,
 def _write(path: Path, rows: list[Any]) -> None:
     pa = _pyarrow()
     path.parent.mkdir(parents=True, exist_ok=True)
-    cols = [c.strip() for c in COLUMNS.split(",")]
-    table = pa.table(
-        dict(zip(cols, (list(col) for col in zip(*(tuple(r) for r in rows), strict=True)), strict=True))
-    )
+    table = pa.table({c: [r[c] for r in rows] for c in _COLUMN_NAMES})
     tmp = path.with_suffix(".parquet.tmp")
     pa.parquet.write_table(table, tmp)
     with open(tmp, "rb") as f:

@@ -76,6 +76,15 @@ class Ledger:
         self.lease_timeout_s = lease_timeout_s
         self.max_attempts = max_attempts
         self.clock = clock
+        self._done: int | None = None
+        """Done tasks (retired ones included): counted once, then kept by `complete` (a done task
+        never changes status again, and a retention pass moves it to the retired count); None after a
+        rollback, so the next `counts` reads the store. Counting them each step scanned every done
+        task of the run."""
+        store.on_rollback.append(self._forget_done)
+
+    def _forget_done(self) -> None:
+        self._done = None
 
     def enqueue(
         self,
@@ -184,6 +193,8 @@ class Ledger:
             c.execute(
                 "UPDATE tasks SET status = 'done', lease_expiry = 0, updated = ? WHERE id = ?", (now, task_id)
             )
+            if self._done is not None:
+                self._done += 1
             return "accepted"
 
     def fail(self, task_id: int, epoch: int, owner: str | None = None, error: str = "") -> str:
@@ -283,7 +294,10 @@ class Ledger:
 
     def counts(self) -> dict[str, int]:
         """Tasks per status: queued, leased, done, failed (zeros included; done counts retired ones)."""
-        return tasks.status_counts(self.store)
+        if self._done is None:
+            self._done = tasks.done_count(self.store)
+        out = {s: tasks.status_count(self.store, s) for s in ("queued", "leased")}
+        return {**out, "done": self._done, "failed": tasks.status_count(self.store, "failed")}
 
     def open_tasks(self, statuses: Iterable[str] = ("queued", "leased")) -> list[TaskRow]:
         """Tasks in the given statuses (for admission's outstanding count)."""

@@ -262,6 +262,43 @@ def m0009_packed_tokens(db: Database) -> None:
         after = rows[-1][0]
 
 
+TOKEN_GROUPS_MIGRATION = "0010_token_groups"
+"""The migration after which trajectories' per-token arrays live in token_groups (state/token_groups.py)."""
+
+
+def m0010_token_groups(db: Database) -> None:
+    """Trajectories' per-token arrays move to a table of their own, one row per stored group
+    (state/token_groups.py), so that a trajectory row is small; every stored row's arrays become a
+    group of one, in this transaction, and the four columns leave the trajectories table (SQLite
+    rewrites it); its (policy, status) index goes too. Archive files keep every column as before and
+    are not touched."""
+    db.table("token_groups").create(
+        {
+            "first_id": int,
+            "rows": int,
+            "lengths": bytes,
+            "tokens": bytes,
+            "loss_mask": bytes,
+            "logprobs": bytes,
+            "versions": bytes,
+        },
+        pk="first_id",
+    )
+    conn = db.conn
+    conn.execute(
+        "INSERT INTO token_groups (first_id, rows, lengths, tokens, loss_mask, logprobs, versions) "
+        "SELECT id, 1, CAST(x'' AS BLOB), tokens, loss_mask, logprobs, versions FROM trajectories"
+    )
+    # a row's one length, as int32 little-endian bytes (its loss mask has one byte per token)
+    conn.create_function("astraflow_int32", 1, lambda n: int(n).to_bytes(4, "little", signed=True))
+    conn.execute("UPDATE token_groups SET lengths = astraflow_int32(COALESCE(LENGTH(loss_mask), 0))")
+    for column in ("tokens", "loss_mask", "logprobs", "versions"):
+        conn.execute(f"ALTER TABLE trajectories DROP COLUMN {column}")
+    # (status, policy, task_id) serves every query that names a policy (state/trajectories.py names
+    # every status for those that do not filter on one): one index less on every insert and update
+    conn.execute("DROP INDEX IF EXISTS idx_trajectories_policy_status")
+
+
 MIGRATIONS: list[tuple[str, Migration]] = [
     ("0001_initial", m0001_initial),
     ("0002_sequence_roles", m0002_sequence_roles),
@@ -272,6 +309,7 @@ MIGRATIONS: list[tuple[str, Migration]] = [
     ("0007_archived", m0007_archived),
     ("0008_retired_tasks", m0008_retired_tasks),
     (PACKED_MIGRATION, m0009_packed_tokens),
+    (TOKEN_GROUPS_MIGRATION, m0010_token_groups),
 ]
 """Every migration in the order applied; append only."""
 

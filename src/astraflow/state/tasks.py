@@ -99,3 +99,13 @@ def status_counts(store: Store) -> dict[str, int]:
         out[r["status"]] = int(r["n"])
     out["done"] += sum(retired_done(store).values())
     return out
+
+
+def status_count(store: Store, status: str) -> int:
+    """Tasks in one status (an index range of (status, id); retired done tasks not counted)."""
+    return int(store.scalar("SELECT COUNT(*) FROM tasks WHERE status = ?", (status,)))
+
+
+def done_count(store: Store) -> int:
+    """Done tasks, retired ones included."""
+    return status_count(store, "done") + sum(retired_done(store).values())

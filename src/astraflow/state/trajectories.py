@@ -5,9 +5,14 @@ from __future__ import annotations
 import sqlite3
 from typing import Any
 
+from astraflow.state import token_groups
 from astraflow.state.store import Store
 
 STATUSES = ("buffered", "consumed", "expired", "dropped")
+_ANY_STATUS = "status IN ('buffered', 'consumed', 'expired', 'dropped')"
+"""Every status, named so that a query of one policy uses the (status, policy, task_id) index: the
+table has no index that starts with the policy (migration 0010 dropped it: one index less to keep
+up on every insert and status change)."""
 
 
 def _marks(n: int) -> str:
@@ -25,26 +30,35 @@ def max_trajectory_id(store: Store) -> int:
         return int(c.execute("SELECT COALESCE(MAX(id), 0) FROM trajectories").fetchone()[0])
 
 
-def insert_trajectories(store: Store, rows: list[tuple[Any, ...]]) -> list[int]:
-    """Insert rows of (task_id, policy, prompt_key, tokens, loss_mask, logprobs, versions, reward,
-    advantage, length, min_version, arrival, status, role, group_key, temperature, top_p, top_k) in one
-    statement; returns their ids (consecutive: one writer, one transaction)."""
+def insert_groups(
+    store: Store,
+    first_id: int,
+    rows: list[tuple[Any, ...]],
+    groups: list[tuple[int, list[token_groups.Arrays]]],
+) -> None:
+    """Insert groups of trajectories whose ids are first_id, first_id + 1, ... in row order: rows of
+    (task_id, policy, prompt_key, reward, advantage, length, min_version, arrival, status, role,
+    group_key, temperature, top_p, top_k) in one statement, and each group's arrays (its first id and
+    its sequences' arrays) as token_groups rows in one more. Raises if SQLite gave other ids."""
     with store.write() as c:
         c.executemany(
-            "INSERT INTO trajectories (task_id, policy, prompt_key, tokens, loss_mask, logprobs, versions, "
-            "reward, advantage, length, min_version, arrival, status, consumed_step, role, group_key, "
-            "temperature, top_p, top_k) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, NULL, ?, ?, ?, ?, ?)",
+            "INSERT INTO trajectories (task_id, policy, prompt_key, reward, advantage, length, min_version, "
+            "arrival, status, consumed_step, role, group_key, temperature, top_p, top_k) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, NULL, ?, ?, ?, ?, ?)",
             rows,
         )
         last = int(c.execute("SELECT last_insert_rowid()").fetchone()[0])
-    return list(range(last - len(rows) + 1, last + 1))
+        if last != first_id + len(rows) - 1:
+            raise RuntimeError(f"trajectory ids {last - len(rows) + 1}..{last}, expected from {first_id}")
+        token_groups.insert_groups(store, groups)
 
 
 def count(store: Store, policy: str, status: str | None = None) -> int:
     """Trajectories of `policy` (in `status`, or ever stored)."""
     if status is None:
-        return int(store.scalar("SELECT COUNT(*) FROM trajectories WHERE policy = ?", (policy,)))
+        return int(
+            store.scalar(f"SELECT COUNT(*) FROM trajectories WHERE {_ANY_STATUS} AND policy = ?", (policy,))
+        )
     return int(
         store.scalar("SELECT COUNT(*) FROM trajectories WHERE status = ? AND policy = ?", (status, policy))
     )
@@ -54,7 +68,8 @@ def status_counts(store: Store, policy: str) -> dict[str, int]:
     """Trajectories of `policy` per status (every status, 0 when none)."""
     out = dict.fromkeys(STATUSES, 0)
     for r in store.query(
-        "SELECT status, COUNT(*) AS n FROM trajectories WHERE policy = ? GROUP BY status", (policy,)
+        f"SELECT status, COUNT(*) AS n FROM trajectories WHERE {_ANY_STATUS} AND policy = ? GROUP BY status",
+        (policy,),
     ):
         out[r["status"]] = int(r["n"])
     return out
@@ -108,15 +123,8 @@ def reward_rows(store: Store, ids: list[int]) -> list[tuple[float, int, int]]:
 
 
 def token_bytes(store: Store, ids: list[int]) -> dict[int, int]:
-    """Stored bytes of each trajectory's per-token lists, read without loading them."""
-    if not ids:
-        return {}
-    rows = store.query(
-        "SELECT id, LENGTH(tokens) + LENGTH(loss_mask) + LENGTH(logprobs) + LENGTH(versions) AS n "
-        f"FROM trajectories WHERE id IN ({_marks(len(ids))})",
-        tuple(ids),
-    )
-    return {int(r["id"]): int(r["n"]) for r in rows}
+    """Stored bytes of each trajectory's per-token arrays, read without loading them."""
+    return {i: n * token_groups.TOKEN_BYTES for i, n in token_groups.token_counts(store, ids).items()}
 
 
 def advantages(store: Store, ids: list[int]) -> dict[int, float]:
@@ -170,16 +178,16 @@ def mark_consumed(store: Store, step: int, ids: list[int]) -> None:
         )
 
 
-def sample_rows(store: Store, ids: list[int]) -> dict[int, sqlite3.Row]:
+def sample_rows(store: Store, ids: list[int]) -> dict[int, dict[str, Any]]:
     """Id -> row (id, tokens, loss_mask, logprobs, versions, reward, advantage, temperature, top_p, top_k)."""
     if not ids:
         return {}
     rows = store.query(
-        "SELECT id, tokens, loss_mask, logprobs, versions, reward, advantage, temperature, top_p, top_k "
+        "SELECT id, reward, advantage, temperature, top_p, top_k "
         f"FROM trajectories WHERE id IN ({_marks(len(ids))})",
         tuple(ids),
     )
-    return {r["id"]: r for r in rows}
+    return {r["id"]: r for r in token_groups.with_arrays(rows, token_groups.arrays(store, ids))}
 
 
 def reward_by_version(store: Store, policy: str) -> list[tuple[int, float, int]]:
@@ -187,7 +195,7 @@ def reward_by_version(store: Store, policy: str) -> list[tuple[int, float, int]]
     return [
         (int(r[0]), float(r[1]), int(r[2]))
         for r in store.query(
-            "SELECT min_version, AVG(reward), COUNT(*) FROM trajectories WHERE policy = ? "
+            f"SELECT min_version, AVG(reward), COUNT(*) FROM trajectories WHERE {_ANY_STATUS} AND policy = ? "
             "GROUP BY min_version ORDER BY min_version",
             (policy,),
         )
@@ -200,7 +208,7 @@ def mixed_by_version(store: Store, policy: str, tol: float) -> list[tuple[int, f
         (int(r[0]), float(r[1]))
         for r in store.query(
             "SELECT v, AVG(mixed) FROM (SELECT MIN(min_version) AS v, (MAX(reward) - MIN(reward) > ?) AS mixed "
-            "FROM trajectories WHERE policy = ? GROUP BY task_id) WHERE v >= 0 GROUP BY v ORDER BY v",
+            f"FROM trajectories WHERE {_ANY_STATUS} AND policy = ? GROUP BY task_id) WHERE v >= 0 GROUP BY v ORDER BY v",
             (tol, policy),
         )
     ]

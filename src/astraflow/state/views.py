@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from astraflow.protocol import packed
-from astraflow.state import tasks
+from astraflow.state import tasks, token_groups
 from astraflow.state.store import StateError, Store
 
 BUSY_TIMEOUT_S = 0.2
@@ -53,9 +53,7 @@ class Sample:
     logprobs: list[float] = field(default_factory=list)
 
 
-_SAMPLE_COLS = (
-    "id, task_id, policy, prompt_key, tokens, loss_mask, versions, reward, advantage, status, consumed_step"
-)
+_SAMPLE_COLS = "id, task_id, policy, prompt_key, reward, advantage, status, consumed_step"
 
 
 def _sample(r: Any, with_logprobs: bool) -> Sample:
@@ -77,30 +75,45 @@ def _sample(r: Any, with_logprobs: bool) -> Sample:
 
 
 def require_packed(store: Store) -> None:
-    """Refuse a state.db whose trajectories are still msgpack lists (written before protocol 6 and not
-    opened since by a controller, which converts them): reading them as packed arrays would misread."""
-    from astraflow.state.migrations import PACKED_MIGRATION
+    """Refuse a state.db in an older layout, not opened since by a controller (which converts it):
+    per-token msgpack lists (before protocol 6) would be misread as packed arrays, and arrays still in
+    the trajectory rows (before their table of their own, state/token_groups.py) would not be found."""
+    from astraflow.state.migrations import PACKED_MIGRATION, TOKEN_GROUPS_MIGRATION
 
     has = store.scalar("SELECT COUNT(*) FROM sqlite_master WHERE type = 'table' AND name = 'migrations'")
-    if has and store.scalar("SELECT COUNT(*) FROM migrations WHERE name = ?", (PACKED_MIGRATION,)):
-        return
-    raise StateError(
-        "this state.db stores token lists in the msgpack format of protocol 5 and earlier; this astraflow reads "
-        "packed arrays (protocol 6)",
-        hint="open the run once with this version's `astraflow controller` (it converts them), or read "
-        "it with the astraflow that wrote it",
+    done = (
+        {
+            r[0]
+            for r in store.query(
+                "SELECT name FROM migrations WHERE name IN (?, ?)", (PACKED_MIGRATION, TOKEN_GROUPS_MIGRATION)
+            )
+        }
+        if has
+        else set()
     )
+    if PACKED_MIGRATION not in done:
+        raise StateError(
+            "this state.db stores token lists in the msgpack format of protocol 5 and earlier; this astraflow reads "
+            "packed arrays (protocol 6)",
+            hint="open the run once with this version's `astraflow controller` (it converts them), or read "
+            "it with the astraflow that wrote it",
+        )
+    if TOKEN_GROUPS_MIGRATION not in done:
+        raise StateError(
+            "this state.db keeps per-token arrays in its trajectory rows; this astraflow reads them from "
+            "their own table (token_groups)",
+            hint="open the run once with this version's `astraflow controller` (it moves them), or read "
+            "it with the astraflow that wrote it",
+        )
 
 
 def recent_samples(store: Store, policy: str, limit: int = 50, with_logprobs: bool = False) -> list[Sample]:
     """The newest trajectories of a policy, newest first."""
     require_packed(store)
     rows = store.query(
-        f"SELECT {_SAMPLE_COLS}{', logprobs' if with_logprobs else ''} FROM trajectories "
-        "WHERE policy = ? ORDER BY id DESC LIMIT ?",
-        (policy, limit),
+        f"SELECT {_SAMPLE_COLS} FROM trajectories WHERE policy = ? ORDER BY id DESC LIMIT ?", (policy, limit)
     )
-    out = [_sample(r, with_logprobs) for r in rows]
+    out = [_sample(r, with_logprobs) for r in _with_arrays(store, rows)]
     if len(out) < limit:
         out += _archived_newest(store, policy, limit - len(out), with_logprobs)
     return out
@@ -146,10 +159,14 @@ def every_sample(store: Store, page: int = 10_000) -> Iterator[Sample]:
 def all_samples(store: Store, after_id: int = 0, limit: int = 10_000) -> list[Sample]:
     """Trajectories of every policy with id > after_id, oldest first (for export, in pages)."""
     rows = store.query(
-        f"SELECT {_SAMPLE_COLS}, logprobs FROM trajectories WHERE id > ? ORDER BY id LIMIT ?",
-        (after_id, limit),
+        f"SELECT {_SAMPLE_COLS} FROM trajectories WHERE id > ? ORDER BY id LIMIT ?", (after_id, limit)
     )
-    return [_sample(r, True) for r in rows]
+    return [_sample(r, True) for r in _with_arrays(store, rows)]
+
+
+def _with_arrays(store: Store, rows: list[sqlite3.Row]) -> list[dict[str, Any]]:
+    """Trajectory rows with their per-token arrays (state/token_groups.py)."""
+    return token_groups.with_arrays(rows, token_groups.arrays(store, [int(r["id"]) for r in rows]))
 
 
 def staleness_histogram(store: Store, policy: str, window: int = 4096) -> dict[int, int]:

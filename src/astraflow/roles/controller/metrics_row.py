@@ -16,7 +16,6 @@ from astraflow.dataflow.pipeline import Pipeline
 from astraflow.metrics.sinks import SinkFailed, Sinks
 from astraflow.protocol import messages as m
 from astraflow.roles.controller.run_end import RunEnd
-from astraflow.state import trajectories
 from astraflow.state.ledger import Ledger
 from astraflow.state.store import Store
 
@@ -44,7 +43,7 @@ class StepMetrics:
         rewards: list[float] = []
         stale: list[int] = []
         task_ids: list[int] = []
-        for reward, min_version, task_id in trajectories.reward_rows(self.store, fresh_ids):
+        for reward, min_version, task_id in self.buffer.taken_rows(msg.policy, msg.step, fresh_ids):
             rewards.append(reward)
             stale.append(ref - min_version)
             task_ids.append(task_id)

@@ -90,18 +90,20 @@ def on_task_results(ctx: Intake, member: dict[str, Any], msg: m.TaskResults) -> 
     good: list[tuple[int, m.Outcome, TaskRow | None]] = []
     tasks = ctx.ledger.get_many(o.task_id for o in msg.results if not o.error)
     latest: dict[str, int] = {}
+    cleared = _cleared(ctx, member, msg, tasks, latest)
     for i, o in enumerate(msg.results):
         if o.error:
             acks[i] = _outcome_ack(o.task_id, _task_result(ctx, member, _single(o)))
             continue
         task = tasks.get(o.task_id)
-        bad = _invalid(ctx, member, o, task, latest)
+        bad = _invalid(ctx, member, o, task, latest, cleared.get(i, False))
         if bad is not None:
             acks[i] = m.OutcomeAck(task_id=o.task_id, status="invalid", code="bad_result", message=bad)
         else:
             good.append((i, o, task))
     try:
-        with ctx.store.write():
+        # the groups of every result are written together when the block ends (dataflow/pending.py)
+        with ctx.store.write(), ctx.buffer.grouped():
             fed: dict[str, None] = {}
             for i, o, task in good:
                 acks[i] = m.OutcomeAck(task_id=o.task_id, status=_store_result(ctx, member, o, task))
@@ -117,21 +119,48 @@ def on_task_results(ctx: Intake, member: dict[str, Any], msg: m.TaskResults) -> 
     return Outcome(reply, (Event.RESULT_ACCEPTED,) if accepted else ())
 
 
+def _checked(task: TaskRow | None, member: dict[str, Any]) -> bool:
+    """Whether a result for this task is checked: a live lease of this member (a lapsed lease still
+    accepts its owner's late result, so that one is checked too); any other is acknowledged unstored."""
+    return task is not None and task.status in ("leased", "queued") and task.owner == member["id"]
+
+
+def _latest(ctx: Intake, latest: dict[str, int]) -> dict[str, int]:
+    """Every policy's newest version, read once per message into `latest`."""
+    if not latest:
+        latest.update({p["name"]: int(p["version"]) for p in ctx.store.policies()})
+    return latest
+
+
+def _cleared(
+    ctx: Intake, member: dict[str, Any], msg: m.TaskResults, tasks: dict[int, TaskRow], latest: dict[str, int]
+) -> dict[int, bool]:
+    """Result index -> whether its sequences passed the per-token checks together with the rest of
+    the message's (ResultChecker.clear_together); results not checked are left out."""
+    idx = [i for i, o in enumerate(msg.results) if not o.error and _checked(tasks.get(o.task_id), member)]
+    if len(idx) < 2:
+        return {}
+    picked = [(msg.results[i], tasks[msg.results[i].task_id]) for i in idx]
+    flags = ctx.checker.clear_together(
+        [(o.episodes, t.roles, ctx.shapes.sampling(t)) for o, t in picked], _latest(ctx, latest)
+    )
+    return dict(zip(idx, flags, strict=True))
+
+
 def _invalid(
     ctx: Intake,
     member: dict[str, Any],
     res: m.TaskResult | m.Outcome,
     task: TaskRow | None,
     latest: dict[str, int] | None,
+    cleared: bool = False,
 ) -> str | None:
     """Why a result of a live lease of this member is refused (the attempt is charged), or None.
-    `latest` caches the policies' versions over the results of one message."""
-    # a lapsed lease still accepts its owner's late result, so that one is checked too
-    if task is None or task.status not in ("leased", "queued") or task.owner != member["id"]:
+    `latest` caches the policies' versions over the results of one message; `cleared`: its sequences
+    passed the per-token checks with the rest of its message."""
+    if task is None or not _checked(task, member):
         return None
-    if not latest:
-        latest = {} if latest is None else latest
-        latest.update({p["name"]: int(p["version"]) for p in ctx.store.policies()})
+    latest = _latest(ctx, {} if latest is None else latest)
     sizes = ctx.shapes.sizes(task)
     bad = ctx.checker.check(
         res.episodes,
@@ -139,6 +168,7 @@ def _invalid(
         roles=task.roles,
         latest=latest,
         task_sampling=ctx.shapes.sampling(task),
+        cleared=cleared,
     )
     if not bad:
         return None

@@ -85,11 +85,11 @@ def _lease(ctx: Leasing, member: dict[str, Any], msg: m.TaskRequest) -> m.Msg:
         n = ctx.accounting.quota(member, quota)
         with ctx.admission.leasing():
             leased = ctx.ledger.lease(member["id"], n, now, accept)
-        for t in leased:
-            # what the worker is told not to keep is what its result is stored by (results.py)
-            read_only = set(t.read_only) | set(ctx.admission.read_only(t.policies))
-            if read_only != set(t.read_only):
-                ctx.ledger.set_read_only(t, read_only)
+            for t in leased:
+                # what the worker is told not to keep is what its result is stored by (results.py)
+                read_only = set(t.read_only) | set(ctx.admission.read_only(t.policies))
+                if read_only != set(t.read_only):
+                    ctx.ledger.set_read_only(t, read_only)
     tasks = [
         m.Task(
             task_id=t.id,
