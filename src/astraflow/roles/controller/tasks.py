@@ -121,12 +121,13 @@ def _admission_filter(ctx: Leasing, serves: set[str], loaded: dict[str, int]) ->
         if evals is not None and evals.is_eval(task.id):
             return (not serves or serves.issuperset(pols)) and evals.may_lease(task, loaded)
         feeds = [p for p in pols if p not in task.read_only]
-        per = admission.task_sequences(task.roles, ctx.group_sizes)
-        # Within one lease call every lease only adds work ahead, so a task shape refused once
-        # stays refused: later queued tasks of that shape are skipped without asking the store.
-        key = (tuple(pols), tuple(feeds), tuple(sorted(per.items())))
+        # Within one lease call every lease only adds work ahead, so a task shape (its role map and
+        # the policies it feeds; the group sizes are the recipe's) refused once stays refused: later
+        # queued tasks of that shape are skipped without counting their sequences or asking the store.
+        key = (tuple(task.roles.items()), tuple(feeds))
         if key in refused:
             return False
+        per = admission.task_sequences(task.roles, ctx.group_sizes)
         # a task that feeds no policy still training would be run only to be thrown away
         ok = (
             (not serves or serves.issuperset(pols))
