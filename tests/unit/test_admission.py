@@ -244,16 +244,33 @@ def test_one_lease_call_counts_ahead_once_and_advances_it_per_task(tmp_path: Pat
     with adm.leasing():
 
         def accept(t: Any) -> bool:
-            # what the store says now (the leases so far written) is what the kept count says
+            # the call's leases are written when it ends: the store still counts none of them
             seen.append((adm.ahead("main"), Admission(store, adm.limits).ahead("main")))
             adm.leased(t.roles, t.group_size, t.read_only)
             return True
 
         assert len(led.lease("b", 5, accept=accept)) == 5
     assert calls == 1 and seen[0][0] == fresh
-    assert (
-        [a for a, _ in seen]
-        == [b for _, b in seen]
-        == [fresh, fresh + G, fresh + G, fresh + 2 * G, fresh + 3 * G]
-    )
-    assert adm.ahead("main") == fresh + 4 * G  # outside a lease call: counted from the store again
+    assert [a for a, _ in seen] == [fresh, fresh + G, fresh + G, fresh + 2 * G, fresh + 3 * G]
+    assert [b for _, b in seen] == [fresh] * 5
+    # outside a lease call: counted from the store again, which now holds the call's leases
+    assert adm.ahead("main") == Admission(store, adm.limits).ahead("main") == fresh + 4 * G
+
+
+def test_leases_made_before_ahead_is_first_counted_are_added_to_it(tmp_path: Path) -> None:
+    store, led, _buf, adm = _setup(tmp_path, 2)
+    for i in range(3):
+        led.enqueue(f"k{i}", {}, ROLES, G)
+    fresh = adm.ahead("main")
+    with adm.leasing():
+        seen: list[int] = []
+
+        def accept(t: Any) -> bool:
+            if t.id != 1:  # the first task is leased before anything asks for the count
+                seen.append(adm.ahead("main"))
+            adm.leased(t.roles, t.group_size, t.read_only)
+            return True
+
+        assert len(led.lease("b", 3, accept=accept)) == 3
+    assert seen == [fresh + G, fresh + 2 * G]
+    assert adm.ahead("main") == fresh + 3 * G

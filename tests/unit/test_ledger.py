@@ -114,3 +114,54 @@ def test_every_task_done_exactly_once_under_chaos(tmp_path: Path) -> None:
     assert sorted(accepted) == list(range(1, n_tasks + 1))
     assert set(accepted.values()) == {1}
     store.close()
+
+
+def test_complete_many_is_complete_for_each_result_in_order(tmp_path: Path) -> None:
+    store, led = _ledger(tmp_path)
+    ids = [led.enqueue(f"k{i}", {"i": i}, ROLES, 4) for i in range(5)]
+    led.lease("a", 3, now=0.0)
+    led.lease("b", 1, now=0.0)
+    assert led.counts()["done"] == 0
+    got = led.complete_many(
+        [(ids[0], 1), (ids[1], 2), (ids[0], 1), (ids[3], 1), (999, 1), (ids[4], 0), (ids[2], 1)], "a"
+    )
+    # the second result for ids[0] in the same message is a duplicate; ids[3] is b's lease
+    assert got == [
+        "accepted",
+        "stale_epoch",
+        "duplicate",
+        "stale_epoch",
+        "unknown_task",
+        "stale_epoch",
+        "accepted",
+    ]
+    assert [led.get(i).status for i in ids] == ["done", "leased", "done", "leased", "queued"]  # type: ignore[union-attr]
+    assert led.counts() == {"queued": 1, "leased": 2, "done": 2, "failed": 0}
+    assert led.complete_many([(ids[0], 1), (ids[1], 1)], "a") == ["duplicate", "accepted"]
+    assert led.complete_many([], "a") == []
+    assert store.scalar("SELECT COUNT(*) FROM tasks WHERE status = 'done'") == 3
+
+
+def test_lease_and_enqueue_many_write_what_they_return(tmp_path: Path) -> None:
+    store, led = _ledger(tmp_path)
+    led.enqueue_many([(f"k{i}", {"i": i}, ["other"] if i == 1 else []) for i in range(700)], ROLES, 4)
+    rows = store.query("SELECT id, prompt_key, read_only FROM tasks ORDER BY id")
+    assert [r["prompt_key"] for r in rows] == [f"k{i}" for i in range(700)]
+    assert [r["read_only"] for r in rows[:3]] == ["[]", '["other"]', "[]"]
+    got = led.lease("a", 600, now=3.0)  # more than one statement's worth of ids
+    assert len(got) == 600 and got[1].read_only == ["other"] and got[5].sample == {"i": 5}
+    stored = {r["id"]: r for r in store.query("SELECT * FROM tasks WHERE status = 'leased'")}
+    assert sorted(stored) == [t.id for t in got]
+    assert all(
+        (
+            stored[t.id]["epoch"],
+            stored[t.id]["owner"],
+            stored[t.id]["lease_expiry"],
+            stored[t.id]["leased_at"],
+        )
+        == (t.epoch, "a", 13.0, 3.0)
+        for t in got
+    )
+    again = led.lease("b", 200, now=4.0)
+    assert [t.id for t in again] == [r["id"] for r in rows[600:]]
+    assert led.complete_many([(t.id, t.epoch) for t in got], "a") == ["accepted"] * 600

@@ -108,3 +108,34 @@ def test_migration_0006_indexes_members_for_the_healthy_peer_lookup(tmp_path: Pa
     store.set_member_status("r2", "dead")
     assert not member_health.healthy_peer(store, "raas", "r0")
     assert member_health.healthy_peer(store, "raas", "r1")
+
+
+def test_messages_use_the_kept_row_and_see_every_change_of_it(tiny_model: Path, tmp_path: Path) -> None:
+    c = _controller(tiny_model, tmp_path)
+    reads: list[str] = []
+    c.store.conn.set_trace_callback(lambda sql: reads.append(sql) if "FROM members WHERE id" in sql else None)
+    for _ in range(3):  # asking for none leases nothing: the one task admitted is left for below
+        assert isinstance(c.dispatch(b"w00", m.TaskRequest(n=0))[0][1], m.TaskGrant)
+    assert len(reads) <= 1  # read once, then kept
+    # a quarantine written to the store reaches the next request: no tasks while a peer is healthy
+    member_health.quarantine(c.store, "w00", "too many failures", time.time() + 60)
+    grant = c.dispatch(b"w00", m.TaskRequest(n=1))[0][1]
+    assert isinstance(grant, m.TaskGrant) and grant.tasks == [] and grant.retry_after_s > 0
+    member_health.release(c.store, "w00")
+    grant = c.dispatch(b"w00", m.TaskRequest(n=1))[0][1]
+    assert isinstance(grant, m.TaskGrant) and len(grant.tasks) == 1
+    # a member marked dead in the store is refused at once
+    c.store.set_member_status("w01", "dead")
+    reply = c.dispatch(b"w01", m.TaskRequest(n=1))[0][1]
+    assert isinstance(reply, m.Error) and reply.code == "unknown_member"
+    # a rolled-back transaction drops every kept row (it may have read what was then undone)
+    c.members.row("w02")
+    try:
+        with c.store.write():
+            member_health.quarantine(c.store, "w02", "undone", time.time() + 60)
+            assert c.members.row("w02")["quarantined"] == "undone"  # type: ignore[index]
+            raise RuntimeError("roll back")
+    except RuntimeError:
+        pass
+    assert c.members.row("w02")["quarantined"] == ""  # type: ignore[index]
+    c.store.conn.set_trace_callback(None)

@@ -116,6 +116,9 @@ class Admission:
         date by `leased`."""
         self._steps: dict[tuple[str, str], int] = {}
         """Inside `leasing()`: (what, policy) -> steps taken or version published, read once a call."""
+        self._unwritten: dict[str, int] = {}
+        """Inside `leasing()`, before `ahead` was first counted: what the call's leases so far add to
+        it (the ledger writes a call's leases when it ends, so the store does not count them yet)."""
 
     # ----- counting ---------------------------------------------------------------------------------
 
@@ -196,6 +199,9 @@ class Admission:
             return self._sequences(("leased",)).get(policy, 0)
         if self._ahead is None:
             self._ahead = self._sequences(("leased",))
+            for pol, k in self._unwritten.items():
+                if pol in self._ahead:
+                    self._ahead[pol] += k
         return self._ahead.get(policy, 0)
 
     @contextmanager
@@ -207,20 +213,24 @@ class Admission:
         (no batch is taken and no version published while a lease call runs)."""
         self._leasing, self._ahead = True, None
         self._steps.clear()
+        self._unwritten.clear()
         try:
             yield
         finally:
             self._leasing, self._ahead = False, None
             self._steps.clear()
+            self._unwritten.clear()
 
     def leased(self, roles: dict[str, str], group_size: int, read_only: Iterable[str]) -> None:
         """A task was just leased inside `leasing()`: what it adds to `ahead`, counted as `_sequences`
-        does (not yet counted: the count, when asked, reads the lease from the store)."""
-        if self._ahead is None:
-            return
+        does (the ledger writes the call's leases only when it ends: `ahead` adds them, counted or not)."""
         skip = set(read_only)
         for pol, k in self.task_sequences(roles, self._sizes(roles, group_size)).items():
-            if pol in self._ahead and pol not in skip:
+            if pol in skip:
+                continue
+            if self._ahead is None:
+                self._unwritten[pol] = self._unwritten.get(pol, 0) + k
+            elif pol in self._ahead:
                 self._ahead[pol] += k
 
     # ----- who is still waited on -------------------------------------------------------------------

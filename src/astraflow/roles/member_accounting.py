@@ -70,7 +70,10 @@ class MemberAccounting:
 
     def succeeded(self, member_id: str) -> None:
         """Record an accepted result."""
-        self.recent.setdefault(member_id, deque(maxlen=WINDOW)).append(False)
+        d = self.recent.get(member_id)
+        if d is None:  # not `setdefault`: that builds a deque for every result
+            d = self.recent[member_id] = deque(maxlen=WINDOW)
+        d.append(False)
 
     def failed(self, member: dict[str, Any], kind: Kind, now: float | None = None) -> bool:
         """Record a failed attempt; True when it counts against the task (see the module's rule)."""

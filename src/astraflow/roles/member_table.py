@@ -9,8 +9,10 @@ looks only at the silent ones at the front, never at every member. None of this 
 restarted controller gives every member a fresh timer (Controller.start).
 
 Member rows themselves (role, status, policies, accounting) stay in state.db; `row` keeps a copy of
-each live member's row for the per-message identity check, refreshed whenever the controller changes
-the member (join, leave, death) and dropped on any other change it makes.
+each live member's row for the per-message identity check and the handlers, so a message does not
+read its member's row from state.db. The copy is dropped whenever a statement changes that row (the
+store tells, `Store.on_member_change`: join, leave, death, a failure counted, a quarantine) and when
+a write transaction rolls back, and read again at the member's next message.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ class MemberTable:
         self.pending: dict[str, tuple[float, dict[str, int] | None, int | None]] = {}
         """Touches not yet written: member -> (last_seen, loaded or None, slots or None)."""
         self.last_flush = 0.0
+        store.on_member_change.append(self.forget)
+        store.on_rollback.append(self.forget)
 
     def load(self, now: float) -> None:
         """Every alive member of state.db, each with a fresh timer (a restarted controller's start)."""

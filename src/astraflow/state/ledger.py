@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from astraflow.state import tasks
@@ -20,6 +21,8 @@ from astraflow.state.store import Store
 
 LEASE_PAGE = 64
 """Queued tasks a lease reads per query (at least the n asked for)."""
+IDS_PER_STATEMENT = 500
+"""Task ids one statement names at most (SQLite's limit on bound parameters is 999 in old builds)."""
 
 
 @dataclass
@@ -28,7 +31,8 @@ class TaskRow:
 
     id: int
     prompt_key: str
-    sample: dict[str, Any]
+    sample_json: str
+    """The task's sample as stored (JSON); `sample` parses it when asked (only a lease needs it)."""
     roles: dict[str, str]
     group_size: int
     status: str
@@ -39,26 +43,53 @@ class TaskRow:
     read_only: list[str] = field(default_factory=list)
     """Policies this task does not feed (decided at admission): their sequences are not kept."""
 
+    @cached_property
+    def sample(self) -> dict[str, Any]:
+        """The task's sample (parsed from `sample_json` once)."""
+        parsed: dict[str, Any] = json.loads(self.sample_json)
+        return parsed
+
     @property
     def policies(self) -> list[str]:
         """Distinct policies this task produces sequences for, in role order."""
         return list(dict.fromkeys(self.roles.values()))
 
 
+_parsed: dict[str, Any] = {}
+"""Role maps and read-only lists as stored -> parsed: a run has a handful of distinct ones, and every
+task row carries one of them."""
+
+
+def _json(text: str) -> Any:
+    """A role map or read-only list parsed (a fresh copy: a task's own is never shared)."""
+    value = _parsed.get(text)
+    if value is None:
+        value = json.loads(text)
+        if len(_parsed) < 1024:
+            _parsed[text] = value
+    return value.copy()
+
+
 def _row(r: Any) -> TaskRow:
     return TaskRow(
         id=r["id"],
         prompt_key=r["prompt_key"],
-        sample=json.loads(r["sample"]),
-        roles=json.loads(r["roles"]),
+        sample_json=r["sample"],
+        roles=_json(r["roles"]),
         group_size=r["group_size"],
         status=r["status"],
         owner=r["owner"],
         epoch=r["epoch"],
         lease_expiry=r["lease_expiry"],
         attempts=r["attempts"],
-        read_only=json.loads(r["read_only"]) if "read_only" in r.keys() else [],
+        read_only=_json(r["read_only"] or "[]"),
     )
+
+
+def _chunks(ids: Sequence[int]) -> Iterable[Sequence[int]]:
+    """`ids` in runs of at most IDS_PER_STATEMENT."""
+    for i in range(0, len(ids), IDS_PER_STATEMENT):
+        yield ids[i : i + IDS_PER_STATEMENT]
 
 
 class Ledger:
@@ -112,6 +143,33 @@ class Ledger:
             )
             return int(cur.lastrowid or 0)
 
+    def enqueue_many(
+        self,
+        tasks: Sequence[tuple[str, dict[str, Any], Iterable[str]]],
+        roles: dict[str, str],
+        group_size: int,
+    ) -> None:
+        """Queue tasks of one role map and group size in one statement: (prompt key, sample, read-only
+        policies) each, in order (their ids follow that order)."""
+        if not tasks:
+            return
+        now = self.clock()
+        roles_json = json.dumps(roles)
+        skips: dict[tuple[str, ...], str] = {}
+        rows = []
+        for key, sample, read_only in tasks:
+            skip = tuple(sorted(set(read_only)))
+            ro = skips.get(skip)
+            if ro is None:
+                ro = skips[skip] = json.dumps(list(skip))
+            rows.append((key, json.dumps(sample, sort_keys=True), roles_json, group_size, now, now, ro))
+        with self.store.write() as c:
+            c.executemany(
+                "INSERT INTO tasks (prompt_key, sample, roles, group_size, status, owner, epoch, lease_expiry, "
+                "attempts, error, created, updated, read_only) VALUES (?, ?, ?, ?, 'queued', '', 0, 0, 0, '', ?, ?, ?)",
+                rows,
+            )
+
     def get(self, task_id: int) -> TaskRow | None:
         """One task, or None."""
         rows = self.store.query("SELECT * FROM tasks WHERE id = ?", (task_id,))
@@ -119,14 +177,12 @@ class Ledger:
 
     def get_many(self, task_ids: Iterable[int]) -> dict[int, TaskRow]:
         """Task id -> task, for those of `task_ids` that exist (one query)."""
-        ids = sorted(set(task_ids))
-        if not ids:
-            return {}
-        marks = ",".join("?" for _ in ids)
-        return {
-            int(r["id"]): _row(r)
-            for r in self.store.query(f"SELECT * FROM tasks WHERE id IN ({marks})", tuple(ids))
-        }
+        out: dict[int, TaskRow] = {}
+        for part in _chunks(sorted(set(task_ids))):
+            marks = ",".join("?" * len(part))
+            for r in self.store.query(f"SELECT * FROM tasks WHERE id IN ({marks})", tuple(part)):
+                out[int(r["id"])] = _row(r)
+        return out
 
     def lease(
         self,
@@ -135,7 +191,8 @@ class Ledger:
         now: float | None = None,
         accept: Callable[[TaskRow], bool] | None = None,
     ) -> list[TaskRow]:
-        """Lease up to n queued tasks (oldest first, those `accept` allows) to a member: epoch += 1."""
+        """Lease up to n queued tasks (oldest first, those `accept` allows) to a member: epoch += 1
+        (one UPDATE for all of them)."""
         if n <= 0:
             return []
         t = self.clock() if now is None else now
@@ -143,7 +200,8 @@ class Ledger:
         after = 0
         with self.store.write() as c:
             # Read the queue a page at a time (oldest first): a request for n tasks parses about n
-            # rows, not the whole queue; no cursor stays open across the updates below.
+            # rows, not the whole queue. The leases are written after the last page (a later page
+            # starts past the ids already taken, so it cannot see them queued again).
             while len(out) < n:
                 page = c.execute(
                     "SELECT * FROM tasks WHERE status = 'queued' AND id > ? ORDER BY id LIMIT ?",
@@ -158,14 +216,16 @@ class Ledger:
                         continue
                     task.epoch += 1
                     task.status, task.owner, task.lease_expiry = "leased", member_id, t + self.lease_timeout_s
-                    c.execute(
-                        "UPDATE tasks SET status = 'leased', owner = ?, epoch = ?, lease_expiry = ?, "
-                        "updated = ?, leased_at = ? WHERE id = ?",
-                        (member_id, task.epoch, task.lease_expiry, t, t, task.id),
-                    )
                     out.append(task)
                     if len(out) >= n:
                         break
+            for part in _chunks([task.id for task in out]):
+                # every task of the page was read queued in this transaction: its epoch grows by one
+                c.execute(
+                    "UPDATE tasks SET status = 'leased', owner = ?, epoch = epoch + 1, lease_expiry = ?, "
+                    f"updated = ?, leased_at = ? WHERE id IN ({','.join('?' * len(part))})",
+                    (member_id, t + self.lease_timeout_s, t, t, *part),
+                )
         return out
 
     def set_read_only(self, task: TaskRow, read_only: Iterable[str]) -> None:
@@ -196,6 +256,42 @@ class Ledger:
             if self._done is not None:
                 self._done += 1
             return "accepted"
+
+    def complete_many(self, results: Sequence[tuple[int, int]], owner: str) -> list[str]:
+        """`complete` for the (task id, epoch) results of one owner's message, in order, with one read
+        and one UPDATE: a task named twice is accepted at most once (a later one is a duplicate)."""
+        now = self.clock()
+        out: list[str] = []
+        with self.store.write() as c:
+            rows: dict[int, tuple[str, int, str]] = {}
+            for part in _chunks(sorted({tid for tid, _ in results})):
+                for r in c.execute(
+                    f"SELECT id, status, epoch, owner FROM tasks WHERE id IN ({','.join('?' * len(part))})",
+                    tuple(part),
+                ):
+                    rows[int(r[0])] = (r[1], r[2], r[3])
+            done: list[int] = []
+            for tid, epoch in results:
+                row = rows.get(tid)
+                if row is None:
+                    out.append("unknown_task")
+                elif row[0] == "done":
+                    out.append("duplicate")
+                elif row[0] not in ("leased", "queued") or row[1] != epoch or row[2] != owner or epoch == 0:
+                    out.append("stale_epoch")
+                else:
+                    out.append("accepted")
+                    done.append(tid)
+                    rows[tid] = ("done", row[1], row[2])
+            for part in _chunks(done):
+                c.execute(
+                    "UPDATE tasks SET status = 'done', lease_expiry = 0, updated = ? "
+                    f"WHERE id IN ({','.join('?' * len(part))})",
+                    (now, *part),
+                )
+            if self._done is not None:
+                self._done += len(done)
+        return out
 
     def fail(self, task_id: int, epoch: int, owner: str | None = None, error: str = "") -> str:
         """A lease ended in an error: requeued | failed (after max_attempts) | duplicate | stale_epoch | unknown_task."""

@@ -16,6 +16,7 @@ def count(store: Store, member_id: str, kind: Kind, n: int = 1) -> None:
     column = {"failures": "failures", "invalid": "invalid", "expiries": "expiries"}[kind]
     with store.write() as c:
         c.execute(f"UPDATE members SET {column} = {column} + ? WHERE id = ?", (n, member_id))
+    store.member_changed(member_id)
 
 
 def expiring_owners(store: Store, now: float) -> dict[str, int]:
@@ -34,6 +35,7 @@ def quarantine(store: Store, member_id: str, reason: str, until: float) -> None:
             "UPDATE members SET quarantined = ?, quarantined_until = ? WHERE id = ?",
             (reason, until, member_id),
         )
+    store.member_changed(member_id)
 
 
 def release(store: Store, member_id: str) -> None:

@@ -17,7 +17,9 @@ def delete_departed(store: Store, last_seen_before: float) -> int:
             "DELETE FROM members WHERE status IN ('dead', 'left') AND COALESCE(last_seen, 0) < ?",
             (last_seen_before,),
         )
-        return cur.rowcount
+    if cur.rowcount:
+        store.member_changed(None)
+    return cur.rowcount
 
 
 def touch_alive(store: Store, now: float) -> None:
@@ -25,3 +27,4 @@ def touch_alive(store: Store, now: float) -> None:
     show up again before its leases go back)."""
     with store.write() as c:
         c.execute("UPDATE members SET last_seen = ? WHERE status = 'alive'", (now,))
+    store.member_changed(None)

@@ -58,6 +58,14 @@ class Store:
         self.on_rollback: list[Callable[[], None]] = []
         """Called after a write transaction rolled back: holders of in-memory state that the
         transaction's statements persist (data stages, the prompt cursor) reload it from the store."""
+        self.on_member_change: list[Callable[[str | None], None]] = []
+        """Called with a member's id (None: any member) after a statement changed its row: holders of
+        a copy of member rows (the controller's member table) drop it."""
+
+    def member_changed(self, member_id: str | None) -> None:
+        """Tell the holders of member rows that this member's row (None: any) changed."""
+        for drop in self.on_member_change:
+            drop(member_id)
 
     @property
     def db(self) -> Database:
@@ -241,6 +249,7 @@ class Store:
                 "host = excluded.host, last_seen = excluded.last_seen",
                 (member_id, role, json.dumps(policies), region, hardware, slots, pid, host, t, t),
             )
+        self.member_changed(member_id)
 
     def touch_member(
         self, member_id: str, now: float, loaded: dict[str, int] | None = None, slots: int | None = None
@@ -260,7 +269,8 @@ class Store:
                     "UPDATE members SET last_seen = ?, loaded = ? WHERE id = ? AND status = 'alive'",
                     (now, json.dumps(loaded, sort_keys=True), member_id),
                 )
-            return cur.rowcount > 0
+        self.member_changed(member_id)
+        return cur.rowcount > 0
 
     def touch_members(self, touches: dict[str, tuple[float, dict[str, int] | None, int | None]]) -> None:
         """`touch_member` for many members in one transaction: id -> (now, loaded or None, slots or None)."""
@@ -286,6 +296,7 @@ class Store:
         """Set alive | dead | left."""
         with self.write() as c:
             c.execute("UPDATE members SET status = ? WHERE id = ?", (status, member_id))
+        self.member_changed(member_id)
 
     def member(self, member_id: str) -> dict[str, Any] | None:
         """One member with policies/loaded parsed, or None."""

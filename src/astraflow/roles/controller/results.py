@@ -105,9 +105,12 @@ def on_task_results(ctx: Intake, member: dict[str, Any], msg: m.TaskResults) -> 
         # the groups of every result are written together when the block ends (dataflow/pending.py)
         with ctx.store.write(), ctx.buffer.grouped():
             fed: dict[str, None] = {}
-            for i, o, task in good:
-                acks[i] = m.OutcomeAck(task_id=o.task_id, status=_store_result(ctx, member, o, task))
-                if acks[i].status == "accepted" and task is not None:
+            # every lease of the message completed by one read and one UPDATE (state/ledger.py)
+            statuses = ctx.ledger.complete_many([(o.task_id, o.epoch) for _, o, _ in good], member["id"])
+            for (i, o, task), status in zip(good, statuses, strict=True):
+                _take(ctx, member, o, task, status)
+                acks[i] = m.OutcomeAck(task_id=o.task_id, status=status)
+                if status == "accepted" and task is not None:
                     fed.update(dict.fromkeys(task.policies))
             for pol in fed:
                 ctx.pipeline.save(pol)
@@ -183,13 +186,21 @@ def _store_result(
     which also saves the stage state of the task's policies); the status."""
     with ctx.store.write():
         status = ctx.ledger.complete(res.task_id, res.epoch, member["id"])
-        if status == "accepted":
-            ctx.accounting.succeeded(member["id"])
-        if status == "accepted" and ctx.shapes.is_eval(res.task_id):
+        _take(ctx, member, res, task, status)
+    return status
+
+
+def _take(
+    ctx: Intake, member: dict[str, Any], res: m.TaskResult | m.Outcome, task: TaskRow | None, status: str
+) -> None:
+    """Store what a result whose lease completed with `status` brings (inside the caller's
+    transaction): an accepted one's sequences, or its eval round's record."""
+    if status == "accepted":
+        ctx.accounting.succeeded(member["id"])
+        if ctx.shapes.is_eval(res.task_id):
             assert ctx.evals is not None
             ctx.evals.record(res.task_id, res.episodes)
-            made_progress(ctx.store, ctx.progress)
-        elif status == "accepted":
+        else:
             assert task is not None
             ctx.pipeline.ingest(
                 ctx.buffer,
@@ -200,8 +211,7 @@ def _store_result(
                 # it fed, even when that policy's budget was taken while the task ran
                 read_only=task.read_only,
             )
-            made_progress(ctx.store, ctx.progress)
-    return status
+        made_progress(ctx.store, ctx.progress)
 
 
 def member_failed(

@@ -232,9 +232,7 @@ class Controller(ControllerCore):
             return members.on_leave(msg, principal, store=self.store, draining=self.draining)
         if isinstance(msg, m.Control):
             return self._on_control(msg, principal)
-        if not isinstance(msg, m.Heartbeat):
-            # heartbeats (the flood of a large cluster) use the kept row; the rest read the store's
-            self.members.forget(member_id)
+        # the kept row (roles/member_table.py: dropped whenever a statement changes it)
         member = self.members.row(member_id)
         if member is None or member["status"] != "alive":
             return Outcome(

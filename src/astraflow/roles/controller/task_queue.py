@@ -5,6 +5,7 @@ the curators (`TaskQueue.refill`), and a task is leased with its group sizes and
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from astraflow.dataflow.admission import Admission
 from astraflow.dataflow.control import RunControl
@@ -66,19 +67,20 @@ class TaskQueue:
         plan = self.control.admit(self.admission.plan(self.roles, self.group_sizes))[:limit]
         if not plan:
             return 0
-        queued, offered = 0, 0
+        offered = 0
+        queue: list[tuple[str, dict[str, Any], list[str]]] = []
         with self.store.write():
-            while queued < len(plan) and offered < self.admission.offer_limit(len(plan)):
+            while len(queue) < len(plan) and offered < self.admission.offer_limit(len(plan)):
                 key, sample = self.source.next()
                 offered += 1
-                feeds = plan[queued]
+                feeds = plan[len(queue)]
                 if self.pipeline.submit(key, sample, feeds):
                     skip = [p for p in self.task_policies if p not in feeds]
-                    self.ledger.enqueue(key, {"key": key, **sample}, self.roles, self.group_size, skip)
-                    queued += 1
+                    queue.append((key, {"key": key, **sample}, skip))
+            self.ledger.enqueue_many(queue, self.roles, self.group_size)
             self.source.save()
             if offered:
                 # the curators' draws commit with the tasks they queued
                 for pol in self.task_policies:
                     self.pipeline.save(pol)
-        return queued
+        return len(queue)

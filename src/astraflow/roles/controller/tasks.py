@@ -20,6 +20,7 @@ from astraflow.roles.controller.run_end import RunEnd
 from astraflow.roles.controller.task_queue import TaskQueue, TaskShapes
 from astraflow.roles.member_accounting import MemberAccounting
 from astraflow.roles.member_table import MemberTable
+from astraflow.state import tasks as tasks_q
 from astraflow.state.ledger import Ledger, TaskRow
 from astraflow.state.store import Store
 
@@ -64,7 +65,7 @@ def _lease(ctx: Leasing, member: dict[str, Any], msg: m.TaskRequest) -> m.Msg:
         return m.TaskGrant(rid=msg.rid, versions=ctx.versions.latest(), retry_after_s=RETRY_S)
     now = time.time()
     loaded = dict(msg.loaded)
-    admit = _admission_filter(ctx, set(member["policies"]), loaded)
+    admit, admits_shape = _admission_filter(ctx, set(member["policies"]), loaded)
 
     def accept(task: TaskRow) -> bool:
         ok = admit(task)
@@ -84,7 +85,10 @@ def _lease(ctx: Leasing, member: dict[str, Any], msg: m.TaskRequest) -> m.Msg:
         )
         n = ctx.accounting.quota(member, quota)
         with ctx.admission.leasing():
-            leased = ctx.ledger.lease(member["id"], n, now, accept)
+            # a request that would lease nothing (the common answer to a held one) reads no queued task
+            leased = []
+            if not _none_admitted(ctx, admits_shape):
+                leased = ctx.ledger.lease(member["id"], n, now, accept)
             for t in leased:
                 # what the worker is told not to keep is what its result is stored by (results.py)
                 read_only = set(t.read_only) | set(ctx.admission.read_only(t.policies))
@@ -111,22 +115,35 @@ def _lease(ctx: Leasing, member: dict[str, Any], msg: m.TaskRequest) -> m.Msg:
     )
 
 
-def _admission_filter(ctx: Leasing, serves: set[str], loaded: dict[str, int]) -> Callable[[TaskRow], bool]:
-    """Whether a queued task may go to a worker serving `serves` and holding `loaded`, for one lease call."""
+def _none_admitted(ctx: Leasing, admits_shape: Callable[[dict[str, str], list[str]], bool]) -> bool:
+    """True when no queued task can be leased in this call: no eval task is open (those are admitted
+    by their round, not their shape) and every shape of the queued tasks is refused (one GROUP BY
+    instead of reading the queue; an empty queue has no shape)."""
+    if ctx.evals is not None and ctx.evals.open_tasks:
+        return False
+    return not any(
+        admits_shape(roles, ro) for roles, _size, ro, _n in tasks_q.task_shapes(ctx.store, ("queued",))
+    )
+
+
+def _admission_filter(
+    ctx: Leasing, serves: set[str], loaded: dict[str, int]
+) -> tuple[Callable[[TaskRow], bool], Callable[[dict[str, str], list[str]], bool]]:
+    """Whether a queued task may go to a worker serving `serves` and holding `loaded`, for one lease
+    call; and whether a task shape (role map, read-only policies) may, for a task not of an eval round."""
     refused: set[tuple[Any, ...]] = set()
     evals, admission = ctx.evals, ctx.admission
 
-    def admit(task: TaskRow) -> bool:
-        pols = task.policies
-        if evals is not None and evals.is_eval(task.id):
-            return (not serves or serves.issuperset(pols)) and evals.may_lease(task, loaded)
-        feeds = [p for p in pols if p not in task.read_only]
-        per = admission.task_sequences(task.roles, ctx.group_sizes)
-        # Within one lease call every lease only adds work ahead, so a task shape refused once
-        # stays refused: later queued tasks of that shape are skipped without asking the store.
-        key = (tuple(pols), tuple(feeds), tuple(sorted(per.items())))
+    def admits_shape(roles: dict[str, str], read_only: list[str]) -> bool:
+        pols = list(dict.fromkeys(roles.values()))
+        feeds = [p for p in pols if p not in read_only]
+        # Within one lease call every lease only adds work ahead, so a task shape (its role map and
+        # the policies it feeds; the group sizes are the recipe's) refused once stays refused: later
+        # queued tasks of that shape are skipped without counting their sequences or asking the store.
+        key = (tuple(roles.items()), tuple(feeds))
         if key in refused:
             return False
+        per = admission.task_sequences(roles, ctx.group_sizes)
         # a task that feeds no policy still training would be run only to be thrown away
         ok = (
             (not serves or serves.issuperset(pols))
@@ -138,4 +155,9 @@ def _admission_filter(ctx: Leasing, serves: set[str], loaded: dict[str, int]) ->
             refused.add(key)
         return ok
 
-    return admit
+    def admit(task: TaskRow) -> bool:
+        if evals is not None and evals.is_eval(task.id):
+            return (not serves or serves.issuperset(task.policies)) and evals.may_lease(task, loaded)
+        return admits_shape(task.roles, task.read_only)
+
+    return admit, admits_shape
