@@ -42,6 +42,9 @@ What it does not cover: a result can still arrive late (slow worker, lease expir
 can drop groups so the queue refills; the buffer's staleness check at batch time stays the
 final guard. Sequences per task come from the workflow (`Workflow.sequences_per_task`; by default
 each role yields its policy's group size).
+
+Over 400 lines because the rules above are one piece: the production cap, the lease rule and the
+several-policy rules read the same counts, and splitting them would spread one invariant over files.
 """
 
 from __future__ import annotations

@@ -5,6 +5,10 @@ task's current epoch and comes from the lease's owner, so a worker that lost its
 died, left) cannot complete a task someone else now holds; a second result for a done task is a
 duplicate. A lapsed lease that nobody took over yet still accepts its owner's late result: the
 work is done, and throwing it away would only make someone redo it.
+
+Over 400 lines because it is the one keeper of a task's states: each transition (queue, lease,
+complete, expire, fail, retire) comes in a one-task and a one-statement-per-message form, and they
+must read the same rows the same way; the SQL itself is in state/tasks.py.
 """
 
 from __future__ import annotations

@@ -102,24 +102,34 @@ def on_task_results(ctx: Intake, member: dict[str, Any], msg: m.TaskResults) -> 
         else:
             good.append((i, o, task))
     try:
-        # the groups of every result are written together when the block ends (dataflow/pending.py)
-        with ctx.store.write(), ctx.buffer.grouped():
-            fed: dict[str, None] = {}
-            # every lease of the message completed by one read and one UPDATE (state/ledger.py)
-            statuses = ctx.ledger.complete_many([(o.task_id, o.epoch) for _, o, _ in good], member["id"])
-            for (i, o, task), status in zip(good, statuses, strict=True):
-                _take(ctx, member, o, task, status)
-                acks[i] = m.OutcomeAck(task_id=o.task_id, status=status)
-                if status == "accepted" and task is not None:
-                    fed.update(dict.fromkeys(task.policies))
-            for pol in fed:
-                ctx.pipeline.save(pol)
+        acks.update(_store_group(ctx, member, good))
     except RefusedResult:
         for i, o, _task in good:
             acks[i] = _outcome_ack(o.task_id, _task_result(ctx, member, _single(o)))
     accepted = any(a.status == "accepted" for a in acks.values())
     reply = m.ResultsAck(rid=msg.rid, acks=[acks[i] for i in range(len(msg.results))])
     return Outcome(reply, (Event.RESULT_ACCEPTED,) if accepted else ())
+
+
+def _store_group(
+    ctx: Intake, member: dict[str, Any], good: list[tuple[int, m.Outcome, TaskRow | None]]
+) -> dict[int, m.OutcomeAck]:
+    """Store the checked results of one message in one transaction (stage state saved once per
+    policy); their acks by result index. Raises RefusedResult, rolled back, when one is refused."""
+    acks: dict[int, m.OutcomeAck] = {}
+    # the groups of every result are written together when the block ends (dataflow/pending.py)
+    with ctx.store.write(), ctx.buffer.grouped():
+        fed: dict[str, None] = {}
+        # every lease of the message completed by one read and one UPDATE (state/ledger.py)
+        statuses = ctx.ledger.complete_many([(o.task_id, o.epoch) for _, o, _ in good], member["id"])
+        for (i, o, task), status in zip(good, statuses, strict=True):
+            _take(ctx, member, o, task, status)
+            acks[i] = m.OutcomeAck(task_id=o.task_id, status=status)
+            if status == "accepted" and task is not None:
+                fed.update(dict.fromkeys(task.policies))
+        for pol in fed:
+            ctx.pipeline.save(pol)
+    return acks
 
 
 def _checked(task: TaskRow | None, member: dict[str, Any]) -> bool:
