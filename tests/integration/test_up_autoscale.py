@@ -21,7 +21,7 @@ import pytest
 from tests.run_checks import assert_run_intact, autoscale_sets, rows, stop_while_holding
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = 24
+STEPS = 48  # long enough that a loaded machine still sees raas-0 holding a lease while tasks wait before the run ends
 
 
 def _wait(what: str, cond: Callable[[], object], proc: subprocess.Popen[bytes], out: Path) -> None:
