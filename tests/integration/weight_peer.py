@@ -68,6 +68,7 @@ def bcast(addr: str, token: str, member: str, timeout_s: str = "5", stall_after:
     import time
 
     import torch
+    import torch.distributed as dist
 
     from astraflow.weights import broadcast, packed
     from astraflow.weights.broadcast import BroadcastMember
@@ -82,7 +83,12 @@ def bcast(addr: str, token: str, member: str, timeout_s: str = "5", stall_after:
             for i in range(len(chunks)):
                 calls[0] += 1
                 if calls[0] == int(stall_after):
-                    real(pg, chunks[:i], timeout_s)  # the collectives before it, then nothing more
+                    # the collectives before it (raw: no seal, which the sender has not sent yet),
+                    # then nothing more
+                    opts = dist.BroadcastOptions()
+                    opts.rootRank = 0
+                    for t in chunks[:i]:
+                        pg.broadcast([t], opts).wait()
                     say(mid=True)
                     time.sleep(3600)
             real(pg, chunks, timeout_s)

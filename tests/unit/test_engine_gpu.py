@@ -162,3 +162,42 @@ def test_graph_engine_logprobs_and_weight_swap_between_replays(models: tuple[Pat
         after = _ref_logprobs(eng.model, req, out.token_ids)[5:]
         # float32 weights; Triton's dots run in tf32, hence the tolerance.
         assert max(abs(a - b) for a, b in zip(before + after, out.logprobs, strict=True)) < 2e-2
+
+
+def test_two_engines_of_one_process_capture_and_decode_at_once(models: tuple[Path, Path]) -> None:
+    """A RaaS holding two policies runs two engines on one GPU, each decoding on a thread of its own:
+    both capture their graphs for new batch sizes at the same moments and must all finish."""
+    import threading
+
+    engines = [
+        TorchEngine(str(m), TorchEngineConfig(max_batch=64, max_seq_len=64), device="cuda") for m in models
+    ]
+    errors: list[BaseException] = []
+    start = threading.Barrier(len(engines))
+
+    def drive(eng: TorchEngine, seed: int) -> None:
+        try:
+            start.wait()
+            for n in (1, 3, 7, 13, 29, 64):  # a new bucket every round: a capture each
+                reqs = [
+                    GenerationRequest(
+                        prompt_ids=[1, 5 + (i + seed) % 7, 6], max_new_tokens=6, sampling=SamplingParams()
+                    )
+                    for i in range(n)
+                ]
+                outs = asyncio.run(eng.generate(reqs))
+                assert len(outs) == n and all(o.token_ids for o in outs)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=drive, args=(e, i)) for i, e in enumerate(engines)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+    finally:
+        for e in engines:
+            e.close()
+    assert not errors, errors
+    assert all(len(e.runner.graphs.graphs) >= 5 for e in engines)

@@ -88,6 +88,8 @@ def _engine(
             continue
         at = time.time()  # the member's thread synchronised its own stream before handing it over
         ok = packed.digest(got.buf) == got.digest
+        if not ok:
+            log.get("bench.broadcast").warning("version %d failed its digest", got.version)
         out.put((name, got.version, at, ok))
         want = got.version + 1
     member.close()

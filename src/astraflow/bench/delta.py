@@ -12,8 +12,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-DELTA_SETS = ['weights.mode="delta"']
-"""Overrides that turn deltas on (added after the user's own)."""
+DELTA_SETS = ['weights.mode="delta"', 'weights.transports=["zmq"]']
+"""Overrides that turn deltas on (added after the user's own). The pull is the only way: a version
+that a same-host transport (CUDA IPC, the broadcast) announced first is announced again once its blob
+and delta are served, and the controller records a version's metrics row at its first announcement
+only, so the delta's size would not reach metrics.jsonl."""
 
 
 def delta_report(run_dir: Path) -> dict[str, Any]:

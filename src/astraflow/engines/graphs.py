@@ -5,16 +5,26 @@ in a static [3, bucket] buffer (token, position, length per row) and its weights
 parameters themselves, which weight updates overwrite in place with copy_, so a graph stays valid
 across versions. Rows of a bucket beyond the batch are padding: they write keys at the cache's
 scratch position and attend to one position, and their logits are dropped.
+
+Several engines in one process (a RaaS holding two policies on one GPU) decode on threads of their
+own. A capture is exclusive: one at a time in the process (`_CAPTURING`), and in CUDA's thread-local
+mode, so that another engine's work on its own thread meanwhile (a pinned buffer, a decode step)
+neither breaks the capture nor is refused. (Found on GPUs: two engines capturing a new bucket at the
+same moment failed with "operation not permitted when stream is capturing".)
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from astraflow.engines.qwen3_forward import Qwen3Forward
+
+_CAPTURING = threading.Lock()
+"""Held while a decode graph is warmed up and captured, by whichever engine of the process does it."""
 
 
 @dataclass
@@ -64,6 +74,10 @@ class DecodeGraphs:
         buf[2, n:] = 1
 
     def _capture(self, bucket: int) -> _Graph:
+        with _CAPTURING:
+            return self._capture_alone(bucket)
+
+    def _capture_alone(self, bucket: int) -> _Graph:
         dev = self.forward.device
         staging = torch.empty((3, bucket), dtype=torch.long).pin_memory()
         self._pad(staging, 0)
@@ -81,7 +95,7 @@ class DecodeGraphs:
                 step()
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             logits = step()
         g = _Graph(graph, inputs, staging, logits)
         self.graphs[bucket] = g

@@ -45,6 +45,8 @@ _VERSION, _KEEPALIVE, _REGROUP = 1, 2, 3
 _DROPPED = "dropped"
 _HEADER = 4
 _DIGEST = 64
+_SEAL = 0x5EA1ED
+"""What a message's seal carries, with the number of its chunks (`_bcast_all`)."""
 JOIN_POLL_S = 0.5
 """How often the hub's thread looks for joiners between versions."""
 
@@ -103,21 +105,29 @@ def _bcast(pg: Any, t: torch.Tensor, timeout_s: float) -> None:
 
 
 def _bcast_all(pg: Any, chunks: list[torch.Tensor], timeout_s: float) -> None:
-    """Broadcast each chunk from rank 0, in order, and wait until all are done; raises when one fails
-    or they outlast `timeout_s` (a member died or hung).
+    """Broadcast each chunk from rank 0, in order, and wait until all are done; raises when one fails,
+    was cut short, or they outlast `timeout_s` (a member died or hung).
 
     gloo's `wait` blocks and raises by itself. NCCL's only makes the current stream wait, so the
     calling thread would go on (the hub to its next message, into a group whose member is gone; a
-    member into a sync that never returns): on a GPU the thread polls the last chunk's work (NCCL runs
-    one group's collectives in order) until it completes — NCCL's watchdog marks a timed-out
-    collective failed — and, should even that not come, aborts the group. A completed collective is
-    then checked for the error it ended with (NCCL's `wait` does not raise it)."""
+    member into a sync that never returns): on a GPU the thread polls the last collective's work (NCCL
+    runs one group's collectives in order) until it completes — NCCL's watchdog marks a timed-out
+    collective failed — and, should even that not come, aborts the group.
+
+    A collective that an abort ended counts as completed on NCCL and its `wait` does not raise, so a
+    member would take torn bytes for a received version (found on GPUs: a survivor of a member killed
+    mid-version handed that version on). So the chunks are followed by a seal, a small tensor rank 0
+    sends with known values: a member whose seal did not arrive intact got a cut-short message and
+    raises. (The work's own `exception()` cannot be read: torch 2.11's binding fails to convert it.)"""
     import torch.distributed as dist
 
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
-    works = [pg.broadcast([t], opts) for t in chunks]
-    if chunks and chunks[-1].is_cuda:
+    device = chunks[-1].device if chunks else torch.device("cpu")
+    expected = torch.tensor([_SEAL, len(chunks)], dtype=torch.int64)
+    seal = expected.to(device) if pg.rank() == 0 else torch.zeros(2, dtype=torch.int64, device=device)
+    works = [pg.broadcast([t], opts) for t in [*chunks, seal]]
+    if device.type == "cuda":
         deadline = time.monotonic() + timeout_s * 1.5 + 1.0
         pause = 0.0002
         while not works[-1].is_completed():
@@ -131,12 +141,8 @@ def _bcast_all(pg: Any, chunks: list[torch.Tensor], timeout_s: float) -> None:
             pause = min(pause * 2, 0.005)
     for work in works:
         work.wait()
-        # an NCCL collective that an abort ended counts as completed and its `wait` does not raise:
-        # its bytes are torn, so it must fail here (found on GPUs: a survivor of a member killed
-        # mid-version handed that version on, and only the digest check caught it)
-        failed = work.exception()
-        if failed is not None:
-            raise RuntimeError(f"a broadcast failed: {failed}")
+    if not torch.equal(seal.cpu(), expected):
+        raise RuntimeError("a broadcast was cut short (its seal did not arrive): the group was aborted")
 
 
 def _send_header(
@@ -339,6 +345,8 @@ class BroadcastMember:
         self._cond = threading.Condition()
         self._closed = False
         self._stream = _side_stream(device)
+        self._inflight: torch.Tensor | None = None
+        self._quarantine: list[torch.Tensor] = []
         self._thread = threading.Thread(target=self._run, name="astraflow-broadcast-member", daemon=True)
         self._thread.start()
 
@@ -383,6 +391,11 @@ class BroadcastMember:
                 self._session(store)
             except Exception as exc:  # the generation failed or timed out: register again
                 self.error = str(exc)[:500]
+                if self._inflight is not None:
+                    # the buffer of a version cut short is never handed back to the allocator: an
+                    # aborted group's transfers may still be landing in it
+                    self._quarantine = [*self._quarantine[-1:], self._inflight]
+                    self._inflight = None
                 try:
                     store.add(f"{self.token}/njoin", 0)
                 except Exception:  # noqa: BLE001 - the hub is gone (its trainer stopped): leave
@@ -448,11 +461,14 @@ class BroadcastMember:
             digest = bytes(raw.cpu().tolist()).rstrip(b"\0").decode()
             buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             bucket = max(1, self._bucket_bytes)
+            self._inflight = buf
             _bcast_all(
                 pg, [buf[start : start + bucket] for start in range(0, nbytes, bucket)], self.timeout_s
             )
+            self._inflight = None
             if self._stream is not None:
                 self._stream.synchronize()  # whole before a reader on another stream sees it
+            _log.info("broadcast: version %d received in generation %d as rank %d", version, g, pg.rank())
             with self._cond:
                 self.latest = Payload(version, buf, digest)
                 self._cond.notify_all()
