@@ -17,11 +17,13 @@ from functools import lru_cache
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from astraflow.data.base import BufferItem, BufferOrder
 from astraflow.data.order import EdfOrder, FifoOrder
 from astraflow.dataflow.limits import RefusedResult, nonfinite_row
 from astraflow.dataflow.pending import Pending, min_versions
+from astraflow.protocol.columns import ResultColumns
 from astraflow.protocol.messages import PackedSequence, SamplingParams, Sequence, TrainSample
 from astraflow.state import batches, trajectories
 from astraflow.state.store import Store
@@ -115,8 +117,13 @@ class Buffer:
                 if policy in self._items:
                     self._items[policy][it.traj_id] = it
             for g in pending.groups:
-                if g.status == "buffered":
-                    self._remember(list(range(g.first_id, g.first_id + len(g.seqs))), g.seqs, g.advantages)
+                if g.status != "buffered":
+                    continue
+                ids = list(range(g.first_id, g.first_id + g.size))
+                if g.cols is None:
+                    self._remember(ids, g.seqs, g.advantages)
+                else:
+                    self._remember_columns(ids, *g.cols, g.advantages)
 
     def insert(
         self,
@@ -146,6 +153,59 @@ class Buffer:
                 self._generated[pol] += sum(1 for seq in seqs if seq.policy == pol)
         return ids
 
+    def insert_columns(
+        self,
+        task_id: int,
+        prompt_key: str,
+        cols: tuple[ResultColumns, int, int],
+        advantages: list[float],
+        status: str = "buffered",
+    ) -> list[int]:
+        """`insert` of a group that is the sequences a..b-1 of a message's columns (view, a, b), all
+        of one policy: stored as they came, no Python object per sequence."""
+        view, a, b = cols
+        rewards = view.rewards[a:b]
+        if not (bool(np.isfinite(rewards).all()) and all(map(math.isfinite, advantages))):
+            for reward, adv in zip(rewards.tolist(), advantages, strict=True):
+                why = nonfinite_row(reward, adv)
+                if why:
+                    raise RefusedResult(f"task {task_id}: {why} is not finite; not stored")
+        with self.grouped():
+            assert self._pending is not None
+            ids = self._pending.add_columns(task_id, prompt_key, cols, list(advantages), status)
+        pol = view.cols.names[int(view.policy[a])]
+        if pol in self._generated:
+            self._generated[pol] += b - a
+        return ids
+
+    def _remember_columns(
+        self, ids: list[int], view: ResultColumns, a: int, b: int, advantages: list[float]
+    ) -> None:
+        """`_remember` of a column group."""
+        samplings = view.cols.samplings
+        kept = [_sampling(float(sp.temperature), float(sp.top_p), int(sp.top_k)) for sp in samplings]
+        for i, (tokens, mask, logprobs, versions), reward, adv, sp in zip(
+            ids,
+            view.arrays(a, b),
+            view.rewards[a:b].tolist(),
+            advantages,
+            view.sampling[a:b].tolist(),
+            strict=True,
+        ):
+            self._fresh[i] = TrainSample(
+                traj_id=i,
+                tokens=tokens,
+                loss_mask=mask,
+                logprobs=logprobs,
+                versions=versions,
+                reward=reward,
+                advantage=float(adv),
+                replay=False,
+                sampling=kept[sp],
+            )
+            self._fresh_tokens += len(mask)
+        self._trim_fresh()
+
     def _remember(self, ids: list[int], seqs: list[PackedSequence], advantages: list[float]) -> None:
         """Keep stored buffered trajectories as the TrainSamples `_samples` would read back."""
         for i, seq, adv in zip(ids, seqs, advantages, strict=True):
@@ -163,6 +223,9 @@ class Buffer:
                 sampling=_sampling(float(sp.temperature), float(sp.top_p), int(sp.top_k)),
             )
             self._fresh_tokens += len(seq.loss_mask)
+        self._trim_fresh()
+
+    def _trim_fresh(self) -> None:
         while self._fresh_tokens > FRESH_TOKENS and self._fresh:
             self._fresh_tokens -= len(self._fresh.pop(next(iter(self._fresh))).loss_mask)
 

@@ -67,7 +67,7 @@ class ResultSender:
                     await self._send(group)
 
     async def _send(self, group: list[tuple[Outcome, asyncio.Future[OutcomeAck]]]) -> None:
-        msg = TaskResults(results=[o for o, _ in group])
+        msg = TaskResults.of([o for o, _ in group])
         reply: Msg | None = None
         for attempt in range(self.attempts):
             try:
