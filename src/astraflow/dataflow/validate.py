@@ -256,7 +256,7 @@ class ResultChecker:
         """`_clean` of the selected sequences of a message's columns."""
         names = view.cols.names
         by_policy: dict[str, list[int]] = {}
-        for idx in np.unique(view.policy[sel]).tolist():
+        for idx in _distinct(view.policy[sel]):
             by_policy.setdefault(names[idx], []).append(idx)
         if not allowed.issuperset(by_policy):
             return False
@@ -268,7 +268,7 @@ class ResultChecker:
             np.frombuffer(c.versions, packed.INT32),
         )
         for policy, idxs in by_policy.items():
-            pick = sel & np.isin(view.policy, idxs)
+            pick = sel if len(by_policy) == 1 else sel & np.isin(view.policy, idxs)
             sizes = view.lengths[pick]
             if int(sizes.min()) == 0:
                 return False
@@ -279,7 +279,7 @@ class ResultChecker:
                 arrays = (whole[0][per_token], whole[1][per_token], whole[2][per_token], whole[3][per_token])
             rewards = view.rewards[pick].tolist()
             turned = [view.sequence(k) for k in c.turns if pick[k]]
-            claimed = {c.samplings[i] for i in np.unique(view.sampling[pick]).tolist()}
+            claimed = {c.samplings[i] for i in _distinct(view.sampling[pick])}
             if not self._clean_policy(
                 policy, int(sizes.max()), arrays, rewards, turned, claimed, latest, task_sampling
             ):
@@ -361,6 +361,13 @@ class ResultChecker:
         if why:
             return f"sampling settings not allowed by the task: {why}"
         return turns_problem(s)
+
+
+def _distinct(a: np.ndarray[Any, Any]) -> list[int]:
+    """The distinct values of an int array (one comparison when they are all the same, the usual case)."""
+    if not len(a) or bool((a == a[0]).all()):
+        return a[:1].tolist()
+    return np.unique(a).tolist()
 
 
 def episodes_problem(counts: list[int]) -> str:
