@@ -81,7 +81,7 @@ class ResultChecker:
         cleared: bool = False,
     ) -> str:
         """Why the result is invalid ('' when it is fine). `cleared`: its sequences already passed
-        `clear_together` (with the other results of its message), so only the checks of the result's
+        `clear_columns` (with the other results of its message), so only the checks of the result's
         shape are left. `expected`: sequences the task asks of each
         policy at most (workflows shape episodes per policy, so the episode count alone says nothing;
         admission counts with it, so more would overrun the staleness cap); fewer is fine, none
@@ -134,30 +134,6 @@ class ResultChecker:
         return infos_problem((i, infos[i]) for i in sorted(infos)) or _overrun(
             got, len(counts), set(roles.values()), expected
         )
-
-    def clear_together(
-        self,
-        results: list[tuple[AnyEpisodes, dict[str, str], dict[str, float | int]]],
-        latest: dict[str, int],
-    ) -> list[bool]:
-        """Which of these results (episodes, roles, task sampling overrides) pass `_clean`, checked
-        together: the sequences of every result with the same roles and overrides in one pass of
-        `_clean`, so a group commit costs a few numpy reductions per message, not per result. A result
-        not cleared is checked alone by `check` (which names its fault), never refused for this."""
-        out = [False] * len(results)
-        together: dict[tuple[Any, ...], list[int]] = {}
-        for i, (_episodes, roles, sampling) in enumerate(results):
-            key = (tuple(sorted(set(roles.values()))), tuple(sorted(sampling.items())))
-            together.setdefault(key, []).append(i)
-        for key, idx in together.items():
-            try:
-                seqs = [s for i in idx for ep in pack_episodes(results[i][0]) for s in ep.sequences]
-                clean = bool(seqs) and self._clean(seqs, set(key[0]), latest, dict(key[1]))
-            except (TypeError, ValueError):  # as in `check`: those results are walked one by one
-                clean = False
-            for i in idx:
-                out[i] = clean
-        return out
 
     def _walk(
         self,
@@ -227,9 +203,11 @@ class ResultChecker:
         results: list[tuple[int, dict[str, str], dict[str, float | int]]],
         latest: dict[str, int],
     ) -> list[bool]:
-        """`clear_together` of results read from a message's columns: (result index, roles, task
-        sampling overrides) each; the sequences of every result with the same roles and overrides in
-        one pass over the columns (no Python object per sequence)."""
+        """Which of these results of a message, read from its columns ((result index, roles, task
+        sampling overrides) each), pass `_clean`: the sequences of every result with the same roles
+        and overrides in one pass over the columns (no Python object per sequence), so a group
+        commit costs a few numpy reductions per message, not per result. A result not cleared is
+        checked alone by `check` (which names its fault), never refused for this."""
         out = [False] * len(results)
         together: dict[tuple[Any, ...], list[int]] = {}
         for k, (_i, roles, sampling) in enumerate(results):
