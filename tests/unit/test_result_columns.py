@@ -8,9 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import msgspec
+import pytest
 
 from astraflow.protocol import messages as m
-from astraflow.protocol.codec import decode, encode
+from astraflow.protocol.codec import DecodeError, decode, encode
 from astraflow.protocol.columns import ResultColumns
 from tests.unit.test_group_commit import _controller, _episodes, _grant, _stored
 
@@ -116,3 +117,19 @@ def test_arrays_of_different_lengths_travel_as_the_error_naming_them() -> None:
         == "invalid result: episode 1 sequence 0: tokens/loss_mask/logprobs/versions lengths differ (4/3/4/4)"
     )
     assert head.episodes == [] and msg.columns.lengths == b""
+
+
+def test_a_peer_of_the_previous_protocol_is_refused_and_its_results_do_not_decode(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    c = _controller(tiny_model, tmp_path)
+    old = m.Hello(member_id="old", role="raas", protocol=6, policies=["main"], pid=2, host="h")
+    reply = c.dispatch(b"old", old)[0][1]
+    assert isinstance(reply, m.Error) and reply.code == "protocol_version"
+    assert f"controller speaks protocol {m.PROTOCOL_VERSION}, member 6" in reply.message
+    # a version-6 TaskResults (Outcomes of PackedEpisodes, no columns) is not a version-7 one
+    v6 = msgspec.msgpack.encode(
+        {"type": "TaskResults", "rid": 1, "results": [{"task_id": 1, "epoch": 1, "episodes": []}]}
+    )
+    with pytest.raises(DecodeError):
+        decode(v6)
