@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from astraflow.dataflow import buffer as buffer_mod
+from astraflow.dataflow import fresh as fresh_mod
 from astraflow.dataflow.buffer import Buffer
 from astraflow.protocol.codec import encode
 from astraflow.protocol.messages import BatchReply, SamplingParams, Sequence
@@ -59,10 +59,10 @@ def test_a_rolled_back_insert_leaves_nothing_kept(tmp_path: Path) -> None:
 def test_beyond_the_budget_the_oldest_are_read_from_the_store(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(buffer_mod, "FRESH_TOKENS", 12)  # two sequences of 5 tokens fit, not three
+    monkeypatch.setattr(fresh_mod, "FRESH_TOKENS", 12)  # two sequences of 5 tokens fit, not three
     buf = Buffer(Store.open(tmp_path / "s.db"))
     ids = buf.insert(1, "k1", [_seq(1, 1.0), _seq(2, 0.0), _seq(3, 1.0)], [0.5, -0.5, 0.5])
-    assert list(buf._fresh) == ids[1:] and buf._fresh_tokens == 10
+    assert list(buf._fresh) == ids[1:] and buf._fresh.tokens == 10
     batch = buf.next_batch("main", 1, batch_size=3, max_staleness=0, version=0)
     assert batch is not None
     assert _reply(batch.samples) == _reply(buf.samples(ids, [False] * 3))

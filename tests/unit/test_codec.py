@@ -46,7 +46,7 @@ SAMPLES: list[m.Msg] = [
     m.TaskGrant(rid=4, tasks=[_TASK], versions=[_VI], retry_after_s=0.0),
     m.TaskResult(rid=5, task_id=3, epoch=2, episodes=[m.Episode(sequences=[_SEQ], info={"correct": 1.0})]),
     m.ResultAck(rid=5, task_id=3, status="accepted"),
-    m.TaskResults(rid=6, results=[m.Outcome(task_id=3, epoch=2, episodes=[m.Episode(sequences=[_SEQ])])]),
+    m.TaskResults.of([m.Outcome(task_id=3, epoch=2, episodes=[m.Episode(sequences=[_SEQ])])], rid=6),
     m.ResultsAck(rid=6, acks=[m.OutcomeAck(task_id=3, status="invalid", code="bad_result", message="why")]),
     m.BatchRequest(rid=6, policy="p", step=1),
     m.BatchReply(rid=6, policy="p", step=1, samples=[_TS], ready=True),

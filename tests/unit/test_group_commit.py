@@ -88,13 +88,13 @@ def test_one_message_stores_what_single_results_store(tiny_model: Path, tmp_path
         )
         assert isinstance(ack[0][1], m.ResultAck) and ack[0][1].status == "accepted"
     results = [m.Outcome(task_id=t.task_id, epoch=t.epoch, episodes=_episodes(t.task_id)) for t in tg]
-    reply = grouped.dispatch(b"w", m.TaskResults(results=results))[0][1]
+    reply = grouped.dispatch(b"w", m.TaskResults.of(results))[0][1]
     assert isinstance(reply, m.ResultsAck)
     assert [(a.task_id, a.status) for a in reply.acks] == [(t.task_id, "accepted") for t in tg]
     assert _stored(grouped) == _stored(single) and len(_stored(single)) == 4 * GROUP
     assert grouped.store.load_stage_state("main") == single.store.load_stage_state("main")
     # the same message again: every result is a duplicate, nothing more is stored
-    again = grouped.dispatch(b"w", m.TaskResults(results=results))[0][1]
+    again = grouped.dispatch(b"w", m.TaskResults.of(results))[0][1]
     assert isinstance(again, m.ResultsAck) and {a.status for a in again.acks} == {"duplicate"}
     assert len(_stored(grouped)) == 4 * GROUP
 
@@ -113,7 +113,7 @@ def test_each_result_gets_its_own_status(tiny_model: Path, tmp_path: Path) -> No
         ),  # wrong epoch
         m.Outcome(task_id=999_999, epoch=1, episodes=_episodes(0)),
     ]
-    reply = c.dispatch(b"w", m.TaskResults(results=results))
+    reply = c.dispatch(b"w", m.TaskResults.of(results))
     acks = [r for to, r in reply if to == b"w"][0]
     assert isinstance(acks, m.ResultsAck)
     assert [a.status for a in acks.acks] == ["accepted", "invalid", "failed", "stale_epoch", "unknown_task"]
@@ -131,18 +131,22 @@ def test_a_result_refused_while_stored_costs_the_others_nothing(
 ) -> None:
     c = _controller(tiny_model, tmp_path)
     t = _grant(c, 3)
-    real = c.pipeline.ingest
     poisoned = t[1].task_id
 
-    def ingest(buffer: Any, task_id: int, *args: Any, **kw: Any) -> Any:
-        out = real(buffer, task_id, *args, **kw)
-        if task_id == poisoned:  # fault injection: refused after earlier results of the group were stored
-            raise RefusedResult("advantages are not finite (injected)")
-        return out
+    def poison(real: Any) -> Any:
+        def insert(task_id: int, *args: Any, **kw: Any) -> Any:
+            out = real(task_id, *args, **kw)
+            if task_id == poisoned:  # fault injection: refused after earlier results of the group were stored
+                raise RefusedResult("advantages are not finite (injected)")
+            return out
 
-    monkeypatch.setattr(c.pipeline, "ingest", ingest)
+        return insert
+
+    # a message's results are stored from its columns; each result alone from its sequences
+    monkeypatch.setattr(c.buffer, "insert_columns", poison(c.buffer.insert_columns))
+    monkeypatch.setattr(c.buffer, "insert", poison(c.buffer.insert))
     results = [m.Outcome(task_id=x.task_id, epoch=x.epoch, episodes=_episodes(x.task_id)) for x in t]
-    acks = c.dispatch(b"w", m.TaskResults(results=results))[0][1]
+    acks = c.dispatch(b"w", m.TaskResults.of(results))[0][1]
     assert isinstance(acks, m.ResultsAck)
     assert [a.status for a in acks.acks] == ["accepted", "invalid", "accepted"]
     assert "injected" in acks.acks[1].message
@@ -154,6 +158,6 @@ def test_results_per_message_are_capped() -> None:
     from astraflow.protocol.codec import DecodeError, decode, encode
 
     one = m.Outcome(task_id=1, epoch=1)
-    assert isinstance(decode(encode(m.TaskResults(results=[one] * m.MAX_RESULTS))), m.TaskResults)
+    assert isinstance(decode(encode(m.TaskResults.of([one] * m.MAX_RESULTS))), m.TaskResults)
     with pytest.raises(DecodeError):
-        decode(encode(m.TaskResults(results=[one] * (m.MAX_RESULTS + 1))))
+        decode(encode(m.TaskResults.of([one] * (m.MAX_RESULTS + 1))))

@@ -86,7 +86,7 @@ def _step(c: Controller, step: int) -> m.BatchReply:
             m.Outcome(task_id=t.task_id, epoch=t.epoch, episodes=_episodes(t.task_id, step - 1))
             for t in grant.tasks
         ]
-        acks = c.handle(b"w", m.TaskResults(results=results))
+        acks = c.handle(b"w", m.TaskResults.of(results))
         assert isinstance(acks, m.ResultsAck) and {a.status for a in acks.acks} == {"accepted"}, acks
     assert reply.ready and len(reply.samples) == BATCH
     ack = c.handle(

@@ -99,7 +99,7 @@ def test_served_batches_are_the_bytes_served_before(tmp_path: Path) -> None:
                 m.Outcome(task_id=t.task_id, epoch=t.epoch, episodes=_episodes(t, version, rng))
                 for t in grant.tasks
             ]
-            (ack,) = _send(ctl, WORKER, m.TaskResults(results=outcomes))
+            (ack,) = _send(ctl, WORKER, m.TaskResults.of(outcomes))
             assert isinstance(ack, m.ResultsAck) and all(a.status == "accepted" for a in ack.acks)
         served.append(got)
         _send(ctl, TRAINER, m.VersionPublished(policy=POLICY, version=step, step=step, weights_addr=""))

@@ -18,6 +18,7 @@ from astraflow.config.load import load_recipe
 from astraflow.dataflow.validate import ResultChecker
 from astraflow.protocol import messages as m
 from astraflow.protocol.codec import DecodeError, decode, encode
+from astraflow.protocol.columns import ResultColumns
 from astraflow.protocol.messages import Episode, PackedSequence, SamplingParams, Sequence
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes/quickstart/recipe.toml"
@@ -178,13 +179,16 @@ def test_recorded_turns_that_fit_keep_a_result_on_the_whole_result_pass(checker:
 def test_results_checked_together_clear_only_what_each_alone_passes(
     checker: ResultChecker, fault: str
 ) -> None:
-    """A group commit's results are checked in one pass per (roles, task overrides) (clear_together):
-    a fault in one result clears none of its pass, the others' pass is cleared, and each result's
-    answer is the one it gets alone."""
+    """A group commit's results are checked from the message's columns in one pass per (roles, task
+    overrides) (clear_columns): a fault in one result clears none of its pass, the others' pass is
+    cleared, and each result's answer is the one it gets alone."""
     results = [[Episode(sequences=[_seq(k)]) for k in range(4)] for _ in range(4)]
     results[2][1].sequences[0] = FAULTS[fault](results[2][1].sequences[0])
     overrides: list[dict[str, float | int]] = [{}, {}, {"temperature": 1.0}, {"temperature": 1.0}]
-    flags = checker.clear_together(list(zip(results, [ROLES] * 4, overrides, strict=True)), {"main": 3})
+    msg = m.TaskResults.of([m.Outcome(task_id=i, epoch=1, episodes=eps) for i, eps in enumerate(results)])
+    view = ResultColumns(decode(encode(msg)))
+    assert view.problem == ""
+    flags = checker.clear_columns(view, [(i, ROLES, overrides[i]) for i in range(4)], {"main": 3})
     assert flags == [True, True, False, False]
     for eps, sampling, cleared in zip(results, overrides, flags, strict=True):
         alone = checker.check(

@@ -95,7 +95,7 @@ def _step(d: _Driver, step: int, rng: random.Random, tokens: int) -> int:
                 )
                 for t in grant.tasks
             ]
-            for ack in d.send(ident, m.TaskResults(results=outcomes)):
+            for ack in d.send(ident, m.TaskResults.of(outcomes)):
                 if isinstance(ack, m.ResultsAck) and any(a.status != "accepted" for a in ack.acks):
                     raise RuntimeError(
                         f"results refused: {[a for a in ack.acks if a.status != 'accepted'][:2]}"

@@ -305,7 +305,7 @@ def _on_grant(
         res.results_sent += 1
         res.sequences_sent += len(eps)
     if spec.grouped and outcomes:
-        mem.send(m.TaskResults(results=outcomes))
+        mem.send(m.TaskResults.of(outcomes))
     for o in outcomes if not spec.grouped else []:
         mem.send(m.TaskResult(task_id=o.task_id, epoch=o.epoch, episodes=o.episodes))
     mem.send(m.TaskRequest(n=spec.slots, loaded={spec.policy: mem.version}, wait_s=TASK_WAIT_S), "task")

@@ -13,23 +13,20 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from astraflow.data.base import BufferItem, BufferOrder
 from astraflow.data.order import EdfOrder, FifoOrder
+from astraflow.dataflow.fresh import FreshSamples, sampling
 from astraflow.dataflow.limits import RefusedResult, nonfinite_row
 from astraflow.dataflow.pending import Pending, min_versions
-from astraflow.protocol.messages import PackedSequence, SamplingParams, Sequence, TrainSample
+from astraflow.protocol.columns import ResultColumns
+from astraflow.protocol.messages import PackedSequence, Sequence, TrainSample
 from astraflow.state import batches, trajectories
 from astraflow.state.store import Store
-
-FRESH_TOKENS = 262_144
-"""Tokens of just-stored buffered trajectories kept in memory as ready TrainSamples (tens of MB at
-most), so that the batch which consumes them is built without reading and decoding them back."""
-
 
 TAKEN_KEPT = 8
 """Batches whose fresh items are kept for their step's metrics row (Buffer.taken_rows)."""
@@ -78,11 +75,10 @@ class Buffer:
         self._generated: dict[str, int] = {}
         # a rolled-back insert leaves the count too high: count again from the store when next asked
         store.on_rollback.append(self._generated.clear)
-        self._fresh: dict[int, TrainSample] = {}
-        """Trajectory id -> its TrainSample, for buffered trajectories stored lately (FRESH_TOKENS);
-        a miss reads the store. Cleared on a rollback: the ids of a rolled-back insert are reused."""
-        self._fresh_tokens = 0
-        store.on_rollback.append(self._forget_fresh)
+        self._fresh = FreshSamples()
+        """Buffered trajectories stored lately, as ready TrainSamples (dataflow/fresh.py); cleared
+        on a rollback: the ids of a rolled-back insert are reused."""
+        store.on_rollback.append(self._fresh.forget)
         self._pending: Pending | None = None
         """The groups of the open `grouped` block, written when it ends."""
         self._items: dict[str, dict[int, BufferItem]] = {}
@@ -115,8 +111,13 @@ class Buffer:
                 if policy in self._items:
                     self._items[policy][it.traj_id] = it
             for g in pending.groups:
-                if g.status == "buffered":
-                    self._remember(list(range(g.first_id, g.first_id + len(g.seqs))), g.seqs, g.advantages)
+                if g.status != "buffered":
+                    continue
+                ids = list(range(g.first_id, g.first_id + g.size))
+                if g.cols is None:
+                    self._fresh.remember(ids, g.seqs, g.advantages)
+                else:
+                    self._fresh.remember_columns(ids, *g.cols, g.advantages)
 
     def insert(
         self,
@@ -146,39 +147,30 @@ class Buffer:
                 self._generated[pol] += sum(1 for seq in seqs if seq.policy == pol)
         return ids
 
-    def _remember(self, ids: list[int], seqs: list[PackedSequence], advantages: list[float]) -> None:
-        """Keep stored buffered trajectories as the TrainSamples `_samples` would read back."""
-        for i, seq, adv in zip(ids, seqs, advantages, strict=True):
-            sp = seq.sampling
-            self._fresh[i] = TrainSample(
-                traj_id=i,
-                # the arrays of the decoded result, as stored (bytes: nothing changes them)
-                tokens=seq.tokens,
-                loss_mask=seq.loss_mask,
-                logprobs=seq.logprobs,
-                versions=seq.versions,
-                reward=float(seq.reward),
-                advantage=float(adv),
-                replay=False,
-                sampling=_sampling(float(sp.temperature), float(sp.top_p), int(sp.top_k)),
-            )
-            self._fresh_tokens += len(seq.loss_mask)
-        while self._fresh_tokens > FRESH_TOKENS and self._fresh:
-            self._fresh_tokens -= len(self._fresh.pop(next(iter(self._fresh))).loss_mask)
-
-    def _forget_fresh(self) -> None:
-        self._fresh.clear()
-        self._fresh_tokens = 0
-
-    def _take_fresh(self, ids: list[int]) -> dict[int, TrainSample]:
-        """Remove and return the remembered samples of these ids (those not remembered are absent)."""
-        out: dict[int, TrainSample] = {}
-        for i in ids:
-            sample = self._fresh.pop(i, None)
-            if sample is not None:
-                self._fresh_tokens -= len(sample.loss_mask)
-                out[i] = sample
-        return out
+    def insert_columns(
+        self,
+        task_id: int,
+        prompt_key: str,
+        cols: tuple[ResultColumns, int, int],
+        advantages: list[float],
+        status: str = "buffered",
+    ) -> list[int]:
+        """`insert` of a group that is the sequences a..b-1 of a message's columns (view, a, b), all
+        of one policy: stored as they came, no Python object per sequence."""
+        view, a, b = cols
+        rewards = view.rewards[a:b]
+        if not (bool(np.isfinite(rewards).all()) and all(map(math.isfinite, advantages))):
+            for reward, adv in zip(rewards.tolist(), advantages, strict=True):
+                why = nonfinite_row(reward, adv)
+                if why:
+                    raise RefusedResult(f"task {task_id}: {why} is not finite; not stored")
+        with self.grouped():
+            assert self._pending is not None
+            ids = self._pending.add_columns(task_id, prompt_key, cols, list(advantages), status)
+        pol = view.cols.names[int(view.policy[a])]
+        if pol in self._generated:
+            self._generated[pol] += b - a
+        return ids
 
     def generated(self, policy: str) -> int:
         """Trajectories of a policy ever stored (every status): counted once, then kept up to date by
@@ -275,7 +267,7 @@ class Buffer:
             stale = [it.traj_id for it in buffered if ref - it.min_version > max_staleness]
             if stale:
                 trajectories.expire(self.store, stale)
-                self._take_fresh(stale)
+                self._fresh.take(stale)
                 for i in stale:
                     del mine[i]
             items = [it for it in buffered if ref - it.min_version <= max_staleness]
@@ -294,7 +286,7 @@ class Buffer:
             trajectories.mark_consumed(self.store, step, [it.traj_id for it in fresh])
             for it in fresh:
                 del mine[it.traj_id]
-            samples = self._samples(ids, flags, self._take_fresh(ids))
+            samples = self._samples(ids, flags, self._fresh.take(ids))
             self._taken[(policy, step)] = sorted(fresh, key=lambda it: it.traj_id)
             while len(self._taken) > TAKEN_KEPT:
                 del self._taken[next(iter(self._taken))]
@@ -360,13 +352,7 @@ class Buffer:
                     reward=float(r["reward"]),
                     advantage=float(r["advantage"]),
                     replay=replay,
-                    sampling=_sampling(float(r["temperature"]), float(r["top_p"]), int(r["top_k"])),
+                    sampling=sampling(float(r["temperature"]), float(r["top_p"]), int(r["top_k"])),
                 )
             )
         return out
-
-
-@lru_cache(maxsize=64)
-def _sampling(temperature: float, top_p: float, top_k: int) -> SamplingParams:
-    """The (frozen, so shareable) settings of stored samples: a batch has one or a few distinct ones."""
-    return SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)

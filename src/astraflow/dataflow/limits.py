@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from astraflow.config.recipe import PolicyConfig, Recipe
 from astraflow.protocol.messages import AnyEpisodes, Sequence
@@ -132,8 +134,13 @@ class Limits:
 
 def info_problem(episodes: AnyEpisodes) -> str:
     """Why an episode's info is unusable ('' when it is fine): its numbers feed step metrics."""
-    for i, ep in enumerate(episodes):
-        for k, v in ep.info.items():
+    return infos_problem(enumerate(ep.info for ep in episodes))
+
+
+def infos_problem(infos: Iterable[tuple[int, Mapping[str, Any]]]) -> str:
+    """info_problem of (episode index, info) pairs, in order."""
+    for i, info in infos:
+        for k, v in info.items():
             if isinstance(v, float) and not math.isfinite(v):
                 return f"episode {i} info {k!r} is {v!r} (numbers must be finite)"
     return ""

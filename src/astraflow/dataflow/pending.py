@@ -11,6 +11,7 @@ group before the block that collects them ends (the intake stores, then acknowle
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,8 +19,9 @@ import numpy as np
 
 from astraflow.data.base import BufferItem
 from astraflow.protocol import packed
+from astraflow.protocol.columns import ResultColumns
 from astraflow.protocol.messages import PackedSequence
-from astraflow.state import trajectories
+from astraflow.state import token_groups, trajectories
 from astraflow.state.store import Store
 
 _NONE = np.iinfo(np.int32).max
@@ -27,7 +29,8 @@ _NONE = np.iinfo(np.int32).max
 
 @dataclass
 class Group:
-    """One group's sequences (one policy) waiting to be written, with the ids they will get."""
+    """One group's sequences (one policy) waiting to be written, with the ids they will get: a list
+    of sequences, or (`cols`) the sequences a..b-1 of a message's columns."""
 
     first_id: int
     task_id: int
@@ -35,6 +38,12 @@ class Group:
     seqs: list[PackedSequence]
     advantages: list[float]
     status: str
+    cols: tuple[ResultColumns, int, int] | None = None
+
+    @property
+    def size(self) -> int:
+        """Sequences in the group."""
+        return len(self.seqs) if self.cols is None else self.cols[2] - self.cols[1]
 
 
 @dataclass
@@ -48,49 +57,144 @@ class Pending:
         self, task_id: int, prompt_key: str, seqs: list[PackedSequence], advantages: list[float], status: str
     ) -> list[int]:
         """Queue a group; the ids its sequences will have."""
-        first = self.next_id
-        self.groups.append(Group(first, task_id, prompt_key, seqs, advantages, status))
-        self.next_id += len(seqs)
-        return list(range(first, self.next_id))
+        return self._add(Group(self.next_id, task_id, prompt_key, seqs, advantages, status))
+
+    def add_columns(
+        self,
+        task_id: int,
+        prompt_key: str,
+        cols: tuple[ResultColumns, int, int],
+        advantages: list[float],
+        status: str,
+    ) -> list[int]:
+        """Queue a group that is the sequences a..b-1 of a message's columns (view, a, b)."""
+        return self._add(Group(self.next_id, task_id, prompt_key, [], advantages, status, cols))
+
+    def _add(self, g: Group) -> list[int]:
+        self.groups.append(g)
+        self.next_id += g.size
+        return list(range(g.first_id, self.next_id))
 
     def write(self, store: Store) -> list[tuple[str, BufferItem]]:
         """Write every queued group: two statements in all (inside the caller's transaction); the
         buffered ones as (policy, item), as the buffer orders them."""
         if not self.groups:
             return []
-        every = [s for g in self.groups for s in g.seqs]
-        oldest = iter(min_versions(every))
+        oldest = iter(min_versions([s for g in self.groups for s in g.seqs]))
+        facts: dict[int, _Facts] = {}
         rows: list[tuple[Any, ...]] = []
+        tokens: list[tuple[Any, ...]] = []
         for g in self.groups:
-            for k, (seq, adv) in enumerate(zip(g.seqs, g.advantages, strict=True)):
-                sp = seq.sampling
-                rows.append(
-                    (
-                        g.task_id,
-                        seq.policy,
-                        g.prompt_key,
-                        float(seq.reward),
-                        float(adv),
-                        len(seq.loss_mask) - seq.loss_mask.count(0),
-                        next(oldest),
-                        g.first_id + k,  # arrival: ids only grow, so the id is the arrival order
-                        g.status,
-                        seq.role,
-                        seq.group_key,
-                        float(sp.temperature),
-                        float(sp.top_p),
-                        int(sp.top_k),
+            if g.cols is None:
+                rows += _seq_rows(g, oldest)
+                tokens.append(
+                    token_groups.group_row(
+                        g.first_id, [(s.tokens, s.loss_mask, s.logprobs, s.versions) for s in g.seqs]
                     )
                 )
-        groups = [
-            (g.first_id, [(s.tokens, s.loss_mask, s.logprobs, s.versions) for s in g.seqs])
-            for g in self.groups
-        ]
-        trajectories.insert_groups(store, self.groups[0].first_id, rows, groups)
+                continue
+            view, a, b = g.cols
+            f = facts.get(id(view)) or facts.setdefault(id(view), _Facts.of(view))
+            rows += _column_rows(g, view, f, a, b)
+            tokens.append(
+                token_groups.joined_row(g.first_id, b - a, view.lengths[a:b].tobytes(), view.joined(a, b))
+            )
+        trajectories.insert_groups(store, self.groups[0].first_id, rows, tokens)
         # (traj_id, task_id, min_version, arrival, reward, advantage, length): arrival is the id
         return [
             (r[1], BufferItem(r[7], r[0], r[6], r[7], r[3], r[4], r[5])) for r in rows if r[8] == "buffered"
         ]
+
+
+def _seq_rows(g: Group, oldest: Iterator[int]) -> list[tuple[Any, ...]]:
+    """The trajectory rows of a group of sequences (`oldest`: their min versions, in order)."""
+    rows = []
+    for k, (seq, adv) in enumerate(zip(g.seqs, g.advantages, strict=True)):
+        sp = seq.sampling
+        rows.append(
+            (
+                g.task_id,
+                seq.policy,
+                g.prompt_key,
+                float(seq.reward),
+                float(adv),
+                len(seq.loss_mask) - seq.loss_mask.count(0),
+                next(oldest),
+                g.first_id + k,  # arrival: ids only grow, so the id is the arrival order
+                g.status,
+                seq.role,
+                seq.group_key,
+                float(sp.temperature),
+                float(sp.top_p),
+                int(sp.top_k),
+            )
+        )
+    return rows
+
+
+@dataclass
+class _Facts:
+    """What the rows of a message's column groups need per sequence, found once per message."""
+
+    masked: list[int]
+    """Tokens with a nonzero mask."""
+    oldest: list[int]
+    """min_versions of each sequence."""
+
+    @classmethod
+    def of(cls, view: ResultColumns) -> _Facts:
+        """Both lists for every sequence of the message, in one numpy pass each."""
+        c = view.cols
+        mask = np.frombuffer(c.loss_mask, np.uint8) != 0
+        versions = np.frombuffer(c.versions, packed.INT32)
+        starts, lengths = view.tok[:-1], view.lengths
+        if not len(lengths):
+            return cls([], [])
+        # a sentinel after the last token: reduceat needs every start inside the array; a sequence
+        # of no tokens reads its neighbour's first, so it is zeroed
+        masked = np.add.reduceat(np.append(mask, False).astype(np.int64), starts)
+        masked[lengths == 0] = 0
+        return cls(masked.tolist(), _oldest(versions, mask, starts, lengths))
+
+
+def _column_rows(g: Group, view: ResultColumns, f: _Facts, a: int, b: int) -> list[tuple[Any, ...]]:
+    """The trajectory rows of the column group a..b-1."""
+    c = view.cols
+    names, keys, samplings = c.names, c.keys, c.samplings
+    pol = names[int(view.policy[a])]
+    roles = [names[i] for i in view.role[a:b].tolist()]
+    groups = [keys[i] for i in view.key[a:b].tolist()]
+    sps = [samplings[i] for i in view.sampling[a:b].tolist()]
+    return [
+        (
+            g.task_id,
+            pol,
+            g.prompt_key,
+            reward,
+            float(adv),
+            masked,
+            oldest,
+            g.first_id + k,
+            g.status,
+            role,
+            key,
+            float(sp.temperature),
+            float(sp.top_p),
+            int(sp.top_k),
+        )
+        for k, (reward, adv, masked, oldest, role, key, sp) in enumerate(
+            zip(
+                view.rewards[a:b].tolist(),
+                g.advantages,
+                f.masked[a:b],
+                f.oldest[a:b],
+                roles,
+                groups,
+                sps,
+                strict=True,
+            )
+        )
+    ]
 
 
 def min_versions(seqs: list[PackedSequence]) -> list[int]:
@@ -103,13 +207,28 @@ def min_versions(seqs: list[PackedSequence]) -> list[int]:
         return out
     versions = np.frombuffer(b"".join([seqs[i].versions for i in idx]), packed.INT32)
     mask = np.frombuffer(b"".join([seqs[i].loss_mask for i in idx]), np.uint8) != 0
-    starts = np.cumsum([0] + [len(seqs[i].loss_mask) for i in idx[:-1]])
-    known = versions >= 0
-    generated = np.minimum.reduceat(np.where(mask & known, versions, _NONE), starts).tolist()
-    present = generated
-    if _NONE in generated:  # a sequence with no versioned generated token: the oldest version present
-        present = np.minimum.reduceat(np.where(known, versions, _NONE), starts).tolist()
-    for k, i in enumerate(idx):
-        oldest = generated[k] if generated[k] != _NONE else present[k]
-        out[i] = oldest if oldest != _NONE else -1
+    lengths = np.array([len(seqs[i].loss_mask) for i in idx], np.int64)
+    starts = np.concatenate(([0], np.cumsum(lengths[:-1])))
+    for k, v in zip(idx, _oldest(versions, mask, starts, lengths), strict=True):
+        out[k] = v
     return out
+
+
+def _oldest(
+    versions: np.ndarray[Any, Any],
+    mask: np.ndarray[Any, Any],
+    starts: np.ndarray[Any, Any],
+    lengths: np.ndarray[Any, Any],
+) -> list[int]:
+    """min_versions of the sequences whose joined versions and (bool) mask start at `starts` with
+    these lengths (a sequence of no tokens: -1)."""
+    if not len(starts):
+        return []
+    known = versions >= 0
+    # a sentinel after the last token: reduceat needs every start inside the array, and an empty
+    # sequence at the end starts there
+    generated = np.minimum.reduceat(np.append(np.where(mask & known, versions, _NONE), _NONE), starts)
+    present = np.minimum.reduceat(np.append(np.where(known, versions, _NONE), _NONE), starts)
+    oldest = np.where(generated != _NONE, generated, present)
+    oldest[(oldest == _NONE) | (lengths == 0)] = -1
+    return oldest.tolist()

@@ -308,15 +308,13 @@ class Pipeline:
 
     def _observe_info(self, ep: PackedEpisode, skip: set[str], task_id: int) -> None:
         """Add an episode's numeric info to each (policy, role) it has sequences of."""
-        if not ep.info:
-            return  # nothing to add (take_info reads a missing task as no info)
-        nums = {
-            k: float(v) for k, v in ep.info.items() if isinstance(v, int | float) and not isinstance(v, bool)
-        }
-        seen: set[tuple[str, str]] = set()
-        for seq in ep.sequences:
-            if seq.policy in self.policies and seq.policy not in skip:
-                seen.add((seq.policy, seq.role))
+        if ep.info:  # else nothing to add (take_info reads a missing task as no info)
+            ours = [s for s in ep.sequences if s.policy in self.policies and s.policy not in skip]
+            self.observe_info(ep.info, {(s.policy, s.role) for s in ours}, task_id)
+
+    def observe_info(self, info: dict[str, Any], seen: set[tuple[str, str]], task_id: int) -> None:
+        """Add an episode's numeric info to each (policy, role) of `seen` (its kept sequences')."""
+        nums = {k: float(v) for k, v in info.items() if isinstance(v, float | int) and type(v) is not bool}
         for pol in {p for p, _ in seen}:
             acc = self.info.setdefault((pol, task_id), {})
             while len(self.info) > INFO_TASKS:

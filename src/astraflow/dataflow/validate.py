@@ -24,10 +24,11 @@ import numpy as np
 from astraflow import log
 from astraflow.config.recipe import Recipe
 from astraflow.data.turns import turns_problem
-from astraflow.dataflow.limits import MIN_LOGPROB, Limits, info_problem
+from astraflow.dataflow.limits import MIN_LOGPROB, Limits, info_problem, infos_problem
 from astraflow.dataflow.sampling_rule import sampling_problem
 from astraflow.protocol import packed
-from astraflow.protocol.messages import AnyEpisodes, PackedSequence, Sequence, pack_episodes
+from astraflow.protocol.columns import ResultColumns
+from astraflow.protocol.messages import AnyEpisodes, PackedSequence, SamplingParams, Sequence, pack_episodes
 
 _log = log.get("validate")
 
@@ -80,7 +81,7 @@ class ResultChecker:
         cleared: bool = False,
     ) -> str:
         """Why the result is invalid ('' when it is fine). `cleared`: its sequences already passed
-        `clear_together` (with the other results of its message), so only the checks of the result's
+        `clear_columns` (with the other results of its message), so only the checks of the result's
         shape are left. `expected`: sequences the task asks of each
         policy at most (workflows shape episodes per policy, so the episode count alone says nothing;
         admission counts with it, so more would overrun the staleness cap); fewer is fine, none
@@ -88,14 +89,10 @@ class ResultChecker:
         policy: its groups are then smaller and admission queues more); `latest` is each policy's
         newest version; `task_sampling` the task's sampling overrides (Task.sampling). Episodes of
         Python lists (in-process callers) are packed first, as a RaaS sends them."""
-        if not episodes:
-            return "0 episodes"
         allowed = set(roles.values())
-        for i, ep in enumerate(episodes):
-            if not ep.sequences:
-                return f"episode {i} has no sequence"
-            if len(ep.sequences) > MAX_SEQUENCES_PER_EPISODE:
-                return f"episode {i} has {len(ep.sequences)} sequences (at most {MAX_SEQUENCES_PER_EPISODE})"
+        why = episodes_problem([len(ep.sequences) for ep in episodes])
+        if why:
+            return why
         # the whole result's sequences are checked at once first; only a result that fails is walked
         # sequence by sequence, to name the first sequence at fault and why
         clean = cleared
@@ -114,31 +111,29 @@ class ResultChecker:
                 why = self._walk(s, allowed, latest, task_sampling or {})
                 if why:
                     return f"episode {i} sequence {j}: {why}"
-        return info_problem(episodes) or _overrun(episodes, allowed, expected)
+        got: dict[str, int] = {}
+        for ep in episodes:
+            for s in ep.sequences:
+                got[s.policy] = got.get(s.policy, 0) + 1
+        return info_problem(episodes) or _overrun(got, len(episodes), allowed, expected)
 
-    def clear_together(
+    def check_cleared(
         self,
-        results: list[tuple[AnyEpisodes, dict[str, str], dict[str, float | int]]],
-        latest: dict[str, int],
-    ) -> list[bool]:
-        """Which of these results (episodes, roles, task sampling overrides) pass `_clean`, checked
-        together: the sequences of every result with the same roles and overrides in one pass of
-        `_clean`, so a group commit costs a few numpy reductions per message, not per result. A result
-        not cleared is checked alone by `check` (which names its fault), never refused for this."""
-        out = [False] * len(results)
-        together: dict[tuple[Any, ...], list[int]] = {}
-        for i, (_episodes, roles, sampling) in enumerate(results):
-            key = (tuple(sorted(set(roles.values()))), tuple(sorted(sampling.items())))
-            together.setdefault(key, []).append(i)
-        for key, idx in together.items():
-            try:
-                seqs = [s for i in idx for ep in pack_episodes(results[i][0]) for s in ep.sequences]
-                clean = bool(seqs) and self._clean(seqs, set(key[0]), latest, dict(key[1]))
-            except (TypeError, ValueError):  # as in `check`: those results are walked one by one
-                clean = False
-            for i in idx:
-                out[i] = clean
-        return out
+        counts: list[int],
+        infos: dict[int, dict[str, Any]],
+        got: dict[str, int],
+        *,
+        expected: dict[str, int],
+        roles: dict[str, str],
+    ) -> str:
+        """`check` of a result whose sequences `clear_columns` cleared, read from its columns: its
+        episodes' sequence counts, the infos of those that have one, and its sequences per policy."""
+        why = episodes_problem(counts)
+        if why:
+            return why
+        return infos_problem((i, infos[i]) for i in sorted(infos)) or _overrun(
+            got, len(counts), set(roles.values()), expected
+        )
 
     def _walk(
         self,
@@ -187,37 +182,124 @@ class ResultChecker:
                 or quads != [len(s.versions) for s in group]
             ):
                 return False
-            tokens = np.frombuffer(b"".join([s.tokens for s in group]), packed.INT32)
-            vocab = self.vocab.get(policy)
-            if tokens.min() < 0 or (vocab is not None and tokens.max() >= vocab):
-                return False
-            mask = b"".join([s.loss_mask for s in group])
-            # what is left after deleting 0s and 1s is the rest
-            if mask.translate(None, b"\x00\x01"):
-                return False
-            logprobs = np.frombuffer(b"".join([s.logprobs for s in group]), packed.FLOAT32)
-            # a NaN makes max and min NaN, and every comparison with NaN is False
-            if not (logprobs.max() <= 0.0 and logprobs.min() >= MIN_LOGPROB):
-                return False
-            versions = np.frombuffer(b"".join([s.versions for s in group]), packed.INT32)
-            low = int(versions.min())
-            if int(versions.max()) > latest.get(policy, 0) or low < -1:
-                return False
-            if low < 0 and versions[np.frombuffer(mask, np.bool_)].min(initial=0) < 0:
-                return False
+            arrays = (
+                np.frombuffer(b"".join([s.tokens for s in group]), packed.INT32),
+                np.frombuffer(b"".join([s.loss_mask for s in group]), np.uint8),
+                np.frombuffer(b"".join([s.logprobs for s in group]), packed.FLOAT32),
+                np.frombuffer(b"".join([s.versions for s in group]), packed.INT32),
+            )
             rewards = [s.reward for s in group]
-            if not all(map(math.isfinite, rewards)):
+            turned = [s for s in group if s.turns is not None]
+            claimed = {s.sampling for s in group}
+            if not self._clean_policy(
+                policy, max(sizes), arrays, rewards, turned, claimed, latest, task_sampling
+            ):
                 return False
-            # recorded turns (multi-turn transcripts) against the mask bytes, once the sizes agree
-            if any(turns_problem(s) for s in group if s.turns is not None):
-                return False
-            if self.limits is not None and not self.limits.group_fits(policy, max(sizes), rewards):
-                return False
-            recipe_sampling = self.recipe.get_policy(policy).sampling
-            for claimed in {s.sampling for s in group}:
-                if sampling_problem(claimed, recipe_sampling, task_sampling):
-                    return False
         return True
+
+    def clear_columns(
+        self,
+        view: ResultColumns,
+        results: list[tuple[int, dict[str, str], dict[str, float | int]]],
+        latest: dict[str, int],
+    ) -> list[bool]:
+        """Which of these results of a message, read from its columns ((result index, roles, task
+        sampling overrides) each), pass `_clean`: the sequences of every result with the same roles
+        and overrides in one pass over the columns (no Python object per sequence), so a group
+        commit costs a few numpy reductions per message, not per result. A result not cleared is
+        checked alone by `check` (which names its fault), never refused for this."""
+        out = [False] * len(results)
+        together: dict[tuple[Any, ...], list[int]] = {}
+        for k, (_i, roles, sampling) in enumerate(results):
+            key = (tuple(sorted(set(roles.values()))), tuple(sorted(sampling.items())))
+            together.setdefault(key, []).append(k)
+        for key, ks in together.items():
+            sel = np.zeros(view.count, np.bool_)
+            for k in ks:
+                a, b = view.span(results[k][0])
+                sel[a:b] = True
+            clean = bool(sel.any()) and self._clean_columns(view, sel, set(key[0]), latest, dict(key[1]))
+            for k in ks:
+                out[k] = clean
+        return out
+
+    def _clean_columns(
+        self,
+        view: ResultColumns,
+        sel: np.ndarray[Any, Any],
+        allowed: set[str],
+        latest: dict[str, int],
+        task_sampling: dict[str, float | int],
+    ) -> bool:
+        """`_clean` of the selected sequences of a message's columns."""
+        names = view.cols.names
+        by_policy: dict[str, list[int]] = {}
+        for idx in _distinct(view.policy[sel]):
+            by_policy.setdefault(names[idx], []).append(idx)
+        if not allowed.issuperset(by_policy):
+            return False
+        c = view.cols
+        whole = (
+            np.frombuffer(c.tokens, packed.INT32),
+            np.frombuffer(c.loss_mask, np.uint8),
+            np.frombuffer(c.logprobs, packed.FLOAT32),
+            np.frombuffer(c.versions, packed.INT32),
+        )
+        for policy, idxs in by_policy.items():
+            pick = sel if len(by_policy) == 1 else sel & np.isin(view.policy, idxs)
+            sizes = view.lengths[pick]
+            if int(sizes.min()) == 0:
+                return False
+            if pick.all():
+                arrays = whole
+            else:
+                per_token = np.repeat(pick, view.lengths)
+                arrays = (whole[0][per_token], whole[1][per_token], whole[2][per_token], whole[3][per_token])
+            rewards = view.rewards[pick].tolist()
+            turned = [view.sequence(k) for k in c.turns if pick[k]]
+            claimed = {c.samplings[i] for i in _distinct(view.sampling[pick])}
+            if not self._clean_policy(
+                policy, int(sizes.max()), arrays, rewards, turned, claimed, latest, task_sampling
+            ):
+                return False
+        return True
+
+    def _clean_policy(
+        self,
+        policy: str,
+        longest: int,
+        arrays: tuple[np.ndarray[Any, Any], ...],
+        rewards: list[float],
+        turned: list[PackedSequence],
+        claimed: set[SamplingParams],
+        latest: dict[str, int],
+        task_sampling: dict[str, float | int],
+    ) -> bool:
+        """Whether one policy's sequences, whose joined (tokens, mask, logprobs, versions) are
+        `arrays`, pass every check of `_walk` (sizes agree: the caller checked)."""
+        tokens, mask, logprobs, versions = arrays
+        vocab = self.vocab.get(policy)
+        if tokens.min() < 0 or (vocab is not None and tokens.max() >= vocab):
+            return False
+        if mask.max() > 1:
+            return False
+        # a NaN makes max and min NaN, and every comparison with NaN is False
+        if not (logprobs.max() <= 0.0 and logprobs.min() >= MIN_LOGPROB):
+            return False
+        low = int(versions.min())
+        if int(versions.max()) > latest.get(policy, 0) or low < -1:
+            return False
+        if low < 0 and versions[mask.astype(np.bool_)].min(initial=0) < 0:
+            return False
+        if not all(map(math.isfinite, rewards)):
+            return False
+        # recorded turns (multi-turn transcripts) against the mask bytes, once the sizes agree
+        if any(turns_problem(s) for s in turned):
+            return False
+        if self.limits is not None and not self.limits.group_fits(policy, longest, rewards):
+            return False
+        recipe_sampling = self.recipe.get_policy(policy).sampling
+        return not any(sampling_problem(s, recipe_sampling, task_sampling) for s in claimed)
 
     def _sequence(
         self, s: Sequence, allowed: set[str], latest: dict[str, int], task_sampling: dict[str, float | int]
@@ -259,17 +341,32 @@ class ResultChecker:
         return turns_problem(s)
 
 
-def _overrun(episodes: AnyEpisodes, allowed: set[str], expected: dict[str, int]) -> str:
-    """Which policy has more sequences than the task asks of it ('' when none)."""
-    got: dict[str, int] = {}
-    for ep in episodes:
-        for s in ep.sequences:
-            got[s.policy] = got.get(s.policy, 0) + 1
+def _distinct(a: np.ndarray[Any, Any]) -> list[int]:
+    """The distinct values of an int array (one comparison when they are all the same, the usual case)."""
+    if not len(a) or bool((a == a[0]).all()):
+        return a[:1].tolist()
+    return np.unique(a).tolist()
+
+
+def episodes_problem(counts: list[int]) -> str:
+    """Why a result's episodes, by their sequence counts, are not a result's ('' when they are)."""
+    if not counts:
+        return "0 episodes"
+    for i, n in enumerate(counts):
+        if not n:
+            return f"episode {i} has no sequence"
+        if n > MAX_SEQUENCES_PER_EPISODE:
+            return f"episode {i} has {n} sequences (at most {MAX_SEQUENCES_PER_EPISODE})"
+    return ""
+
+
+def _overrun(got: dict[str, int], episodes: int, allowed: set[str], expected: dict[str, int]) -> str:
+    """Which policy has more sequences (`got`, per policy) than the task asks of it ('' when none)."""
     for pol in sorted(allowed):
         n, want = got.get(pol, 0), expected.get(pol, 0)
         if n > want:
             return (
-                f"{n} sequences of policy {pol!r} in {len(episodes)} episodes, the task asks for at "
+                f"{n} sequences of policy {pol!r} in {episodes} episodes, the task asks for at "
                 f"most {want} (the workflow's sequences_per_task must count every sequence it returns)"
             )
     return ""

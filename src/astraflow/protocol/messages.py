@@ -17,7 +17,7 @@ import msgspec
 
 from astraflow.protocol import packed
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 
 # Caps on what a peer may send, checked by the decoder before a message reaches a handler
 # (docs/protocol.md "Limits"); frames as a whole are capped by the transport's MAXMSGSIZE.
@@ -458,10 +458,77 @@ class Outcome(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         self.episodes = pack_episodes(self.episodes)
 
 
-class TaskResults(Msg, kw_only=True):
-    """The results of several leased tasks, stored in one transaction (group commit)."""
+Index = Annotated[bytes, msgspec.Meta(max_length=MAX_PACKED_BYTES)]
+"""int32 little-endian, one per sequence: an index into a table of SequenceColumns."""
 
-    results: Annotated[list[Outcome], msgspec.Meta(max_length=MAX_RESULTS)]
+
+class SequenceColumns(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Every sequence of a TaskResults, one column per field, in order (result by result, episode
+    by episode): a message's per-token arrays joined, one bytes object each, with each sequence's
+    token count (protocol/columns.py builds, checks and slices them)."""
+
+    lengths: Packed = b""
+    """int32, one per sequence: its tokens."""
+    tokens: Packed = b""
+    """int32 token ids of every sequence, joined."""
+    loss_mask: Packed = b""
+    """uint8, joined."""
+    logprobs: Packed = b""
+    """float32, joined."""
+    versions: Packed = b""
+    """int32, joined."""
+    rewards: Packed = b""
+    """float64, one per sequence."""
+    policy: Index = b""
+    """Each sequence's policy, an index into `names`."""
+    role: Index = b""
+    """Each sequence's role, an index into `names`."""
+    group_key: Index = b""
+    """Each sequence's group key, an index into `keys`."""
+    sampling: Index = b""
+    """Each sequence's sampling settings, an index into `samplings`."""
+    names: Annotated[list[Name], msgspec.Meta(max_length=4096)] = []
+    """The distinct policy and role names of the message."""
+    keys: Annotated[
+        list[Annotated[str, msgspec.Meta(max_length=1024)]], msgspec.Meta(max_length=1 << 20)
+    ] = []
+    """The distinct group keys of the message."""
+    samplings: Annotated[list[SamplingParams], msgspec.Meta(max_length=4096)] = []
+    """The distinct sampling settings of the message."""
+    turns: Annotated[
+        dict[int, Annotated[list[tuple[int, int, bool]], msgspec.Meta(max_length=65536)]],
+        msgspec.Meta(max_length=1 << 20),
+    ] = {}
+    """Sequence index -> its recorded turns (only sequences that have them)."""
+
+
+class ResultHead(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One task's result in a TaskResults, without its sequences (they are in the message's columns)."""
+
+    task_id: int
+    epoch: int
+    episodes: Annotated[list[int], msgspec.Meta(max_length=4096)] = []
+    """Sequences of each episode, in order."""
+    infos: Annotated[
+        dict[int, Annotated[dict[Name, Scalar], msgspec.Meta(max_length=256)]], msgspec.Meta(max_length=4096)
+    ] = {}
+    """Episode index -> its info (only episodes that have one)."""
+    error: Text = ""
+
+
+class TaskResults(Msg, kw_only=True):
+    """The results of several leased tasks, stored in one transaction (group commit): one head per
+    result and one column per field for all their sequences (`TaskResults.of` builds it from Outcomes)."""
+
+    results: Annotated[list[ResultHead], msgspec.Meta(max_length=MAX_RESULTS)]
+    columns: SequenceColumns
+
+    @classmethod
+    def of(cls, outcomes: collections.abc.Sequence[Outcome], rid: int = 0) -> TaskResults:
+        """These results in their columns (protocol/columns.py)."""
+        from astraflow.protocol import columns
+
+        return columns.pack(outcomes, rid)
 
 
 class OutcomeAck(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -1,7 +1,8 @@
 """A RaaS's group commit: the results its tasks finish are sent together, one TaskResults at a time.
 
 Every finished task hands its result to `ResultSender.deliver` and waits for that result's ack. One
-sender task sends what is waiting as one `TaskResults` (at most `MAX_RESULTS`); results that finish
+sender task sends what is waiting as one `TaskResults` (at most `MAX_RESULTS`, their sequences joined
+into columns by `TaskResults.of`: protocol/columns.py); results that finish
 while it is in flight wait for the next one. So a worker with one task at a time sends one result a
 message, and a busy worker sends many: the controller stores each message in one transaction.
 """
@@ -67,7 +68,7 @@ class ResultSender:
                     await self._send(group)
 
     async def _send(self, group: list[tuple[Outcome, asyncio.Future[OutcomeAck]]]) -> None:
-        msg = TaskResults(results=[o for o, _ in group])
+        msg = TaskResults.of([o for o, _ in group])
         reply: Msg | None = None
         for attempt in range(self.attempts):
             try:

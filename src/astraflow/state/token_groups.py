@@ -28,27 +28,31 @@ TOKEN_BYTES = sum(packed.ITEM_BYTES.values())
 """Stored bytes per token of the four arrays together."""
 
 
-def insert_groups(store: Store, groups: Sequence[tuple[int, Sequence[Arrays]]]) -> None:
-    """Store groups' arrays, one row each: (first trajectory id, its sequences' arrays in id order)."""
+def insert_groups(store: Store, rows: Sequence[tuple[Any, ...]]) -> None:
+    """Store groups' arrays, one row each (`group_row` or `joined_row`)."""
     with store.write() as c:
         c.executemany(
             "INSERT INTO token_groups (first_id, rows, lengths, tokens, loss_mask, logprobs, versions) "
             "VALUES (?, ?, ?, ?, ?, ?, ?)",
-            [_row(first, arrays) for first, arrays in groups],
+            rows,
         )
 
 
-def _row(first_id: int, arrays: Sequence[Arrays]) -> tuple[Any, ...]:
+def group_row(first_id: int, arrays: Sequence[Arrays]) -> tuple[Any, ...]:
+    """The token_groups row of a group: its first trajectory id and its sequences' arrays in id order."""
     tokens, masks, logprobs, versions = zip(*arrays, strict=True)
-    return (
+    return joined_row(
         first_id,
         len(arrays),
         np.fromiter(map(len, masks), packed.INT32, len(arrays)).tobytes(),
-        b"".join(tokens),
-        b"".join(masks),
-        b"".join(logprobs),
-        b"".join(versions),
+        (b"".join(tokens), b"".join(masks), b"".join(logprobs), b"".join(versions)),
     )
+
+
+def joined_row(first_id: int, rows: int, lengths: bytes, joined: Arrays) -> tuple[Any, ...]:
+    """The token_groups row of a group whose sequences' arrays are joined already (a slice of a
+    message's columns), with their int32 token counts."""
+    return (first_id, rows, lengths, *joined)
 
 
 def _ids_json(ids: Iterable[int]) -> str:

@@ -34,12 +34,12 @@ def insert_groups(
     store: Store,
     first_id: int,
     rows: list[tuple[Any, ...]],
-    groups: list[tuple[int, list[token_groups.Arrays]]],
+    groups: list[tuple[Any, ...]],
 ) -> None:
     """Insert groups of trajectories whose ids are first_id, first_id + 1, ... in row order: rows of
     (task_id, policy, prompt_key, reward, advantage, length, min_version, arrival, status, role,
-    group_key, temperature, top_p, top_k) in one statement, and each group's arrays (its first id and
-    its sequences' arrays) as token_groups rows in one more. Raises if SQLite gave other ids."""
+    group_key, temperature, top_p, top_k) in one statement, and each group's token_groups row
+    (token_groups.group_row or joined_row) in one more. Raises if SQLite gave other ids."""
     with store.write() as c:
         c.executemany(
             "INSERT INTO trajectories (task_id, policy, prompt_key, reward, advantage, length, min_version, "

@@ -7,16 +7,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from astraflow import log
 from astraflow.dataflow import failures
 from astraflow.dataflow.admission import Admission
 from astraflow.dataflow.buffer import Buffer
+from astraflow.dataflow.column_intake import ingest_columns
 from astraflow.dataflow.evaluation import Evaluator
 from astraflow.dataflow.limits import RefusedResult
 from astraflow.dataflow.pipeline import Pipeline
 from astraflow.dataflow.stall import Progress
 from astraflow.dataflow.validate import ResultChecker
 from astraflow.protocol import messages as m
+from astraflow.protocol.columns import ResultColumns
 from astraflow.roles.controller.outcome import Event, Outcome
 from astraflow.roles.controller.progress import made_progress
 from astraflow.roles.controller.run_end import RunEnd, summary
@@ -84,35 +88,44 @@ def _task_result(ctx: Intake, member: dict[str, Any], msg: m.TaskResult) -> m.Ms
 
 def on_task_results(ctx: Intake, member: dict[str, Any], msg: m.TaskResults) -> Outcome:
     """Group commit: check every result, store the valid ones in one transaction (stage state saved
-    once per policy), then ack each. A result refused while stored rolls the group back, and each
-    result is then handled alone, as a TaskResult would be."""
+    once per policy), then ack each. The results are read from the message's columns; a message
+    whose columns do not fit together is refused whole (nothing stored, the leases lapse). A result
+    refused while stored rolls the group back, and each result is then handled alone, as a
+    TaskResult would be."""
+    view = ResultColumns(msg)
+    if view.problem:
+        return Outcome(m.Error(rid=msg.rid, code="bad_result", message=f"{view.problem}; nothing stored"))
     acks: dict[int, m.OutcomeAck] = {}
-    good: list[tuple[int, m.Outcome, TaskRow | None]] = []
-    tasks = ctx.ledger.get_many(o.task_id for o in msg.results if not o.error)
+    good: list[tuple[int, m.ResultHead, TaskRow | None]] = []
+    tasks = ctx.ledger.get_many(h.task_id for h in msg.results if not h.error)
     latest: dict[str, int] = {}
-    cleared = _cleared(ctx, member, msg, tasks, latest)
-    for i, o in enumerate(msg.results):
-        if o.error:
-            acks[i] = _outcome_ack(o.task_id, _task_result(ctx, member, _single(o)))
+    cleared = _cleared(ctx, member, view, tasks, latest)
+    for i, h in enumerate(msg.results):
+        if h.error:
+            failed = m.TaskResult(task_id=h.task_id, epoch=h.epoch, error=h.error)
+            acks[i] = _outcome_ack(h.task_id, _task_result(ctx, member, failed))
             continue
-        task = tasks.get(o.task_id)
-        bad = _invalid(ctx, member, o, task, latest, cleared.get(i, False))
+        task = tasks.get(h.task_id)
+        bad = _invalid_in(ctx, member, view, i, task, latest, cleared.get(i, False))
         if bad is not None:
-            acks[i] = m.OutcomeAck(task_id=o.task_id, status="invalid", code="bad_result", message=bad)
+            acks[i] = m.OutcomeAck(task_id=h.task_id, status="invalid", code="bad_result", message=bad)
         else:
-            good.append((i, o, task))
+            good.append((i, h, task))
     try:
-        acks.update(_store_group(ctx, member, good))
+        acks.update(_store_group(ctx, member, view, good))
     except RefusedResult:
-        for i, o, _task in good:
-            acks[i] = _outcome_ack(o.task_id, _task_result(ctx, member, _single(o)))
+        for i, h, _task in good:
+            acks[i] = _outcome_ack(h.task_id, _task_result(ctx, member, _single(view.outcome(i))))
     accepted = any(a.status == "accepted" for a in acks.values())
     reply = m.ResultsAck(rid=msg.rid, acks=[acks[i] for i in range(len(msg.results))])
     return Outcome(reply, (Event.RESULT_ACCEPTED,) if accepted else ())
 
 
 def _store_group(
-    ctx: Intake, member: dict[str, Any], good: list[tuple[int, m.Outcome, TaskRow | None]]
+    ctx: Intake,
+    member: dict[str, Any],
+    view: ResultColumns,
+    good: list[tuple[int, m.ResultHead, TaskRow | None]],
 ) -> dict[int, m.OutcomeAck]:
     """Store the checked results of one message in one transaction (stage state saved once per
     policy); their acks by result index. Raises RefusedResult, rolled back, when one is refused."""
@@ -121,10 +134,10 @@ def _store_group(
     with ctx.store.write(), ctx.buffer.grouped():
         fed: dict[str, None] = {}
         # every lease of the message completed by one read and one UPDATE (state/ledger.py)
-        statuses = ctx.ledger.complete_many([(o.task_id, o.epoch) for _, o, _ in good], member["id"])
-        for (i, o, task), status in zip(good, statuses, strict=True):
-            _take(ctx, member, o, task, status)
-            acks[i] = m.OutcomeAck(task_id=o.task_id, status=status)
+        statuses = ctx.ledger.complete_many([(h.task_id, h.epoch) for _, h, _ in good], member["id"])
+        for (i, h, task), status in zip(good, statuses, strict=True):
+            _take(ctx, member, (view, i), task, status)
+            acks[i] = m.OutcomeAck(task_id=h.task_id, status=status)
             if status == "accepted" and task is not None:
                 fed.update(dict.fromkeys(task.policies))
         for pol in fed:
@@ -146,18 +159,58 @@ def _latest(ctx: Intake, latest: dict[str, int]) -> dict[str, int]:
 
 
 def _cleared(
-    ctx: Intake, member: dict[str, Any], msg: m.TaskResults, tasks: dict[int, TaskRow], latest: dict[str, int]
+    ctx: Intake,
+    member: dict[str, Any],
+    view: ResultColumns,
+    tasks: dict[int, TaskRow],
+    latest: dict[str, int],
 ) -> dict[int, bool]:
     """Result index -> whether its sequences passed the per-token checks together with the rest of
-    the message's (ResultChecker.clear_together); results not checked are left out."""
-    idx = [i for i, o in enumerate(msg.results) if not o.error and _checked(tasks.get(o.task_id), member)]
-    if len(idx) < 2:
+    the message's (ResultChecker.clear_columns); results not checked are left out."""
+    heads = view.heads
+    idx = [i for i, h in enumerate(heads) if not h.error and _checked(tasks.get(h.task_id), member)]
+    if not idx:
         return {}
-    picked = [(msg.results[i], tasks[msg.results[i].task_id]) for i in idx]
-    flags = ctx.checker.clear_together(
-        [(o.episodes, t.roles, ctx.shapes.sampling(t)) for o, t in picked], _latest(ctx, latest)
+    picked = [(i, tasks[heads[i].task_id]) for i in idx]
+    flags = ctx.checker.clear_columns(
+        view, [(i, t.roles, ctx.shapes.sampling(t)) for i, t in picked], _latest(ctx, latest)
     )
     return dict(zip(idx, flags, strict=True))
+
+
+def _invalid_in(
+    ctx: Intake,
+    member: dict[str, Any],
+    view: ResultColumns,
+    i: int,
+    task: TaskRow | None,
+    latest: dict[str, int],
+    cleared: bool,
+) -> str | None:
+    """`_invalid` of result i of a message read through its columns: a cleared one's shape is read
+    from the columns; one not cleared is turned back into an Outcome and walked, which names its fault."""
+    if task is None or not _checked(task, member):
+        return None
+    if not cleared:
+        return _invalid(ctx, member, view.outcome(i), task, latest)
+    h = view.heads[i]
+    a, b = view.span(i)
+    names = view.cols.names
+    got: dict[str, int] = {}
+    for idx, n in enumerate(np.bincount(view.policy[a:b], minlength=len(names)).tolist()):
+        if n:
+            got[names[idx]] = got.get(names[idx], 0) + n
+    bad = ctx.checker.check_cleared(
+        h.episodes,
+        h.infos,
+        got,
+        expected=ctx.admission.task_sequences(task.roles, ctx.shapes.sizes(task)),
+        roles=task.roles,
+    )
+    if not bad:
+        return None
+    status = member_failed(ctx, member, h.task_id, h.epoch, f"invalid result: {bad}", "invalid")
+    return f"task {h.task_id}: {bad} ({status})"
 
 
 def _invalid(
@@ -201,27 +254,30 @@ def _store_result(
 
 
 def _take(
-    ctx: Intake, member: dict[str, Any], res: m.TaskResult | m.Outcome, task: TaskRow | None, status: str
+    ctx: Intake,
+    member: dict[str, Any],
+    res: m.TaskResult | m.Outcome | tuple[ResultColumns, int],
+    task: TaskRow | None,
+    status: str,
 ) -> None:
-    """Store what a result whose lease completed with `status` brings (inside the caller's
-    transaction): an accepted one's sequences, or its eval round's record."""
-    if status == "accepted":
-        ctx.accounting.succeeded(member["id"])
-        if ctx.shapes.is_eval(res.task_id):
-            assert ctx.evals is not None
-            ctx.evals.record(res.task_id, res.episodes)
+    """Store what a result (or result i of a message's columns) whose lease completed with `status`
+    brings (inside the caller's transaction): an accepted one's sequences, or its eval round's record."""
+    if status != "accepted":
+        return
+    ctx.accounting.succeeded(member["id"])
+    task_id = res[0].heads[res[1]].task_id if isinstance(res, tuple) else res.task_id
+    if ctx.shapes.is_eval(task_id):
+        assert ctx.evals is not None
+        ctx.evals.record(task_id, res[0].outcome(res[1]).episodes if isinstance(res, tuple) else res.episodes)
+    else:
+        assert task is not None
+        # decided when the task was leased: a done task keeps a full group of every policy it fed,
+        # even when that policy's budget was taken while the task ran
+        if isinstance(res, tuple):
+            ingest_columns(ctx.pipeline, ctx.buffer, task.id, task.prompt_key, *res, read_only=task.read_only)
         else:
-            assert task is not None
-            ctx.pipeline.ingest(
-                ctx.buffer,
-                task.id,
-                task.prompt_key,
-                res.episodes,
-                # decided when the task was leased: a done task keeps a full group of every policy
-                # it fed, even when that policy's budget was taken while the task ran
-                read_only=task.read_only,
-            )
-        made_progress(ctx.store, ctx.progress)
+            ctx.pipeline.ingest(ctx.buffer, task.id, task.prompt_key, res.episodes, read_only=task.read_only)
+    made_progress(ctx.store, ctx.progress)
 
 
 def member_failed(

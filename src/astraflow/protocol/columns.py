@@ -1,0 +1,222 @@
+"""A TaskResults' sequences as columns: one bytes object per field for all the sequences of a message.
+
+A RaaS builds them from its finished results (`pack`): the per-token arrays of every sequence
+joined (their token counts in `lengths`), rewards as float64, and policy, role, group key and
+sampling settings as int32 indices into small tables. The controller reads a message through
+`ResultColumns`: the layout is checked once (`problem`), each result's sequences are a range of
+indices, and a result is turned back into an `Outcome` of `PackedSequence`s only where a slow path
+needs one (a result the per-token checks did not clear, an evaluation task, a filter's view).
+docs/protocol.md, "Columns per message".
+"""
+
+from __future__ import annotations
+
+import collections.abc
+from itertools import accumulate
+from typing import Any
+
+import numpy as np
+
+from astraflow.protocol import packed
+from astraflow.protocol.messages import (
+    Outcome,
+    PackedEpisode,
+    PackedSequence,
+    ResultHead,
+    SamplingParams,
+    SequenceColumns,
+    TaskResults,
+)
+
+FLOAT64 = "<f8"
+"""numpy dtype of the rewards column."""
+
+
+def _layout(s: PackedSequence) -> str:
+    """Why one sequence's arrays cannot be a slice of the columns ('' when they can)."""
+    why = packed.layout_problem(s.tokens, s.loss_mask, s.logprobs, s.versions)
+    if why:
+        return why
+    n = len(s.loss_mask)
+    if not (len(s.tokens) == len(s.logprobs) == len(s.versions) == 4 * n):
+        sizes = f"{len(s.tokens) // 4}/{n}/{len(s.logprobs) // 4}/{len(s.versions) // 4}"
+        return f"tokens/loss_mask/logprobs/versions lengths differ ({sizes})"
+    return ""
+
+
+def _columnable(o: Outcome) -> Outcome:
+    """The outcome itself, or (a sequence whose arrays disagree in length cannot be a slice of the
+    columns) the error naming that sequence, which the controller charges as a failed attempt."""
+    for i, ep in enumerate(o.episodes):
+        for j, s in enumerate(ep.sequences):
+            why = _layout(s)
+            if why:
+                return Outcome(
+                    task_id=o.task_id, epoch=o.epoch, error=f"invalid result: episode {i} sequence {j}: {why}"
+                )
+    return o
+
+
+def pack(outcomes: collections.abc.Sequence[Outcome], rid: int = 0) -> TaskResults:
+    """One TaskResults holding these results, their sequences in columns (an errored result carries none)."""
+    heads: list[ResultHead] = []
+    seqs: list[PackedSequence] = []
+    for o in map(_columnable, outcomes):
+        if o.error:
+            heads.append(ResultHead(task_id=o.task_id, epoch=o.epoch, error=o.error))
+            continue
+        infos = {e: dict(ep.info) for e, ep in enumerate(o.episodes) if ep.info}
+        heads.append(
+            ResultHead(
+                task_id=o.task_id,
+                epoch=o.epoch,
+                episodes=[len(ep.sequences) for ep in o.episodes],
+                infos=infos,
+            )
+        )
+        for ep in o.episodes:
+            seqs.extend(ep.sequences)
+    names: dict[str, int] = {}
+    keys: dict[str, int] = {}
+    samplings: dict[SamplingParams, int] = {}
+    cols = SequenceColumns(
+        lengths=_ints([len(s.loss_mask) for s in seqs]),
+        tokens=b"".join([s.tokens for s in seqs]),
+        loss_mask=b"".join([s.loss_mask for s in seqs]),
+        logprobs=b"".join([s.logprobs for s in seqs]),
+        versions=b"".join([s.versions for s in seqs]),
+        rewards=np.array([s.reward for s in seqs], FLOAT64).tobytes(),
+        policy=_ints([names.setdefault(s.policy, len(names)) for s in seqs]),
+        role=_ints([names.setdefault(s.role, len(names)) for s in seqs]),
+        group_key=_ints([keys.setdefault(s.group_key, len(keys)) for s in seqs]),
+        sampling=_ints([samplings.setdefault(s.sampling, len(samplings)) for s in seqs]),
+        names=list(names),
+        keys=list(keys),
+        samplings=list(samplings),
+        turns={k: list(s.turns) for k, s in enumerate(seqs) if s.turns is not None},
+    )
+    return TaskResults(rid=rid, results=heads, columns=cols)
+
+
+def _ints(values: list[int]) -> bytes:
+    return np.array(values, packed.INT32).tobytes()
+
+
+def _indices(name: str, data: bytes, n: int, table: int) -> tuple[np.ndarray[Any, Any], str]:
+    if len(data) != 4 * n:
+        return np.zeros(0, np.int32), f"{name} is {len(data)} bytes for {n} sequences (int32 each)"
+    a = np.frombuffer(data, packed.INT32)
+    if n and (int(a.min()) < 0 or int(a.max()) >= table):
+        return a, f"{name} holds an index outside its table of {table}"
+    return a, ""
+
+
+class ResultColumns:
+    """A decoded TaskResults read through its columns: `problem` says why its layout is unusable
+    ('' when it is fine; then nothing else may be used)."""
+
+    def __init__(self, msg: TaskResults) -> None:
+        self.msg = msg
+        self.heads = msg.results
+        self.cols = msg.columns
+        self.starts = list(accumulate((sum(h.episodes) for h in self.heads), initial=0))
+        """Index of each result's first sequence (and the total after the last)."""
+        self.count = self.starts[-1]
+        empty = np.zeros(0, np.int32)
+        self.lengths = self.policy = self.role = self.key = self.sampling = empty
+        self.rewards = np.zeros(0, np.float64)
+        self.tok = np.zeros(1, np.int64)
+        """Index of each sequence's first token (and the total after the last)."""
+        why = self._read()
+        self.problem = f"TaskResults columns: {why}" if why else ""
+
+    def _read(self) -> str:
+        """Read the columns into arrays; why their layout is unusable ('' when it is fine)."""
+        c, n = self.cols, self.count
+        if any(k < 0 for h in self.heads for k in h.episodes):
+            return "an episode's sequence count is negative"
+        if len(c.lengths) != 4 * n or len(c.rewards) != 8 * n:
+            return f"lengths ({len(c.lengths)} bytes) or rewards ({len(c.rewards)} bytes) do not fit {n} sequences"
+        lengths = np.frombuffer(c.lengths, packed.INT32)
+        if n and int(lengths.min()) < 0:
+            return "a sequence's length is negative"
+        total = int(lengths.sum(dtype=np.int64))
+        if not len(c.tokens) == len(c.logprobs) == len(c.versions) == 4 * total == 4 * len(c.loss_mask):
+            return (
+                f"tokens/loss_mask/logprobs/versions are {len(c.tokens)}/{len(c.loss_mask)}/"
+                f"{len(c.logprobs)}/{len(c.versions)} bytes for {total} tokens"
+            )
+        found = []
+        for name, data, table in (
+            ("policy", c.policy, len(c.names)),
+            ("role", c.role, len(c.names)),
+            ("group_key", c.group_key, len(c.keys)),
+            ("sampling", c.sampling, len(c.samplings)),
+        ):
+            a, why = _indices(name, data, n, table)
+            if why:
+                return why
+            found.append(a)
+        if any(not 0 <= k < n for k in c.turns):
+            return "turns names a sequence the message does not have"
+        if any(not 0 <= e < len(h.episodes) for h in self.heads for e in h.infos):
+            return "infos names an episode its result does not have"
+        self.lengths = lengths
+        self.policy, self.role, self.key, self.sampling = found
+        self.rewards = np.frombuffer(c.rewards, FLOAT64)
+        self.tok = np.zeros(n + 1, np.int64)
+        np.cumsum(lengths, out=self.tok[1:])
+        return ""
+
+    def span(self, i: int) -> tuple[int, int]:
+        """The sequence indices [a, b) of result i."""
+        return self.starts[i], self.starts[i + 1]
+
+    def joined(self, a: int, b: int) -> tuple[bytes, bytes, bytes, bytes]:
+        """The packed (tokens, loss_mask, logprobs, versions) of sequences a..b-1, joined."""
+        c = self.cols
+        t0, t1 = int(self.tok[a]), int(self.tok[b])
+        return (
+            c.tokens[4 * t0 : 4 * t1],
+            c.loss_mask[t0:t1],
+            c.logprobs[4 * t0 : 4 * t1],
+            c.versions[4 * t0 : 4 * t1],
+        )
+
+    def arrays(self, a: int, b: int) -> list[tuple[bytes, bytes, bytes, bytes]]:
+        """Each sequence's packed arrays, for sequences a..b-1."""
+        c = self.cols
+        tok = self.tok[a : b + 1].tolist()
+        out = []
+        for t0, t1 in zip(tok, tok[1:], strict=False):
+            q0, q1 = 4 * t0, 4 * t1
+            out.append((c.tokens[q0:q1], c.loss_mask[t0:t1], c.logprobs[q0:q1], c.versions[q0:q1]))
+        return out
+
+    def sequence(self, k: int) -> PackedSequence:
+        """Sequence k as a PackedSequence (slow path)."""
+        c = self.cols
+        tokens, mask, logprobs, versions = self.arrays(k, k + 1)[0]
+        return PackedSequence(
+            policy=c.names[int(self.policy[k])],
+            tokens=tokens,
+            loss_mask=mask,
+            logprobs=logprobs,
+            versions=versions,
+            sampling=c.samplings[int(self.sampling[k])],
+            reward=float(self.rewards[k]),
+            role=c.names[int(self.role[k])],
+            group_key=c.keys[int(self.key[k])],
+            turns=c.turns.get(k),
+        )
+
+    def outcome(self, i: int) -> Outcome:
+        """Result i as the Outcome it stands for (slow path: a Python object per sequence)."""
+        h = self.heads[i]
+        k = self.starts[i]
+        episodes = []
+        for e, n in enumerate(h.episodes):
+            seqs = [self.sequence(j) for j in range(k, k + n)]
+            episodes.append(PackedEpisode(sequences=seqs, info=h.infos.get(e, {})))
+            k += n
+        return Outcome(task_id=h.task_id, epoch=h.epoch, episodes=episodes, error=h.error)

@@ -1,0 +1,135 @@
+"""A TaskResults carries its sequences as columns (protocol/columns.py): they come back exactly as
+sent, a message whose columns do not fit together is refused whole with nothing stored and its
+leases kept, and a faulty sequence is still named exactly (driven through Controller.dispatch on a
+real state.db, no sockets)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from astraflow.protocol import messages as m
+from astraflow.protocol.codec import DecodeError, decode, encode
+from astraflow.protocol.columns import ResultColumns
+from tests.unit.test_group_commit import _controller, _episodes, _grant, _stored
+
+
+def _seq(policy: str, tokens: list[int], **kw: object) -> m.Sequence:
+    n = len(tokens)
+    return m.Sequence(
+        policy=policy,
+        tokens=tokens,
+        loss_mask=[0] + [1] * (n - 1),
+        logprobs=[0.0] + [-0.5] * (n - 1),
+        versions=[-1] + [0] * (n - 1),
+        sampling=m.SamplingParams(temperature=0.7 if policy == "b" else 1.0),
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def test_columns_give_back_every_result_as_sent() -> None:
+    outcomes = [
+        m.Outcome(
+            task_id=1,
+            epoch=2,
+            episodes=[
+                m.Episode(
+                    sequences=[
+                        _seq("a", [5, 6, 7], reward=1.5, role="solver", group_key="x"),
+                        _seq("b", [9, 8], role="judge", turns=[(1, 1, False)]),
+                    ],
+                    info={"correct": 1, "note": "ok"},
+                ),
+                m.Episode(sequences=[_seq("a", [1, 2, 3, 4], reward=-0.25, group_key="y")]),
+            ],
+        ),
+        m.Outcome(task_id=3, epoch=1, error="boom"),
+        m.Outcome(task_id=4, epoch=1, episodes=[m.Episode(sequences=[_seq("b", [3, 3], reward=2.0)])]),
+    ]
+    msg = decode(encode(m.TaskResults.of(outcomes, rid=9)))
+    assert isinstance(msg, m.TaskResults) and msg.rid == 9
+    view = ResultColumns(msg)
+    assert view.problem == ""
+    assert [encode(view.outcome(i)) for i in range(3)] == [encode(o) for o in outcomes]
+    assert [view.span(i) for i in range(3)] == [(0, 3), (3, 3), (3, 4)]
+
+
+def test_bad_columns_are_refused_whole_and_lose_nothing(tiny_model: Path, tmp_path: Path) -> None:
+    c = _controller(tiny_model, tmp_path)
+    tasks = _grant(c, 2)
+    good = m.TaskResults.of(
+        [m.Outcome(task_id=t.task_id, epoch=t.epoch, episodes=_episodes(t.task_id)) for t in tasks]
+    )
+    cols = good.columns
+    for bad in (
+        msgspec.structs.replace(cols, tokens=cols.tokens[:-4]),
+        msgspec.structs.replace(cols, policy=b"\x07\x00\x00\x00" + cols.policy[4:]),
+        msgspec.structs.replace(cols, lengths=cols.lengths[:-4]),
+        msgspec.structs.replace(cols, turns={99: [(0, 1, False)]}),
+    ):
+        reply = c.dispatch(b"w", decode(encode(msgspec.structs.replace(good, columns=bad))))[0][1]
+        assert isinstance(reply, m.Error) and reply.code == "bad_result", reply
+        assert reply.message.startswith("TaskResults columns: ") and "nothing stored" in reply.message
+        assert _stored(c) == []
+        assert [
+            r["status"]
+            for r in c.store.query(
+                "SELECT status FROM tasks WHERE id IN (?, ?)", tuple(t.task_id for t in tasks)
+            )
+        ] == ["leased", "leased"]
+    acks = c.dispatch(b"w", decode(encode(good)))[0][1]
+    assert isinstance(acks, m.ResultsAck) and [a.status for a in acks.acks] == ["accepted", "accepted"]
+    assert len(_stored(c)) == 2 * len(_episodes(0))
+
+
+def test_a_faulty_sequence_is_still_named_exactly(tiny_model: Path, tmp_path: Path) -> None:
+    c = _controller(tiny_model, tmp_path)
+    tasks = _grant(c, 3)
+    results = [m.Outcome(task_id=t.task_id, epoch=t.epoch, episodes=_episodes(t.task_id)) for t in tasks]
+    results[1] = m.Outcome(
+        task_id=tasks[1].task_id,
+        epoch=tasks[1].epoch,
+        episodes=_episodes(tasks[1].task_id)[:1] + _episodes(0, 10**6)[:1],
+    )
+    acks = c.dispatch(b"w", decode(encode(m.TaskResults.of(results))))[0][1]
+    assert isinstance(acks, m.ResultsAck)
+    assert [a.status for a in acks.acks] == ["accepted", "invalid", "accepted"]
+    assert "episode 1 sequence 0: token id 1000000 outside the vocabulary" in acks.acks[1].message
+    assert {row[0] for row in _stored(c)} == {tasks[0].task_id, tasks[2].task_id}
+
+
+def test_arrays_of_different_lengths_travel_as_the_error_naming_them() -> None:
+    odd = m.Sequence(
+        policy="a",
+        tokens=[1, 2, 3, 4],
+        loss_mask=[0, 1, 1],
+        logprobs=[0.0] * 4,
+        versions=[0] * 4,
+        sampling=m.SamplingParams(),
+    )
+    fine = m.Episode(sequences=[_seq("a", [1, 2])])
+    msg = m.TaskResults.of([m.Outcome(task_id=5, epoch=1, episodes=[fine, m.Episode(sequences=[odd])])])
+    (head,) = msg.results
+    assert (
+        head.error
+        == "invalid result: episode 1 sequence 0: tokens/loss_mask/logprobs/versions lengths differ (4/3/4/4)"
+    )
+    assert head.episodes == [] and msg.columns.lengths == b""
+
+
+def test_a_peer_of_the_previous_protocol_is_refused_and_its_results_do_not_decode(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    c = _controller(tiny_model, tmp_path)
+    old = m.Hello(member_id="old", role="raas", protocol=6, policies=["main"], pid=2, host="h")
+    reply = c.dispatch(b"old", old)[0][1]
+    assert isinstance(reply, m.Error) and reply.code == "protocol_version"
+    assert f"controller speaks protocol {m.PROTOCOL_VERSION}, member 6" in reply.message
+    # a version-6 TaskResults (Outcomes of PackedEpisodes, no columns) is not a version-7 one
+    v6 = msgspec.msgpack.encode(
+        {"type": "TaskResults", "rid": 1, "results": [{"task_id": 1, "epoch": 1, "episodes": []}]}
+    )
+    with pytest.raises(DecodeError):
+        decode(v6)
