@@ -12,7 +12,9 @@ How a process is known to be a test's (read from /proc, Linux only; elsewhere th
 A fixture wider than a test (module, class, session) gets a tag of its own while it is set up, and
 the processes it starts are checked after it is finished, not after the test that set it up.
 What it does not see: a process that was started with an environment of its own by a process that
-is no longer there (its tag lost and its parent gone, so nothing links it to the test).
+is no longer there (its tag lost and its parent gone, so nothing links it to the test). Not a test's:
+the `HELPERS` a library starts once for this pytest process. A process that a wide fixture's object
+starts later, during a test, is that test's.
 
 A process still alive `GRACE_S` after its owner ended is killed (SIGKILL) and reported: as a warning
 on the test, in a "processes left running" section of the summary, and as an error of the test when
@@ -38,6 +40,10 @@ TAG_VAR = "ASTRAFLOW_TEST_PROCESS_TAG"
 """The environment variable whose value names the test (or fixture) that started a process."""
 GRACE_S = float(os.environ.get("ASTRAFLOW_TEST_LEAK_GRACE_S", "5"))
 """How long a process may take to end after its owner did (a finalizer that signals and moves on)."""
+HELPERS = ("torch_shm_manager", "multiprocessing.resource_tracker", "multiprocessing.forkserver")
+"""Helpers a library starts once for the whole process that asked (torch's shared-memory manager,
+multiprocessing's resource tracker): started by this pytest process during some test, they serve the
+later tests too and end with pytest, so they are not that test's; killing one would break the next."""
 ON = sys.platform == "linux" and Path("/proc/self/stat").exists()
 _PROC = Path("/proc")
 
@@ -106,6 +112,12 @@ def descendants(procs: dict[Key, int], root: int) -> set[Key]:
             out.add(key)
             todo.append(key[0])
     return out
+
+
+def _helper(key: Key) -> bool:
+    """Whether the process is one of `HELPERS` started by this pytest process."""
+    st = _stat(key[0])
+    return st is not None and st[1] == os.getpid() and any(h in _cmd(key[0]) for h in HELPERS)
 
 
 def _alive(key: Key) -> bool:
@@ -196,9 +208,9 @@ class LeakCheck:
 
     @staticmethod
     def _wait(left: set[Key]) -> list[Key]:
-        """Those of `left` still alive after up to GRACE_S."""
+        """Those of `left` still alive after up to GRACE_S (this process's helpers are left out)."""
         deadline = time.monotonic() + GRACE_S
-        alive = [k for k in left if _alive(k)]
+        alive = [k for k in left if _alive(k) and not _helper(k)]
         while alive and time.monotonic() < deadline:
             time.sleep(0.05)
             alive = [k for k in alive if _alive(k)]
