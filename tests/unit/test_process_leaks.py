@@ -1,7 +1,8 @@
 """The suite's check for processes a test leaves running (tests/process_leaks.py), run on a pytest of
 its own whose tests really leak: a child in a new session whose parent exited (reparented to init), a
-fork, a module fixture's server never stopped; beside a test and a fixture that clean up. Each leak is
-named with its test (or fixture), its processes are killed, and the clean ones are not named."""
+fork, a module fixture's server never stopped; beside a test and a fixture that clean up, and a test
+whose spawned worker leaves multiprocessing's resource tracker (one for the whole pytest process). Each
+leak is named with its test (or fixture), its processes are killed, and the others are not named."""
 
 from __future__ import annotations
 
@@ -66,6 +67,16 @@ def test_fork():
     record("fork", pid)
 
 
+def test_spawn_leaves_only_the_resource_tracker():
+    import multiprocessing as mp
+    from multiprocessing import resource_tracker
+
+    worker = mp.get_context("spawn").Process(target=time.sleep, args=(0,))
+    worker.start()
+    worker.join()
+    record("tracker", resource_tracker._resource_tracker._pid)
+
+
 def test_clean(stopped_server):
     subprocess.run([sys.executable, "-c", "pass"], check=True)
 
@@ -112,6 +123,7 @@ def test_leaked_processes_are_named_with_their_test_and_killed(tmp_path: Path) -
         )
     out = (tmp_path / "out.txt").read_text()
     recorded = dict(line.split() for line in pids.read_text().splitlines())
+    tracker = int(recorded.pop("tracker"))
     leaked = {name: int(pid) for name, pid in recorded.items()}
     try:
         assert proc.returncode == 1, out  # the leaking tests' teardowns fail in error mode
@@ -124,7 +136,11 @@ def test_leaked_processes_are_named_with_their_test_and_killed(tmp_path: Path) -
             assert not _alive(pid), f"pid {pid} was reported but is still running"
         assert "test_clean left" not in summary and "stopped_server" not in summary, out
         assert "test_uses_the_server left" not in summary, out
-        assert "5 passed" in out and "2 errors" in out, (
+        # started once for the whole pytest process, and used by its later tests: not a leak
+        assert (
+            "test_spawn_leaves_only_the_resource_tracker" not in summary and f"pid {tracker} " not in out
+        ), out
+        assert "6 passed" in out and "2 errors" in out, (
             out
         )  # a fixture's leak is reported, not a test's error
     finally:
