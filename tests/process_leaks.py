@@ -17,8 +17,8 @@ the `HELPERS` a library starts once for this pytest process. A process that a wi
 starts later, during a test, is that test's.
 
 A process still alive `GRACE_S` after its owner ended is killed (SIGKILL) and reported: as a warning
-on the test, in a "processes left running" section of the summary, and as an error of the test when
-`ASTRAFLOW_TEST_LEAKS=error`.
+on the test, in a "processes left running" section of the summary, and as an error of the test (for
+a fixture, of the test in whose teardown it finished) when `ASTRAFLOW_TEST_LEAKS=error`.
 """
 
 from __future__ import annotations
@@ -280,7 +280,9 @@ class LeakCheck:
             return
         left = self._left_by_fixture(owner)
         if left:
-            self._report(owner.name, left)
+            text = self._report(owner.name, left)
+            if self.error:  # an error of the test in whose teardown the fixture finished
+                pytest.fail(text, pytrace=False)
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         """Every leak of the session, once more, in a section of its own."""
