@@ -47,6 +47,9 @@ zmq.Context.__del__ = _collect_context_without_blocking  # type: ignore[method-a
 
 ROOT = Path(__file__).resolve().parents[1]
 
+pytest_plugins = ["tests.process_leaks"]
+"""After each test, the processes it left running are killed and reported (tests/process_leaks.py)."""
+
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:

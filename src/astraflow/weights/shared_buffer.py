@@ -332,26 +332,51 @@ def _share_cuda(buf: torch.Tensor) -> IpcHandle:
     )
 
 
+def rebuild_args(
+    h: IpcHandle,
+    dtype: torch.dtype,
+    device: int | str,
+    shape: tuple[int, ...] | None = None,
+    offset: int = 0,
+) -> tuple[Any, ...]:
+    """The arguments of torch's `rebuild_cuda_tensor` that map `h`'s buffer in another process: the
+    whole buffer as bytes (no `shape`), or a contiguous `dtype` view of `shape` starting `offset`
+    elements in. `device` is this process's GPU index, or the GPU's UUID for a receiver that maps it
+    to its own index (SGLang's patched rebuild)."""
+    size = torch.Size(shape if shape is not None else (h.numel,))
+    return (
+        torch.Tensor,
+        size,
+        contiguous_stride(size),
+        offset,
+        torch.storage.TypedStorage,
+        dtype,
+        device,
+        h.handle,
+        h.storage_bytes,
+        h.storage_offset,
+        False,
+        h.ref_handle,
+        h.ref_offset,
+        h.event_handle or None,
+        h.event_sync,
+    )
+
+
+def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides, in elements, of a contiguous tensor of `shape`."""
+    stride = []
+    acc = 1
+    for d in reversed(shape):
+        stride.append(acc)
+        acc *= max(d, 1)
+    return tuple(reversed(stride))
+
+
 def _open_cuda(h: IpcHandle, device: torch.device) -> torch.Tensor:
     """Map another process's packed device buffer into this one (CUDA only)."""
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     index = device.index if device.index is not None else torch.cuda.current_device()
     with torch.cuda.device(index):
-        return rebuild_cuda_tensor(
-            torch.Tensor,
-            (h.numel,),
-            (1,),
-            0,
-            torch.storage.TypedStorage,
-            torch.uint8,
-            index,
-            h.handle,
-            h.storage_bytes,
-            h.storage_offset,
-            False,
-            h.ref_handle,
-            h.ref_offset,
-            h.event_handle or None,
-            h.event_sync,
-        )
+        return rebuild_cuda_tensor(*rebuild_args(h, torch.uint8, index))

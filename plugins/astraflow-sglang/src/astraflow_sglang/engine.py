@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from astraflow import log
-from astraflow.engines.base import Completion, GenerationRequest, RolloutEngine
+from astraflow.engines.base import Completion, GenerationRequest, RolloutEngine, StagedWeights
 from astraflow.errors import AstraflowError
 from astraflow.protocol.messages import SamplingParams
 
@@ -65,7 +65,7 @@ class SglangEngineConfig(BaseModel):
     cpu takes /dev/shm slots."""
 
 
-class SglangEngine(RolloutEngine):
+class SglangEngine(StagedWeights, RolloutEngine):
     """An SGLang server behind the RolloutEngine contract, with exact per-token versions."""
 
     Config = SglangEngineConfig
@@ -111,20 +111,14 @@ class SglangEngine(RolloutEngine):
 
         self.device = torch.device(config.device)
         """Where the RaaS maps same-host versions (weights/transport.py reads it)."""
-        self._expected = checkpoint_meta(self.model_path)
+        self._init_staging(checkpoint_meta(self.model_path))
         self._importer: Any = None
         self._segment: Any = None
         """The torch shared-memory segment shm versions are copied into (one, reused)."""
         self.last_error = ""
         """Why the last staged version was not applied ("" when it was)."""
-        self._refused = -1
-        """The newest version whose slot failed this engine's check."""
-        self._version = 0
         self._rids = itertools.count()
         self._inflight: set[str] = set()
-        self._staged: tuple[int, dict[str, Any] | SlotRef] | None = None
-        self._cond = threading.Condition()
-        self._applied = threading.Condition(threading.Lock())
         self._closed = False
         self._updater = threading.Thread(target=self._update_loop, name="sglang-updates", daemon=True)
         self._updater.start()
@@ -193,36 +187,6 @@ class SglangEngine(RolloutEngine):
                 finish[i] = "stop" if kind == "stop" else "length"
         return [Completion(tokens[i], logprobs[i], versions[i], finish[i], _used(request)) for i in range(n)]
 
-    def load_weights(self, version: int, state_dict: Mapping[str, Any]) -> None:
-        """Check the weights against the checkpoint (WeightsMismatchError: nothing is staged) and stage
-        them; the update thread writes them where the server reads them and has it load them."""
-        self._check(state_dict)
-        with self._cond:
-            staged = self._staged[1] if self._staged is not None else {}
-            merged = dict(staged) if isinstance(staged, dict) else {}
-            merged.update(state_dict)
-            self._staged = (version, merged)
-            self._cond.notify()
-
-    def load_slot(self, version: int, slot: SlotRef) -> bool:
-        """Take a same-host version by reference: check its layout against the checkpoint (raises
-        WeightsMismatchError) and stage it; the update thread names its tensors to the server through
-        `/update_weights_from_tensor`, with no file written."""
-        if slot.kind == "cuda_ipc" and self.device.type != "cuda":
-            return False
-        from astraflow.weights.slot_ref import layout_meta
-
-        self._check(layout_meta(slot))
-        with self._cond:
-            self._staged = (version, slot)  # a slot holds a whole version: it supersedes what is staged
-            self._cond.notify()
-        return True
-
-    def slot_refused(self, version: int) -> bool:
-        """Whether `version`'s slot failed this engine's check (and nothing newer applied): the RaaS
-        then hands it over as tensors."""
-        return self._refused >= version > self._version
-
     @property
     def version(self) -> int:
         """The weight version the server decodes with."""
@@ -243,13 +207,6 @@ class SglangEngine(RolloutEngine):
         self._updater.join(timeout=60)
         self._abort(list(self._inflight))
         self._pool.shutdown(wait=False)
-
-    # ----- extras -------------------------------------------------------------------------------
-
-    def wait_version(self, version: int, timeout: float | None = None) -> bool:
-        """Block until weights of `version` (or newer) are in use; False on timeout."""
-        with self._applied:
-            return self._applied.wait_for(lambda: self._version >= version, timeout=timeout)
 
     # ----- internals ----------------------------------------------------------------------------
 
@@ -285,14 +242,6 @@ class SglangEngine(RolloutEngine):
             except Exception as exc:  # keep serving the old version; the next update may succeed
                 self.last_error = f"version {version} not applied: {type(exc).__name__}: {exc}"[:2000]
                 _log.exception("weight update to version %d failed", version)
-
-    def _check(self, offered: Mapping[str, Any]) -> None:
-        """WeightsMismatchError unless every offered tensor is one of the checkpoint's, with its shape
-        and a dtype of its kind (no check when the model path is not a local directory)."""
-        from astraflow.engines.weights import check_weights
-
-        if self._expected is not None:
-            check_weights(self._expected, offered)
 
     def _apply_from_slot(self, version: int, ref: SlotRef) -> None:
         """Name the slot's tensors to the server (`/update_weights_from_tensor`); an shm slot is mapped
@@ -347,9 +296,7 @@ class SglangEngine(RolloutEngine):
             self._call("POST", "/flush_cache")
         finally:
             self._call("POST", "/continue_generation", {})
-        with self._applied:
-            self._version = version
-            self._applied.notify_all()
+        self._applied_version(version)
 
     def _slot_importer(self) -> Any:
         """This engine's importer of /dev/shm slots (it keeps each slot mapped once)."""

@@ -33,7 +33,7 @@ import msgspec
 import torch
 
 from astraflow.weights import packed
-from astraflow.weights.shared_buffer import IpcHandle
+from astraflow.weights.shared_buffer import IpcHandle, contiguous_stride, rebuild_args
 from astraflow.weights.slot_ref import SlotRef
 
 
@@ -85,23 +85,8 @@ def _cuda_items(layout: packed.Layout, h: IpcHandle) -> list[tuple[str, Any]]:
     for e in layout.entries:
         dtype = getattr(torch, e.dtype)
         item = torch.empty((), dtype=dtype).element_size()
-        args = (
-            torch.Tensor,
-            torch.Size(e.shape),
-            _contiguous_stride(e.shape),
-            e.offset // item,  # in elements of the tensor's dtype (regions are aligned to it)
-            torch.storage.TypedStorage,
-            dtype,
-            device,
-            h.handle,
-            h.storage_bytes,
-            h.storage_offset,
-            False,
-            h.ref_handle,
-            h.ref_offset,
-            h.event_handle or None,
-            h.event_sync,
-        )
+        # the offset in elements of the tensor's dtype (regions are aligned to it)
+        args = rebuild_args(h, dtype, device, shape=e.shape, offset=e.offset // item)
         out.append((e.name, _Call(rebuild_cuda_tensor, args)))
     return out
 
@@ -131,15 +116,6 @@ def _shared_items(
         dtype = getattr(torch, e.dtype)
         item = torch.empty((), dtype=dtype).element_size()
         view = typed.setdefault(e.dtype, _Call(rebuild_typed_storage, (shared, dtype)))
-        meta = (e.offset // item, torch.Size(e.shape), _contiguous_stride(e.shape), False)
+        meta = (e.offset // item, torch.Size(e.shape), contiguous_stride(e.shape), False)
         out.append((e.name, _Call(rebuild_tensor, (torch.Tensor, view, meta))))
     return buf, out
-
-
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride = []
-    acc = 1
-    for d in reversed(shape):
-        stride.append(acc)
-        acc *= max(d, 1)
-    return tuple(reversed(stride))

@@ -17,7 +17,6 @@ import asyncio
 import itertools
 import os
 import threading
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -25,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from astraflow import log
-from astraflow.engines.base import Completion, GenerationRequest, RolloutEngine
+from astraflow.engines.base import Completion, GenerationRequest, RolloutEngine, StagedWeights
 from astraflow.errors import AstraflowError
 from astraflow.protocol.messages import SamplingParams
 
@@ -82,7 +81,7 @@ class _Live:
         self.finish = [""] * self.n
 
 
-class VllmEngine(RolloutEngine):
+class VllmEngine(StagedWeights, RolloutEngine):
     """vLLM behind the RolloutEngine contract, with exact per-token versions across weight updates."""
 
     Config = VllmEngineConfig
@@ -139,19 +138,13 @@ class VllmEngine(RolloutEngine):
         """Where vLLM's weights live: the RaaS maps same-host versions there (CUDA IPC on a GPU)."""
         from astraflow.engines.weights import checkpoint_meta
 
-        self._expected = checkpoint_meta(Path(model_path))
+        self._init_staging(checkpoint_meta(Path(model_path)))
         self.last_error = ""
         """Why the last staged version was not applied ("" when it was)."""
-        self._refused = -1
-        """The newest version vLLM's worker refused to read from its slot."""
-        self._version = 0
         self._ids = itertools.count()
         self._live: dict[str, _Live] = {}
         self._inbox: list[tuple[str, _Live]] = []
         self._aborts: list[str] = []
-        self._staged: tuple[int, dict[str, Any] | SlotRef] | None = None
-        self._cond = threading.Condition()
-        self._applied = threading.Condition(threading.Lock())
         self._closed = False
         self._thread = threading.Thread(target=self._worker, name="vllm-engine", daemon=True)
         self._thread.start()
@@ -188,38 +181,6 @@ class VllmEngine(RolloutEngine):
                 self._cond.notify()
             raise
 
-    def load_weights(self, version: int, state_dict: Mapping[str, Any]) -> None:
-        """Check the weights against the checkpoint's names, shapes and dtypes (WeightsMismatchError:
-        nothing is staged) and stage them; the engine thread reloads them between two steps."""
-        self._check(state_dict)
-        with self._cond:
-            staged = self._staged[1] if self._staged is not None else {}
-            # a newer version supersedes one not applied yet; partial updates compose
-            merged = dict(staged) if isinstance(staged, dict) else {}
-            merged.update(state_dict)
-            self._staged = (version, merged)
-            self._cond.notify()
-
-    def load_slot(self, version: int, slot: SlotRef) -> bool:
-        """Take a same-host version by reference: check its layout against the checkpoint (raises
-        WeightsMismatchError) and stage it; vLLM's worker maps and checks the slot itself, so only the
-        reference crosses `collective_rpc`. False (send tensors instead) for a CUDA IPC slot when vLLM
-        is not on a GPU."""
-        if slot.kind == "cuda_ipc" and self.device.type != "cuda":
-            return False
-        from astraflow.weights.slot_ref import layout_meta
-
-        self._check(layout_meta(slot))
-        with self._cond:
-            self._staged = (version, slot)  # a slot holds a whole version: it supersedes what is staged
-            self._cond.notify()
-        return True
-
-    def slot_refused(self, version: int) -> bool:
-        """Whether `version` was refused where vLLM's worker read its slot (and nothing newer applied):
-        the RaaS then hands it over as tensors."""
-        return self._refused >= version > self._version
-
     @property
     def version(self) -> int:
         """The weight version vLLM's steps currently use."""
@@ -235,13 +196,6 @@ class VllmEngine(RolloutEngine):
             self._closed = True
             self._cond.notify_all()
         self._thread.join(timeout=60)
-
-    # ----- extras -------------------------------------------------------------------------------
-
-    def wait_version(self, version: int, timeout: float | None = None) -> bool:
-        """Block until weights of `version` (or newer) are in use; False on timeout."""
-        with self._applied:
-            return self._applied.wait_for(lambda: self._version >= version, timeout=timeout)
 
     # ----- the engine thread --------------------------------------------------------------------
 
@@ -343,14 +297,6 @@ class VllmEngine(RolloutEngine):
                     ],
                 )
 
-    def _check(self, offered: Mapping[str, Any]) -> None:
-        """WeightsMismatchError unless every offered tensor is one of the checkpoint's, with its shape
-        and a dtype of its kind (no check when the model is not a local directory)."""
-        from astraflow.engines.weights import check_weights
-
-        if self._expected is not None:
-            check_weights(self._expected, offered)
-
     def _apply(self, version: int, payload: dict[str, Any] | SlotRef) -> None:
         """Reload weights in place, then make every running sequence recompute its KV under them."""
         if isinstance(payload, dict):
@@ -373,9 +319,7 @@ class VllmEngine(RolloutEngine):
         # Preempting the running requests drops their KV; vLLM recomputes it (prompt + tokens so far)
         # under the new weights, so each later logprob is exactly the new version's.
         self._engine.reset_prefix_cache(reset_running_requests=True)
-        with self._applied:
-            self._version = version
-            self._applied.notify_all()
+        self._applied_version(version)
 
     def _fail_all(self, exc: BaseException) -> None:
         live, self._live = list(self._live.values()), {}
