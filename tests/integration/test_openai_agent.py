@@ -1,6 +1,8 @@
 """Bring your own agent: the real `openai` client against a per-episode loopback endpoint served by a
 real TorchEngine; the recorded tokens must be the engine's own output, and the endpoint must refuse
-anyone without the episode's key. Also the env-server protocol against the real reference server."""
+anyone without the episode's key. Also the env-server protocol against the real reference server.
+Over 400 lines because its tests share the module's model and the tool-tuned model made from it (a
+few dozen Adam steps), which a split would build twice."""
 
 from __future__ import annotations
 

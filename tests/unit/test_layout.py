@@ -45,13 +45,18 @@ def test_every_long_module_says_why(tmp_path: Path) -> None:
     check = _check()
     assert check.long_without_reason() == []
     # the rule reads the docstring: a long module without the sentence is reported, with it is not
-    pkg = tmp_path / "astraflow"
-    pkg.mkdir()
+    pkg, tests = tmp_path / "src" / "astraflow", tmp_path / "tests"
+    pkg.mkdir(parents=True)
+    tests.mkdir()
     body = "x = 1\n" * (check.MAX_LINES + 5)
-    (pkg / "long.py").write_text('"""A module."""\n' + body)
-    (pkg / "fine.py").write_text('"""A module.\n\nOver 400 lines because it must be.\n"""\n' + body)
+    for d in (pkg, tests):
+        (d / "long.py").write_text('"""A module."""\n' + body)
+        (d / "fine.py").write_text('"""A module.\n\nOver 400 lines because it must be.\n"""\n' + body)
     check.SRC = pkg
-    assert check.long_without_reason() == [f"long.py: {check.MAX_LINES + 6} lines"]
+    assert check.long_without_reason() == [
+        f"long.py: {check.MAX_LINES + 6} lines",
+        f"tests/long.py: {check.MAX_LINES + 6} lines",
+    ]
 
 
 def test_every_astraflow_import_names_a_module_that_exists(tmp_path: Path) -> None:
