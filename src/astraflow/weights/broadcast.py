@@ -392,8 +392,8 @@ class BroadcastMember:
             except Exception as exc:  # the generation failed or timed out: register again
                 self.error = str(exc)[:500]
                 if self._inflight is not None:
-                    # the buffer of a version cut short is never handed back to the allocator: an
-                    # aborted group's transfers may still be landing in it
+                    # the buffers of the last two versions cut short stay allocated: an aborted
+                    # group's transfers may still be landing in them
                     self._quarantine = [*self._quarantine[-1:], self._inflight]
                     self._inflight = None
                 try:
