@@ -9,6 +9,9 @@ non-finite (drgrpo's r - mean of two rewards near the float limit) is refused at
 from __future__ import annotations
 
 import math
+from typing import Any
+
+from astraflow.dataflow.limits import RefusedResult
 
 EPS = 1e-5
 
@@ -44,3 +47,17 @@ def nonfinite_advantage(advantages: list[float]) -> str:
     """Why a group's advantages cannot be stored ('' when every one is finite)."""
     bad = [a for a in advantages if not math.isfinite(a)]
     return f"{len(bad)} advantages are not finite ({bad[0]!r})" if bad else ""
+
+
+def checked_advantages(estimator: Any, policy: str, key: str, rewards: list[float]) -> list[float]:
+    """The estimator's advantages of one group's rewards; RefusedResult when the estimator refuses them
+    (non-finite rewards, overflow) or an advantage is not finite."""
+    assert estimator is not None
+    try:
+        advantages: list[float] = estimator.group(rewards)
+    except ValueError as exc:  # an estimator's refusal (non-finite rewards, overflow)
+        raise RefusedResult(f"policy {policy!r} group {key!r}: {exc}") from None
+    why = nonfinite_advantage(advantages)
+    if why:
+        raise RefusedResult(f"policy {policy!r} group {key!r}: {why} (rewards too far apart)")
+    return advantages

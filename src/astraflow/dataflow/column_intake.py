@@ -15,9 +15,8 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from astraflow.dataflow.advantages import nonfinite_advantage
+from astraflow.dataflow.advantages import checked_advantages
 from astraflow.dataflow.buffer import Buffer
-from astraflow.dataflow.limits import RefusedResult
 from astraflow.dataflow.pipeline import GroupOutcome, Pipeline
 from astraflow.protocol.columns import ResultColumns
 
@@ -55,15 +54,7 @@ def ingest_columns(
         return pipeline.ingest(buffer, task_id, prompt_key, view.outcome(i).episodes, read_only=skip)
     ps = pipeline.policies[pol]
     rewards = view.rewards[a:b].tolist()
-    assert ps.estimator is not None
-    key = view.cols.keys[int(view.key[a])]
-    try:
-        advantages = ps.estimator.group(rewards)
-    except ValueError as exc:  # an estimator's refusal (non-finite rewards, overflow)
-        raise RefusedResult(f"policy {pol!r} group {key!r}: {exc}") from None
-    why = nonfinite_advantage(advantages)
-    if why:
-        raise RefusedResult(f"policy {pol!r} group {key!r}: {why} (rewards too far apart)")
+    advantages = checked_advantages(ps.estimator, pol, view.cols.keys[int(view.key[a])], rewards)
     head = view.heads[i]
     if head.infos:
         ends = np.cumsum([a, *head.episodes]).tolist()

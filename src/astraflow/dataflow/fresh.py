@@ -29,19 +29,10 @@ class FreshSamples(dict[int, TrainSample]):
         """Keep stored buffered trajectories as the TrainSamples the store would read back."""
         for i, seq, adv in zip(ids, seqs, advantages, strict=True):
             sp = seq.sampling
-            self[i] = TrainSample(
-                traj_id=i,
-                # the arrays of the decoded result, as stored (bytes: nothing changes them)
-                tokens=seq.tokens,
-                loss_mask=seq.loss_mask,
-                logprobs=seq.logprobs,
-                versions=seq.versions,
-                reward=float(seq.reward),
-                advantage=float(adv),
-                replay=False,
-                sampling=sampling(float(sp.temperature), float(sp.top_p), int(sp.top_k)),
+            arrays = (seq.tokens, seq.loss_mask, seq.logprobs, seq.versions)
+            self._keep(
+                i, arrays, seq.reward, adv, sampling(float(sp.temperature), float(sp.top_p), int(sp.top_k))
             )
-            self.tokens += len(seq.loss_mask)
         self._trim()
 
     def remember_columns(
@@ -57,19 +48,27 @@ class FreshSamples(dict[int, TrainSample]):
             view.sampling[a:b].tolist(),
             strict=True,
         ):
-            self[i] = TrainSample(
-                traj_id=i,
-                tokens=tokens,
-                loss_mask=mask,
-                logprobs=logprobs,
-                versions=versions,
-                reward=reward,
-                advantage=float(adv),
-                replay=False,
-                sampling=kept[sp],
-            )
-            self.tokens += len(mask)
+            self._keep(i, (tokens, mask, logprobs, versions), reward, adv, kept[sp])
         self._trim()
+
+    def _keep(
+        self, i: int, arrays: tuple[bytes, bytes, bytes, bytes], reward: float, adv: float, sp: SamplingParams
+    ) -> None:
+        """Keep trajectory i: its arrays (tokens, loss mask, logprobs, versions) of the decoded result,
+        as stored (bytes: nothing changes them)."""
+        tokens, mask, logprobs, versions = arrays
+        self[i] = TrainSample(
+            traj_id=i,
+            tokens=tokens,
+            loss_mask=mask,
+            logprobs=logprobs,
+            versions=versions,
+            reward=float(reward),
+            advantage=float(adv),
+            replay=False,
+            sampling=sp,
+        )
+        self.tokens += len(mask)
 
     def _trim(self) -> None:
         while self.tokens > FRESH_TOKENS and self:

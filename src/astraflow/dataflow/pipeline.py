@@ -25,10 +25,9 @@ from astraflow.data.base import (
     Stage,
 )
 from astraflow.data.turns import sequence_turns
-from astraflow.dataflow.advantages import nonfinite_advantage
+from astraflow.dataflow.advantages import checked_advantages
 from astraflow.dataflow.buffer import Buffer, default_order
 from astraflow.dataflow.estimators import AdvantageEstimator, make_estimator
-from astraflow.dataflow.limits import RefusedResult
 from astraflow.errors import RecipeError
 from astraflow.log import get
 from astraflow.protocol.messages import (
@@ -253,15 +252,7 @@ class Pipeline:
         for (pol, _role, key), items in groups.items():
             rewards = [float(s.reward) for s, _ in items]
             estimator = self.policies[pol].estimator
-            assert estimator is not None
-            try:
-                advantages = estimator.group(rewards)
-            except ValueError as exc:  # an estimator's refusal (non-finite rewards, overflow)
-                raise RefusedResult(f"policy {pol!r} group {key!r}: {exc}") from None
-            why = nonfinite_advantage(advantages)
-            if why:
-                raise RefusedResult(f"policy {pol!r} group {key!r}: {why} (rewards too far apart)")
-            planned.append((pol, items, rewards, advantages))
+            planned.append((pol, items, rewards, checked_advantages(estimator, pol, key, rewards)))
         for ep in episodes:
             self._observe_info(ep, skip, task_id)
         out: list[GroupOutcome] = []
