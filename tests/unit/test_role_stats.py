@@ -72,12 +72,16 @@ def test_engine_counts_busy_time_and_weight_applications(model_dir: Path, tmp_pa
         lines = read_stats(tmp_path / "raas-0.stats.jsonl")
         assert len(lines) == 1
         main = lines[0]["engines"]["main"]
+        recent = main["pulls"].pop("recent")
         assert main["version"] == 7 and main["pulls"] == {
             "pulls": 1,
             "fetch_s": 0.25,
             "load_s": 0.05,
             "bytes": 1000,
         }
+        # each pull is listed with the wall time it was staged, so a window can count its own
+        assert len(recent) == 1 and recent[0][1:] == [0.25, 0.05, 1000]
+        assert abs(recent[0][0] - time.time()) < 60
     finally:
         engine.close()
 
@@ -122,3 +126,49 @@ def test_report_takes_the_steady_window(tmp_path: Path) -> None:
     assert eng["busy"] == 0.75 and eng["pulls"] == 1 and eng["lag_s"] == 0.0
     assert pol["weight_sync"]["total_s"] == pytest.approx(0.6 + 0.3 + 0.1 + 0.2)
     assert "trainer busy" in format_report(rep)
+
+
+def test_a_window_between_two_stats_lines_still_counts_its_pulls_and_busy_time(tmp_path: Path) -> None:
+    # a loaded worker wrote no line inside the 1 s window [t, t + 1]: the lines around it span it, and
+    # the pulls come from the later line's list of recent pulls, by their own times
+    t = 2000.0
+    rows = [
+        {"policy": "p", "step": 1, "version": 1, "time": t, "batch_size": 8, "trainer_compute_s": 0.3,
+         "trainer_publish_s": 0.01},
+        {"policy": "p", "step": 2, "version": 2, "time": t + 1, "batch_size": 8, "trainer_compute_s": 0.3,
+         "trainer_publish_s": 0.01},
+    ]  # fmt: skip
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "logs").mkdir()
+    db = sqlite3.connect(tmp_path / "state.db")
+    db.executescript(
+        "CREATE TABLE tasks (id INTEGER PRIMARY KEY, updated REAL);"
+        "CREATE TABLE trajectories (id INTEGER PRIMARY KEY, task_id INTEGER, policy TEXT, length INTEGER);"
+    )
+    db.close()
+    recent = [
+        [t - 0.5, 9.0, 9.0, 9],
+        [t + 0.2, 0.02, 0.01, 100],
+        [t + 0.7, 0.04, 0.03, 100],
+        [t + 1.5, 9.0, 9.0, 9],
+    ]
+
+    def line(at: float, busy: float, n: int) -> str:
+        eng = {"version": 1, "busy_s": busy, "weight_s": 0.0, "prefill_s": 0.0, "decode_s": busy,
+               "decode_steps": 1, "row_steps": 1, "applies": [[2, t + 0.8, 0.01]],
+               "pulls": {"pulls": n, "fetch_s": 0.0, "load_s": 0.0, "bytes": 0, "recent": recent[:n]}}  # fmt: skip
+        return json.dumps({"time": at, "engines": {"p": eng}}) + "\n"
+
+    (tmp_path / "logs/raas-0.stats.jsonl").write_text(line(t - 0.4, 1.0, 1) + line(t + 1.6, 2.0, 4))
+    rep = read_e2e(tmp_path)
+    eng = rep["workers"]["raas-0"]["engines"]["p"]
+    assert rep["workers"]["raas-0"]["window_s"] == pytest.approx(2.0)  # the span of the two lines
+    assert eng["busy"] == pytest.approx(0.5) and eng["applied"] == 1
+    # the two pulls inside the window, not the ones before or after it
+    assert (
+        eng["pulls"] == 2 and eng["fetch_s"] == pytest.approx(0.03) and eng["load_s"] == pytest.approx(0.02)
+    )
+    sync = rep["policies"]["p"]["weight_sync"]
+    assert sync["fetch_s"] == pytest.approx(0.03) and sync["total_s"] == pytest.approx(
+        0.01 + 0.03 + 0.02 + 0.01
+    )

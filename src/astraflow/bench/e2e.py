@@ -11,15 +11,16 @@ last (process start-up, model loading and the first step's compilation are left 
 - trainer busy: the policy's summed `trainer_compute_s` (its steps' own work, each ended by a device
   synchronisation; `trainer_sleep_s` excluded) over the time between its first and last step.
 - engine busy: per RaaS worker and policy, the growth of the engine's `busy_s` (wall time of its decode
-  thread's weight applications, prefills and decode steps, each ended by a device synchronisation) over
-  the window's length, from the worker's stats file (metrics/role_stats.py). Two engines in one worker
-  run concurrently, so their fractions can add up to more than 1.
+  thread's weight applications, prefills and decode steps, each ended by a device synchronisation)
+  between the worker's last stats line before the window and its first after it (metrics/role_stats.py;
+  a line every INTERVAL_S, so this span exceeds a short window by up to that much), over that span's
+  length. Two engines in one worker run concurrently, so their fractions can add up to more than 1.
 - GPU utilisation (GPU runs only): the share of NVML's sample periods in which a kernel ran on each GPU,
   sampled by this process every SAMPLE_S seconds, averaged over the window. A coarse cross-check: a GPU
   counts as busy for a whole period even when one small kernel ran.
 - weight sync per step: the trainer's `trainer_publish_s` (its critical-path share: snapshot + wait), the
-  worker's fetch (transfer and digest check) and load (bytes to tensors, shape check, staging) per pulled
-  version, and the engine's apply (copy into the parameters and the running rows' KV recomputed); lag is
+  worker's fetch (transfer and digest check) and load (bytes to tensors, shape check, staging) per version
+  staged inside the window (each pull is listed with its time), and the engine's apply (copy into the parameters and the running rows' KV recomputed); lag is
   the time from the controller recording a version to an engine decoding with it.
 """
 
@@ -31,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from astraflow.metrics.role_stats import read_stats
+from astraflow.metrics.role_stats import RECENT, read_stats
 from astraflow.state import trajectories
 from astraflow.state.store import Store
 
@@ -114,6 +115,28 @@ def _at(lines: list[dict[str, Any]], t: float) -> dict[str, Any]:
     return best
 
 
+def _after(lines: list[dict[str, Any]], t: float) -> dict[str, Any]:
+    """The oldest stats line written at or after t (the last line if none is): with `_at(lines, t0)` it
+    spans the window [t0, t] from outside, so a worker that wrote seldom (a loaded machine, a window
+    shorter than INTERVAL_S) still has two distinct lines around it."""
+    for ln in lines:
+        if float(ln["time"]) >= t:
+            return ln
+    return lines[-1]
+
+
+def _pulls_in(pa: dict[str, Any], pb: dict[str, Any], t0: float, t1: float) -> tuple[int, dict[str, float]]:
+    """The pulls staged in [t0, t1] and their summed fetch_s, load_s and bytes: from the later line's list
+    of recent pulls where it reaches back to t0, else the cumulative counters' growth between the lines."""
+    recent = pb.get("recent")
+    if recent is not None and (len(recent) < RECENT or (recent and float(recent[0][0]) <= t0)):
+        inside = [x for x in recent if t0 <= float(x[0]) <= t1]
+        sums = {k: sum(float(x[i]) for x in inside) for i, k in ((1, "fetch_s"), (2, "load_s"), (3, "bytes"))}
+        return len(inside), sums
+    n = int(pb.get("pulls", 0)) - int(pa.get("pulls", 0))
+    return n, {k: float(pb.get(k, 0.0)) - float(pa.get(k, 0.0)) for k in ("fetch_s", "load_s", "bytes")}
+
+
 def _mean(xs: list[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
@@ -173,7 +196,7 @@ def read_workers(
         lines = read_stats(path)
         if not lines:
             continue
-        a, b = _at(lines, t0), _at(lines, t1)
+        a, b = _at(lines, t0), _after(lines, t1)
         dt = float(b["time"]) - float(a["time"])
         engines: dict[str, Any] = {}
         for name, eb in b["engines"].items():
@@ -185,13 +208,10 @@ def read_workers(
             def grown(key: str, eb: dict[str, Any] = eb, ea: dict[str, Any] = ea) -> float:
                 return float(eb.get(key, 0.0)) - float(ea.get(key, 0.0))
 
-            pa, pb = ea.get("pulls", {}), eb.get("pulls", {})
-            n = int(pb.get("pulls", 0)) - int(pa.get("pulls", 0))
+            n, sums = _pulls_in(ea.get("pulls", {}), eb.get("pulls", {}), t0, t1)
 
-            def per_pull(
-                key: str, pa: dict[str, Any] = pa, pb: dict[str, Any] = pb, n: int = n
-            ) -> float | None:
-                return (float(pb.get(key, 0.0)) - float(pa.get(key, 0.0))) / n if n > 0 else None
+            def per_pull(key: str, sums: dict[str, float] = sums, n: int = n) -> float | None:
+                return sums[key] / n if n > 0 else None
 
             applies = [x for x in eb.get("applies", []) if t0 <= float(x[1]) <= t1]
             lags = [

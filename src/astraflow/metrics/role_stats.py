@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,8 @@ STATS_ENV = "ASTRAFLOW_STATS_FILE"
 """Variable naming the file a RaaS appends its counters to."""
 INTERVAL_S = 0.5
 """Seconds between two lines."""
+RECENT = 256
+"""Pulls a line lists one by one (per policy), beside the cumulative counters."""
 
 
 class PullStats:
@@ -33,6 +36,9 @@ class PullStats:
         load_s (bytes to tensors, the engine's shape check and staging), bytes."""
         self.ways: dict[str, int] = {}
         """Pulls by way (weights/fetch.py HeldWeights.counts: full, delta, held, relay, fallback)."""
+        self.recent: dict[str, deque[tuple[float, float, float, int]]] = {}
+        """policy -> the last RECENT pulls as (wall time it was staged, fetch_s, load_s, bytes): a reader
+        counts the pulls inside a time window from one line, however seldom lines were written."""
 
     def add(self, policy: str, fetch_s: float, load_s: float, nbytes: int) -> None:
         """One version of `policy` pulled and staged."""
@@ -41,10 +47,14 @@ class PullStats:
         c["fetch_s"] += fetch_s
         c["load_s"] += load_s
         c["bytes"] += nbytes
+        self.recent.setdefault(policy, deque(maxlen=RECENT)).append((time.time(), fetch_s, load_s, nbytes))
 
-    def snapshot(self) -> dict[str, dict[str, float]]:
-        """The counters as plain numbers."""
-        return {k: dict(v) for k, v in self.by_policy.items()}
+    def of(self, policy: str) -> dict[str, Any]:
+        """One policy's counters as plain numbers, with its recent pulls under "recent"."""
+        out: dict[str, Any] = dict(self.by_policy.get(policy, {}))
+        if policy in self.recent:
+            out["recent"] = [list(x) for x in self.recent[policy]]
+        return out
 
 
 class StatsWriter:
@@ -78,7 +88,7 @@ def raas_snapshot(
     for name, eng in engines.items():
         stats = getattr(eng, "stats", None)
         per[name] = {"version": eng.version, **(stats() if callable(stats) else {})}
-        per[name]["pulls"] = pulls.by_policy.get(name, {})
+        per[name]["pulls"] = pulls.of(name)
     return {"member": member_id, "started": started, "engines": per, "weight_pulls": dict(pulls.ways)}
 
 
