@@ -43,8 +43,8 @@ test-fast: $(VENV)/.installed
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest tests/unit tests/contract -m "not slow and not chaos" $(PYTEST_ARGS)
 
 check: $(VENV)/.installed
-	$(BIN)/ruff check src tests
-	$(BIN)/ruff format --check src tests
+	$(BIN)/ruff check src tests plugins scripts examples
+	$(BIN)/ruff format --check src tests plugins scripts examples
 	$(BIN)/mypy src/astraflow
 	# SQL only in state/, no package cycles, long modules say why, imports resolve, no function over complexity 15 on cli/ launch/ roles/ (docs/architecture.md, "Rules the checks enforce")
 	$(BIN)/python scripts/check_layout.py
