@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -27,11 +29,13 @@ def _bpe_model(out: Path, corpus: Path) -> Path:
     return out
 
 
-def _up(recipe: Path, run_dir: Path, cwd: Path, *sets: str) -> list[dict[str, float]]:
+def _up(
+    recipe: Path, run_dir: Path, cwd: Path, *sets: str, env: dict[str, str] | None = None
+) -> list[dict[str, float]]:
     cmd = [sys.executable, "-m", "astraflow", "up", str(recipe), "--run-dir", str(run_dir), "--no-dash"]
     for s in sets:
         cmd += ["--set", s]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=cwd)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=cwd, env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
 
@@ -66,13 +70,24 @@ def test_math_smoke_runs_through_up_with_math_verify(bpe_model: Path, tmp_path: 
 @pytest.mark.slow
 @pytest.mark.timeout(660)  # its subprocesses have their own, longer limits
 def test_code_smoke_runs_through_up_with_the_sandbox(bpe_model: Path, tmp_path: Path) -> None:
-    recs = _up(
-        ROOT / "recipes/code/smoke.toml",
-        tmp_path / "run",
-        tmp_path,
-        f'policy.model="{bpe_model}"',
-        "run.steps=1",
-    )
+    # the run's own temporary folder (traversable by the sandbox's uids, like /tmp): the RaaS must
+    # remove its sandbox pool's scratch directory as it stops (Workflow.close)
+    scratch = Path(tempfile.mkdtemp(prefix="astraflow-test-tmp-"))
+    scratch.chmod(0o711)
+    try:
+        recs = _up(
+            ROOT / "recipes/code/smoke.toml",
+            tmp_path / "run",
+            tmp_path,
+            f'policy.model="{bpe_model}"',
+            "run.steps=1",
+            env={**os.environ, "TMPDIR": str(scratch)},
+        )
+        # (astraflow-sandbox-uids holds the machine's uid-block locks: it stays)
+        left = [p.name for p in scratch.glob("astraflow-sandbox-*") if p.name != "astraflow-sandbox-uids"]
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    assert left == [], left
     steps, evals = _split(recs)
     assert [r["step"] for r in steps] == [1]
     # held-out generated functions, tested in the sandbox at version 0 and the last version

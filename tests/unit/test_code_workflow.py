@@ -78,11 +78,14 @@ def test_episode_reward_is_whether_hidden_tests_pass(tmp_path: Path) -> None:
 
     try:
         right, wrong = asyncio.run(go())
+        assert wf._sandbox is not None
+        scratch = wf._sandbox._root
+        assert scratch.is_dir()
     finally:
-        if wf._sandbox is not None:
-            wf._sandbox.close()
+        wf.close()  # what the RaaS calls as it stops
     assert right.sequences[0].reward == 1.0 and right.info["passed"] == 1.0
     assert wrong.sequences[0].reward == 0.0 and wrong.info["passed"] == 0.0
+    assert not scratch.exists() and wf._sandbox is None
 
 
 def test_stdio_rows_normalize_from_tests_and_apps_input_output() -> None:

@@ -145,3 +145,14 @@ def test_episode_rewards_the_verified_answer(tmp_path: Path) -> None:
     assert wrong.sequences[0].reward == 0.0 and wrong.info["boxed"] == 1.0
     seq = right.sequences[0]
     assert seq.turns is not None and len(seq.turns) == 1 and sum(seq.loss_mask) == seq.turns[0][1]
+
+
+def test_closing_the_workflow_stops_its_verifier_processes() -> None:
+    wf = MathWorkflow(MathConfig(verifier_workers=2))
+    wf.close()  # nothing started: nothing to do
+    pids = [w.process.pid for w in wf.pool()._workers]
+    assert all(w.process.is_alive() for w in wf.pool()._workers)
+    wf.close()  # what the RaaS calls as it stops
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)

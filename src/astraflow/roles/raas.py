@@ -248,6 +248,10 @@ class RaaS:
         if getattr(self, "result_sender", None) is not None:
             self.result_sender.close()
         self._write_stats(force=True)
+        try:
+            self.workflow.close()
+        except Exception as exc:  # what it started dies with this process anyway
+            _log.warning("closing the workflow failed: %s", exc)
         for e in self.engines.values():
             e.close()
         for t in self.weights.transports.values():

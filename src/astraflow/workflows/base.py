@@ -54,6 +54,10 @@ class Workflow(ABC):
     def __init__(self, config: BaseModel) -> None:
         self.config = config
 
+    def close(self) -> None:
+        """Release what the workflow started (verifier processes, sandboxes, game engines); the RaaS
+        calls it once as it stops. Default: nothing to release."""
+
     @abstractmethod
     def dataset(self, seed: int, size: int = 0) -> Iterator[dict[str, Any]]:
         """Prompt samples when the recipe names no dataset file; runs in the controller (no torch)."""

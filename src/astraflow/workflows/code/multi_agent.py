@@ -107,6 +107,10 @@ class CodeMultiAgentWorkflow(Workflow):
         """The RaaS's sandbox pool (the code workflow's), checked once on first use."""
         return await self._code.sandbox()
 
+    def close(self) -> None:
+        """Close the code workflow's sandbox pool."""
+        self._code.close()
+
     def _tester_transcript(self, client: PolicyClient, task: dict[str, Any]) -> Transcript:
         if self.config.prompt == "raw":
             tr = Transcript(client, chat=False)

@@ -9,6 +9,7 @@ holding the whole function or program). Task kinds and row forms: data.py; check
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -92,6 +93,7 @@ class CodeWorkflow(Workflow):
         super().__init__(config if config is not None else CodeConfig())
         self.config: CodeConfig
         self._sandbox: SandboxPool | None = None
+        self._making: asyncio.Lock | None = None
 
     def dataset(self, seed: int, size: int = 0) -> Iterator[dict[str, Any]]:
         """The tasks of `source` (first `size` if given)."""
@@ -106,12 +108,27 @@ class CodeWorkflow(Workflow):
         yield from rows[:size] if size else rows
 
     async def sandbox(self) -> SandboxPool:
-        """The RaaS's sandbox pool, checked once on first use."""
+        """The RaaS's sandbox pool, made and checked once on first use: the episodes that ask while the
+        check runs wait for that pool (each making its own would leave all but one behind, open)."""
         if self._sandbox is None:
-            pool = SandboxPool(self.config.sandbox)
-            await pool.check()
-            self._sandbox = pool
+            if self._making is None:
+                self._making = asyncio.Lock()
+            async with self._making:
+                if self._sandbox is None:
+                    pool = SandboxPool(self.config.sandbox)
+                    try:
+                        await pool.check()
+                    except BaseException:
+                        pool.close()
+                        raise
+                    self._sandbox = pool
         return self._sandbox
+
+    def close(self) -> None:
+        """Remove the sandbox pool's scratch directory and give its uid block back, if it was made."""
+        if self._sandbox is not None:
+            self._sandbox.close()
+            self._sandbox = None
 
     async def run_episode(self, sample: dict[str, Any], policies: dict[str, PolicyClient]) -> Episode:
         """Ask for the code once, run the hidden tests in the sandbox, reward pass = 1."""

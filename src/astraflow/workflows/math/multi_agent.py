@@ -90,6 +90,10 @@ class MathMultiAgentWorkflow(Workflow):
         # a raw prompt ending inside \boxed{ has the model write only what goes in it
         return "\\boxed{" + text if self._raw and template.rstrip().endswith("\\boxed{{") else text
 
+    def close(self) -> None:
+        """Stop the math workflow's verifier processes."""
+        self._math.close()
+
     async def _correct(self, text: str, gold: str) -> float:
         result = await self._math.pool().call(text, gold)
         return float(result.value[0]) if result.ok else 0.0

@@ -75,6 +75,12 @@ class MathWorkflow(Workflow):
             )
         return self._pool
 
+    def close(self) -> None:
+        """Stop the verifier processes, if they were started."""
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
     def _transcript(self, actor: PolicyClient, question: str) -> Transcript:
         cfg = self.config
         if cfg.prompt == "chat":
