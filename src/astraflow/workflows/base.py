@@ -57,6 +57,7 @@ class Workflow(ABC):
     def close(self) -> None:
         """Release what the workflow started (verifier processes, sandboxes, game engines); the RaaS
         calls it once as it stops. Default: nothing to release."""
+        return None
 
     @abstractmethod
     def dataset(self, seed: int, size: int = 0) -> Iterator[dict[str, Any]]:
