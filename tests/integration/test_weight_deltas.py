@@ -20,9 +20,9 @@ import zmq
 from astraflow.transport.keys import KeyPair
 from astraflow.weights import client as wclient
 from astraflow.weights.connection import PullConnection
+from astraflow.weights.delta_encoder import publish_delta
 from astraflow.weights.fetch import HeldWeights, fetch_version
 from astraflow.weights.manifest import blob_digest
-from astraflow.weights.publisher import publish_delta
 from astraflow.weights.server import WeightServer
 from astraflow.weights.snapshot import state_dict_to_bytes
 
