@@ -38,6 +38,10 @@ def delta_report(run_dir: Path) -> dict[str, Any]:
         xs = sorted(float(r[key]) for r in steps)
         return xs[len(xs) // 2]
 
+    waits = sorted(
+        float(r["trainer_publish_wait_s"]) for r in rows if "kind" not in r and "trainer_publish_wait_s" in r
+    )
+
     return {
         "run_dir": str(run_dir),
         "trainer_dtype": dtypes,
@@ -58,6 +62,12 @@ def delta_report(run_dir: Path) -> dict[str, Any]:
         "median_encode_s": median("weights_delta_encode_s"),
         "encode_paths": sorted({"device" if r.get("weights_delta_on_device") else "host" for r in steps}),
         "skipped": max(int(r.get("weights_delta_skipped", 0)) for r in steps),
+        "publish_wait_s": {
+            "steps": len(waits),
+            "median": waits[len(waits) // 2] if waits else 0.0,
+            "max": waits[-1] if waits else 0.0,
+            "steps_waiting": sum(w > 0.05 for w in waits),
+        },
         "pulls": pulls,
     }
 
@@ -74,6 +84,11 @@ def format_delta_report(rep: dict[str, Any]) -> str:
         f"median over {len(rep['versions'])} versions: changed {rep['median_changed']:.2%}, "
         f"delta {rep['median_bytes']:.2%} of the full version, encode {rep['median_encode_s'] * 1000:.1f} ms"
         f" on the {'/'.join(rep['encode_paths'])}; versions without a delta (encoder busy): {rep['skipped']}"
+    )
+    w = rep["publish_wait_s"]
+    lines.append(
+        f"trainer waited on the previous publish (trainer_publish_wait_s): median {w['median'] * 1000:.1f} ms,"
+        f" max {w['max'] * 1000:.1f} ms; over 50 ms in {w['steps_waiting']} of {w['steps']} steps"
     )
     lines.append(f"worker pulls by way: {rep['pulls']}")
     return "\n".join(lines)
