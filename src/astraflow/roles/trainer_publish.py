@@ -139,7 +139,8 @@ class VersionAnnouncer:
 
     def flush(self, block: bool, give_up_after_s: float = 600.0) -> float:
         """Announce the fast job's version once its offers are ready and the blob in flight once
-        served (at once if not `block` and not ready); returns the seconds spent waiting."""
+        served (at once if not `block` and not ready), and, if not `block`, the metrics that came later
+        (a delta's); returns the seconds spent waiting."""
         waited = 0.0
         if self._job is not None:
             t0 = time.monotonic()
@@ -169,7 +170,8 @@ class VersionAnnouncer:
                 version, weights = self._queued
                 self._queued = None
                 self.publisher.start(version, weights, {})
-        self._announce_late(give_up_after_s)
+        if not block:  # between batch requests, not on a publish's path
+            self._announce_late(give_up_after_s)
         return waited
 
     def finish_deltas(self, timeout_s: float, give_up_after_s: float = 600.0) -> None:
