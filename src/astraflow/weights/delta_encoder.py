@@ -95,13 +95,15 @@ class DeltaEncoder:
 
     def served(self, job: _Job, blob: Any, manifest: WeightManifest | None) -> None:
         """The job's full version is held (manifest), or failed (None)."""
-        job.blob, job.manifest = blob, manifest
-        if manifest is not None and not job.device:
-            prev = self.server.blob(self.policy, job.version - 1)
-            prev_manifest = self.server.manifest(self.policy, job.version - 1)
-            if prev is not None and prev_manifest is not None:
-                job.base = (prev, prev_manifest)
-        job.served.set()
+        try:
+            job.blob, job.manifest = blob, manifest
+            if manifest is not None and not job.device:
+                prev = self.server.blob(self.policy, job.version - 1)
+                prev_manifest = self.server.manifest(self.policy, job.version - 1)
+                if prev is not None and prev_manifest is not None:
+                    job.base = (prev, prev_manifest)
+        finally:
+            job.served.set()  # the encode waiting for it goes on (or gives up) whatever happened
 
     def take_late(self) -> list[tuple[WeightManifest, dict[str, float]]]:
         """The deltas held since the last call, oldest first: their full version's manifest and the
