@@ -20,9 +20,9 @@ import zmq
 from astraflow.transport.keys import KeyPair
 from astraflow.weights import client as wclient
 from astraflow.weights.connection import PullConnection
+from astraflow.weights.delta_encoder import publish_delta
 from astraflow.weights.fetch import HeldWeights, fetch_version
 from astraflow.weights.manifest import blob_digest
-from astraflow.weights.publisher import publish_delta
 from astraflow.weights.server import WeightServer
 from astraflow.weights.snapshot import state_dict_to_bytes
 
@@ -91,6 +91,44 @@ def test_too_far_behind_or_deltas_off_pulls_full(trainer: WeightServer) -> None:
     assert got.kind == "full"
     got = fetch_version([trainer.address], POLICY, 4, expect_sha256=shas[4], held=held, delta=True)
     assert got.kind == "held" and got.nbytes == 0
+
+
+def test_a_worker_that_asks_before_the_delta_is_held_pulls_full_then_deltas_again(
+    trainer: WeightServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The trainer serves (and announces) a version before its delta is encoded: a worker that asks
+    then pulls the full version; the next version comes by delta. The slow encode is a stand-in (the
+    real encoder, held back by the test's event)."""
+    import threading
+
+    import astraflow.weights.delta as delta_mod
+    from astraflow.weights.publisher import BackgroundPublisher
+
+    gate, real = threading.Event(), delta_mod.host_parts
+
+    def held_back(*args: object) -> object:
+        assert gate.wait(30)
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(delta_mod, "host_parts", held_back)
+    versions = _versions(4)
+    pub = BackgroundPublisher(trainer, POLICY, delta=True)
+    shas = []
+    for v in (1, 2):
+        pub.start(v, versions[v], {})
+        shas.append(pub.result(timeout_s=30).manifest.sha256)
+    held = HeldWeights()
+    fetch_version([trainer.address], POLICY, 1, expect_sha256=shas[0], held=held, delta=True)
+    got = fetch_version([trainer.address], POLICY, 2, expect_sha256=shas[1], held=held, delta=True)
+    assert got.kind == "full" and held.counts["fallback"] == 1 and trainer.deltas(POLICY) == []
+    gate.set()
+    pub.start(3, versions[3], {})
+    sha3 = pub.result(timeout_s=30).manifest.sha256
+    assert pub.deltas is not None and pub.deltas.wait_idle(30)
+    assert trainer.deltas(POLICY) == [2, 3]
+    got = fetch_version([trainer.address], POLICY, 3, expect_sha256=sha3, held=held, delta=True)
+    assert (got.kind, got.chain) == ("delta", 1)
+    assert torch.equal(got.state_dict["w"].view(torch.int16), versions[3]["w"].view(torch.int16))
 
 
 def test_a_patch_with_the_wrong_digest_is_discarded_for_full(trainer: WeightServer) -> None:

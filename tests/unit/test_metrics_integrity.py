@@ -338,3 +338,36 @@ def test_a_rolled_back_insert_does_not_count_as_generated(tmp_path: Path) -> Non
         raise RuntimeError("handler failed after the insert")
     assert buf.generated("main") == 1  # samples_generated stays what the store holds
     store.close()
+
+
+def test_a_later_announcement_adds_only_new_metrics_to_the_step_row(tiny_model: Path, tmp_path: Path) -> None:
+    # a version announced first by a fast path, its delta's metrics following once the delta is held
+    c = started(tiny_model, tmp_path, steps=3)
+    join(c, "w1", "raas")
+    join(c, "trainer-main", "trainer")
+    assert isinstance(take_step(c, 1), m.Ack)
+    again = m.VersionPublished(
+        policy="main",
+        version=1,
+        step=1,
+        weights_addr="tcp://127.0.0.1:1",
+        metrics={"weights_delta_bytes": 0.01, "loss": 99.0, "version": 7.0, "bad": float("nan")},
+    )
+    ack = ask(c, "trainer-main", again)
+    assert isinstance(ack, m.Ack) and ack.detail == "known"
+    got = rows(tmp_path)
+    # the step row as it was, then a late row of the one name it lacked (the row's own never change)
+    assert [r.get("kind") for r in got] == [None, "late"]
+    assert {k: v for k, v in got[1].items() if k != "time"} == {
+        "kind": "late",
+        "policy": "main",
+        "step": 1,
+        "version": 1,
+        "weights_delta_bytes": 0.01,
+    }
+    stored = json.loads(c.store.query('SELECT "values" FROM metrics WHERE step = 1')[0]["values"])
+    assert stored["weights_delta_bytes"] == 0.01 and stored["loss"] == 0.25 and stored["version"] == 1
+    # the same announcement again adds nothing: no row
+    assert isinstance(ask(c, "trainer-main", again), m.Ack)
+    assert len(rows(tmp_path)) == 2
+    c.store.close()

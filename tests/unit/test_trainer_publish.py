@@ -144,3 +144,46 @@ def test_a_stopping_trainers_last_announcement_gives_up_as_told_with_fast_offers
         assert client.timeouts and fast.seen == [(1, 1.0)]
     finally:
         server.close()
+
+
+def test_a_deltas_metrics_are_announced_again_after_its_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The version is announced once served; its delta's metrics follow in a second announcement of
+    the same version (same digest), never before the first one."""
+    import astraflow.roles.member as member
+    import astraflow.weights.delta as delta_mod
+    from astraflow.weights.publisher import BackgroundPublisher
+
+    monkeypatch.setattr(member, "request_retrying", lambda client, msg, **kw: client.request(msg))
+    gate, real = threading.Event(), delta_mod.host_parts
+
+    def slow_parts(*args: Any) -> Any:  # a stand-in for an encode slower than a step
+        assert gate.wait(30)
+        return real(*args)
+
+    monkeypatch.setattr(delta_mod, "host_parts", slow_parts)
+    server = WeightServer(keep_deltas=4)
+    try:
+        client = _FakeClient()
+        pub = VersionAnnouncer(client, "p", server, [], BackgroundPublisher(server, "p", delta=True))
+        for v in (1, 2):
+            pub.publish(v, {"w": torch.arange(64.0) + (v == 2)}, {"loss": float(v)})
+        pub.flush(block=True)  # version 2 is served and announced while its delta waits
+        assert [(m.version, "weights_delta_bytes" in m.metrics) for m in client.sent] == [
+            (1, False),
+            (2, False),
+        ]
+        gate.set()
+        assert pub.publisher.deltas.wait_idle(30)
+        pub.poll()
+        late = client.sent[2:]
+        assert [m.version for m in late] == [2] and late[0].sha256 == client.sent[1].sha256
+        assert set(late[0].metrics) >= {
+            "weights_delta_bytes",
+            "weights_delta_encode_s",
+            "weights_delta_on_device",
+        }
+        assert "loss" not in late[0].metrics and late[0].offers == []
+        pub.finish_deltas(1.0)  # nothing more to say
+        assert len(client.sent) == 3
+    finally:
+        server.close()

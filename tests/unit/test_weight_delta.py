@@ -118,10 +118,10 @@ def test_relay_directory_points_a_region_at_one_seed_then_at_holders() -> None:
 
 
 def test_changed_elements_are_found_in_unaligned_views_too() -> None:
-    from astraflow.weights.delta import _changed
+    from astraflow.weights.delta import changed_indices
 
     a = torch.randn(4001).to(torch.bfloat16).view(torch.int16)
     b = a.clone()
     b[[0, 5, 6, 4000]] += 1
     for x, y in ((a[:4000], b[:4000]), (a[1:], b[1:]), (a[3:3999], b[3:3999])):
-        assert torch.equal(_changed(x, y), (x != y).nonzero().reshape(-1))
+        assert torch.equal(changed_indices(x, y), (x != y).nonzero().reshape(-1))

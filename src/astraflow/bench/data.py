@@ -225,7 +225,7 @@ def read_metrics(path: Path, policy: str) -> list[dict[str, Any]]:
             rec = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if rec.get("policy") == policy and "step" in rec and rec.get("kind") != "eval":
+        if rec.get("policy") == policy and "step" in rec and "kind" not in rec:  # not eval or late rows
             rows.append(rec)
     return sorted(rows, key=lambda r: int(r["step"]))
 

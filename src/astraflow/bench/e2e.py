@@ -246,7 +246,7 @@ def read_e2e(run_dir: Path, gpus: GpuSampler | None = None) -> dict[str, Any]:
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         if line.strip():
             rec = json.loads(line)
-            if "policy" in rec and "step" in rec and rec.get("kind") != "eval":  # eval rows are not steps
+            if "policy" in rec and "step" in rec and "kind" not in rec:  # eval and late rows are not steps
                 rows.setdefault(str(rec["policy"]), []).append(rec)
     if not rows:
         raise ValueError(f"{run_dir / 'metrics.jsonl'} has no step rows")

@@ -64,7 +64,7 @@ def read_pace(run_dir: Path, res: ModeResult, workers: int, slots: int) -> None:
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         if line.strip():
             rec = json.loads(line)
-            if rec.get("kind") != "eval":  # held-out eval rows are not trainer steps
+            if "kind" not in rec:  # held-out eval rows and late rows are not trainer steps
                 rows.setdefault(str(rec["policy"]), []).append(rec)
     times: list[float] = []
     for pol, recs in rows.items():

@@ -401,30 +401,45 @@ def _two_gpus(
 
 def _delta_fraction(prev: dict[str, Any]) -> dict[str, Any]:
     """The lossless delta (weights/delta.py) of a version against a copy with every 100th element
-    changed, as a fraction of the full version, and its encode time on the host: the encoder's cost at
-    about a real bf16 run's sparsity. Sizes on consecutive versions of a real run: `astraflow bench
-    delta`."""
+    changed, as a fraction of the full version, and its encode time on the path a trainer with these
+    weights takes: on the device for GPU weights (weights/delta_device.py; the host encoder of the same
+    pair timed beside it as the baseline, and both deltas checked to be the same bytes), on the host
+    otherwise. Sizes on consecutive versions of a real run: `astraflow bench delta`."""
     import time as _time
 
-    from astraflow.weights.delta import encode_delta
+    from astraflow.weights.delta import assemble, encode_delta
+    from astraflow.weights.delta_device import device_parts
 
-    base = {k: v.detach().cpu() for k, v in prev.items()}
     target = {}
-    for k, v in base.items():
-        t = v.clone()
+    for k, v in prev.items():
+        t = v.detach().clone()
         if t.is_floating_point() and t.numel():
             t.view(-1)[::100] += 1
         target[k] = t
-    full = sum(v.numel() * v.element_size() for v in base.values())
+    full = sum(v.numel() * v.element_size() for v in prev.values())
+    head: dict[str, Any] = {"base_version": 0, "target_version": 1, "base_sha256": "", "target_sha256": ""}
+    on_device = any(getattr(v, "is_cuda", False) for v in prev.values())
+    out: dict[str, Any] = {"path": "device" if on_device else "host"}
+    if on_device:
+        dev = next(v.device for v in prev.values() if v.is_cuda)
+        for _ in range(2):  # the first call pays for the kernels' first launch
+            _sync(dev)
+            t0 = _time.perf_counter()
+            on_dev, _stats = assemble(device_parts(prev, target), **head)
+        out["encode_s"] = round(_time.perf_counter() - t0, 4)
+    base = {k: v.detach().cpu() for k, v in prev.items()}
+    tgt = {k: v.detach().cpu() for k, v in target.items()}
     t0 = _time.perf_counter()
-    blob, _stats = encode_delta(
-        base, target, base_version=0, target_version=1, base_sha256="", target_sha256=""
-    )
-    return {
-        "fraction": round(len(blob) / full, 4),
-        "encode_s": round(_time.perf_counter() - t0, 3),
-        "note": "every 100th element changed; real runs: astraflow bench delta",
-    }
+    blob, _stats = encode_delta(base, tgt, **head)
+    host_s = round(_time.perf_counter() - t0, 4)
+    if on_device:
+        out["host_encode_s"] = host_s
+        out["same_bytes"] = bytes(memoryview(on_dev)) == bytes(memoryview(blob))
+    else:
+        out["encode_s"] = host_s
+    out["fraction"] = round(len(memoryview(blob)) / full, 4)
+    out["note"] = "every 100th element changed; real runs: astraflow bench delta"
+    return out
 
 
 def _device_name(dev: Any) -> str:
@@ -460,7 +475,10 @@ def format_lines(res: dict[str, Any]) -> list[str]:
                 f" = {1000 * r['end_to_end_s']:.1f} ms end to end"
             )
     d = res["delta"]
-    lines.append(f"  delta vs full: {d['fraction'] if d['fraction'] is not None else '-'} ({d['note']})")
+    enc = f"encoded in {1000 * d['encode_s']:.1f} ms on the {d['path']}"
+    if "host_encode_s" in d:
+        enc += f" (host encoder: {1000 * d['host_encode_s']:.1f} ms, same bytes: {d['same_bytes']})"
+    lines.append(f"  delta vs full: {d['fraction']}, {enc} ({d['note']})")
     return lines
 
 

@@ -43,7 +43,7 @@ def describe(run_dir: Path) -> dict[str, Any]:
     # the last 1 MB of metrics.jsonl holds each policy's final rows
     last: dict[str, dict[str, Any]] = {}
     for row in MetricsLog(run_dir / "metrics.jsonl").load_tail():
-        if row.get("kind") != "eval":  # held-out eval rows carry no training reward
+        if "kind" not in row:  # held-out eval rows carry no training reward, late rows no reward
             last[str(row.get("policy"))] = row
     return {
         "run_dir": str(run_dir),

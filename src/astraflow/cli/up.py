@@ -86,7 +86,8 @@ def summary(run_dir: Path, code: int) -> str:
     last: dict[str, dict[str, object]] = {}
     evals: dict[str, dict[str, object]] = {}  # held-out eval rows come after the last step: kept apart
     for row in MetricsLog(run_dir / "metrics.jsonl").load_tail(1 << 16):
-        (evals if row.get("kind") == "eval" else last)[str(row.get("policy"))] = row
+        if row.get("kind") in (None, "eval"):  # a late row adds metrics to a step already shown
+            (evals if row.get("kind") == "eval" else last)[str(row.get("policy"))] = row
     resolved = json.loads((run_dir / "recipe.resolved.json").read_text())
     run_steps = int(resolved["run"]["steps"])
     budgets = {str(p["name"]): int(p.get("steps") or run_steps) for p in resolved.get("policy", [])}

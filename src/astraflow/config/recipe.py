@@ -270,7 +270,9 @@ class WeightsConfig(_Model):
 
     mode: Literal["full", "delta"] = "full"
     """full: workers pull every version whole; delta: trainers also serve each version's lossless delta
-    from the one before, and a worker patches the version it holds (full when new or too far behind)."""
+    from the one before, and a worker patches the version it holds (full when new or too far behind).
+    A trainer whose snapshots are on a GPU encodes deltas there: it keeps the previous version's
+    snapshot in device memory (one more copy of the weights; up to three while an encode runs late)."""
     keep_versions: int = Field(4, ge=1)
     """Full versions a weight server keeps for pulling."""
     chunk_bytes: int = Field(4 << 20, ge=1024)

@@ -84,7 +84,7 @@ class Progress:
     def steps(self) -> None:
         """Print a line per new step row (consumed either way) and record the step each policy reached."""
         for rec in self.metrics.read():
-            if "step" in rec and "policy" in rec:
+            if "step" in rec and "policy" in rec and rec.get("kind") != "late":
                 self.reached[rec["policy"]] = max(self.reached.get(rec["policy"], 0), int(rec["step"]))
                 if self.show:
                     sys.stdout.write(progress_line(rec, self.budgets) + "\n")

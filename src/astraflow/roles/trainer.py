@@ -325,6 +325,7 @@ class TrainerLoop:
         from astraflow.roles.trainer_ranks import Leader
 
         self.announce(block=True)
+        self.publisher.finish_deltas(30.0, give_up_after_s=10.0)  # the last version's delta metrics
         step = self.trainer.step_count
         if 0 < step < self.budget:
             # the controller ended the run early (an operator's stop): keep the last step

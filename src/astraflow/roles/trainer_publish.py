@@ -10,6 +10,9 @@ beside the next step and announced again when served (the controller records the
 version); a blob still queued when a newer version comes is dropped (that version already reached
 the fast paths, and pull-only workers take the newer one). Without any fast offer a version is
 announced once its blob is served, after the previous one, as the controller needs versions in order.
+With deltas, a version's delta follows its blob (weights/delta_encoder.py) and the delta's metrics are
+announced again for the same version once it is held, after the blob's announcement; the controller
+adds them to the step's metrics.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from astraflow import log
 from astraflow.errors import AstraflowError
-from astraflow.protocol.messages import Error, VersionPublished, WeightOffer
+from astraflow.protocol.messages import Error, VersionPublished, WeightManifest, WeightOffer
 from astraflow.weights.publisher import BackgroundPublisher, device_event
 
 if TYPE_CHECKING:
@@ -57,6 +60,9 @@ class VersionAnnouncer:
         self._early: set[int] = set()
         self._queued: tuple[int, dict[str, Any]] | None = None
         self._job: _FastJob | None = None
+        self._served_up_to = -1
+        """The newest version whose blob was announced: later metrics of it may follow."""
+        self._late: list[tuple[WeightManifest, dict[str, float]]] = []
 
     @property
     def busy(self) -> bool:
@@ -133,7 +139,8 @@ class VersionAnnouncer:
 
     def flush(self, block: bool, give_up_after_s: float = 600.0) -> float:
         """Announce the fast job's version once its offers are ready and the blob in flight once
-        served (at once if not `block` and not ready); returns the seconds spent waiting."""
+        served (at once if not `block` and not ready), and, if not `block`, the metrics that came later
+        (a delta's); returns the seconds spent waiting."""
         waited = 0.0
         if self._job is not None:
             t0 = time.monotonic()
@@ -142,6 +149,7 @@ class VersionAnnouncer:
             waited += time.monotonic() - t0
         while self.publisher.busy:
             if not block and not self.publisher.ready():
+                self._announce_late(give_up_after_s)
                 return waited
             t0 = time.monotonic()
             done = self.publisher.result()
@@ -157,11 +165,43 @@ class VersionAnnouncer:
                 {} if early else done.metrics,
                 give_up_after_s,
             )
+            self._served_up_to = max(self._served_up_to, done.version)
             if self._queued is not None:
                 version, weights = self._queued
                 self._queued = None
                 self.publisher.start(version, weights, {})
+        if not block:  # between batch requests, not on a publish's path
+            self._announce_late(give_up_after_s)
         return waited
+
+    def finish_deltas(self, timeout_s: float, give_up_after_s: float = 600.0) -> None:
+        """Wait (at most `timeout_s`) for the delta being encoded and announce its metrics: the last
+        version's, before the trainer leaves."""
+        deltas = getattr(self.publisher, "deltas", None)
+        if deltas is not None and not deltas.wait_idle(timeout_s):
+            _log.warning("%s: the last delta was not encoded within %.0f s", self.policy, timeout_s)
+        self._announce_late(give_up_after_s)
+
+    def _announce_late(self, give_up_after_s: float) -> None:
+        """Announce again, with the metrics that came later (a delta's), each version whose blob was
+        announced; the controller adds the metrics it did not have."""
+        deltas = getattr(self.publisher, "deltas", None)
+        if deltas is not None:
+            self._late += deltas.take_late()
+        keep = []
+        for manifest, metrics in self._late:
+            if manifest.version > self._served_up_to:
+                keep.append((manifest, metrics))  # its blob's announcement comes first
+                continue
+            try:
+                self._announce(
+                    manifest.version, manifest.sha256, manifest.nbytes, [], metrics, give_up_after_s
+                )
+            except AstraflowError as exc:  # metrics that came late are worth a warning, not the run
+                _log.warning(
+                    "%s version %d: later metrics not announced: %s", self.policy, manifest.version, exc
+                )
+        self._late = keep
 
     def prewarm(self, trainer: Any, keep_versions: int) -> None:
         """Pin the host memory of the blobs to come before the first step (BackgroundPublisher.prewarm):

@@ -336,6 +336,25 @@ class Store:
                 (policy, step, json.dumps(values, sort_keys=True), time.time() if now is None else now),
             )
 
+    def merge_metrics(self, policy: str, step: int, values: dict[str, float]) -> dict[str, float]:
+        """Add to a step's metrics row the values of names it lacks (the row keeps every value it has);
+        returns those added (none when the step has no row)."""
+        with self.write() as c:
+            row = c.execute(
+                'SELECT id, "values" FROM metrics WHERE policy = ? AND step = ? ORDER BY id DESC LIMIT 1',
+                (policy, step),
+            ).fetchone()
+            if row is None:
+                return {}
+            have = json.loads(row[1])
+            added = {k: v for k, v in values.items() if k not in have}
+            if added:
+                c.execute(
+                    'UPDATE metrics SET "values" = ? WHERE id = ?',
+                    (json.dumps({**have, **added}, sort_keys=True), row[0]),
+                )
+            return added
+
     def last_metrics(self, policy: str) -> dict[str, float] | None:
         """The newest metrics row of a policy, or None."""
         v = self.scalar('SELECT "values" FROM metrics WHERE policy = ? ORDER BY id DESC LIMIT 1', (policy,))

@@ -199,6 +199,8 @@ class Dashboard(App[int]):
                 if int(r.get("version", 0)) >= int(self.evals.get(pol, {}).get("version", -1)):
                     self.evals[pol] = r
                 continue
+            if "kind" in r:
+                continue  # a late row: metrics that followed a step (a weight delta's), not a step
             by_policy.setdefault(str(r.get("policy", "?")), []).append(r)
         for pol, rs in by_policy.items():
             self.series.setdefault(pol, Series()).add(rs, prepend=prepend)

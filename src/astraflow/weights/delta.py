@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 
 MAGIC = "astraflow-delta-1"
 """Metadata value that marks a safetensors blob as a delta of this format."""
-_IDX, _VAL = "#idx", "#val"
+IDX, VAL = "#idx", "#val"
+"""Suffixes of a sparse entry's index stream and values."""
 _ZLIB_LEVEL = 1
 """Fastest zlib level: the gaps of sparse changes are small numbers and compress well even so."""
 
@@ -53,7 +54,7 @@ class DeltaStats:
     nbytes: int
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
+def bits_of(t: torch.Tensor) -> torch.Tensor:
     """A flat integer view of a tensor's raw bits (same memory)."""
     import torch
 
@@ -61,7 +62,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).view(width)
 
 
-def _changed(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def changed_indices(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Sorted flat indices where two bit views differ.
 
     Compared 8 bytes at a time first (a quarter of the comparisons and of the nonzero scan for bf16),
@@ -84,6 +85,7 @@ def _changed(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _pack_indices(idx: torch.Tensor) -> bytes:
+    """Gaps as uint32, byte-shuffled (all low bytes first), zlib-compressed."""
     import numpy as np
 
     a = idx.cpu().numpy()
@@ -91,8 +93,13 @@ def _pack_indices(idx: torch.Tensor) -> bytes:
     if len(a):
         gaps[0] = a[0]
         np.subtract(a[1:], a[:-1], out=gaps[1:], casting="unsafe")
-    shuffled = gaps.view(np.uint8).reshape(-1, 4).T.tobytes()
-    return zlib.compress(shuffled, _ZLIB_LEVEL)
+    return compress_planes(gaps.view(np.uint8).reshape(-1, 4).T.tobytes())
+
+
+def compress_planes(planes: bytes) -> bytes:
+    """An index stream: the gaps' byte planes (every gap's low byte, then every next byte ...),
+    zlib-compressed."""
+    return zlib.compress(planes, _ZLIB_LEVEL)
 
 
 def _unpack_indices(packed: bytes, count: int, numel: int) -> torch.Tensor:
@@ -109,6 +116,80 @@ def _unpack_indices(packed: bytes, count: int, numel: int) -> torch.Tensor:
     return torch.from_numpy(idx)
 
 
+@dataclass
+class DeltaParts:
+    """A delta's entries before its header is known, as both encoders (host here, device in
+    weights/delta_device.py) hand them to `assemble`, with the counts its stats report."""
+
+    entries: dict[str, torch.Tensor]
+    elements: int = 0
+    changed: int = 0
+    dense: int = 0
+
+
+def check_pair(name: str, old: torch.Tensor, new: torch.Tensor) -> None:
+    """Refuse a tensor that cannot be in a delta: a reserved name, or another dtype or shape."""
+    if "#" in name:
+        raise DeltaError(f"tensor name {name!r} contains '#', which deltas reserve")
+    if old.dtype != new.dtype or old.shape != new.shape:
+        raise DeltaError(f"{name}: {old.dtype}{list(old.shape)} vs {new.dtype}{list(new.shape)}")
+
+
+def check_names(base: dict[str, torch.Tensor], target: dict[str, torch.Tensor]) -> None:
+    """Refuse two versions whose tensor names differ."""
+    if base.keys() != target.keys():
+        raise DeltaError(f"tensor names differ: {sorted(base.keys() ^ target.keys())[:5]}")
+
+
+def is_dense(changed: int, numel: int) -> bool:
+    """Whether a tensor goes whole: more than half its elements changed (an index would then cost more
+    than it saves), or too many elements for a uint32 gap."""
+    return 2 * changed > numel or numel >= 1 << 32
+
+
+def host_parts(base: dict[str, torch.Tensor], target: dict[str, torch.Tensor]) -> DeltaParts:
+    """The entries of the delta that turns `base` into `target`, computed where the tensors are and
+    packed with numpy (the encoder of host snapshots and of blobs)."""
+    import torch
+
+    check_names(base, target)
+    parts = DeltaParts({})
+    for name, new in target.items():
+        old = base[name]
+        check_pair(name, old, new)
+        a, b = bits_of(old), bits_of(new.to(old.device))
+        parts.elements += a.numel()
+        idx = changed_indices(a, b)
+        n = idx.numel()
+        parts.changed += n
+        if n == 0:
+            continue
+        if is_dense(n, a.numel()):
+            parts.entries[name] = new.detach().contiguous()
+            parts.dense += 1
+            continue
+        parts.entries[name + IDX] = torch.frombuffer(bytearray(_pack_indices(idx)), dtype=torch.uint8)
+        parts.entries[name + VAL] = new.detach().reshape(-1)[idx.to(new.device)]
+    return parts
+
+
+def assemble(
+    parts: DeltaParts, *, base_version: int, target_version: int, base_sha256: str, target_sha256: str
+) -> tuple[bytes | memoryview, DeltaStats]:
+    """The delta's safetensors bytes: `parts` under the header naming both versions and digests."""
+    from astraflow.weights.snapshot import state_dict_to_bytes
+
+    meta = {
+        "astraflow": MAGIC,
+        "base_version": str(base_version),
+        "target_version": str(target_version),
+        "base_sha256": base_sha256,
+        "target_sha256": target_sha256,
+    }
+    blob = state_dict_to_bytes(parts.entries, metadata=meta)
+    return blob, DeltaStats(parts.elements, parts.changed, parts.dense, len(memoryview(blob)))
+
+
 def encode_delta(
     base: dict[str, torch.Tensor],
     target: dict[str, torch.Tensor],
@@ -119,42 +200,13 @@ def encode_delta(
     target_sha256: str,
 ) -> tuple[bytes | memoryview, DeltaStats]:
     """The delta that turns `base` into `target` (same names, shapes and dtypes), as safetensors bytes."""
-    import torch
-
-    from astraflow.weights.snapshot import state_dict_to_bytes
-
-    if base.keys() != target.keys():
-        raise DeltaError(f"tensor names differ: {sorted(base.keys() ^ target.keys())[:5]}")
-    out: dict[str, torch.Tensor] = {}
-    elements = changed = dense = 0
-    for name, new in target.items():
-        old = base[name]
-        if "#" in name:
-            raise DeltaError(f"tensor name {name!r} contains '#', which deltas reserve")
-        if old.dtype != new.dtype or old.shape != new.shape:
-            raise DeltaError(f"{name}: {old.dtype}{list(old.shape)} vs {new.dtype}{list(new.shape)}")
-        a, b = _bits(old), _bits(new.to(old.device))
-        elements += a.numel()
-        idx = _changed(a, b)
-        n = idx.numel()
-        changed += n
-        if n == 0:
-            continue
-        if 2 * n > a.numel() or a.numel() >= 1 << 32:
-            out[name] = new.detach().contiguous()
-            dense += 1
-            continue
-        out[name + _IDX] = torch.frombuffer(bytearray(_pack_indices(idx)), dtype=torch.uint8)
-        out[name + _VAL] = new.detach().reshape(-1)[idx.to(new.device)]
-    meta = {
-        "astraflow": MAGIC,
-        "base_version": str(base_version),
-        "target_version": str(target_version),
-        "base_sha256": base_sha256,
-        "target_sha256": target_sha256,
-    }
-    blob = state_dict_to_bytes(out, metadata=meta)
-    return blob, DeltaStats(elements, changed, dense, len(memoryview(blob)))
+    return assemble(
+        host_parts(base, target),
+        base_version=base_version,
+        target_version=target_version,
+        base_sha256=base_sha256,
+        target_sha256=target_sha256,
+    )
 
 
 def read_header(blob: bytes | memoryview) -> DeltaHeader:
@@ -206,16 +258,16 @@ def apply_delta(weights: dict[str, torch.Tensor], blob: bytes | memoryview) -> D
         raise DeltaError(f"bad delta: {exc}") from None
     plan: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []
     for key, t in entries.items():
-        if key.endswith(_IDX):
+        if key.endswith(IDX):
             continue
-        name = key[: -len(_VAL)] if key.endswith(_VAL) else key
+        name = key[: -len(VAL)] if key.endswith(VAL) else key
         dst = weights.get(name)
         if dst is None:
             raise DeltaError(f"delta names {name!r}, which the weights lack")
         if t.dtype != dst.dtype:
             raise DeltaError(f"{name}: delta holds {t.dtype}, weights are {dst.dtype}")
-        if key.endswith(_VAL):
-            packed = entries.get(name + _IDX)
+        if key.endswith(VAL):
+            packed = entries.get(name + IDX)
             if packed is None:
                 raise DeltaError(f"{name}: values without a matching index stream")
             idx = _unpack_indices(packed.numpy().tobytes(), t.numel(), dst.numel())
@@ -228,5 +280,5 @@ def apply_delta(weights: dict[str, torch.Tensor], blob: bytes | memoryview) -> D
         if where is None:
             target.copy_(values)
         else:
-            _bits(target)[where.to(target.device)] = _bits(values).to(target.device)
+            bits_of(target)[where.to(target.device)] = bits_of(values).to(target.device)
     return header

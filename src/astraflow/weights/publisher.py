@@ -3,7 +3,8 @@
 The trainer copies a version's weights to the host (its only critical-path cost), hands them to
 `BackgroundPublisher.start` and goes on with its next step. At most one version is in flight; the
 trainer announces each finished version itself (its controller socket is not thread-safe), in order,
-before it starts the next one.
+before it starts the next one. With deltas, each version's delta is encoded apart
+(weights/delta_encoder.py): a version is served, and announced, without waiting for its delta.
 """
 
 from __future__ import annotations
@@ -29,12 +30,18 @@ class Published:
 class BackgroundPublisher:
     """One worker thread per version; `busy` while a version waits to be announced."""
 
-    def __init__(self, server: WeightServer, policy: str, *, delta: bool = False) -> None:
+    def __init__(
+        self, server: WeightServer, policy: str, *, delta: bool = False, delta_on_device: bool | None = None
+    ) -> None:
         """Publish `policy`'s versions into `server`; with `delta`, also each version's delta from the
-        version before (when the server still holds it)."""
+        version before, on the path `delta_on_device` names (None: the device path for a snapshot on
+        a GPU; weights/delta_encoder.py)."""
+        from astraflow.weights.delta_encoder import DeltaEncoder
+
         self.server = server
         self.policy = policy
-        self.delta = delta
+        self.deltas = DeltaEncoder(server, policy, on_device=delta_on_device) if delta else None
+        """The delta encoder (None without deltas): its metrics come later (`DeltaEncoder.take_late`)."""
         self._thread: threading.Thread | None = None
         self._result: Published | None = None
         self._error: BaseException | None = None
@@ -86,10 +93,12 @@ class BackgroundPublisher:
             raise RuntimeError("a version is still in flight: take its result first")
         self._result, self._error = None, None
         ready = device_event(weights)
+        job = self.deltas.submit(version, weights, ready) if self.deltas is not None else None
 
         def work() -> None:
             from astraflow.weights.snapshot import state_dict_to_bytes
 
+            blob, manifest = None, None
             try:
                 t0 = time.monotonic()
                 if ready is None:
@@ -98,14 +107,15 @@ class BackgroundPublisher:
                     blob = _to_bytes_on_side_stream(weights, ready)
                 manifest = self.server.publish(self.policy, version, blob)
                 out = dict(metrics)
-                if self.delta:
-                    out.update(publish_delta(self.server, self.policy, version, blob, manifest))
                 if out:
                     # serialisation + digest, overlapped with the trainer's next step
                     out["trainer_publish_bg_s"] = time.monotonic() - t0
                 self._result = Published(version, manifest, out)
             except BaseException as exc:  # handed to the trainer's thread by result()
                 self._error = exc
+            finally:
+                if self.deltas is not None and job is not None:
+                    self.deltas.served(job, blob, manifest)  # the delta may follow now
 
         self._thread = threading.Thread(target=work, name=f"astraflow-publish-{version}", daemon=True)
         self._thread.start()
@@ -122,33 +132,6 @@ class BackgroundPublisher:
             raise self._error
         assert self._result is not None
         return self._result
-
-
-def publish_delta(
-    server: WeightServer, policy: str, version: int, blob: Any, manifest: WeightManifest
-) -> dict[str, float]:
-    """Encode and hold the delta from version - 1 (if the server holds it); its size and time as metrics."""
-    from astraflow.weights.delta import encode_delta
-    from astraflow.weights.snapshot import bytes_to_state_dict
-
-    prev, prev_manifest = server.blob(policy, version - 1), server.manifest(policy, version - 1)
-    if prev is None or prev_manifest is None:
-        return {}
-    t0 = time.monotonic()
-    delta, stats = encode_delta(
-        bytes_to_state_dict(prev),
-        bytes_to_state_dict(blob),
-        base_version=version - 1,
-        target_version=version,
-        base_sha256=prev_manifest.sha256,
-        target_sha256=manifest.sha256,
-    )
-    server.publish(policy, version, delta, kind="delta")
-    return {
-        "weights_delta_changed": stats.changed / max(1, stats.elements),
-        "weights_delta_bytes": stats.nbytes / max(1, manifest.nbytes),
-        "weights_delta_encode_s": time.monotonic() - t0,
-    }
 
 
 def device_event(weights: dict[str, Any]) -> Any:

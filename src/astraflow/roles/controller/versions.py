@@ -1,9 +1,11 @@
 """Versions: a trainer's VersionPublished records the policy's new version and step, writes the step's
-metrics row, tells the curators and the eval rounds, and runs a retention pass when one is due."""
+metrics row, tells the curators and the eval rounds, and runs a retention pass when one is due. A known
+version announced again adds the metrics its row lacks (a delta's, which follow the version)."""
 
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,11 +78,32 @@ def on_version(ctx: Publishing, member: dict[str, Any], msg: m.VersionPublished)
             if ctx.evals is not None:
                 ctx.evals.on_version(msg.policy, msg.version, msg.step)
             made_progress(ctx.store, ctx.progress, now)
+        late = None if new or not msg.metrics else late_row(ctx.store, msg, now)
     if row is not None:
         emit(ctx.sinks, ctx.run, row)
         retire(ctx.store, ctx.run_dir, ctx.retention, msg.policy, msg.step)
+    if late is not None:
+        emit(ctx.sinks, ctx.run, late)
     ack = m.Ack(rid=msg.rid, detail="recorded" if new else "known")
     return Outcome(ack, (Event.VERSION_RECORDED,) if new else ())
+
+
+def late_row(store: Store, msg: m.VersionPublished, now: float) -> dict[str, Any] | None:
+    """Merge the metrics of a known version's later announcement into its step's row (names the row
+    lacks only: what the row holds, the version's identity among it, never changes); the sinks' row
+    of what was added (`"kind": "late"`, docs/metrics.md), or None when nothing was."""
+    trainer = {k: float(v) for k, v in msg.metrics.items() if math.isfinite(v)}
+    added = store.merge_metrics(msg.policy, msg.step, trainer)
+    if not added:
+        return None
+    return {
+        "kind": "late",
+        "policy": msg.policy,
+        "step": msg.step,
+        "version": msg.version,
+        "time": now,
+        **added,
+    }
 
 
 def retire(store: Store, run_dir: Path, keep: RetentionConfig, policy: str, step: int) -> None:
