@@ -3,7 +3,8 @@
 `DecodeLoop` is synchronous and owns no thread, queue or event loop: a caller admits requests, steps,
 and applies weights between steps, and each call returns the completions it finished, each with the
 caller's tag (the engine's tag is where to deliver it). engines/torch_engine.py drives it from its
-decode thread; a test can drive it directly, one call at a time.
+decode thread; a test can drive it directly, one call at a time. engines/overlap_loop.py is the same
+loop with the device one step ahead of the host (`decode_loop = "overlap"`).
 
 Rows occupy KV slots 0..n-1 (a finished row's slot is taken by the last row). Requests with the same
 prompt (a GRPO group) are prefilled once and the prompt's KV copied into each sample's slot. Applied

@@ -84,6 +84,13 @@ class OverlapDecodeLoop(DecodeLoop[T]):
         self._read(keep=1)
         return self._finish_done()
 
+    def recompute_cache(self) -> None:
+        """As DecodeLoop's: rebuild the KV of each row's prompt and read tokens (its one unread token
+        is the next input, its KV not written yet)."""
+        if any(r.ahead != 1 for r in self.rows):
+            raise RuntimeError("the KV recompute needs exactly one unread token per running row")
+        super().recompute_cache()
+
     def drop(self) -> list[T]:
         """Forget every running row and every read in flight; the rows' tags, to fail."""
         self._reads.clear()
