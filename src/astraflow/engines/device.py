@@ -28,6 +28,6 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     On a GPU it goes through pinned memory (torch's caching host allocator, which keeps a block until
     the copy that reads it has run): a copy from pageable memory may wait for the stream to drain,
     which would stall the host behind a decode step it meant to overlap."""
-    if device.type != "cuda":
+    if device.type != "cuda" or t.numel() == 0:
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
