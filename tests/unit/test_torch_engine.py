@@ -1,6 +1,7 @@
 """The embedded engine: exact behaviour logprobs, continuous batching, prompts shared by a group,
 weight updates between decode steps (partial rollouts), weight checks, a failing decode loop, stop
-handling, top-k/top-p and seeded sampling; our Qwen3 forward against transformers' logits.
+handling, top-k/top-p and seeded sampling; our Qwen3 forward against transformers' logits. The tests
+of an engine run with both decode loops (engine_options.decode_loop: sync and overlap).
 Over 400 lines because the tests share the module's two models, which a split would build twice."""
 
 from __future__ import annotations
@@ -36,9 +37,13 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return init_model("qwen3", "tiny", root / "a", seed=0), init_model("qwen3", "tiny", root / "b", seed=1)
 
 
-@pytest.fixture
-def engine(model_dirs: tuple[Path, Path]) -> Iterator[TorchEngine]:
-    eng = TorchEngine(str(model_dirs[0]), TorchEngineConfig(max_batch=16, batch_wait_s=0.02), seed=3)
+LOOPS = ["sync", "overlap"]
+
+
+@pytest.fixture(params=LOOPS)
+def engine(model_dirs: tuple[Path, Path], request: pytest.FixtureRequest) -> Iterator[TorchEngine]:
+    config = TorchEngineConfig(max_batch=16, batch_wait_s=0.02, decode_loop=request.param)
+    eng = TorchEngine(str(model_dirs[0]), config, seed=3)
     yield eng
     eng.close()
 
@@ -92,8 +97,10 @@ def test_top_p_logprob_is_of_the_renormalised_nucleus() -> None:
     assert lp1 == pytest.approx(float(torch.log(torch.tensor(0.3 / 0.8))), abs=1e-6)
 
 
-def test_concurrent_callers_share_batches_up_to_max_batch(model_dirs: tuple[Path, Path]) -> None:
-    eng = TorchEngine(str(model_dirs[0]), TorchEngineConfig(max_batch=4, batch_wait_s=0.05), seed=0)
+@pytest.mark.parametrize("loop", LOOPS)
+def test_concurrent_callers_share_batches_up_to_max_batch(model_dirs: tuple[Path, Path], loop: str) -> None:
+    config = TorchEngineConfig(max_batch=4, batch_wait_s=0.05, decode_loop=loop)
+    eng = TorchEngine(str(model_dirs[0]), config, seed=0)
     sizes: list[int] = []
     decode = eng.runner.decode
 
@@ -380,14 +387,15 @@ def test_our_qwen3_forward_matches_transformers_logits(model_dirs: tuple[Path, P
             assert torch.allclose(got[k][row], ref[len(prompt) - 1 + k], atol=1e-4)
 
 
+@pytest.mark.parametrize("loop", LOOPS)
 def test_other_architectures_fall_back_to_recomputing_with_transformers(
-    model_dirs: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+    model_dirs: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch, loop: str
 ) -> None:
     from astraflow.engines import qwen3_forward
     from astraflow.engines.runners import HFRecomputeRunner
 
     monkeypatch.setattr(qwen3_forward, "supports", lambda model: False)
-    eng = TorchEngine(str(model_dirs[0]), TorchEngineConfig(max_batch=4), seed=1)
+    eng = TorchEngine(str(model_dirs[0]), TorchEngineConfig(max_batch=4, decode_loop=loop), seed=1)
     try:
         assert isinstance(eng.runner, HFRecomputeRunner)
         reqs = [

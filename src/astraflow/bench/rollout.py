@@ -1,4 +1,5 @@
-"""The rollout benchmark: the embedded engine against plain transformers `generate` and the memory bound.
+"""The rollout benchmark: the embedded engine against plain transformers `generate` and the memory bound,
+and the engine's two decode loops (synchronous and overlapped) against each other.
 
 Both generators run on the same loaded model (one copy of the weights, same dtype and device) and the
 same random prompts of equal length, with temperature 1.0 and no stop token, so every sequence
@@ -12,7 +13,11 @@ measured in the same run. It leaves out logits, activations and KV writes, so a 
 reach it; what fraction of it a step achieves says how much of the step is memory traffic and how
 much is overhead (kernel launches, Python, sampling).
 
-Over 400 lines because both generators are timed by the same code on the same loaded model,
+With `loops = ["sync", "overlap"]` one engine per decode loop is loaded (two copies of the weights and
+of the KV cache) and both are timed on the same seeded requests; their completions of the warm-up call
+are compared token by token and logprob by logprob (`loops_agree`).
+
+Over 400 lines because every generator is timed by the same code on the same prompts,
 with the memory bound computed beside them.
 """
 
@@ -57,7 +62,7 @@ class BenchRow:
     batch: int
     """Sequences decoded together."""
     engine: GenTiming
-    """The embedded TorchEngine."""
+    """The embedded TorchEngine with the first decode loop of `RolloutBench.loops`."""
     hf: GenTiming
     """The baseline: transformers `model.generate` with sampling."""
     ratio: float
@@ -66,6 +71,14 @@ class BenchRow:
     """Lower bound of a decode step: (parameter bytes + mean KV bytes read) / measured bandwidth."""
     kv_bytes_per_step: float
     """Mean bytes of keys and values a decode step reads (the whole batch)."""
+    loops: dict[str, GenTiming] = field(default_factory=dict)
+    """The engine with each decode loop timed (`engine` is the first of them)."""
+    overlap_vs_sync: float | None = None
+    """Decode tokens/s of the overlapped loop divided by the synchronous loop's (both timed)."""
+    loops_agree: bool | None = None
+    """Whether both loops gave the same tokens, logprobs (bit for bit) and versions (both timed)."""
+    max_logprob_diff: float | None = None
+    """Largest difference between the two loops' logprobs of one token (both timed, same tokens)."""
 
 
 @dataclass
@@ -88,6 +101,8 @@ class RolloutBench:
     """Timed calls per generator and batch size (the median is reported), after one warm-up call."""
     threads: int
     """torch CPU threads."""
+    loops: list[str]
+    """The engine's decode loops timed (engine_options.decode_loop), the reference first."""
     group: int
     """Sequences per prompt (a GRPO group): batch / group distinct prompts, each repeated `group` times."""
     param_bytes: int
@@ -184,9 +199,14 @@ def run_rollout_bench(
     seed: int = 0,
     threads: int = 1,
     group: int = 1,
+    loops: list[str] | None = None,
 ) -> RolloutBench:
-    """Time TorchEngine.generate and transformers generate at each batch size on one model."""
+    """Time TorchEngine.generate (with each decode loop of `loops`, default the synchronous one) and
+    transformers generate at each batch size on one model."""
     check_model_dir(model_dir)
+    loops = loops or ["sync"]
+    if not loops or any(k not in ("sync", "overlap") for k in loops) or len(set(loops)) != len(loops):
+        raise AstraflowError(f"bad decode loops {loops}", hint="choose sync, overlap or both")
     if group < 1 or any(b % group for b in batches):
         raise AstraflowError(
             f"--group {group} must divide every batch size {batches}",
@@ -210,11 +230,18 @@ def run_rollout_bench(
             "--device cuda was asked for but torch sees no GPU",
             hint="use --device cpu (or auto), or install a CUDA build of torch on a machine with a GPU",
         )
-    config = TorchEngineConfig(
-        max_batch=max(batches), dtype=dtype, batch_wait_s=0.0, max_seq_len=prompt_len + new_tokens
-    )
-    engine = TorchEngine(str(model_dir), config, seed=seed, device=dev)
+    engines = {}
     try:
+        for kind in loops:
+            config = TorchEngineConfig(
+                max_batch=max(batches),
+                dtype=dtype,
+                batch_wait_s=0.0,
+                max_seq_len=prompt_len + new_tokens,
+                decode_loop=kind,
+            )
+            engines[kind] = TorchEngine(str(model_dir), config, seed=seed, device=dev)
+        engine = engines[loops[0]]
         model = engine.model
         torch_dev = engine.device
         bw = measure_bandwidth(torch_dev)
@@ -227,6 +254,7 @@ def run_rollout_bench(
             new_tokens=new_tokens,
             repeats=repeats,
             threads=threads,
+            loops=list(loops),
             group=group,
             param_bytes=param_bytes(model),
             kv_bytes_per_token=kv_bytes_per_token(model),
@@ -247,7 +275,7 @@ def run_rollout_bench(
         loop = asyncio.new_event_loop()
         try:
             for batch in batches:
-                row = _bench_batch(engine, loop, timer, batch, result, seed)
+                row = _bench_batch(engines, loop, timer, batch, result, seed)
                 result.rows.append(row)
                 _log.info(
                     "batch %d: engine %.0f tok/s, HF generate %.0f tok/s (x%.2f), bound %.2f ms/step",
@@ -261,7 +289,8 @@ def run_rollout_bench(
             loop.close()
             handle.remove()
     finally:
-        engine.close()
+        for eng in engines.values():
+            eng.close()
     return result
 
 
@@ -287,35 +316,47 @@ class _FirstForwardTimer:
 
 
 def _bench_batch(
-    engine: Any,
+    engines: dict[str, Any],
     loop: asyncio.AbstractEventLoop,
     timer: _FirstForwardTimer,
     batch: int,
     res: RolloutBench,
     seed: int,
 ) -> BenchRow:
-    """Warm up and time both generators at one batch size."""
+    """Warm up and time every generator at one batch size: the engine with each decode loop, then HF."""
     import torch
 
     from astraflow.engines.base import GenerationRequest
 
+    engine = engines[res.loops[0]]
     model, dev = engine.model, engine.device
     gen = torch.Generator().manual_seed(seed + batch)
     # Skip the lowest ids, which the model init reserves for special tokens.
     low = min(4, model.config.vocab_size - 1)
     prompts = torch.randint(low, model.config.vocab_size, (batch // res.group, res.prompt_len), generator=gen)
     prompts = prompts.repeat_interleave(res.group, dim=0)
-    requests = [GenerationRequest(prompt_ids=p.tolist(), max_new_tokens=res.new_tokens) for p in prompts]
+    # Seeded, so every decode loop draws the same noise for the same token and can be compared.
+    requests = [
+        GenerationRequest(prompt_ids=p.tolist(), max_new_tokens=res.new_tokens, seed=(seed << 24) + i)
+        for i, p in enumerate(prompts)
+    ]
     input_ids = prompts.to(dev)
     attention_mask = torch.ones_like(input_ids)
+    first: dict[str, list[Any]] = {}
 
-    def run_engine() -> int:
-        engine.timeline = []
-        completions = loop.run_until_complete(engine.generate(requests))
-        # The engine runs its own forward (the HF hook never fires): it stamps the end of its prefill.
-        timer.armed, timer.stamp = False, engine.timeline[0][1]
-        engine.timeline = None
-        return sum(len(c.token_ids) for c in completions)
+    def run_engine(kind: str) -> Any:
+        eng = engines[kind]
+
+        def run() -> int:
+            eng.timeline = []
+            completions = loop.run_until_complete(eng.generate(requests))
+            # The engine runs its own forward (the HF hook never fires): it stamps the end of its prefill.
+            timer.armed, timer.stamp = False, eng.timeline[0][1]
+            eng.timeline = None
+            first.setdefault(kind, completions)
+            return sum(len(c.token_ids) for c in completions)
+
+        return run
 
     def run_hf() -> int:
         out = model.generate(
@@ -332,17 +373,35 @@ def _bench_batch(
 
     torch.manual_seed(seed)
     bound_s, kv_step = _bound(res, batch)
-    timings = {}
-    for name, fn in (("engine", run_engine), ("hf", run_hf)):
-        timings[name] = _time_generator(fn, timer, dev, batch, res, bound_s)
-    return BenchRow(
+    loops = {kind: _time_generator(run_engine(kind), timer, dev, batch, res, bound_s) for kind in res.loops}
+    hf = _time_generator(run_hf, timer, dev, batch, res, bound_s)
+    row = BenchRow(
         batch=batch,
-        engine=timings["engine"],
-        hf=timings["hf"],
-        ratio=timings["engine"].decode_tok_s / timings["hf"].decode_tok_s,
+        engine=loops[res.loops[0]],
+        hf=hf,
+        ratio=loops[res.loops[0]].decode_tok_s / hf.decode_tok_s,
         bound_ms_per_step=bound_s * 1e3,
         kv_bytes_per_step=kv_step,
+        loops=loops,
     )
+    if len(loops) == 2:
+        row.overlap_vs_sync = loops["overlap"].decode_tok_s / loops["sync"].decode_tok_s
+        row.loops_agree, row.max_logprob_diff = _compare(first["sync"], first["overlap"])
+    return row
+
+
+def _compare(a: list[Any], b: list[Any]) -> tuple[bool, float | None]:
+    """(same tokens, logprobs and versions bit for bit; the largest logprob difference, None when the
+    tokens differ)."""
+    same_tokens = all(x.token_ids == y.token_ids for x, y in zip(a, b, strict=True))
+    if not same_tokens:
+        return False, None
+    diff = max(
+        (abs(p - q) for x, y in zip(a, b, strict=True) for p, q in zip(x.logprobs, y.logprobs, strict=True)),
+        default=0.0,
+    )
+    same = diff == 0.0 and all(x.versions == y.versions for x, y in zip(a, b, strict=True))
+    return same, diff
 
 
 def _bound(res: RolloutBench, batch: int) -> tuple[float, float]:
@@ -413,8 +472,10 @@ def format_table(res: RolloutBench) -> str:
         f"{res.model} on {res.device} ({res.device_name}), {res.dtype}, prompt {res.prompt_len}, "
         f"new tokens {res.new_tokens}, group {res.group}, median of {res.repeats}, {res.threads} thread(s)\n"
         f"parameters {res.param_bytes / 1e6:.1f} MB, KV {res.kv_bytes_per_token / 1024:.1f} KiB/token, "
-        f"measured bandwidth {res.bandwidth_gb_s:.1f} GB/s (copy, read+write)\n"
+        f"measured bandwidth {res.bandwidth_gb_s:.1f} GB/s (copy, read+write); "
+        f"engine columns: the {res.loops[0]} decode loop\n"
     )
+    both = len(res.loops) == 2
     cols = [
         "batch",
         "engine tok/s",
@@ -427,6 +488,8 @@ def format_table(res: RolloutBench) -> str:
         "HF % bound",
         "prefill ms (eng/HF)",
     ]
+    if both:
+        cols += ["overlap tok/s", "overlap ms/step", "overlap/sync", "loops agree"]
     lines = [
         [
             str(r.batch),
@@ -439,6 +502,7 @@ def format_table(res: RolloutBench) -> str:
             f"{100 * r.engine.bound_frac:.1f}",
             f"{100 * r.hf.bound_frac:.1f}",
             f"{1e3 * r.engine.prefill_s:.1f}/{1e3 * r.hf.prefill_s:.1f}",
+            *(_loop_cells(r) if both else []),
         ]
         for r in res.rows
     ]
@@ -447,4 +511,18 @@ def format_table(res: RolloutBench) -> str:
     out.append("  ".join("-" * w for w in widths))
     out += ["  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)).rstrip() for line in lines]
     tail = "\ntok/s: decode phase (after the prefill); bound: (parameters + KV read) / measured bandwidth"
+    if both:
+        tail += "\nloops agree: same tokens, logprobs and versions bit for bit (else the largest logprob gap)"
     return head + "\n".join(out) + tail
+
+
+def _loop_cells(r: BenchRow) -> list[str]:
+    """The overlapped loop's columns of one row."""
+    ov = r.loops["overlap"]
+    if r.loops_agree:
+        agree = "yes"
+    elif r.max_logprob_diff is None:
+        agree = "no: tokens differ"
+    else:
+        agree = f"no: logprobs {r.max_logprob_diff:.1e}"
+    return [f"{ov.decode_tok_s:.0f}", f"{ov.ms_per_step:.3f}", f"x{r.overlap_vs_sync:.2f}", agree]

@@ -3,7 +3,8 @@
 `DecodeLoop` is synchronous and owns no thread, queue or event loop: a caller admits requests, steps,
 and applies weights between steps, and each call returns the completions it finished, each with the
 caller's tag (the engine's tag is where to deliver it). engines/torch_engine.py drives it from its
-decode thread; a test can drive it directly, one call at a time.
+decode thread; a test can drive it directly, one call at a time. engines/overlap_loop.py is the same
+loop with the device one step ahead of the host (`decode_loop = "overlap"`).
 
 Rows occupy KV slots 0..n-1 (a finished row's slot is taken by the last row). Requests with the same
 prompt (a GRPO group) are prefilled once and the prompt's KV copied into each sample's slot. Applied
@@ -21,6 +22,7 @@ from typing import Any, Generic, TypeVar
 import torch
 
 from astraflow.engines.base import Completion, GenerationRequest
+from astraflow.engines.device import to_device
 from astraflow.engines.sampler import Sampler
 
 T = TypeVar("T")
@@ -41,6 +43,8 @@ class Row(Generic[T]):
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     finish_reason: str = ""
+    ahead: int = 0
+    """Tokens sampled on the device that the host has not read yet (the overlapped loop's; 0 here)."""
 
     @property
     def prompt(self) -> list[int]:
@@ -49,8 +53,20 @@ class Row(Generic[T]):
 
     @property
     def cached(self) -> int:
-        """Positions whose KV is in the slot: the prompt and every token but the last (the next input)."""
-        return len(self.prompt) + len(self.tokens) - 1
+        """Positions whose KV is in the slot (or queued to be): the prompt and every sampled token but
+        the last (the next input), counting those not read yet."""
+        return len(self.prompt) + len(self.tokens) + self.ahead - 1
+
+    def record(self, token: int, logprob: float, version: int) -> None:
+        """Take a sampled token and say whether it ends the sequence."""
+        req = self.request
+        self.tokens.append(token)
+        self.logprobs.append(logprob)
+        self.versions.append(version)
+        if token in req.stop_ids:
+            self.finish_reason = "stop"
+        elif len(self.tokens) >= req.max_new_tokens:
+            self.finish_reason = "length"
 
     def completion(self) -> Completion:
         """What the caller gets back."""
@@ -101,7 +117,7 @@ class DecodeLoop(Generic[T]):
 
     def recompute_cache(self) -> None:
         """Rebuild the running rows' KV under the weights just applied."""
-        seqs = [(r.prompt + r.tokens[:-1], i) for i, r in enumerate(self.rows)]
+        seqs = [(r.prompt + r.tokens[: r.cached - len(r.prompt)], i) for i, r in enumerate(self.rows)]
         for chunk in _chunks(seqs):
             self.runner.prefill([s for s, _ in chunk], [i for _, i in chunk])
         self._sync()  # the recompute belongs to the weight update's time
@@ -126,7 +142,7 @@ class DecodeLoop(Generic[T]):
                 self.runner.copy_slot(slots[0], slots[1:], len(prompt))
                 members += [i] * len(slots)
             if len(members) > len(chunk):
-                logits = logits[torch.tensor(members, device=logits.device)]
+                logits = logits[to_device(torch.tensor(members), logits.device)]
             self._take([s for _, slots in chunk for s in slots], logits)
         if self.timeline is not None:
             self._sync()
@@ -155,23 +171,15 @@ class DecodeLoop(Generic[T]):
     def _take(self, idx: list[int], logits: torch.Tensor) -> None:
         """Sample the next token of rows `idx` from their logits and record it."""
         rows = [self.rows[i] for i in idx]
-        reqs = [r.request for r in rows]
         tokens, logps = self.sampler.sample(
             logits,
-            [q.sampling for q in reqs],
+            [r.request.sampling for r in rows],
             [r.seed for r in rows],
             [len(r.tokens) for r in rows],
             [r.generator for r in rows],
         )
-        version = self.version
-        for row, req, tok, lp in zip(rows, reqs, tokens, logps, strict=True):
-            row.tokens.append(tok)
-            row.logprobs.append(lp)
-            row.versions.append(version)
-            if tok in req.stop_ids:
-                row.finish_reason = "stop"
-            elif len(row.tokens) >= req.max_new_tokens:
-                row.finish_reason = "length"
+        for row, tok, lp in zip(rows, tokens, logps, strict=True):
+            row.record(tok, lp, self.version)
 
     def _finish_done(self) -> list[tuple[T, Completion]]:
         """Take finished rows out and compact the rest into slots 0..n-1 (highest index first, so a

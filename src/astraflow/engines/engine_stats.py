@@ -8,7 +8,9 @@ from typing import Any
 
 
 class EngineStats:
-    """Cumulative wall time of the decode thread's phases (each ends with the device synchronised).
+    """Cumulative wall time of the decode thread's phases (with the synchronous decode loop each ends
+    with the device synchronised; with the overlapped one a step's phase ends when the next step is
+    queued and the one before it read, so the device keeps running across the phase boundary).
 
     busy_s = weight_s + prefill_s + decode_s: the time the engine kept its device working (kernels plus
     the host work between them); over a worker's wall time it is the engine's busy fraction. Written by

@@ -32,8 +32,6 @@ class _Graph:
     graph: Any
     inputs: torch.Tensor
     """[3, bucket] int64 on the device: tokens, positions, lengths."""
-    staging: torch.Tensor
-    """The same in pinned host memory."""
     logits: torch.Tensor
 
 
@@ -55,16 +53,23 @@ class DecodeGraphs:
         self.buckets = buckets(max_batch)
         self.graphs: dict[int, _Graph] = {}
 
-    def run(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
-        """Logits [n, V] of one decode step for rows 0..n-1."""
-        n = len(tokens)
+    def run(self, tokens: list[int] | torch.Tensor, positions: list[int]) -> torch.Tensor:
+        """Logits [n, V] of one decode step for rows 0..n-1; `tokens` a host list, or a device tensor
+        (the overlapped loop's sampled tokens, copied into the graph's input on the device)."""
+        n = len(positions)
         bucket = next(b for b in self.buckets if b >= n)
         g = self.graphs.get(bucket) or self._capture(bucket)
-        g.staging[0, :n] = torch.tensor(tokens)
-        g.staging[1, :n] = torch.tensor(positions)
-        g.staging[2, :n] = g.staging[1, :n] + 1
-        self._pad(g.staging, n)
-        g.inputs.copy_(g.staging, non_blocking=True)
+        # A fresh pinned block each step from torch's caching host allocator, which hands it out again
+        # only after the copy that reads it has run: with the overlapped loop the host fills the next
+        # step's inputs while this step's copy may still wait in the stream.
+        staging = torch.empty((3, bucket), dtype=torch.long, pin_memory=True)
+        staging[0, :n] = 0 if isinstance(tokens, torch.Tensor) else torch.tensor(tokens)
+        staging[1, :n] = torch.tensor(positions)
+        staging[2, :n] = staging[1, :n] + 1
+        self._pad(staging, n)
+        g.inputs.copy_(staging, non_blocking=True)
+        if isinstance(tokens, torch.Tensor):
+            g.inputs[0, :n].copy_(tokens)
         g.graph.replay()
         return g.logits[:n]
 
@@ -97,6 +102,6 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             logits = step()
-        g = _Graph(graph, inputs, staging, logits)
+        g = _Graph(graph, inputs, logits)
         self.graphs[bucket] = g
         return g

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from astraflow.engines.device import to_device
+
 
 class SlotKVCache:
     """Keys and values for `slots` sequences of at most `max_len` positions each."""
@@ -52,7 +54,7 @@ class SlotKVCache:
             if len(dst) == 1:
                 cache[:, dst[0], :, :length].copy_(src_view[:, 0])
             else:
-                idx = torch.tensor(dst, device=cache.device)
+                idx = to_device(torch.tensor(dst), cache.device)
                 cache[:, :, :, :length].index_copy_(1, idx, src_view.expand(-1, len(dst), -1, -1, -1))
 
     def move_slot(self, src: int, dst: int, length: int) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from astraflow.engines.device import to_device
 from astraflow.engines.kv_cache import SlotKVCache
 from astraflow.engines.ops import TorchOps, rmsnorm, rope, silu_mul
 
@@ -90,8 +91,8 @@ class Qwen3Forward:
         ids = torch.zeros((n, width), dtype=torch.long)
         for i, p in enumerate(prompts):
             ids[i, : len(p)] = torch.tensor(p, dtype=torch.long)
-        ids = ids.to(self.device)
-        slot_idx = torch.tensor(slots, device=self.device)
+        ids = to_device(ids, self.device)
+        slot_idx = to_device(torch.tensor(slots), self.device)
         cos = self.cos[:width][None, :, None, :]
         sin = self.sin[:width][None, :, None, :]
         h_, hk, d = self.heads, self.kv_heads, self.head_dim
@@ -112,7 +113,7 @@ class Qwen3Forward:
             a = F.linear(att.transpose(1, 2).reshape(n, width, h_ * d), o_w)
             h, res = rmsnorm(a, ln2, self.eps, res)
             x = F.linear(silu_mul(F.linear(h, gu_w)), down_w)
-        last = torch.tensor(lengths, device=self.device) - 1
+        last = to_device(torch.tensor(lengths), self.device) - 1
         rows = torch.arange(n, device=self.device)
         h, _ = rmsnorm(x[rows, last], self.norm, self.eps, None if res is None else res[rows, last])
         return F.linear(h, self.lm_head)

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from astraflow import log
+from astraflow.engines.device import to_device
 
 _log = log.get("engines.runners")
 
@@ -49,12 +50,13 @@ class CachedRunner:
         """Logits [n, V] at each prompt's last token; the prompts' KV lands in `slots`."""
         return self.forward.prefill(prompts, slots)
 
-    def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
-        """Logits [n, V] for rows 0..n-1, each feeding `tokens[i]` at `positions[i]`."""
+    def decode(self, tokens: list[int] | torch.Tensor, positions: list[int]) -> torch.Tensor:
+        """Logits [n, V] for rows 0..n-1, each feeding `tokens[i]` at `positions[i]`; `tokens` may be
+        a tensor already on the device (the overlapped loop's), which is read there, not on the host."""
         if self.graphs is not None:
             return self.graphs.run(tokens, positions)
-        t = torch.tensor(tokens, device=self.device)
-        p = torch.tensor(positions, device=self.device)
+        t = tokens if isinstance(tokens, torch.Tensor) else to_device(torch.tensor(tokens), self.device)
+        p = to_device(torch.tensor(positions), self.device)
         return self.forward.decode_step(t, p, p + 1, max(positions) + 1, self.ops)
 
     def copy_slot(self, src: int, dst: list[int], length: int) -> None:
@@ -83,8 +85,11 @@ class HFRecomputeRunner:
             self.seqs[s] = list(p)
         return self._last_logits([self.seqs[s] for s in slots])
 
-    def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
-        """Logits [n, V] for rows 0..n-1 after appending tokens[i] at positions[i]."""
+    def decode(self, tokens: list[int] | torch.Tensor, positions: list[int]) -> torch.Tensor:
+        """Logits [n, V] for rows 0..n-1 after appending tokens[i] at positions[i] (a device tensor
+        of tokens is read back first: this runner builds its inputs on the host)."""
+        if isinstance(tokens, torch.Tensor):
+            tokens = [int(t) for t in tokens.tolist()]
         for i, (t, p) in enumerate(zip(tokens, positions, strict=True)):
             self.seqs[i] = [*self.seqs[i][:p], t]
         return self._last_logits(self.seqs[: len(tokens)])

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from astraflow.engines.device import to_device
 from astraflow.engines.sampling import processed_logprobs
 from astraflow.protocol.messages import SamplingParams
 
@@ -70,64 +71,75 @@ class Sampler:
 
         Each row is sampled under its own settings only: a row's token and logprob do not depend on
         the settings of the rows batched with it."""
-        n, vocab = logits.shape
-        temp = torch.tensor([p.temperature for p in params], dtype=torch.float32).to(
-            self.device, non_blocking=True
-        )
-        plain = [p.top_p >= 1.0 and (p.top_k <= 0 or p.top_k >= vocab) for p in params]
-        if self.use_triton:
-            from astraflow.engines import triton_sampling
-
-            key = step_seeds(seeds, counters).to(self.device, non_blocking=True)
-            if all(plain):
-                tok, lp = triton_sampling.fused_sample(logits, temp, key)
-                return _to_lists(tok, lp)
-            if any(plain):
-                # plain rows keep the fused kernel (the same numbers as in an all-plain batch)
-                tokens, logps = [0] * n, [0.0] * n
-                for rows, fn in ((_where(plain, True), self._fused), (_where(plain, False), self._filtered)):
-                    idx = torch.tensor(rows, device=self.device)
-                    sub = [params[i] for i in rows]
-                    got = fn(
-                        logits.index_select(0, idx), temp.index_select(0, idx), key.index_select(0, idx), sub
-                    )
-                    for i, a, b in zip(rows, *got, strict=True):
-                        tokens[i], logps[i] = a, b
-                return tokens, logps
-            return self._filtered(logits, temp, key, params)
-        if generators and all(g is not None for g in generators):
+        if not self.use_triton and generators and all(g is not None for g in generators):
+            vocab = logits.shape[1]
             u = torch.stack([torch.rand(vocab, generator=g, device=self.device) for g in generators])
             noise = -torch.log(-torch.log(u.clamp_min(1e-20)))
-        else:
-            noise = hashed_gumbel(step_seeds(seeds, counters).to(self.device), vocab)
-        return self._pick(logits, temp, noise, params)
+            temp = to_device(torch.tensor([p.temperature for p in params], dtype=torch.float32), self.device)
+            return to_lists(*self._pick(logits, temp, noise, params))
+        return to_lists(*self.sample_on_device(logits, params, seeds, counters))
+
+    def sample_on_device(
+        self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], counters: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`sample` without reading the result back: tokens [n] int64 and logprobs [n] float32 on the
+        device, queued behind the logits (nothing here waits for the device), noise from (seed, counter)."""
+        n, vocab = logits.shape
+        temp = to_device(torch.tensor([p.temperature for p in params], dtype=torch.float32), self.device)
+        plain = [p.top_p >= 1.0 and (p.top_k <= 0 or p.top_k >= vocab) for p in params]
+        keys = step_seeds(seeds, counters)
+        if not self.use_triton:
+            return self._pick(logits, temp, hashed_gumbel(to_device(keys, self.device), vocab), params)
+        key = to_device(keys, self.device)
+        if all(plain):
+            return self._fused(logits, temp, key, params)
+        if not any(plain):
+            return self._filtered(logits, temp, key, params)
+        # plain rows keep the fused kernel (the same numbers as in an all-plain batch)
+        tokens = torch.empty(n, dtype=torch.int64, device=self.device)
+        logps = torch.empty(n, dtype=torch.float32, device=self.device)
+        for rows, fn in ((_where(plain, True), self._fused), (_where(plain, False), self._filtered)):
+            idx = to_device(torch.tensor(rows, dtype=torch.int64), self.device)
+            sub = [params[i] for i in rows]
+            tok, lp = fn(
+                logits.index_select(0, idx), temp.index_select(0, idx), key.index_select(0, idx), sub
+            )
+            tokens.index_copy_(0, idx, tok)
+            logps.index_copy_(0, idx, lp)
+        return tokens, logps
 
     def _fused(
         self, logits: torch.Tensor, temp: torch.Tensor, key: torch.Tensor, _params: list[SamplingParams]
-    ) -> tuple[list[int], list[float]]:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         from astraflow.engines import triton_sampling
 
-        return _to_lists(*triton_sampling.fused_sample(logits, temp, key))
+        tok, lp = triton_sampling.fused_sample(logits, temp, key)
+        return tok.long(), lp
 
     def _filtered(
         self, logits: torch.Tensor, temp: torch.Tensor, key: torch.Tensor, params: list[SamplingParams]
-    ) -> tuple[list[int], list[float]]:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         from astraflow.engines import triton_sampling
 
         return self._pick(logits, temp, triton_sampling.gumbel_noise(key, logits.shape[1]), params)
 
     def _pick(
         self, logits: torch.Tensor, temp: torch.Tensor, noise: torch.Tensor, params: list[SamplingParams]
-    ) -> tuple[list[int], list[float]]:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Gumbel-max over processed_logprobs (per-row filters), with the chosen token's logprob."""
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+        top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64)
+        # the rows processed_logprobs filters, found on the host by its own rule (no device read)
+        rows = torch.nonzero(((top_k > 0) & (top_k < logits.shape[1])) | (top_p < 1.0)).squeeze(-1)
         logp = processed_logprobs(
             logits,
             temp,
-            torch.tensor([p.top_p for p in params], dtype=torch.float32, device=self.device),
-            torch.tensor([p.top_k for p in params], device=self.device),
+            to_device(top_p, self.device),
+            to_device(top_k, self.device),
+            filter_rows=to_device(rows, self.device),
         )
         tok = (logp + noise).argmax(dim=-1)
-        return _to_lists(tok, logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1))
+        return tok, logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
 
 
 def _where(flags: list[bool], value: bool) -> list[int]:
@@ -135,7 +147,17 @@ def _where(flags: list[bool], value: bool) -> list[int]:
     return [i for i, f in enumerate(flags) if f is value]
 
 
-def _to_lists(tok: torch.Tensor, lp: torch.Tensor) -> tuple[list[int], list[float]]:
-    """One device-to-host transfer for both."""
-    both = torch.stack([tok.double(), lp.double()]).cpu()
+def stacked(tok: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:
+    """Tokens and logprobs as one [2, n] float64 tensor (every token id is exact in a float64), so
+    one device-to-host transfer carries both."""
+    return torch.stack([tok.double(), lp.double()])
+
+
+def lists(both: torch.Tensor) -> tuple[list[int], list[float]]:
+    """Tokens and logprobs from a host copy of `stacked`."""
     return [int(t) for t in both[0].tolist()], both[1].tolist()
+
+
+def to_lists(tok: torch.Tensor, lp: torch.Tensor) -> tuple[list[int], list[float]]:
+    """One device-to-host transfer for both (it waits for the device)."""
+    return lists(stacked(tok, lp).cpu())

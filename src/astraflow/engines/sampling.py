@@ -16,6 +16,8 @@ def processed_logprobs(
     temperature: torch.Tensor | float = 1.0,
     top_p: torch.Tensor | float = 1.0,
     top_k: torch.Tensor | int = 0,
+    *,
+    filter_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Log-probabilities [N, V] of the processed distribution; -inf outside top-k / the nucleus.
 
@@ -24,6 +26,8 @@ def processed_logprobs(
     tokens sorted by probability whose mass reaches top_p; the most likely token is always kept.
     Filters apply per row: a row that uses neither is exactly its own log_softmax(logits / temperature)
     whatever its batch mates use, and a filtered row is cut by its own top-p / top-k only.
+    `filter_rows`: the indices of the rows that use top-k or top-p, when the caller knows them already
+    (the engine's sampler does): finding them here reads a device value back, a wait for the device.
     """
     x = logits.float()
     n, v = x.shape
@@ -33,7 +37,7 @@ def processed_logprobs(
     tp = torch.as_tensor(top_p, dtype=torch.float32, device=x.device).reshape(-1).expand(n)
     use_k = (tk > 0) & (tk < v)
     use_p = tp < 1.0
-    rows = torch.nonzero(use_k | use_p).squeeze(-1)
+    rows = torch.nonzero(use_k | use_p).squeeze(-1) if filter_rows is None else filter_rows
     if rows.numel() == 0:
         return torch.log_softmax(x, dim=-1)
     sorted_x, order = torch.sort(x.index_select(0, rows), dim=-1, descending=True)

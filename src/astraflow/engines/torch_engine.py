@@ -30,6 +30,7 @@ from astraflow.engines.base import Completion, GenerationRequest, RolloutEngine
 from astraflow.engines.decode_loop import DecodeLoop
 from astraflow.engines.device import resolve_device
 from astraflow.engines.engine_stats import EngineStats
+from astraflow.engines.overlap_loop import OverlapDecodeLoop
 from astraflow.engines.torch_engine_config import TorchEngineConfig
 from astraflow.engines.weights import check_weights
 from astraflow.errors import AstraflowError, EngineFailedError
@@ -87,7 +88,8 @@ class TorchEngine(RolloutEngine):
         # Taken after the runner re-pointed fused weights, so updates copy into what decode reads.
         self._params = self.model.state_dict()
         self._vocab = int(self.model.config.vocab_size)
-        self._decode: DecodeLoop[_Pending] = DecodeLoop(
+        loop = OverlapDecodeLoop if cfg.decode_loop == "overlap" else DecodeLoop
+        self._decode: DecodeLoop[_Pending] = loop(
             self.runner, self._params, self.device, cfg.max_batch, seed=seed
         )
         self._queue: deque[_Pending] = deque()
@@ -250,10 +252,11 @@ class TorchEngine(RolloutEngine):
             return [self._queue.popleft() for _ in range(min(self._decode.free, len(self._queue)))]
 
     def _pass(self, admitted: list[_Pending]) -> None:
-        """One pass at a safe point (every running row has its next input token and nothing is in
-        flight): apply staged weights, admit, step. Each phase ends with the device synchronised
+        """One pass at a safe point (every running row has its next input token): apply staged
+        weights, admit, step. With the synchronous loop each phase ends with the device synchronised
         (sampling copies tokens to the host), so its wall time is the time the GPU spent on it plus the
-        host's share (EngineStats)."""
+        host's share (EngineStats); with the overlapped loop a step returns while the next one runs,
+        and the weight phase waits for the step in flight."""
         t0 = time.perf_counter()
         with self._cond:
             staged, self._staged = self._staged, None

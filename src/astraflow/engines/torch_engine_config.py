@@ -26,3 +26,7 @@ class TorchEngineConfig(BaseModel):
     """On a GPU, replay each decode step as a CUDA graph (one per batch-size bucket)."""
     kernels: Literal["auto", "triton", "torch"] = "auto"
     """Decode-step kernels on a GPU: Triton when it is installed (auto), Triton, or plain PyTorch."""
+    decode_loop: Literal["sync", "overlap"] = "sync"
+    """How the decode thread steps (docs/engine.md): `sync` reads each step's tokens back before it
+    builds the next step; `overlap` launches step N+1 from step N's tokens kept on the device and does
+    step N's host work while it runs (a finished row costs one discarded extra step)."""

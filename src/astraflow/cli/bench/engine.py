@@ -39,6 +39,13 @@ def rollout(
         int,
         typer.Option("--group", min=1, help="Sequences per prompt (GRPO group); must divide each batch."),
     ] = 1,
+    decode_loop: Annotated[
+        str,
+        typer.Option(
+            "--loop",
+            help="The engine's decode loop: sync | overlap | both (both: timed side by side, with their ratio).",
+        ),
+    ] = "both",
     json_: Annotated[
         bool, typer.Option("--json", help="Print the result as JSON on stdout (the table goes to stderr).")
     ] = False,
@@ -55,6 +62,9 @@ def rollout(
         raise AstraflowError(f"unknown --device {device!r}", hint="choose auto, cpu or cuda")
     if dtype not in ("float32", "bfloat16"):
         raise AstraflowError(f"unknown --dtype {dtype!r}", hint="choose float32 or bfloat16")
+    loops = {"sync": ["sync"], "overlap": ["overlap"], "both": ["sync", "overlap"]}.get(decode_loop)
+    if loops is None:
+        raise AstraflowError(f"unknown --loop {decode_loop!r}", hint="choose sync, overlap or both")
     batches = parse_batches(batch)
     check_model_dir(model)
     import transformers
@@ -72,6 +82,7 @@ def rollout(
         seed=seed,
         threads=threads,
         group=group,
+        loops=loops,
     )
     typer.echo(format_table(res), err=json_)
     if json_:
