@@ -131,6 +131,67 @@ def test_a_worker_that_asks_before_the_delta_is_held_pulls_full_then_deltas_agai
     assert torch.equal(got.state_dict["w"].view(torch.int16), versions[3]["w"].view(torch.int16))
 
 
+def test_a_worker_waits_for_a_delta_still_being_encoded_rather_than_pull_the_full_version(
+    trainer: WeightServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With `delta_wait_s`, a worker that holds the version before asks again while the trainer says
+    `not_yet` (its delta is being encoded) and patches the delta once it is held. The slow encode is a
+    stand-in (the real encoder, held back by the test's event)."""
+    import threading
+
+    import astraflow.weights.delta as delta_mod
+    from astraflow.weights.publisher import BackgroundPublisher
+
+    gate, real_parts = threading.Event(), delta_mod.host_parts
+
+    def held_back(*args: object) -> object:
+        assert gate.wait(30)
+        return real_parts(*args)  # type: ignore[arg-type]
+
+    told, real_chain = threading.Event(), wclient.fetch_chain
+
+    def chain(*args: object, **kw: object) -> object:
+        try:
+            return real_chain(*args, **kw)  # type: ignore[arg-type]
+        except wclient.NotYetError:
+            told.set()  # the trainer said the delta is coming: the encode may go on now
+            raise
+
+    monkeypatch.setattr(delta_mod, "host_parts", held_back)
+    monkeypatch.setattr(wclient, "fetch_chain", chain)
+    versions = _versions(3)
+    pub = BackgroundPublisher(trainer, POLICY, delta=True)
+    shas = []
+    for v in (1, 2):
+        pub.start(v, versions[v], {})
+        shas.append(pub.result(timeout_s=30).manifest.sha256)
+    held = HeldWeights()
+    fetch_version([trainer.address], POLICY, 1, expect_sha256=shas[0], held=held, delta=True)
+    out: list[object] = []
+    pulling = threading.Thread(
+        target=lambda: out.append(
+            fetch_version(
+                [trainer.address], POLICY, 2, expect_sha256=shas[1], held=held, delta=True, delta_wait_s=60
+            )
+        )
+    )
+    pulling.start()
+    assert told.wait(30)
+    gate.set()
+    pulling.join(60)
+    (got,) = out
+    assert (got.kind, got.chain) == ("delta", 1) and held.counts["fallback"] == 0  # type: ignore[attr-defined]
+    assert torch.equal(got.state_dict["w"].view(torch.int16), versions[2]["w"].view(torch.int16))  # type: ignore[attr-defined]
+    # a delta no longer coming (encoded, or given up) is no longer waited for
+    assert pub.deltas is not None and pub.deltas.wait_idle(30)
+    trainer.delta_coming(POLICY, 9)
+    with pytest.raises(wclient.NotYetError, match="being encoded"):
+        wclient.fetch_manifest(trainer.address, POLICY, 9, kind="delta")
+    trainer.delta_coming(POLICY, 9, False)
+    with pytest.raises(wclient.VersionUnavailableError, match="not held"):
+        wclient.fetch_manifest(trainer.address, POLICY, 9, kind="delta")
+
+
 def test_a_patch_with_the_wrong_digest_is_discarded_for_full(trainer: WeightServer) -> None:
     versions = _versions(3)
     shas = _serve(trainer, versions)

@@ -287,6 +287,9 @@ class WeightsConfig(_Model):
     region costs the trainer one upload per version."""
     relay_wait_s: float = Field(10.0, ge=0)
     """How long a worker waits for a relay still fetching a version before pulling from the trainer."""
+    delta_wait_s: float = Field(5.0, ge=0)
+    """delta mode: how long a worker that holds the version before waits for a trainer still encoding
+    the new version's delta (announced before its delta is ready) before pulling the full version."""
     pull_connections: int = Field(0, ge=0, le=8)
     """zmq: connections one pull spreads a version's chunks over (one per 16 MiB of it at most), each
     its own CURVE session on its own I/O thread on both sides, so encryption and hashing use several

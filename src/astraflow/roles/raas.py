@@ -413,6 +413,7 @@ class RaaS:
             delta=cfg.mode == "delta",
             max_chain=cfg.max_chain,
             relay_wait_s=cfg.relay_wait_s,
+            delta_wait_s=cfg.delta_wait_s,
             into=self.recv_buffers,
             connections=cfg.pull_connections,
         )

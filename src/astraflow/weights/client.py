@@ -233,7 +233,7 @@ class _Puller:
         """Raise the error an Error reply stands for (nothing for any other reply)."""
         if isinstance(msg, Error):
             if msg.code == "not_yet":
-                raise NotYetError(f"relay at {self.addr}: {msg.message}", hint="ask again shortly")
+                raise NotYetError(f"weight server at {self.addr}: {msg.message}", hint="ask again shortly")
             if msg.code == "unknown_version":
                 raise VersionUnavailableError(
                     f"weight server at {self.addr} does not hold {policy}@{version}: {msg.message}",

@@ -3,7 +3,8 @@
 `BackgroundPublisher.start` hands every version to `DeltaEncoder.submit` and goes on; the full version
 is held and announced as soon as it is served, and its delta (from the version before) follows when it
 is ready, its metrics announced again for the same version (`take_late`). A worker that asks before
-then pulls the full version (weights/fetch.py falls back to it). One delta is encoded at a time and one
+then is answered `not_yet` and waits for it at most `[weights] delta_wait_s`, then pulls the full
+version (weights/fetch.py). One delta is encoded at a time and one
 more waits its turn: a version submitted while another still waits replaces it (the one replaced gets
 no delta, counted in `skipped`), so the trainer's next publish never waits for an encode.
 
@@ -83,6 +84,7 @@ class DeltaEncoder:
             if self._running is not None:
                 if self._waiting is not None:
                     self.skipped += 1
+                    self.server.delta_coming(self.policy, self._waiting.version, False)
                 self._waiting = job
                 return job
             self._running = job
@@ -97,6 +99,10 @@ class DeltaEncoder:
         """The job's full version is held (manifest), or failed (None)."""
         try:
             job.blob, job.manifest = blob, manifest
+            with self._cond:
+                if manifest is not None and job in (self._running, self._waiting):
+                    # announced from now on: a worker asking for its delta waits for it (bounded)
+                    self.server.delta_coming(self.policy, job.version)
             if manifest is not None and not job.device:
                 prev = self.server.blob(self.policy, job.version - 1)
                 prev_manifest = self.server.manifest(self.policy, job.version - 1)
@@ -125,6 +131,7 @@ class DeltaEncoder:
             _log.warning("%s version %d: no delta: %s", self.policy, job.version, exc)
         finally:
             job.weights, job.blob, job.base = {}, None, None
+            self.server.delta_coming(self.policy, job.version, False)  # held by now, or never will be
             with self._cond:
                 if metrics is not None and job.manifest is not None:
                     metrics["weights_delta_skipped"] = float(self.skipped)

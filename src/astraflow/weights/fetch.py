@@ -114,13 +114,15 @@ def fetch_version(
     timeout_s: float = 60.0,
     idle_timeout_s: float = 10.0,
     relay_wait_s: float = 10.0,
+    delta_wait_s: float = 0.0,
     window: int | None = None,
     into: RecvBuffers | None = None,
     connections: int = 0,
 ) -> Fetched:
     """Pull `policy@version` from the first source (relays first, the trainer last) that serves it.
 
-    With `delta` and a held version at most `max_chain` behind, the delta chain is tried first. The
+    With `delta` and a held version at most `max_chain` behind, the delta chain is tried first (a
+    trainer still encoding a delta of it is asked again for at most `delta_wait_s`). The
     result is held in `held` (when given) as the base of the next delta; without `held`, a full pull
     lands in a buffer from `into` (when given), which `Fetched.release` hands back. Each pull spreads
     over up to `connections` connections to its source (0: weights/client.py's default). Raises the
@@ -156,7 +158,7 @@ def fetch_version(
             )
 
         for src in sources:
-            chain = attempt(chain_from, src)
+            chain = attempt(chain_from, src, trainer_wait_s=delta_wait_s)
             if chain is None:
                 _count(held, "fallback")
                 continue
@@ -193,21 +195,22 @@ def fetch_version(
 
 class _Attempts:
     """One way of pulling tried on one source; its error is kept (the last one is raised when every
-    way failed). A relay still fetching the version is asked again, for at most relay_wait_s."""
+    way failed). A source that answers `not_yet` is asked again: a relay still fetching the version for
+    at most relay_wait_s, the trainer (still encoding a delta) for at most the call's trainer_wait_s."""
 
     def __init__(self, policy: str, version: int, trainer: str, relay_wait_s: float) -> None:
         self.policy, self.version, self.trainer, self.relay_wait_s = policy, version, trainer, relay_wait_s
         self.errors: list[Exception] = []
 
-    def __call__(self, fn: Any, src: str) -> Any:
+    def __call__(self, fn: Any, src: str, trainer_wait_s: float = 0.0) -> Any:
         from astraflow.weights.client import NotYetError, VersionUnavailableError
 
-        until = time.monotonic() + self.relay_wait_s
+        until = time.monotonic() + (trainer_wait_s if src == self.trainer else self.relay_wait_s)
         while True:
             try:
                 return fn(src)
             except NotYetError as exc:
-                if src == self.trainer or time.monotonic() >= until:
+                if time.monotonic() >= until:
                     self.errors.append(exc)
                     return None
                 time.sleep(0.1)

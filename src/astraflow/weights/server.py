@@ -82,6 +82,8 @@ class WeightServer:
         """A worker's relay: a request for a version newer than any it holds is answered `not_yet`
         (it pulls every new version, so the asker may wait for it) rather than `unknown_version`."""
         self._blobs: dict[tuple[str, int, str], tuple[WeightManifest, memoryview]] = {}
+        self._coming: set[tuple[str, int]] = set()
+        """(policy, version) whose delta is being encoded: asked for, it is answered `not_yet`."""
         self._lock = threading.Lock()
         self._limit = PullLimit()
         """Connections served per key (weights/pull_limit.py)."""
@@ -130,8 +132,19 @@ class WeightServer:
         manifest = build_manifest(policy, version, blob, self.chunk_bytes, kind=kind)
         with self._lock:
             self._blobs[(policy, version, kind)] = (manifest, memoryview(blob).cast("B"))
+            if kind == "delta":
+                self._coming.discard((policy, version))
             self._evict(policy)
         return manifest
+
+    def delta_coming(self, policy: str, version: int, coming: bool = True) -> None:
+        """Say that the delta of `policy@version` is being encoded (a request for it is answered
+        `not_yet`, so a worker may wait for it rather than pull the full version), or no longer is."""
+        with self._lock:
+            if coming:
+                self._coming.add((policy, version))
+            else:
+                self._coming.discard((policy, version))
 
     def _evict(self, policy: str) -> None:
         fulls = sorted((v for (p, v, k) in self._blobs if p == policy and k == "full"), reverse=True)
@@ -232,6 +245,13 @@ class WeightServer:
         with self._lock:
             entry = self._blobs.get((req.policy, req.version, req.kind))
             held = sorted(v for (p, v, k) in self._blobs if p == req.policy and k == "full")
+            coming = req.kind == "delta" and (req.policy, req.version) in self._coming
+        if entry is None and coming:
+            return Error(
+                rid=req.rid,
+                code="not_yet",
+                message=f"the delta of {req.policy}@{req.version} is being encoded",
+            ), None
         if entry is None and self.relay and (not held or req.version > held[-1]):
             return Error(
                 rid=req.rid,
