@@ -227,14 +227,28 @@ class Admission:
     def leased(self, roles: dict[str, str], group_size: int, read_only: Iterable[str]) -> None:
         """A task was just leased inside `leasing()`: what it adds to `ahead`, counted as `_sequences`
         does (the ledger writes the call's leases only when it ends: `ahead` adds them, counted or not)."""
+        self.leased_adder(roles, group_size, read_only)()
+
+    def leased_adder(
+        self, roles: dict[str, str], group_size: int, read_only: Iterable[str]
+    ) -> Callable[[], None]:
+        """`leased` of a task of this shape, its sequences counted once: a lease call takes many
+        tasks of one shape."""
         skip = set(read_only)
-        for pol, k in self.task_sequences(roles, self._sizes(roles, group_size)).items():
-            if pol in skip:
-                continue
-            if self._ahead is None:
-                self._unwritten[pol] = self._unwritten.get(pol, 0) + k
-            elif pol in self._ahead:
-                self._ahead[pol] += k
+        adds = [
+            (pol, k)
+            for pol, k in self.task_sequences(roles, self._sizes(roles, group_size)).items()
+            if pol not in skip
+        ]
+
+        def add() -> None:
+            for pol, k in adds:
+                if self._ahead is None:
+                    self._unwritten[pol] = self._unwritten.get(pol, 0) + k
+                elif pol in self._ahead:
+                    self._ahead[pol] += k
+
+        return add
 
     # ----- who is still waited on -------------------------------------------------------------------
 

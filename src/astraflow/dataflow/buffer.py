@@ -107,9 +107,10 @@ class Buffer:
                 stored = pending.write(self.store)
             finally:
                 self._pending = None
-            for policy, it in stored:
-                if policy in self._items:
-                    self._items[policy][it.traj_id] = it
+            for policy, items in stored:
+                mine = self._items.get(policy)
+                if mine is not None:
+                    mine.update({it.traj_id: it for it in items})
             for g in pending.groups:
                 if g.status != "buffered":
                     continue
