@@ -13,10 +13,10 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
 import msgspec
-import numpy as np
 
 from astraflow.data.base import BufferItem, BufferOrder
 from astraflow.data.order import EdfOrder, FifoOrder
@@ -107,10 +107,9 @@ class Buffer:
                 stored = pending.write(self.store)
             finally:
                 self._pending = None
-            for policy, items in stored:
-                mine = self._items.get(policy)
-                if mine is not None:
-                    mine.update({it.traj_id: it for it in items})
+            for policy, it in stored:
+                if policy in self._items:
+                    self._items[policy][it.traj_id] = it
             for g in pending.groups:
                 if g.status != "buffered":
                     continue
@@ -159,9 +158,11 @@ class Buffer:
         """`insert` of a group that is the sequences a..b-1 of a message's columns (view, a, b), all
         of one policy: stored as they came, no Python object per sequence."""
         view, a, b = cols
-        rewards = view.rewards[a:b]
-        if not (bool(np.isfinite(rewards).all()) and all(map(math.isfinite, advantages))):
-            for reward, adv in zip(rewards.tolist(), advantages, strict=True):
+        rewards = view.reward_list[a:b]
+        if not (
+            (view.rewards_finite or all(map(math.isfinite, rewards))) and all(map(math.isfinite, advantages))
+        ):
+            for reward, adv in zip(rewards, advantages, strict=True):
                 why = nonfinite_row(reward, adv)
                 if why:
                     raise RefusedResult(f"task {task_id}: {why} is not finite; not stored")
@@ -324,7 +325,7 @@ class Buffer:
         # The ranking decided what is taken; the batch is served in task order (each group in its own
         # order), which does not depend on when results arrived: the trainer's sums over the batch, and
         # so a seeded sync run, come out the same from run to run.
-        return sorted(chosen, key=lambda it: (it.task_id, it.arrival))
+        return sorted(chosen, key=attrgetter("task_id", "arrival"))
 
     def _samples(
         self, ids: list[int], flags: list[bool], known: dict[int, TrainSample] | None = None

@@ -75,50 +75,35 @@ class Pending:
         self.next_id += g.size
         return list(range(g.first_id, self.next_id))
 
-    def write(self, store: Store) -> list[tuple[str, list[BufferItem]]]:
+    def write(self, store: Store) -> list[tuple[str, BufferItem]]:
         """Write every queued group: two statements in all (inside the caller's transaction); the
-        buffered groups as (policy, items in id order), as the buffer orders them."""
+        buffered ones as (policy, item), as the buffer orders them."""
         if not self.groups:
             return []
         oldest = iter(min_versions([s for g in self.groups for s in g.seqs]))
         facts: dict[int, _Facts] = {}
         rows: list[tuple[Any, ...]] = []
         tokens: list[tuple[Any, ...]] = []
-        buffered: list[tuple[str, list[BufferItem]]] = []
         for g in self.groups:
             if g.cols is None:
-                mine = _seq_rows(g, oldest)
+                rows += _seq_rows(g, oldest)
                 tokens.append(
                     token_groups.group_row(
                         g.first_id, [(s.tokens, s.loss_mask, s.logprobs, s.versions) for s in g.seqs]
                     )
                 )
-            else:
-                view, a, b = g.cols
-                f = facts.get(id(view)) or facts.setdefault(id(view), _Facts.of(view))
-                mine = _column_rows(g, view, f, a, b)
-                tokens.append(
-                    token_groups.joined_row(g.first_id, b - a, view.lengths[a:b].tobytes(), view.joined(a, b))
-                )
-            rows += mine
-            if g.status == "buffered" and mine:
-                # (traj_id, task_id, min_version, arrival, reward, advantage, length): arrival is the id
-                ids = [r[7] for r in mine]
-                items = list(
-                    map(
-                        BufferItem,
-                        ids,
-                        [r[0] for r in mine],
-                        [r[6] for r in mine],
-                        ids,
-                        [r[3] for r in mine],
-                        [r[4] for r in mine],
-                        [r[5] for r in mine],
-                    )
-                )
-                buffered.append((mine[0][1], items))
+                continue
+            view, a, b = g.cols
+            f = facts.get(id(view)) or facts.setdefault(id(view), _Facts.of(view))
+            rows += _column_rows(g, view, f, a, b)
+            tokens.append(
+                token_groups.joined_row(g.first_id, b - a, view.lengths[a:b].tobytes(), view.joined(a, b))
+            )
         trajectories.insert_groups(store, self.groups[0].first_id, rows, tokens)
-        return buffered
+        # (traj_id, task_id, min_version, arrival, reward, advantage, length): arrival is the id
+        return [
+            (r[1], BufferItem(r[7], r[0], r[6], r[7], r[3], r[4], r[5])) for r in rows if r[8] == "buffered"
+        ]
 
 
 def _seq_rows(g: Group, oldest: Iterator[int]) -> list[tuple[Any, ...]]:
@@ -149,69 +134,67 @@ def _seq_rows(g: Group, oldest: Iterator[int]) -> list[tuple[Any, ...]]:
 
 @dataclass
 class _Facts:
-    """What the rows of a message's column groups need per sequence, found once per message: each a
-    list over every sequence of the message, sliced per group."""
+    """What the rows of a message's column groups need per sequence, found once per message."""
 
     masked: list[int]
     """Tokens with a nonzero mask."""
     oldest: list[int]
     """min_versions of each sequence."""
-    rewards: list[float]
-    roles: list[str]
-    keys: list[str]
-    temperature: list[float]
-    top_p: list[float]
-    top_k: list[int]
 
     @classmethod
     def of(cls, view: ResultColumns) -> _Facts:
-        """Every list for every sequence of the message: a numpy pass or a table lookup each."""
+        """Both lists for every sequence of the message, in one numpy pass each."""
         c = view.cols
         mask = np.frombuffer(c.loss_mask, np.uint8) != 0
         versions = np.frombuffer(c.versions, packed.INT32)
         starts, lengths = view.tok[:-1], view.lengths
         if not len(lengths):
-            return cls([], [], [], [], [], [], [], [])
+            return cls([], [])
         # a sentinel after the last token: reduceat needs every start inside the array; a sequence
         # of no tokens reads its neighbour's first, so it is zeroed
         masked = np.add.reduceat(np.append(mask, False).astype(np.int64), starts)
         masked[lengths == 0] = 0
-        sampling = view.sampling.tolist()
-        sps = c.samplings
-        return cls(
-            masked.tolist(),
-            _oldest(versions, mask, starts, lengths),
-            view.rewards.tolist(),
-            list(map(c.names.__getitem__, view.role.tolist())),
-            list(map(c.keys.__getitem__, view.key.tolist())),
-            list(map([float(sp.temperature) for sp in sps].__getitem__, sampling)),
-            list(map([float(sp.top_p) for sp in sps].__getitem__, sampling)),
-            list(map([int(sp.top_k) for sp in sps].__getitem__, sampling)),
-        )
+        return cls(masked.tolist(), _oldest(versions, mask, starts, lengths))
 
 
 def _column_rows(g: Group, view: ResultColumns, f: _Facts, a: int, b: int) -> list[tuple[Any, ...]]:
-    """The trajectory rows of the column group a..b-1 (columns zipped into rows in C)."""
-    n = b - a
-    return list(
-        zip(
-            [g.task_id] * n,
-            [view.cols.names[int(view.policy[a])]] * n,
-            [g.prompt_key] * n,
-            f.rewards[a:b],
-            list(map(float, g.advantages)),
-            f.masked[a:b],
-            f.oldest[a:b],
-            range(g.first_id, g.first_id + n),  # arrival: ids only grow, so the id is the arrival order
-            [g.status] * n,
-            f.roles[a:b],
-            f.keys[a:b],
-            f.temperature[a:b],
-            f.top_p[a:b],
-            f.top_k[a:b],
-            strict=True,
+    """The trajectory rows of the column group a..b-1."""
+    c = view.cols
+    names, keys, samplings = c.names, c.keys, c.samplings
+    pol = names[int(view.policy[a])]
+    roles = [names[i] for i in view.role[a:b].tolist()]
+    groups = [keys[i] for i in view.key[a:b].tolist()]
+    sps = [samplings[i] for i in view.sampling[a:b].tolist()]
+    return [
+        (
+            g.task_id,
+            pol,
+            g.prompt_key,
+            reward,
+            float(adv),
+            masked,
+            oldest,
+            g.first_id + k,
+            g.status,
+            role,
+            key,
+            float(sp.temperature),
+            float(sp.top_p),
+            int(sp.top_k),
         )
-    )
+        for k, (reward, adv, masked, oldest, role, key, sp) in enumerate(
+            zip(
+                view.rewards[a:b].tolist(),
+                g.advantages,
+                f.masked[a:b],
+                f.oldest[a:b],
+                roles,
+                groups,
+                sps,
+                strict=True,
+            )
+        )
+    ]
 
 
 def min_versions(seqs: list[PackedSequence]) -> list[int]:

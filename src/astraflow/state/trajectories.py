@@ -21,7 +21,7 @@ def _marks(n: int) -> str:
 
 def _ids_json(ids: list[int]) -> str:
     """Ids as one JSON array parameter: a set-based statement of any size, no per-row round trip."""
-    return "[" + ",".join(str(int(i)) for i in ids) + "]"
+    return "[" + ",".join(map(str, map(int, ids))) + "]"
 
 
 def max_trajectory_id(store: Store) -> int:
