@@ -28,6 +28,8 @@ from astraflow.protocol.messages import PackedSequence, Sequence, TrainSample
 from astraflow.state import batches, trajectories
 from astraflow.state.store import Store
 
+_TASK_ID = attrgetter("task_id")
+
 TAKEN_KEPT = 8
 """Batches whose fresh items are kept for their step's metrics row (Buffer.taken_rows)."""
 
@@ -180,6 +182,17 @@ class Buffer:
         if policy not in self._generated:
             self._generated[policy] = trajectories.count(self.store, policy)
         return self._generated[policy]
+
+    def kept_buffered(self, policy: str) -> int | None:
+        """Buffered trajectories of a policy as kept in memory (None while not kept: before its first
+        batch after a start, after a rollback, inside an open `grouped` block)."""
+        mine = self._items.get(policy)
+        return None if mine is None or self._pending is not None else len(mine)
+
+    def kept_groups(self, policy: str) -> int | None:
+        """Tasks the policy's kept buffered trajectories came from (None while not kept)."""
+        mine = self._items.get(policy)
+        return None if mine is None or self._pending is not None else len(set(map(_TASK_ID, mine.values())))
 
     def open_counts(self, policy: str) -> dict[str, int]:
         """Trajectories of a policy that are buffered, expired or dropped (`counts` without the consumed,
