@@ -1,6 +1,7 @@
-"""Admission reads the buffered trajectories' counts from the buffer's memory once the buffer keeps
-them: after every message of whole steps through a real Controller on a real state.db (no sockets),
-the kept counts equal what state.db counts, and so does the work admission sees ahead."""
+"""Admission (and a step's metrics row) read the buffered trajectories' counts from the buffer's
+memory once the buffer keeps them: after every message of whole steps through a real Controller on
+a real state.db (no sockets), the kept counts equal what state.db counts, and so does the work
+admission sees ahead."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ class _Checked(control_inproc._Driver):
         if kept is not None:  # kept from the policy's first batch on
             assert kept == stored
             assert buffer.kept_groups(POLICY) == groups
+            assert buffer.open_counts(POLICY)["buffered"] == stored  # the step's metrics row
             self.checks += 1
         from_memory = admission.outstanding(), admission.outstanding_groups()
         admission.kept = None

@@ -197,9 +197,10 @@ class Buffer:
     def open_counts(self, policy: str) -> dict[str, int]:
         """Trajectories of a policy that are buffered, expired or dropped (`counts` without the consumed,
         which grow with the run: these are index range scans over small sets)."""
-        return {
-            status: trajectories.count(self.store, policy, status)
-            for status in ("buffered", "expired", "dropped")
+        kept = self.kept_buffered(policy)
+        buffered = trajectories.count(self.store, policy, "buffered") if kept is None else kept
+        return {"buffered": buffered} | {
+            status: trajectories.count(self.store, policy, status) for status in ("expired", "dropped")
         }
 
     def recorded_ids(self, policy: str, step: int) -> tuple[list[int], list[bool], int] | None:
