@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
-
+from astraflow.state import trajectories
 from astraflow.state.store import Store
 
 
@@ -33,14 +32,7 @@ def batch_ids(store: Store, policy: str, step: int) -> tuple[list[int], list[boo
 
 def encode_ids(ids: list[int]) -> str:
     """Trajectory ids as JSON runs of consecutive ids: [[first, count], ...]."""
-    if not ids:
-        return "[]"
-    arr = np.asarray(ids, np.int64)
-    # a run starts where an id is not its predecessor + 1
-    starts = np.flatnonzero(np.diff(arr) != 1) + 1
-    firsts = arr[np.concatenate(([0], starts))].tolist()
-    counts = np.diff(np.concatenate(([0], starts, [len(arr)]))).tolist()
-    return json.dumps([[f, n] for f, n in zip(firsts, counts, strict=True)], separators=(",", ":"))
+    return json.dumps([[f, n] for f, n in trajectories.id_runs(ids)], separators=(",", ":"))
 
 
 def decode_ids(text: str) -> list[int]:
