@@ -135,7 +135,7 @@ class ResultColumns:
     def _read(self) -> str:
         """Read the columns into arrays; why their layout is unusable ('' when it is fine)."""
         c, n = self.cols, self.count
-        if any(k < 0 for h in self.heads for k in h.episodes):
+        if any(min(h.episodes, default=0) < 0 for h in self.heads):
             return "an episode's sequence count is negative"
         if len(c.lengths) != 4 * n or len(c.rewards) != 8 * n:
             return f"lengths ({len(c.lengths)} bytes) or rewards ({len(c.rewards)} bytes) do not fit {n} sequences"
