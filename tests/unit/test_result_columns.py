@@ -56,6 +56,34 @@ def test_columns_give_back_every_result_as_sent() -> None:
     assert [view.span(i) for i in range(3)] == [(0, 3), (3, 3), (3, 4)]
 
 
+def test_uniform_says_per_result_whether_a_column_holds_one_value() -> None:
+    """`ResultColumns.uniform` (one numpy pass per message) against each result's values read one
+    by one, over results of one value, of a change at their first, middle and last sequence, empty
+    ones and errors, next to neighbours of the same and of other values."""
+    specs = [
+        [("a", "x")] * 3,
+        [("a", "x"), ("b", "x"), ("a", "x")],
+        [],
+        [("a", "y")],
+        [("a", "y"), ("a", "y"), ("a", "z")],
+        [("b", "z"), ("a", "z")],
+        [("b", "z")] * 2,
+    ]
+    outcomes = []
+    for t, spec in enumerate(specs):
+        if not spec:
+            outcomes.append(m.Outcome(task_id=t, epoch=1, error="boom"))
+            continue
+        seqs = [_seq(pol, [1, 2], group_key=key) for pol, key in spec]
+        outcomes.append(m.Outcome(task_id=t, epoch=1, episodes=[m.Episode(sequences=seqs)]))
+    view = ResultColumns(decode(encode(m.TaskResults.of(outcomes))))  # type: ignore[arg-type]
+    assert view.problem == ""
+    for name, at in (("policy", 0), ("key", 1)):
+        want = [len({s[at] for s in spec}) <= 1 for spec in specs]
+        assert view.uniform(name) == want, name
+    assert view.uniform("role") == [True] * len(specs)
+
+
 def test_bad_columns_are_refused_whole_and_lose_nothing(tiny_model: Path, tmp_path: Path) -> None:
     c = _controller(tiny_model, tmp_path)
     tasks = _grant(c, 2)

@@ -67,6 +67,10 @@ def test_batch_rows_are_runs_and_old_rows_still_read(tmp_path: Path) -> None:
     assert json.loads(batches.encode_flags(flags)) == [[5, 3]]
     assert batches.decode_flags(batches.encode_flags(flags), len(ids)) == flags
     assert batches.decode_flags(batches.encode_flags([False] * 3), 3) == [False] * 3
+    assert batches.encode_ids([]) == "[]" and batches.decode_ids("[]") == []
+    for odd in ([5], [5, 5, 6], [9, 8, 7], [1, 2, 4, 5, 6, 3]):  # repeats and descending ids: runs of one
+        assert batches.decode_ids(batches.encode_ids(odd)) == odd
+    assert json.loads(batches.encode_ids([5, 5, 6])) == [[5, 1], [5, 2]]
     store = Store.open(tmp_path / "state.db")
     batches.record_batch(store, "main", 1, ids, flags, 0, 0.0)
     with store.write() as c:  # a row as older versions wrote it: plain JSON lists

@@ -6,8 +6,8 @@ each grant in one TaskResults of trivial one-sequence episodes, one trainer take
 announces the next version. Every message the controller receives is encoded and decoded as on the
 wire, and every reply it sends is encoded, so the timed part is the controller's own work per message
 minus only ZeroMQ. The members' work (building and encoding their messages, decoding replies) runs
-outside the timed part. With `profile` the timed part runs under cProfile and the top functions by
-own time are reported, so where a sequence's CPU goes can be compared between builds on a loaded
+outside the timed part. With `profile` the timed part (and only it: not the members' work) runs under
+cProfile and the top functions by own time are reported, so where a sequence's CPU goes can be compared between builds on a loaded
 machine (process CPU time, not wall time).
 """
 
@@ -47,14 +47,20 @@ class _Driver:
         self.messages = 0
         self.by_type: dict[str, float] = {}
         """Message type -> controller CPU seconds spent on messages of that type."""
+        self.prof: cProfile.Profile | None = None
+        """Profiles the timed part of every message when set (the members' work stays out of it)."""
 
     def send(self, ident: str, msg: m.Msg) -> list[m.Msg]:
         """One member message through decode, dispatch and reply encoding; the replies for `ident`."""
         frame = encode(msg)
+        if self.prof is not None:
+            self.prof.enable()
         t0 = time.process_time()
         out = self.ctl.dispatch(ident.encode(), decode(frame))
         frames = [(who, encode(reply)) for who, reply in out]
         took = time.process_time() - t0
+        if self.prof is not None:
+            self.prof.disable()
         self.cpu += took
         self.messages += 1
         kind = type(msg).__name__
@@ -120,14 +126,12 @@ def run(
         for s in range(1, warmup_steps + 1):
             _step(d, s, rng, tokens)
         d.cpu, d.messages, d.by_type = 0.0, 0, {}
-        prof = cProfile.Profile() if profile else None
+        # process CPU time, as the figures: wall time on a shared machine counts the waits for a core
+        prof = d.prof = cProfile.Profile(time.process_time) if profile else None
         seqs = 0
-        if prof is not None:
-            prof.enable()
         for s in range(warmup_steps + 1, warmup_steps + steps + 1):
             seqs += _step(d, s, rng, tokens)
-        if prof is not None:
-            prof.disable()
+        d.prof = None
         d.ctl.store.close()
     out: dict[str, Any] = {
         "steps": steps,

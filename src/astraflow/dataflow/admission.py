@@ -52,6 +52,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Protocol
 
 from astraflow.config.recipe import PolicyConfig, Recipe
 from astraflow.dataflow.pipeline import Pipeline
@@ -90,6 +91,19 @@ def default_shape(roles: dict[str, str], group_sizes: dict[str, int]) -> dict[st
     return out
 
 
+class KeptCounts(Protocol):
+    """The buffered trajectories of a policy as the buffer keeps them in memory (None when it does
+    not keep them yet: then the store counts them)."""
+
+    def kept_buffered(self, policy: str) -> int | None:
+        """Buffered trajectories of the policy."""
+        ...
+
+    def kept_groups(self, policy: str) -> int | None:
+        """Tasks the policy's buffered trajectories came from."""
+        ...
+
+
 class Admission:
     """Caps queued + in-flight + buffered work per policy and gates leases on loaded versions."""
 
@@ -103,8 +117,11 @@ class Admission:
         shape: Shape = default_shape,
         group_room: Callable[[str, int], int] | None = None,
         group_sizes: dict[str, int] | None = None,
+        kept: KeptCounts | None = None,
     ) -> None:
         self.store = store
+        self.kept = kept
+        """The buffer's counts of buffered trajectories, read instead of the store's when it has them."""
         self.limits = limits
         self.mode = mode
         self.after_budget = after_budget
@@ -139,7 +156,7 @@ class Admission:
     def _sequences(self, task_statuses: tuple[str, ...]) -> dict[str, int]:
         """Per policy: buffered trajectories + expected sequences of tasks in these statuses."""
         out = dict.fromkeys(self.limits, 0)
-        for pol, n in trajectories.buffered_by_policy(self.store).items():
+        for pol, n in self._buffered(False).items():
             if pol in out:
                 out[pol] += n
         for roles, group_size, read_only, n in tasks.task_shapes(self.store, task_statuses):
@@ -148,6 +165,18 @@ class Admission:
                 if pol in out and pol not in skip:
                     out[pol] += k * n
         return out
+
+    def _buffered(self, groups: bool) -> dict[str, int]:
+        """Per policy: buffered trajectories (`groups`: the tasks they came from), as the buffer keeps
+        them when it does for every policy, else counted by the store (a GROUP BY over the buffered)."""
+        if self.kept is not None:
+            count = self.kept.kept_groups if groups else self.kept.kept_buffered
+            kept = {p: count(p) for p in self.limits}
+            if all(n is not None for n in kept.values()):
+                return {p: n for p, n in kept.items() if n is not None}
+        if groups:
+            return trajectories.buffered_groups_by_policy(self.store)
+        return trajectories.buffered_by_policy(self.store)
 
     def _sizes(self, roles: dict[str, str], fallback: int) -> dict[str, int]:
         """Group size of every policy of a task: the recipe's, else the task row's."""
@@ -160,7 +189,7 @@ class Admission:
     def outstanding_groups(self) -> dict[str, int]:
         """Per policy, in groups (prompts): tasks queued or leased + tasks with buffered trajectories."""
         out = dict.fromkeys(self.limits, 0)
-        for pol, n in trajectories.buffered_groups_by_policy(self.store).items():
+        for pol, n in self._buffered(True).items():
             if pol in out:
                 out[pol] += n
         for roles, read_only, n in tasks.open_task_roles(self.store):
@@ -227,14 +256,28 @@ class Admission:
     def leased(self, roles: dict[str, str], group_size: int, read_only: Iterable[str]) -> None:
         """A task was just leased inside `leasing()`: what it adds to `ahead`, counted as `_sequences`
         does (the ledger writes the call's leases only when it ends: `ahead` adds them, counted or not)."""
+        self.leased_adder(roles, group_size, read_only)()
+
+    def leased_adder(
+        self, roles: dict[str, str], group_size: int, read_only: Iterable[str]
+    ) -> Callable[[], None]:
+        """`leased` of a task of this shape, its sequences counted once: a lease call takes many
+        tasks of one shape."""
         skip = set(read_only)
-        for pol, k in self.task_sequences(roles, self._sizes(roles, group_size)).items():
-            if pol in skip:
-                continue
-            if self._ahead is None:
-                self._unwritten[pol] = self._unwritten.get(pol, 0) + k
-            elif pol in self._ahead:
-                self._ahead[pol] += k
+        adds = [
+            (pol, k)
+            for pol, k in self.task_sequences(roles, self._sizes(roles, group_size)).items()
+            if pol not in skip
+        ]
+
+        def add() -> None:
+            for pol, k in adds:
+                if self._ahead is None:
+                    self._unwritten[pol] = self._unwritten.get(pol, 0) + k
+                elif pol in self._ahead:
+                    self._ahead[pol] += k
+
+        return add
 
     # ----- who is still waited on -------------------------------------------------------------------
 
@@ -373,7 +416,11 @@ class AdmissionSections:
 
 
 def admission_for(
-    sections: AdmissionSections, store: Store, pipeline: Pipeline, roles: dict[str, str]
+    sections: AdmissionSections,
+    store: Store,
+    pipeline: Pipeline,
+    roles: dict[str, str],
+    kept: KeptCounts | None = None,
 ) -> Admission:
     """The run's admission: every policy's limits from its section, the workflow's task shape, the
     pipeline's admission stages (their bound tightens S; their group budget is asked too)."""
@@ -408,4 +455,5 @@ def admission_for(
         shape=shape,
         group_room=pipeline.group_room,
         group_sizes={p.name: p.group_size for p in sections.policies},
+        kept=kept,
     )

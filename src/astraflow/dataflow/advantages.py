@@ -9,6 +9,7 @@ non-finite (drgrpo's r - mean of two rewards near the float limit) is refused at
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any
 
 from astraflow.dataflow.limits import RefusedResult
@@ -29,7 +30,7 @@ def group_advantages(rewards: list[float], kind: str = "grpo") -> list[float]:
         return []
     if min(rewards) == max(rewards):
         return [0.0] * n  # also what the formula gives; exact, whatever the scale
-    scale = max(abs(r) for r in rewards)
+    scale = max(map(abs, rewards))
     if not math.isfinite(scale):
         return [math.nan] * n  # refused at ingest (nonfinite_advantage)
     # (r - mean) / (std + eps) = (r' - mean') / (std' + eps / scale) with r' = r / scale in [-1, 1]
@@ -39,12 +40,14 @@ def group_advantages(rewards: list[float], kind: str = "grpo") -> list[float]:
     if kind == "drgrpo":
         return [c * scale for c in centered]
     # n >= 2 here: a singleton group has equal rewards
-    denom = math.sqrt(math.fsum(c * c for c in centered) / (n - 1)) + EPS / scale
+    denom = math.sqrt(math.fsum(map(operator.mul, centered, centered)) / (n - 1)) + EPS / scale
     return [c / denom for c in centered] if denom > 0 else [0.0] * n
 
 
 def nonfinite_advantage(advantages: list[float]) -> str:
     """Why a group's advantages cannot be stored ('' when every one is finite)."""
+    if all(map(math.isfinite, advantages)):
+        return ""
     bad = [a for a in advantages if not math.isfinite(a)]
     return f"{len(bad)} advantages are not finite ({bad[0]!r})" if bad else ""
 

@@ -13,10 +13,10 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
 import msgspec
-import numpy as np
 
 from astraflow.data.base import BufferItem, BufferOrder
 from astraflow.data.order import EdfOrder, FifoOrder
@@ -27,6 +27,8 @@ from astraflow.protocol.columns import ResultColumns
 from astraflow.protocol.messages import PackedSequence, Sequence, TrainSample
 from astraflow.state import batches, trajectories
 from astraflow.state.store import Store
+
+_TASK_ID = attrgetter("task_id")
 
 TAKEN_KEPT = 8
 """Batches whose fresh items are kept for their step's metrics row (Buffer.taken_rows)."""
@@ -158,9 +160,11 @@ class Buffer:
         """`insert` of a group that is the sequences a..b-1 of a message's columns (view, a, b), all
         of one policy: stored as they came, no Python object per sequence."""
         view, a, b = cols
-        rewards = view.rewards[a:b]
-        if not (bool(np.isfinite(rewards).all()) and all(map(math.isfinite, advantages))):
-            for reward, adv in zip(rewards.tolist(), advantages, strict=True):
+        rewards = view.reward_list[a:b]
+        if not (
+            (view.rewards_finite or all(map(math.isfinite, rewards))) and all(map(math.isfinite, advantages))
+        ):
+            for reward, adv in zip(rewards, advantages, strict=True):
                 why = nonfinite_row(reward, adv)
                 if why:
                     raise RefusedResult(f"task {task_id}: {why} is not finite; not stored")
@@ -179,12 +183,24 @@ class Buffer:
             self._generated[policy] = trajectories.count(self.store, policy)
         return self._generated[policy]
 
+    def kept_buffered(self, policy: str) -> int | None:
+        """Buffered trajectories of a policy as kept in memory (None while not kept: before its first
+        batch after a start, after a rollback, inside an open `grouped` block)."""
+        mine = self._items.get(policy)
+        return None if mine is None or self._pending is not None else len(mine)
+
+    def kept_groups(self, policy: str) -> int | None:
+        """Tasks the policy's kept buffered trajectories came from (None while not kept)."""
+        mine = self._items.get(policy)
+        return None if mine is None or self._pending is not None else len(set(map(_TASK_ID, mine.values())))
+
     def open_counts(self, policy: str) -> dict[str, int]:
         """Trajectories of a policy that are buffered, expired or dropped (`counts` without the consumed,
         which grow with the run: these are index range scans over small sets)."""
-        return {
-            status: trajectories.count(self.store, policy, status)
-            for status in ("buffered", "expired", "dropped")
+        kept = self.kept_buffered(policy)
+        buffered = trajectories.count(self.store, policy, "buffered") if kept is None else kept
+        return {"buffered": buffered} | {
+            status: trajectories.count(self.store, policy, status) for status in ("expired", "dropped")
         }
 
     def recorded_ids(self, policy: str, step: int) -> tuple[list[int], list[bool], int] | None:
@@ -323,7 +339,7 @@ class Buffer:
         # The ranking decided what is taken; the batch is served in task order (each group in its own
         # order), which does not depend on when results arrived: the trainer's sums over the batch, and
         # so a seeded sync run, come out the same from run to run.
-        return sorted(chosen, key=lambda it: (it.task_id, it.arrival))
+        return sorted(chosen, key=attrgetter("task_id", "arrival"))
 
     def _samples(
         self, ids: list[int], flags: list[bool], known: dict[int, TrainSample] | None = None

@@ -21,18 +21,17 @@ from astraflow.dataflow.pipeline import GroupOutcome, Pipeline
 from astraflow.protocol.columns import ResultColumns
 
 
-def _one_group(pipeline: Pipeline, view: ResultColumns, a: int, b: int, skip: set[str]) -> str | None:
-    """The policy of sequences a..b-1 when they form one group `ingest_columns` can store itself."""
+def _one_group(pipeline: Pipeline, view: ResultColumns, i: int, skip: set[str]) -> str | None:
+    """The policy of result i's sequences when they form one group `ingest_columns` can store itself."""
+    a, b = view.span(i)
     if b <= a:
         return None
-    names = view.cols.names
-    pol = names[int(view.policy[a])]
+    pol = view.cols.names[int(view.policy[a])]
     ps = pipeline.policies.get(pol)
     if ps is None or pol in skip or ps.filters:
         return None
-    for col in (view.policy, view.key) + ((view.role,) if pol in pipeline.split_roles else ()):
-        part = col[a:b]
-        if not bool((part == part[0]).all()):
+    for name in ("policy", "key", "role") if pol in pipeline.split_roles else ("policy", "key"):
+        if not view.uniform(name)[i]:
             return None
     return pol
 
@@ -49,11 +48,11 @@ def ingest_columns(
     """`Pipeline.ingest` of result i of a message read through its columns."""
     skip = set(read_only)
     a, b = view.span(i)
-    pol = _one_group(pipeline, view, a, b, skip)
+    pol = _one_group(pipeline, view, i, skip)
     if pol is None:
         return pipeline.ingest(buffer, task_id, prompt_key, view.outcome(i).episodes, read_only=skip)
     ps = pipeline.policies[pol]
-    rewards = view.rewards[a:b].tolist()
+    rewards = view.reward_list[a:b]
     advantages = checked_advantages(ps.estimator, pol, view.cols.keys[int(view.key[a])], rewards)
     head = view.heads[i]
     if head.infos:

@@ -43,7 +43,7 @@ class FreshSamples(dict[int, TrainSample]):
         for i, (tokens, mask, logprobs, versions), reward, adv, sp in zip(
             ids,
             view.arrays(a, b),
-            view.rewards[a:b].tolist(),
+            view.reward_list[a:b],
             advantages,
             view.sampling[a:b].tolist(),
             strict=True,

@@ -31,6 +31,11 @@ def seq_bytes(n_tokens: int) -> int:
     return SAMPLE_OVERHEAD_BYTES + n_tokens * (4 + 1 + 4 + 4) + 4 * 5
 
 
+def samples_bytes(tokens: int, samples: int) -> int:
+    """`seq_bytes` summed over `samples` TrainSamples of `tokens` tokens in all (it is linear)."""
+    return samples * (SAMPLE_OVERHEAD_BYTES + 4 * 5) + tokens * (4 + 1 + 4 + 4)
+
+
 def model_max_positions(model_dir: str) -> int | None:
     """max_position_embeddings of a transformers model directory's config.json (None if unreadable)."""
     try:

@@ -12,6 +12,7 @@ docs/protocol.md, "Columns per message".
 from __future__ import annotations
 
 import collections.abc
+from functools import cached_property
 from itertools import accumulate
 from typing import Any
 
@@ -127,13 +128,14 @@ class ResultColumns:
         self.rewards = np.zeros(0, np.float64)
         self.tok = np.zeros(1, np.int64)
         """Index of each sequence's first token (and the total after the last)."""
+        self._uniform: dict[str, list[bool]] = {}
         why = self._read()
         self.problem = f"TaskResults columns: {why}" if why else ""
 
     def _read(self) -> str:
         """Read the columns into arrays; why their layout is unusable ('' when it is fine)."""
         c, n = self.cols, self.count
-        if any(k < 0 for h in self.heads for k in h.episodes):
+        if any(min(h.episodes, default=0) < 0 for h in self.heads):
             return "an episode's sequence count is negative"
         if len(c.lengths) != 4 * n or len(c.rewards) != 8 * n:
             return f"lengths ({len(c.lengths)} bytes) or rewards ({len(c.rewards)} bytes) do not fit {n} sequences"
@@ -167,6 +169,32 @@ class ResultColumns:
         self.tok = np.zeros(n + 1, np.int64)
         np.cumsum(lengths, out=self.tok[1:])
         return ""
+
+    @cached_property
+    def rewards_finite(self) -> bool:
+        """Whether every reward of the message is finite (one pass; a result of a message where one
+        is not checks its own)."""
+        return bool(np.isfinite(self.rewards).all())
+
+    @cached_property
+    def reward_list(self) -> list[float]:
+        """The rewards column as Python floats (sliced per result)."""
+        return list(self.rewards.tolist())
+
+    def uniform(self, name: str) -> list[bool]:
+        """Per result: whether its sequences hold one value in column `name` ("policy", "role" or
+        "key"), found for every result of the message in one pass and kept."""
+        got = self._uniform.get(name)
+        if got is None:
+            col = getattr(self, name)
+            starts = np.asarray(self.starts, np.int64)
+            # k is a break when sequence k differs from k - 1; result [a, b) is uniform when no break
+            # falls in a < k < b
+            breaks = np.flatnonzero(col[1:] != col[:-1]) + 1
+            before = np.searchsorted(breaks, starts[:-1], side="right")
+            inside = np.searchsorted(breaks, starts[1:], side="left")
+            got = self._uniform[name] = (inside <= before).tolist()
+        return got
 
     def span(self, i: int) -> tuple[int, int]:
         """The sequence indices [a, b) of result i."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+from astraflow.state import trajectories
 from astraflow.state.store import Store
 
 
@@ -31,13 +32,7 @@ def batch_ids(store: Store, policy: str, step: int) -> tuple[list[int], list[boo
 
 def encode_ids(ids: list[int]) -> str:
     """Trajectory ids as JSON runs of consecutive ids: [[first, count], ...]."""
-    runs: list[list[int]] = []
-    for i in ids:
-        if runs and runs[-1][0] + runs[-1][1] == i:
-            runs[-1][1] += 1
-        else:
-            runs.append([i, 1])
-    return json.dumps(runs, separators=(",", ":"))
+    return json.dumps([[f, n] for f, n in trajectories.id_runs(ids)], separators=(",", ":"))
 
 
 def decode_ids(text: str) -> list[int]:

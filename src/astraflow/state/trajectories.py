@@ -5,6 +5,8 @@ from __future__ import annotations
 import sqlite3
 from typing import Any
 
+import numpy as np
+
 from astraflow.state import token_groups
 from astraflow.state.store import Store
 
@@ -19,9 +21,50 @@ def _marks(n: int) -> str:
     return ",".join("?" for _ in range(n))
 
 
+def id_runs(ids: list[int]) -> list[tuple[int, int]]:
+    """`ids` as runs of consecutive ids, (first, count) each, in order (a repeated or smaller id
+    starts a run): a group's sequences have consecutive ids, so a batch is a few dozen runs."""
+    if not ids:
+        return []
+    arr = np.asarray(ids, np.int64)
+    starts = np.flatnonzero(np.diff(arr) != 1) + 1
+    firsts = arr[np.concatenate(([0], starts))].tolist()
+    counts = np.diff(np.concatenate(([0], starts, [len(arr)]))).tolist()
+    return list(zip(firsts, counts, strict=True))
+
+
 def _ids_json(ids: list[int]) -> str:
     """Ids as one JSON array parameter: a set-based statement of any size, no per-row round trip."""
-    return "[" + ",".join(str(int(i)) for i in ids) + "]"
+    return "[" + ",".join(map(str, map(int, ids))) + "]"
+
+
+_INSERT = (
+    "INSERT INTO trajectories (task_id, policy, prompt_key, reward, advantage, length, min_version, "
+    "arrival, status, consumed_step, role, group_key, temperature, top_p, top_k) VALUES "
+)
+_ROW = "(?, ?, ?, ?, ?, ?, ?, ?, ?, NULL, ?, ?, ?, ?, ?)"
+ROWS_PER_STATEMENT = (64, 16)
+"""Trajectory rows one execution of an INSERT carries, largest first (the rest one a time): an
+execution of many rows costs SQLite and the driver less per row than one execution per row (about
+2.7 -> 2.2 µs a row at 3 tokens), a few fixed sizes keep the prepared statements few, and 64 x 14
+parameters stay under the 999 of old SQLite builds."""
+
+
+def _insert_rows(c: sqlite3.Connection, rows: list[tuple[Any, ...]]) -> None:
+    """Insert trajectory rows in order: as many as fit in executions of ROWS_PER_STATEMENT rows,
+    then one a time."""
+    done = 0
+    for size in ROWS_PER_STATEMENT:
+        n = (len(rows) - done) // size * size
+        if n:
+            flat = [v for r in rows[done : done + n] for v in r]
+            width = len(flat) // (n // size)
+            c.executemany(
+                _INSERT + ",".join([_ROW] * size), [flat[k : k + width] for k in range(0, len(flat), width)]
+            )
+            done += n
+    if done < len(rows):
+        c.executemany(_INSERT + _ROW, rows[done:])
 
 
 def max_trajectory_id(store: Store) -> int:
@@ -38,15 +81,11 @@ def insert_groups(
 ) -> None:
     """Insert groups of trajectories whose ids are first_id, first_id + 1, ... in row order: rows of
     (task_id, policy, prompt_key, reward, advantage, length, min_version, arrival, status, role,
-    group_key, temperature, top_p, top_k) in one statement, and each group's token_groups row
-    (token_groups.group_row or joined_row) in one more. Raises if SQLite gave other ids."""
+    group_key, temperature, top_p, top_k) in a few executions of many rows each (ROWS_PER_STATEMENT),
+    and each group's token_groups row (token_groups.group_row or joined_row) in one statement. Raises
+    if SQLite gave other ids."""
     with store.write() as c:
-        c.executemany(
-            "INSERT INTO trajectories (task_id, policy, prompt_key, reward, advantage, length, min_version, "
-            "arrival, status, consumed_step, role, group_key, temperature, top_p, top_k) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, NULL, ?, ?, ?, ?, ?)",
-            rows,
-        )
+        _insert_rows(c, rows)
         last = int(c.execute("SELECT last_insert_rowid()").fetchone()[0])
         if last != first_id + len(rows) - 1:
             raise RuntimeError(f"trajectory ids {last - len(rows) + 1}..{last}, expected from {first_id}")
@@ -171,10 +210,12 @@ def newest_consumed(store: Store, policy: str, n: int) -> list[int]:
 def mark_consumed(store: Store, step: int, ids: list[int]) -> None:
     """Mark buffered trajectories consumed by `step`."""
     with store.write() as c:
-        c.execute(
+        # by id ranges: `+status` keeps SQLite from walking every buffered row through the status
+        # index to test each against the ids (the plan it chose for `id IN (...) AND status = ?`)
+        c.executemany(
             "UPDATE trajectories SET status = 'consumed', consumed_step = ? "
-            "WHERE id IN (SELECT value FROM json_each(?)) AND status = 'buffered'",
-            (step, _ids_json(ids)),
+            "WHERE id BETWEEN ? AND ? AND +status = 'buffered'",
+            [(step, first, first + n - 1) for first, n in id_runs(ids)],
         )
 
 

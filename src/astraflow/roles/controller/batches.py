@@ -9,7 +9,7 @@ from typing import Any
 from astraflow.config.recipe import PolicyConfig
 from astraflow.dataflow.batch_parts import part_bounds
 from astraflow.dataflow.buffer import Buffer
-from astraflow.dataflow.limits import seq_bytes
+from astraflow.dataflow.limits import samples_bytes
 from astraflow.dataflow.pipeline import Pipeline
 from astraflow.dataflow.stall import Progress
 from astraflow.protocol import messages as m
@@ -92,14 +92,15 @@ def _first_part(ctx: Batching, msg: m.BatchRequest, pol: PolicyConfig) -> m.Msg:
             msg.policy, msg.step, pol.batch_prompts * pol.group_size, pol.max_staleness, version
         )
         if batch is not None and batch.new:
-            ctx.pipeline.on_batch(msg.policy, sum(1 for s in batch.samples if s.replay))
+            ctx.pipeline.on_batch(msg.policy, sum([s.replay for s in batch.samples]))
             ctx.pipeline.save(msg.policy)
     if batch is None:
         ctx.queue.refill()
         return m.BatchReply(rid=msg.rid, policy=msg.policy, step=msg.step, retry_after_s=RETRY_S)
     if batch.new:
         made_progress(ctx.store, ctx.progress)
-    bounds = _part_bounds(ctx, [s.traj_id for s in batch.samples], [s.length for s in batch.samples])
+    # a sample's mask holds one byte a token: its length without a call per sample
+    bounds = _part_bounds(ctx, [s.traj_id for s in batch.samples], [len(s.loss_mask) for s in batch.samples])
     served = ctx.pipeline.batch_samples(msg.policy, batch.samples)  # the estimator's batch stage
     return m.BatchReply(
         rid=msg.rid,
@@ -115,7 +116,7 @@ def _part_bounds(ctx: Batching, ids: list[int], lengths: list[int] | None = None
     """Where a recorded batch of these trajectories splits into parts (dataflow/batch_parts.py);
     `lengths` (tokens per sample, when at hand) skip the size query for a batch that surely fits."""
     budget = ctx.batch_part_bytes
-    if lengths is not None and sum(seq_bytes(n) for n in lengths) <= budget:
+    if lengths is not None and samples_bytes(sum(lengths), len(lengths)) <= budget:
         return [(0, len(ids))]  # the exact sizes are smaller still: the same answer
     return part_bounds(ctx.buffer.sample_bytes(ids), budget)
 

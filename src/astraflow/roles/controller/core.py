@@ -62,7 +62,9 @@ class ControllerCore:
         self.task_policies = list(dict.fromkeys(self.roles.values()))
         self.group_sizes = {p: recipe.get_policy(p).group_size for p in self.task_policies}
         self.group_size = max(self.group_sizes.values())
-        self.admission = admission_for(AdmissionSections.of(recipe), store, self.pipeline, self.roles)
+        self.admission = admission_for(
+            AdmissionSections.of(recipe), store, self.pipeline, self.roles, kept=self.buffer
+        )
         self.progress = Progress(time.time())
         self.evals = (
             Evaluator(EvalSections.of(recipe), store, self.ledger, self.roles) if recipe.eval else None

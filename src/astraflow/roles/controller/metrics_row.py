@@ -40,13 +40,10 @@ class StepMetrics:
         rec = self.buffer.recorded_ids(msg.policy, msg.step)
         ref = rec[2] if rec else msg.version - 1
         fresh_ids = [i for i, replay in zip(rec[0], rec[1], strict=True) if not replay] if rec else []
-        rewards: list[float] = []
-        stale: list[int] = []
-        task_ids: list[int] = []
-        for reward, min_version, task_id in self.buffer.taken_rows(msg.policy, msg.step, fresh_ids):
-            rewards.append(reward)
-            stale.append(ref - min_version)
-            task_ids.append(task_id)
+        taken = self.buffer.taken_rows(msg.policy, msg.step, fresh_ids)
+        rewards: list[float] = [r[0] for r in taken]
+        stale: list[int] = [ref - r[1] for r in taken]
+        task_ids: list[int] = [r[2] for r in taken]
         counts = self._counts(msg.policy)
         generated = self.buffer.generated(msg.policy)
         row: dict[str, Any] = dict(self.pipeline.metrics(msg.policy))

@@ -100,13 +100,14 @@ def on_task_results(ctx: Intake, member: dict[str, Any], msg: m.TaskResults) -> 
     tasks = ctx.ledger.get_many(h.task_id for h in msg.results if not h.error)
     latest: dict[str, int] = {}
     cleared = _cleared(ctx, member, view, tasks, latest)
+    expected: dict[tuple[Any, ...], dict[str, int]] = {}
     for i, h in enumerate(msg.results):
         if h.error:
             failed = m.TaskResult(task_id=h.task_id, epoch=h.epoch, error=h.error)
             acks[i] = _outcome_ack(h.task_id, _task_result(ctx, member, failed))
             continue
         task = tasks.get(h.task_id)
-        bad = _invalid_in(ctx, member, view, i, task, latest, cleared.get(i, False))
+        bad = _invalid_in(ctx, member, view, i, task, latest, cleared.get(i, False), expected)
         if bad is not None:
             acks[i] = m.OutcomeAck(task_id=h.task_id, status="invalid", code="bad_result", message=bad)
         else:
@@ -186,9 +187,11 @@ def _invalid_in(
     task: TaskRow | None,
     latest: dict[str, int],
     cleared: bool,
+    expected: dict[tuple[Any, ...], dict[str, int]],
 ) -> str | None:
     """`_invalid` of result i of a message read through its columns: a cleared one's shape is read
-    from the columns; one not cleared is turned back into an Outcome and walked, which names its fault."""
+    from the columns; one not cleared is turned back into an Outcome and walked, which names its
+    fault. `expected` keeps the sequences per policy of each task shape over the message's results."""
     if task is None or not _checked(task, member):
         return None
     if not cleared:
@@ -197,20 +200,35 @@ def _invalid_in(
     a, b = view.span(i)
     names = view.cols.names
     got: dict[str, int] = {}
-    for idx, n in enumerate(np.bincount(view.policy[a:b], minlength=len(names)).tolist()):
-        if n:
-            got[names[idx]] = got.get(names[idx], 0) + n
+    if b > a and view.uniform("policy")[i]:
+        got[names[int(view.policy[a])]] = b - a
+    else:
+        for idx, n in enumerate(np.bincount(view.policy[a:b], minlength=len(names)).tolist()):
+            if n:
+                got[names[idx]] = got.get(names[idx], 0) + n
     bad = ctx.checker.check_cleared(
         h.episodes,
         h.infos,
         got,
-        expected=ctx.admission.task_sequences(task.roles, ctx.shapes.sizes(task)),
+        expected=_expected(ctx, task, expected),
         roles=task.roles,
     )
     if not bad:
         return None
     status = member_failed(ctx, member, h.task_id, h.epoch, f"invalid result: {bad}", "invalid")
     return f"task {h.task_id}: {bad} ({status})"
+
+
+def _expected(ctx: Intake, task: TaskRow, seen: dict[tuple[Any, ...], dict[str, int]]) -> dict[str, int]:
+    """The sequences per policy a result of `task` must bring, found once per shape of a training
+    task (role map, group size) in `seen`; an eval task's own."""
+    if ctx.shapes.is_eval(task.id):
+        return ctx.admission.task_sequences(task.roles, ctx.shapes.sizes(task))
+    key = (tuple(task.roles.items()), task.group_size)
+    got = seen.get(key)
+    if got is None:
+        got = seen[key] = ctx.admission.task_sequences(task.roles, ctx.shapes.sizes(task))
+    return got
 
 
 def _invalid(

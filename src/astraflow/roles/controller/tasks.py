@@ -66,11 +66,16 @@ def _lease(ctx: Leasing, member: dict[str, Any], msg: m.TaskRequest) -> m.Msg:
     now = time.time()
     loaded = dict(msg.loaded)
     admit, admits_shape = _admission_filter(ctx, set(member["policies"]), loaded)
+    adds: dict[tuple[Any, ...], Callable[[], None]] = {}
 
     def accept(task: TaskRow) -> bool:
         ok = admit(task)
         if ok:  # the ledger leases every task accepted: it is in flight for the next ones
-            ctx.admission.leased(task.roles, task.group_size, task.read_only)
+            key = (tuple(task.roles.items()), task.group_size, tuple(task.read_only))
+            add = adds.get(key)
+            if add is None:
+                add = adds[key] = ctx.admission.leased_adder(task.roles, task.group_size, task.read_only)
+            add()
         return ok
 
     ctx.queue.refill()
@@ -89,11 +94,15 @@ def _lease(ctx: Leasing, member: dict[str, Any], msg: m.TaskRequest) -> m.Msg:
             leased = []
             if not _none_admitted(ctx, admits_shape):
                 leased = ctx.ledger.lease(member["id"], n, now, accept)
+            finished: dict[tuple[str, ...], list[str]] = {}
             for t in leased:
                 # what the worker is told not to keep is what its result is stored by (results.py)
-                read_only = set(t.read_only) | set(ctx.admission.read_only(t.policies))
-                if read_only != set(t.read_only):
-                    ctx.ledger.set_read_only(t, read_only)
+                pols = tuple(dict.fromkeys(t.roles.values()))
+                done = finished.get(pols)
+                if done is None:
+                    done = finished[pols] = ctx.admission.read_only(pols)
+                if done and not set(done) <= set(t.read_only):
+                    ctx.ledger.set_read_only(t, set(t.read_only) | set(done))
     tasks = [
         m.Task(
             task_id=t.id,
@@ -101,11 +110,11 @@ def _lease(ctx: Leasing, member: dict[str, Any], msg: m.TaskRequest) -> m.Msg:
             sample=t.sample,
             group_size=t.group_size,
             roles=t.roles,
-            group_sizes=ctx.shapes.sizes(t),
+            group_sizes=sizes,
             read_only=t.read_only,
-            sampling=ctx.shapes.sampling(t),
+            sampling=sampling,
         )
-        for t in leased
+        for t, (sizes, sampling) in zip(leased, _grant_shapes(ctx, leased), strict=True)
     ]
     return m.TaskGrant(
         rid=msg.rid,
@@ -113,6 +122,24 @@ def _lease(ctx: Leasing, member: dict[str, Any], msg: m.TaskRequest) -> m.Msg:
         versions=ctx.versions.for_member(member),
         retry_after_s=0.0 if tasks else RETRY_S,
     )
+
+
+def _grant_shapes(ctx: Leasing, leased: list[TaskRow]) -> list[tuple[dict[str, int], dict[str, float | int]]]:
+    """(group sizes, sampling overrides) of each leased task, found once per shape of a training
+    task (role map, group size): a grant's tasks share one or two shapes."""
+    shapes = ctx.shapes
+    seen: dict[tuple[Any, ...], tuple[dict[str, int], dict[str, float | int]]] = {}
+    out = []
+    for t in leased:
+        if shapes.is_eval(t.id):
+            out.append((shapes.sizes(t), shapes.sampling(t)))
+            continue
+        key = (tuple(t.roles.values()), t.group_size)
+        got = seen.get(key)
+        if got is None:
+            got = seen[key] = (shapes.sizes(t), shapes.sampling(t))
+        out.append(got)
+    return out
 
 
 def _none_admitted(ctx: Leasing, admits_shape: Callable[[dict[str, str], list[str]], bool]) -> bool:
@@ -132,25 +159,31 @@ def _admission_filter(
     """Whether a queued task may go to a worker serving `serves` and holding `loaded`, for one lease
     call; and whether a task shape (role map, read-only policies) may, for a task not of an eval round."""
     refused: set[tuple[Any, ...]] = set()
+    fixed: dict[tuple[Any, ...], tuple[list[str], dict[str, int]] | None] = {}
+    """Per task shape (role map, read-only policies): what does not change within the call (the
+    policies it feeds and its sequences, or None when the member, the operator's pauses or the
+    budgets refuse it)."""
     evals, admission = ctx.evals, ctx.admission
 
     def admits_shape(roles: dict[str, str], read_only: list[str]) -> bool:
-        pols = list(dict.fromkeys(roles.values()))
-        feeds = [p for p in pols if p not in read_only]
         # Within one lease call every lease only adds work ahead, so a task shape (its role map and
         # the policies it feeds; the group sizes are the recipe's) refused once stays refused: later
         # queued tasks of that shape are skipped without counting their sequences or asking the store.
-        key = (tuple(roles.items()), tuple(feeds))
+        key = (tuple(roles.items()), tuple(read_only))
         if key in refused:
             return False
-        per = admission.task_sequences(roles, ctx.group_sizes)
-        # a task that feeds no policy still training would be run only to be thrown away
-        ok = (
-            (not serves or serves.issuperset(pols))
-            and ctx.control.may_lease(feeds)
-            and bool(admission.active(feeds))
-            and admission.may_lease(loaded, feeds, per)
-        )
+        if key not in fixed:
+            pols = list(dict.fromkeys(roles.values()))
+            feeds = [p for p in pols if p not in read_only]
+            # a task that feeds no policy still training would be run only to be thrown away
+            static = (
+                (not serves or serves.issuperset(pols))
+                and ctx.control.may_lease(feeds)
+                and bool(admission.active(feeds))
+            )
+            fixed[key] = (feeds, admission.task_sequences(roles, ctx.group_sizes)) if static else None
+        got = fixed[key]
+        ok = got is not None and admission.may_lease(loaded, got[0], got[1])
         if not ok:
             refused.add(key)
         return ok
