@@ -11,7 +11,7 @@ from astraflow.bench.control import recipe
 from astraflow.config.recipe import Recipe
 from astraflow.protocol import messages as m
 from astraflow.roles.controller import Controller
-from astraflow.roles.controller.beats import ACK_EVERY_S, BURST
+from astraflow.roles.controller.beats import ACK_EVERY_S, BURST, NEWS_EVERY_S
 from astraflow.roles.member_table import FLUSH_S, SEEN_FLUSH_S
 from astraflow.state.store import Store
 
@@ -41,15 +41,16 @@ def test_idle_beats_are_answered_with_news_only_and_at_least_every_ack_interval(
     assert isinstance(first, m.HeartbeatAck) and first.versions == []
     assert _beat(c, "w0") == [] and _beat(c, "w0", busy=1, free=31) == []  # nothing new: no answer
     # a version recorded (what versions.on_version does to the store and the cached versions): every
-    # member hears of it at its next beat, once
+    # member hears of it at its next beat at least NEWS_EVERY_S after its last answer, once
     with c.store.write():
         c.store.record_version("main", 1, 1, "tcp://127.0.0.1:9", "", 0)
     c.policy_versions.changed()
-    (news,) = _beat(c, "w0")
-    assert isinstance(news, m.HeartbeatAck) and news.versions[0].version == 1
-    assert _beat(c, "w0") == []
+    t = time.time()
+    (news,) = c.beats.idle(b"w0", IDLE, None, t + NEWS_EVERY_S) or [(b"", m.Ack())]
+    assert isinstance(news[1], m.HeartbeatAck) and news[1].versions[0].version == 1
+    assert c.beats.idle(b"w0", IDLE, None, t + NEWS_EVERY_S + 0.5) == []
     # silence is bounded: once ACK_EVERY_S passed, the next idle beat is answered anyway
-    later = time.time() + ACK_EVERY_S
+    later = t + NEWS_EVERY_S + ACK_EVERY_S
     assert c.beats.idle(b"w0", IDLE, None, later - 0.5) == []
     (due,) = c.beats.idle(b"w0", IDLE, None, later) or [(b"", m.Ack())]
     assert due[0] == b"w0" and isinstance(due[1], m.HeartbeatAck)

@@ -161,6 +161,7 @@ def run_one(
         time.sleep(seconds)
         t1, cpu1 = time.time(), _cpu_s(ctl.pid)
         rss = rss_mb(ctl.pid)
+        alive_end = _wait_joined(addr, keys_dir, len(names), deadline=time.monotonic())
         stop.touch()
         for p in sims:
             p.wait(timeout=60)
@@ -204,6 +205,8 @@ def run_one(
         "heartbeats_per_s": round(
             sum(r["heartbeats"] / max(1e-9, r["ended"] - r["started"]) for r in results), 1
         ),
+        "acks_per_s": round(sum(r["acks"] / max(1e-9, r["ended"] - r["started"]) for r in results), 1),
+        "alive_after": alive_end,
         "controller_rss_mb": round(rss, 1),
         **state,
     }
@@ -225,9 +228,11 @@ def _state_size(run_dir: Path) -> dict[str, Any]:
     try:
         rows = trajectories.count(store, POLICY)  # the bench's one policy
         step = int(store.policy(POLICY)["step"])
+        dead = sum(1 for e in store.events(1_000_000) if e["kind"] == "member_dead")
     finally:
         store.close()
     return {
+        "members_declared_dead": dead,
         "last_step": step,
         "state_db_mb": round(size / 2**20, 2),
         "trajectories_in_db": rows,
@@ -264,16 +269,16 @@ def _status(addr: str, keys_dir: Path | None) -> dict[str, Any] | None:
 
 
 def _wait_joined(addr: str, keys_dir: Path | None, want: int, deadline: float) -> int:
-    """Alive members the controller counts, once all `want` joined (or the deadline passed)."""
+    """Alive members the controller counts, once all `want` joined (or the deadline passed; asked at
+    least once)."""
     alive = 0
-    while time.monotonic() < deadline:
+    while True:
         doc = _status(addr, keys_dir)
         if doc is not None:
             alive = sum(1 for mem in doc.get("members", []) if mem.get("status") == "alive")
-            if alive >= want:
-                return alive
+        if alive >= want or time.monotonic() >= deadline:
+            return alive
         time.sleep(0.5)
-    return alive
 
 
 def _wait_step(run_dir: Path, step: int, deadline: float) -> int:
@@ -374,6 +379,9 @@ def render(res: dict[str, Any]) -> str:
         ("batch_ms_p50", "batch p50 ms"),
         ("batch_ms_p99", "batch p99 ms"),
         ("heartbeats_per_s", "beats/s"),
+        ("acks_per_s", "acks/s"),
+        ("alive_after", "alive"),
+        ("members_declared_dead", "died"),
         ("controller_rss_mb", "RSS MB"),
         ("rss_kb_per_extra_member", "KB/member"),
         ("last_step", "steps"),

@@ -27,6 +27,22 @@ HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 5000
 """ZMTP heartbeat timeout (a dead or frozen peer's routing id is free again after this long)."""
 
+
+def raise_fd_limit() -> int:
+    """Raise this process's open-file limit to its hard limit (each connection is a file descriptor:
+    a controller of 10,000 members needs more than the usual 1,024); returns the limit now."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if resource.RLIM_INFINITY not in (soft, hard) and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass  # the limit stays; the error comes when a connection cannot be accepted
+    return soft
+
+
 Polled = tuple[bytes, Principal | None, Msg | DecodeError]
 """One received frame: routing identity, authenticated sender (None when auth is off), message."""
 
@@ -56,6 +72,7 @@ class RouterServer:
         keys None takes the process's key store set by the CLI (security.set_server_keys), if any.
         """
         keys = keys if keys is not None else server_keys()
+        raise_fd_limit()
         self._ctx: zmq.Context[Any] = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)

@@ -5,9 +5,9 @@ Ten thousand members beating every 0.5 s send the controller 20,000 messages a s
 them idle: no lease to renew, no request waiting, no new error. Such a beat (`Beats.idle`) is taken
 before the general routing (service.py `dispatch`): it passes the member's rate limit, times the member
 in the member table (memory; no SQLite write, roles/member_table.py) and is answered only when the
-member must learn something: versions it was not told of yet (`PolicyVersions.generation`), that the
-run stops, or that ACK_EVERY_S passed since its last answer (a member dials again when it has heard
-nothing for transport/member_loop.REOPEN_AFTER_S). Every other beat takes the general path
+member must learn something: versions it was not told of yet (`PolicyVersions.generation`; at most
+one such answer every NEWS_EVERY_S), that the run stops, or that ACK_EVERY_S passed since its last
+answer (a member dials again when it has heard nothing for transport/member_loop.REOPEN_AFTER_S). Every other beat takes the general path
 (`Beats.handle`, members.on_heartbeat), which renews leases, records a new error, names lost requests
 and always answers; so does the first beat after a Hello, any beat of a member whose row the
 controller does not hold in memory, and every beat of a run with `[weights] relays` (each answer
@@ -30,6 +30,10 @@ from astraflow.transport.principal import Principal
 ACK_EVERY_S = 2.0
 """Longest time an idle member goes without an answer to its beats (well inside the member's
 REOPEN_AFTER_S, 6 s, after which it dials again)."""
+NEWS_EVERY_S = 1.0
+"""Shortest time between two answers that bring an idle member new versions: versions recorded many
+times a second reach it as one answer a second, the newest (a worker that leases tasks hears of each
+at once: the version answers its held task request)."""
 BURST = 20.0
 """Heartbeats a member may send at once before the rate limit applies."""
 PER_S = 5.0
@@ -82,7 +86,9 @@ class Beats:
 
     def allowed(self, beat: Beat, now: float) -> bool:
         """The rate limit, a token bucket per member: BURST at once, `per_s` sustained."""
-        tokens = beat.tokens + (now - beat.last) * self.per_s
+        tokens = beat.tokens
+        if now > beat.last:  # a clock stepped back refills nothing and takes nothing
+            tokens += (now - beat.last) * self.per_s
         beat.last = now
         if tokens > BURST:
             tokens = BURST
@@ -109,7 +115,8 @@ class Beats:
         self.members.touch(mid, now, msg.loaded or None, slots if slots > 0 else None)
         stop = self.run.stopping()
         generation = self.versions.generation
-        if not stop and beat.generation == generation and now - beat.answered < ACK_EVERY_S:
+        quiet = now - beat.answered
+        if not stop and 0.0 <= quiet < (ACK_EVERY_S if beat.generation == generation else NEWS_EVERY_S):
             return []
         beat.generation, beat.answered = generation, now
         return [(ident, m.HeartbeatAck(rid=msg.rid, versions=self.versions.latest(), stop=stop))]
