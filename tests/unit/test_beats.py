@@ -96,3 +96,13 @@ def test_idle_beats_keep_the_rate_limit_and_write_nothing_until_the_flush(tmp_pa
     c.tick(now + FLUSH_S + SEEN_FLUSH_S)
     seen = {r["id"]: float(r["last_seen"]) for r in c.store.query("SELECT id, last_seen FROM members")}
     assert seen["w2"] >= now + 0.1 > seen["w0"]
+
+
+def test_no_member_dies_while_the_controller_is_behind_its_input(tmp_path: Path) -> None:
+    c = _controller(tmp_path)
+    c.loop.backlogged = True  # the last poll stopped with messages unread
+    c.tick(time.time() + 60.0)
+    assert len(c.store.members("alive")) == 4
+    c.loop.backlogged = False  # read up: the silent ones are dead
+    c.tick(time.time() + 60.0)
+    assert c.store.members("alive") == []

@@ -67,11 +67,10 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
+def _pct_ms(xs: list[float], q: float) -> float | None:
+    """The q-quantile of xs (seconds) in milliseconds; None without samples."""
     s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))]
+    return round(1000 * s[min(len(s) - 1, int(q * len(s)))], 2) if s else None
 
 
 def _keys(work: Path, names: list[str]) -> Path:
@@ -198,10 +197,10 @@ def run_one(
         "controller_cpu_pct": round(100 * (cpu1 - cpu0) / window, 1),
         "controller_cpu_ms_per_step": round(1000 * (cpu1 - cpu0) / n_steps, 1) if n_steps else None,
         "controller_cpu_us_per_sequence": round(1e6 * (cpu1 - cpu0) / seqs, 1) if seqs else None,
-        "task_ms_p50": _ms(_pct(task_lat, 0.5)),
-        "task_ms_p99": _ms(_pct(task_lat, 0.99)),
-        "batch_ms_p50": _ms(_pct(batch_lat, 0.5)),
-        "batch_ms_p99": _ms(_pct(batch_lat, 0.99)),
+        "task_ms_p50": _pct_ms(task_lat, 0.5),
+        "task_ms_p99": _pct_ms(task_lat, 0.99),
+        "batch_ms_p50": _pct_ms(batch_lat, 0.5),
+        "batch_ms_p99": _pct_ms(batch_lat, 0.99),
         "heartbeats_per_s": round(
             sum(r["heartbeats"] / max(1e-9, r["ended"] - r["started"]) for r in results), 1
         ),
@@ -240,10 +239,6 @@ def _state_size(run_dir: Path) -> dict[str, Any]:
     }
 
 
-def _ms(x: float | None) -> float | None:
-    return None if x is None else round(1000 * x, 2)
-
-
 def _status(addr: str, keys_dir: Path | None) -> dict[str, Any] | None:
     """The controller's status document over a fresh connection (an observer-less plain socket without keys)."""
     ctx: zmq.Context[Any] = zmq.Context()
@@ -269,8 +264,7 @@ def _status(addr: str, keys_dir: Path | None) -> dict[str, Any] | None:
 
 
 def _wait_joined(addr: str, keys_dir: Path | None, want: int, deadline: float) -> int:
-    """Alive members the controller counts, once all `want` joined (or the deadline passed; asked at
-    least once)."""
+    """Alive members the controller counts, once all `want` joined (or the deadline passed; asked once at least)."""
     alive = 0
     while True:
         doc = _status(addr, keys_dir)
@@ -282,7 +276,7 @@ def _wait_joined(addr: str, keys_dir: Path | None, want: int, deadline: float) -
 
 
 def _wait_step(run_dir: Path, step: int, deadline: float) -> int:
-    """Wait until the policy recorded `step` versions (read-only look at state.db); the step reached."""
+    """Wait until the policy recorded `step` versions or the deadline passed; the step reached."""
     from astraflow.state.store import Store
 
     got = 0
@@ -298,7 +292,7 @@ def _wait_step(run_dir: Path, step: int, deadline: float) -> int:
         if got >= step:
             return got
         time.sleep(0.2)
-    raise RuntimeError(f"the controller reached step {got} of the {step} warm-up steps in time")
+    return got  # short of the warm-up: the row says so (warmup_steps), the window is measured anyway
 
 
 def run(

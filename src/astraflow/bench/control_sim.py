@@ -196,18 +196,18 @@ def simulate(spec: SimSpec) -> SimResult:
                     continue
                 if mem.role == "idle":
                     _drain(mem, spec, res, rng)
-                    if mem.welcomed:
+                if mem.welcomed:
+                    if mem.role == "idle":
                         mem.sock.send(idle_beat, zmq.NOBLOCK)
-                        res.heartbeats += 1
-                elif mem.welcomed:
-                    mem.send(
-                        m.Heartbeat(
-                            loaded={spec.policy: mem.version},
-                            busy=len(mem.held),
-                            free=max(0, spec.slots - len(mem.held)),
-                            active=sorted(mem.held)[:4096],
+                    else:
+                        mem.send(
+                            m.Heartbeat(
+                                loaded={spec.policy: mem.version},
+                                busy=len(mem.held),
+                                free=max(0, spec.slots - len(mem.held)),
+                                active=sorted(mem.held)[:4096],
+                            )
                         )
-                    )
                     res.heartbeats += 1
                     heapq.heappush(due, (now + spec.heartbeat_s, i))
                 else:  # its Welcome may be on the way: look again soon

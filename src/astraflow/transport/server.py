@@ -106,6 +106,8 @@ class RouterServer:
         self._poller.register(self._sock, zmq.POLLIN)
         self._closed = False
         self.refused = 0
+        self.drained = True
+        """Whether the last poll read everything that was readable (False: it stopped at _MAX_DRAIN)."""
         self._routes: dict[bytes, bytes] = {}
         """Member name -> routing id of the connection its key last spoke on (one entry per key)."""
         """Frames refused by the transport itself (unknown or revoked key, wrong identity or role)."""
@@ -117,13 +119,17 @@ class RouterServer:
         recv_multipart (cheaper per message): thousands of members' heartbeats make
         this the controller's hottest loop."""
         out: list[Polled] = []
+        self.drained = True
         if self._closed or not self._poller.poll(timeout_ms):
             return out
         keys = self.keys
         if keys is not None:
             keys.refresh()
         recv = self._sock.recv
-        while len(out) < _MAX_DRAIN:
+        while True:
+            if len(out) >= _MAX_DRAIN:
+                self.drained = False  # more may wait: the caller's loop gets its turn first
+                break
             try:
                 route: bytes = recv(zmq.NOBLOCK)
             except zmq.Again:

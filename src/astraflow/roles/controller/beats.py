@@ -102,13 +102,9 @@ class Beats:
         """The replies to an idle member's beat ([] when it has nothing to learn), or None when the
         beat takes the general path (see the module's docstring)."""
         beat = self.beats.get(ident)
-        if beat is None or msg.active or msg.waiting or self.versions.relays:
+        if beat is None or not self._is_idle(beat, msg, principal):
             return None
         mid = beat.member_id
-        if mid not in self.members.rows or mid not in self.members.seen:
-            return None
-        if (msg.error and msg.error != beat.error) or (principal is not None and principal.name != mid):
-            return None
         if not self.allowed(beat, now):
             return [(ident, m.Error(rid=msg.rid, code="rate_limited", message=RATE_LIMITED))]
         slots = msg.busy + msg.free
@@ -120,6 +116,15 @@ class Beats:
             return []
         beat.generation, beat.answered = generation, now
         return [(ident, m.HeartbeatAck(rid=msg.rid, versions=self.versions.latest(), stop=stop))]
+
+    def _is_idle(self, beat: Beat, msg: m.Heartbeat, principal: Principal | None) -> bool:
+        """Whether the fast path may take this beat of a live member (see the module's docstring)."""
+        if msg.active or msg.waiting or self.versions.relays or (msg.error and msg.error != beat.error):
+            return False
+        mid = beat.member_id
+        if principal is not None and principal.name != mid:
+            return False  # the general path refuses it
+        return mid in self.members.rows and mid in self.members.seen
 
     def handle(
         self, ident: bytes, member: dict[str, Any], msg: m.Heartbeat, *, held: Collection[int], now: float

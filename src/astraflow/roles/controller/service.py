@@ -335,6 +335,7 @@ class Controller(ControllerCore):
             for ident, principal, msg in server.poll(int(TICK_S * 1000)):
                 for to, reply in self.dispatch(ident, msg, principal):
                     server.send(to, reply)
+            self.loop.backlogged = not getattr(server, "drained", True)
             now = time.time()
             if now - self.loop.last_tick >= TICK_S:
                 self.loop.last_tick = now
