@@ -135,6 +135,16 @@ class MemberTable:
             out.append((mid, t))
         return out
 
+    def flush_member(self, member_id: str) -> None:
+        """Write what is pending of one member (a Hello's identity check reads its last_seen): a join
+        costs one row, not a write of every member heard from."""
+        entry = self.pending.pop(member_id, None)
+        if entry is None and member_id in self.heard and member_id in self.seen:
+            entry = (self.seen[member_id], None, None)
+        self.heard.discard(member_id)
+        if entry is not None:
+            self.store.touch_members({member_id: entry})
+
     def flush(self, now: float | None = None) -> int:
         """Write the pending touches in one transaction, with last_seen of the members only heard from
         when SEEN_FLUSH_S passed (when `now` is given; without it, everything at once); returns how

@@ -108,7 +108,11 @@ def _checked_hello(
     if msg.member_id.encode() != ident:
         return m.Error(rid=msg.rid, code="bad_identity", message="member_id must equal the socket identity")
     msg = authz.cap_hello(msg)
-    ctx.members.flush()  # the identity checks read last_seen from the store
+    # the identity checks read last_seen from the store: this member's (a trainer's: every member's)
+    if msg.role == "trainer":
+        ctx.members.flush()
+    else:
+        ctx.members.flush_member(msg.member_id)
     refused = authz.hello_refusal(
         ctx.store,
         msg,
