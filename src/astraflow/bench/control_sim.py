@@ -37,7 +37,7 @@ TASK_WAIT_S = 1.0
 """Long-poll wait of a task request with nothing to lease (the real RaaS waits the same way)."""
 BATCH_WAIT_S = 1.0
 """Long-poll wait of a batch request that is not ready yet."""
-JOIN_RATE = 500.0
+JOIN_RATE = 250.0
 """Members one simulator process connects and says Hello for per second."""
 
 
