@@ -54,8 +54,7 @@ def recipe(heartbeat_s: float, members: int, keep_steps: int = 0) -> dict[str, A
         "rollout": {"slots": 32},
         "controller": {
             "heartbeat_interval_s": heartbeat_s,
-            # a loaded 2-core machine delays a simulator's beats, and 10,000 connections delay the
-            # controller's reading of them (libzmq's I/O thread); no member should be declared dead
+            # a loaded machine delays simulators' beats and the reading of 10,000 connections: none dies
             "member_timeout_s": max(120.0, 20 * heartbeat_s),
             "retention": retention,
         },
