@@ -106,3 +106,17 @@ def test_no_member_dies_while_the_controller_is_behind_its_input(tmp_path: Path)
     c.loop.backlogged = False  # read up: the silent ones are dead
     c.tick(time.time() + 600.0)
     assert c.store.members("alive") == []
+
+
+def test_a_join_writes_its_own_member_not_every_member_heard_from(tmp_path: Path) -> None:
+    c = _controller(tmp_path)
+    for i in range(3):
+        _beat(c, f"w{i}")  # first beats: loaded and slots written at the next flush
+    c.tick(time.time() + FLUSH_S)
+    for i in range(3):
+        c.beats.idle(f"w{i}".encode(), IDLE, None, time.time() + 1.0)  # heard: last_seen waits
+    seen = {r["id"]: r["last_seen"] for r in c.store.query("SELECT id, last_seen FROM members")}
+    hello = m.Hello(member_id="w9", role="raas", protocol=m.PROTOCOL_VERSION, policies=["main"], pid=1)
+    assert isinstance(c.dispatch(b"w9", hello)[0][1], m.Welcome)
+    after = {r["id"]: r["last_seen"] for r in c.store.query("SELECT id, last_seen FROM members")}
+    assert {k: after[k] for k in seen} == seen and "w9" in after
