@@ -298,7 +298,10 @@ class Controller(ControllerCore):
         """Handle one message; the replies to send now: its own (unless it was held, long_polls.py)
         and those of held requests the events it caused may answer."""
         if type(msg) is m.Heartbeat:  # thousands of members beat: an idle beat skips the routing
-            idle = self.beats.idle(ident, msg, principal, time.time())
+            try:
+                idle = self.beats.idle(ident, msg, principal, time.time())
+            except Exception:  # the general path below answers it (and logs what failed)
+                idle = None
             if idle is not None:
                 return idle
         done = self._handle_safely(ident, msg, principal)
