@@ -29,6 +29,13 @@ class Peer:
             if reply.rid == msg.rid:
                 return reply
 
+    def tell(self, msg: Msg) -> None:
+        """Send one message without waiting: a Heartbeat is not a request (an idle member's beats are
+        answered only when it has something to learn, and at least every 2 s)."""
+        self.rid += 1
+        msg.rid = self.rid
+        self.sock.send(encode(msg))
+
     def hello(self, role: str, policies: list[str] | None = None, **kw: object) -> Msg:
         return self.ask(
             Hello(

@@ -241,8 +241,10 @@ def test_hoarding_is_capped_and_lapses_and_a_flood_is_limited(tiny_model: Path, 
 
         # heartbeat flood with one repeated 60 KB error: rate-limited, the error written once
         replies = peer.do("flood", n=300, size=60_000)["replies"]
-        assert replies.get("rate_limited", 0) > 0 and replies.get("HeartbeatAck", 0) > 0, replies
-        assert sum(replies.values()) == 300, replies
+        # the first beats of the burst are taken (the first answered; the rest are idle beats, answered
+        # only with news), every one past the burst is refused
+        assert replies.get("HeartbeatAck", 0) > 0, replies
+        assert 300 - 25 <= replies.get("rate_limited", 0) < 300, replies
         errors = c.one("SELECT COUNT(*) FROM events WHERE kind = 'member_error' AND detail LIKE 'flooder:%'")
         assert errors == 1, errors
         assert admin.do("status")["type"] == "StatusReply"  # the controller's loop is past the flood

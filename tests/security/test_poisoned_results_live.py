@@ -77,9 +77,11 @@ class Rogue:
         )
 
     def beat(self) -> None:
-        ack = self.peer.ask(m.Heartbeat(loaded={"main": self.version}), timeout_ms=120_000)
-        assert isinstance(ack, m.HeartbeatAck), ack
-        self.version = max([self.version, *(v.version for v in ack.versions if v.policy == "main")])
+        """A heartbeat (not answered each time), then the versions from a request for no task."""
+        self.peer.tell(m.Heartbeat(loaded={"main": self.version}))
+        grant = self.peer.ask(m.TaskRequest(n=0, loaded={"main": self.version}), timeout_ms=120_000)
+        assert isinstance(grant, m.TaskGrant), grant
+        self.version = max([self.version, *(v.version for v in grant.versions if v.policy == "main")])
 
     def wait_version(self, version: int, trainer: subprocess.Popen[bytes], log: str) -> None:
         deadline = time.monotonic() + 240

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from astraflow.config.load import validate_recipe
-from astraflow.roles.member_accounting import HEARTBEAT_BURST, MemberAccounting
+from astraflow.roles.member_accounting import MemberAccounting
 from astraflow.state.store import Store
 
 
@@ -59,11 +59,8 @@ def test_a_failing_member_beside_a_healthy_one_is_quarantined(tmp_path: Path) ->
     store.close()
 
 
-def test_heartbeats_are_rate_limited_and_errors_recorded_once(tmp_path: Path) -> None:
+def test_heartbeat_errors_are_recorded_once(tmp_path: Path) -> None:
     store, acc = _setup(tmp_path, "raas-0")
-    allowed = sum(acc.heartbeat_allowed("raas-0", 5.0) for _ in range(3 * HEARTBEAT_BURST))
-    assert allowed == HEARTBEAT_BURST
-    assert acc.heartbeat_allowed("raas-0", 6.0)  # tokens come back with time
     assert acc.new_error("raas-0", "boom") and not acc.new_error("raas-0", "boom")
     assert acc.new_error("raas-0", "other")
     store.close()

@@ -54,8 +54,8 @@ def recipe(heartbeat_s: float, members: int, keep_steps: int = 0) -> dict[str, A
         "rollout": {"slots": 32},
         "controller": {
             "heartbeat_interval_s": heartbeat_s,
-            # a loaded 2-core machine delays a simulator's beats; no member should be declared dead
-            "member_timeout_s": max(30.0, 20 * heartbeat_s),
+            # a loaded machine delays simulators' beats and the reading of 10,000 connections: none dies
+            "member_timeout_s": max(120.0, 20 * heartbeat_s),
             "retention": retention,
         },
     }
@@ -67,11 +67,10 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
+def _pct_ms(xs: list[float], q: float) -> float | None:
+    """The q-quantile of xs (seconds) in milliseconds; None without samples."""
     s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))]
+    return round(1000 * s[min(len(s) - 1, int(q * len(s)))], 2) if s else None
 
 
 def _keys(work: Path, names: list[str]) -> Path:
@@ -161,6 +160,7 @@ def run_one(
         time.sleep(seconds)
         t1, cpu1 = time.time(), _cpu_s(ctl.pid)
         rss = rss_mb(ctl.pid)
+        alive_end = _wait_joined(addr, keys_dir, len(names), deadline=time.monotonic())
         stop.touch()
         for p in sims:
             p.wait(timeout=60)
@@ -197,13 +197,15 @@ def run_one(
         "controller_cpu_pct": round(100 * (cpu1 - cpu0) / window, 1),
         "controller_cpu_ms_per_step": round(1000 * (cpu1 - cpu0) / n_steps, 1) if n_steps else None,
         "controller_cpu_us_per_sequence": round(1e6 * (cpu1 - cpu0) / seqs, 1) if seqs else None,
-        "task_ms_p50": _ms(_pct(task_lat, 0.5)),
-        "task_ms_p99": _ms(_pct(task_lat, 0.99)),
-        "batch_ms_p50": _ms(_pct(batch_lat, 0.5)),
-        "batch_ms_p99": _ms(_pct(batch_lat, 0.99)),
+        "task_ms_p50": _pct_ms(task_lat, 0.5),
+        "task_ms_p99": _pct_ms(task_lat, 0.99),
+        "batch_ms_p50": _pct_ms(batch_lat, 0.5),
+        "batch_ms_p99": _pct_ms(batch_lat, 0.99),
         "heartbeats_per_s": round(
             sum(r["heartbeats"] / max(1e-9, r["ended"] - r["started"]) for r in results), 1
         ),
+        "acks_per_s": round(sum(r["acks"] / max(1e-9, r["ended"] - r["started"]) for r in results), 1),
+        "alive_after": alive_end,
         "controller_rss_mb": round(rss, 1),
         **state,
     }
@@ -225,18 +227,16 @@ def _state_size(run_dir: Path) -> dict[str, Any]:
     try:
         rows = trajectories.count(store, POLICY)  # the bench's one policy
         step = int(store.policy(POLICY)["step"])
+        dead = sum(1 for e in store.events(1_000_000) if e["kind"] == "member_dead")
     finally:
         store.close()
     return {
+        "members_declared_dead": dead,
         "last_step": step,
         "state_db_mb": round(size / 2**20, 2),
         "trajectories_in_db": rows,
         "archive_mb": round(archive / 2**20, 2),
     }
-
-
-def _ms(x: float | None) -> float | None:
-    return None if x is None else round(1000 * x, 2)
 
 
 def _status(addr: str, keys_dir: Path | None) -> dict[str, Any] | None:
@@ -264,20 +264,19 @@ def _status(addr: str, keys_dir: Path | None) -> dict[str, Any] | None:
 
 
 def _wait_joined(addr: str, keys_dir: Path | None, want: int, deadline: float) -> int:
-    """Alive members the controller counts, once all `want` joined (or the deadline passed)."""
+    """Alive members the controller counts, once all `want` joined (or the deadline passed; asked once at least)."""
     alive = 0
-    while time.monotonic() < deadline:
+    while True:
         doc = _status(addr, keys_dir)
         if doc is not None:
             alive = sum(1 for mem in doc.get("members", []) if mem.get("status") == "alive")
-            if alive >= want:
-                return alive
-        time.sleep(0.5)
-    return alive
+        if alive >= want or time.monotonic() >= deadline:
+            return alive
+        time.sleep(max(0.5, want / 2000))  # a status of 10,000 members is itself work for the controller
 
 
 def _wait_step(run_dir: Path, step: int, deadline: float) -> int:
-    """Wait until the policy recorded `step` versions (read-only look at state.db); the step reached."""
+    """Wait until the policy recorded `step` versions or the deadline passed; the step reached."""
     from astraflow.state.store import Store
 
     got = 0
@@ -293,7 +292,7 @@ def _wait_step(run_dir: Path, step: int, deadline: float) -> int:
         if got >= step:
             return got
         time.sleep(0.2)
-    raise RuntimeError(f"the controller reached step {got} of the {step} warm-up steps in time")
+    return got  # short of the warm-up: the row says so (warmup_steps), the window is measured anyway
 
 
 def run(
@@ -374,6 +373,9 @@ def render(res: dict[str, Any]) -> str:
         ("batch_ms_p50", "batch p50 ms"),
         ("batch_ms_p99", "batch p99 ms"),
         ("heartbeats_per_s", "beats/s"),
+        ("acks_per_s", "acks/s"),
+        ("alive_after", "alive"),
+        ("members_declared_dead", "died"),
         ("controller_rss_mb", "RSS MB"),
         ("rss_kb_per_extra_member", "KB/member"),
         ("last_step", "steps"),

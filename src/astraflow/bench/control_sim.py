@@ -2,7 +2,10 @@
 
 One process runs a slice of the bench's members on one thread: each member has its own DEALER socket,
 routing id (and CURVE key when the bench runs with keys), says Hello, and heartbeats at the recipe's
-interval. Members given the `raas` role lease tasks and answer them at once with trivial episodes of
+interval. The members' due times are one heap, so a process of thousands of members does work per
+beat, not per member; an idle member's beat is encoded once and only sent (with its rid 0: the
+controller echoes rids and answers heartbeats only now and then), and its socket is read when it is
+due, not polled. Members given the `raas` role lease tasks and answer them at once with trivial episodes of
 the task's group size (all of a grant in one TaskResults, or one TaskResult each); the `trainer` member takes each batch and announces the next version at once.
 No model runs anywhere: what the bench measures is the controller's own cost per message.
 
@@ -28,12 +31,13 @@ import zmq
 
 from astraflow.protocol import messages as m
 from astraflow.protocol.codec import decode, encode
+from astraflow.transport.server import raise_fd_limit
 
 TASK_WAIT_S = 1.0
 """Long-poll wait of a task request with nothing to lease (the real RaaS waits the same way)."""
 BATCH_WAIT_S = 1.0
 """Long-poll wait of a batch request that is not ready yet."""
-JOIN_RATE = 500.0
+JOIN_RATE = 250.0
 """Members one simulator process connects and says Hello for per second."""
 
 
@@ -68,6 +72,8 @@ class SimResult:
     joined: int = 0
     refused: list[str] = field(default_factory=list)
     heartbeats: int = 0
+    acks: int = 0
+    """HeartbeatAcks received (an idle member's beat is answered only with news, or every 2 s)."""
     results_sent: int = 0
     sequences_sent: int = 0
     task_latency_s: list[float] = field(default_factory=list)
@@ -151,7 +157,11 @@ def simulate(spec: SimSpec) -> SimResult:
         zmq.MAX_SOCKETS, len(spec.members) + 64
     )  # a context option (setsockopt would set a socket default)
     keys = Path(spec.keys_dir) if spec.keys_dir else None
+    raise_fd_limit()  # two file descriptors a member (its socket's mailbox and its connection)
     members = [_Member(ctx, spec, ident, keys) for ident in spec.members]
+    # an idle member's beat never changes (it pulls no version, works on nothing): encoded once, and
+    # the tight loop below only sends it
+    idle_beat = encode(m.Heartbeat(loaded={spec.policy: 0}, busy=0, free=spec.slots))
     stop = Path(spec.stop_file)
     now = res.started = time.time()
     # members join at JOIN_RATE a second (thousands of connects at once overflow the listen backlog
@@ -187,14 +197,17 @@ def simulate(spec: SimSpec) -> SimResult:
                 if mem.role == "idle":
                     _drain(mem, spec, res, rng)
                 if mem.welcomed:
-                    mem.send(
-                        m.Heartbeat(
-                            loaded={spec.policy: mem.version},
-                            busy=len(mem.held),
-                            free=max(0, spec.slots - len(mem.held)),
-                            active=sorted(mem.held)[:4096],
+                    if mem.role == "idle":
+                        mem.sock.send(idle_beat, zmq.NOBLOCK)
+                    else:
+                        mem.send(
+                            m.Heartbeat(
+                                loaded={spec.policy: mem.version},
+                                busy=len(mem.held),
+                                free=max(0, spec.slots - len(mem.held)),
+                                active=sorted(mem.held)[:4096],
+                            )
                         )
-                    )
                     res.heartbeats += 1
                     heapq.heappush(due, (now + spec.heartbeat_s, i))
                 else:  # its Welcome may be on the way: look again soon
@@ -247,7 +260,9 @@ def _on_reply(mem: _Member, msg: m.Msg, spec: SimSpec, res: SimResult, rng: rand
     """Advance one member's protocol on a reply from the controller."""
     sent = mem.sent_at.pop(msg.rid, None)
     took = time.perf_counter() - sent[1] if sent is not None else 0.0
-    if isinstance(msg, m.Error):
+    if isinstance(msg, m.HeartbeatAck):
+        res.acks += 1
+    elif isinstance(msg, m.Error):
         _on_error(mem, msg, res)
     elif isinstance(msg, m.Welcome):
         _on_welcome(mem, spec, res)

@@ -17,7 +17,7 @@ import msgspec
 
 from astraflow.protocol import packed
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 
 # Caps on what a peer may send, checked by the decoder before a message reaches a handler
 # (docs/protocol.md "Limits"); frames as a whole are capped by the transport's MAXMSGSIZE.
@@ -369,7 +369,9 @@ class Heartbeat(Msg, kw_only=True):
 
 
 class HeartbeatAck(Msg, kw_only=True):
-    """Reply to Heartbeat: newest versions, and whether the member should stop."""
+    """Answer to a Heartbeat, when the member has something to learn: newest versions, whether to
+    stop, requests the controller never got; an idle member's beats get one at least every 2 s
+    (roles/controller/beats.py), not one each."""
 
     versions: list[VersionInfo] = []
     stop: bool = False

@@ -1,5 +1,5 @@
 """Per-member accounting: each worker's recent outcomes, its quarantine, its share of the open tasks,
-and the heartbeat rate limit with de-duplicated error reports.
+and the de-duplicated error reports of its heartbeats (their rate limit is roles/controller/beats.py).
 
 A failed attempt (an `error` result, an invalid result, a lapsed lease) is first charged to the
 member. It counts against the task (its max_attempts, and so the run's max_failed_tasks) only when
@@ -35,10 +35,6 @@ WINDOW = 32
 """Outcomes remembered per member."""
 GAP = 0.5
 """How much lower a peer's failure share must be for a member's failures to be its own."""
-HEARTBEAT_BURST = 20
-"""Heartbeats a member may send at once before the rate limit applies."""
-HEARTBEATS_PER_S = 5.0
-"""Sustained heartbeat rate allowed per member (a healthy one sends one per heartbeat interval)."""
 
 
 class MemberAccounting:
@@ -49,18 +45,12 @@ class MemberAccounting:
         self.cfg = recipe.controller
         self.recent: dict[str, deque[bool]] = {}
         """Member -> its last WINDOW outcomes (True: failed)."""
-        self.beats: dict[str, tuple[float, float]] = {}
-        """Member -> (heartbeat tokens left, when counted): the rate limit."""
-        interval = recipe.controller.heartbeat_interval_s
-        self.beats_per_s = max(HEARTBEATS_PER_S, 4.0 / interval if interval > 0 else 0.0)
-        """Sustained heartbeats allowed per member: 5 a second, or 4 per interval if the recipe's is shorter."""
         self.last_error: dict[str, int] = {}
         """Member -> checksum of the last error it reported (repeats are not written again)."""
 
     def forget(self, member_id: str) -> None:
         """Drop what memory holds of a member (pruned from the store)."""
         self.recent.pop(member_id, None)
-        self.beats.pop(member_id, None)
         self.last_error.pop(member_id, None)
 
     def share(self, member_id: str) -> float:
@@ -143,14 +133,6 @@ class MemberAccounting:
         held, open_ = member_health.held_and_open(self.store, mid)
         cap = max(1, math.ceil(self.cfg.max_member_share * open_))
         return max(0, min(n, cap - held))
-
-    def heartbeat_allowed(self, member_id: str, now: float) -> bool:
-        """A token bucket per member: HEARTBEAT_BURST at once, beats_per_s sustained."""
-        tokens, last = self.beats.get(member_id, (float(HEARTBEAT_BURST), now))
-        tokens = min(float(HEARTBEAT_BURST), tokens + (now - last) * self.beats_per_s)
-        ok = tokens >= 1.0
-        self.beats[member_id] = (tokens - 1.0 if ok else tokens, now)
-        return ok
 
     def new_error(self, member_id: str, error: str) -> bool:
         """True when this error differs from the member's last reported one (only those are recorded)."""

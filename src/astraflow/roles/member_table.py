@@ -1,9 +1,13 @@
 """The members' hot fields in the controller's memory: when each was last heard from, what it has
 loaded, how many slots it reports.
 
-A heartbeat (or a task request) of a live member only updates this table: O(1), no SQLite write. The
-table is written to state.db every `FLUSH_S` in one transaction (readers such as `astraflow status`
-see last_seen at most that old) and before anything that reads those fields from the store. Liveness
+A heartbeat (or a task request) of a live member only updates this table: O(1), no SQLite write. What
+changed of the loaded versions and slots is written to state.db every `FLUSH_S` in one transaction;
+last_seen alone (all an idle member's beat changes) every `SEEN_FLUSH_S`, so thousands of idle members
+cost one write of their rows every few seconds, not every second (readers of state.db such as
+`astraflow status --run-dir` see last_seen at most that old); and all of it before anything that
+reads those fields from the store (a Hello's identity check, a StatusRequest, the death of a silent
+member). Liveness
 is decided here: members are kept in the order they were last heard from, so the liveness check
 looks only at the silent ones at the front, never at every member. None of this needs durability: a
 restarted controller gives every member a fresh timer (Controller.start).
@@ -23,7 +27,9 @@ from typing import Any
 from astraflow.state.store import Store
 
 FLUSH_S = 1.0
-"""Seconds between writes of the hot fields to state.db."""
+"""Seconds between writes of the changed loaded versions and slots to state.db."""
+SEEN_FLUSH_S = 5.0
+"""Seconds between writes of last_seen of the members nothing else changed of."""
 
 
 class MemberTable:
@@ -36,8 +42,12 @@ class MemberTable:
         self.rows: dict[str, dict[str, Any]] = {}
         """Member id -> its row as last read or written by the controller (hot fields kept current)."""
         self.pending: dict[str, tuple[float, dict[str, int] | None, int | None]] = {}
-        """Touches not yet written: member -> (last_seen, loaded or None, slots or None)."""
+        """Touches that changed loaded or slots, not yet written: member -> (last_seen, loaded or None,
+        slots or None)."""
+        self.heard: set[str] = set()
+        """Members heard from since last_seen was last written, whose touches changed nothing else."""
         self.last_flush = 0.0
+        self.last_seen_flush = 0.0
         store.on_member_change.append(self.forget)
         store.on_rollback.append(self.forget)
 
@@ -45,6 +55,7 @@ class MemberTable:
         """Every alive member of state.db, each with a fresh timer (a restarted controller's start)."""
         self.seen.clear()
         self.rows.clear()
+        self.heard.clear()
         for mem in self.store.members("alive"):
             self.seen[str(mem["id"])] = now
 
@@ -58,6 +69,8 @@ class MemberTable:
             held = self.pending.get(member_id)
             if held is not None:  # what the store does not hold yet
                 _apply(row, held)
+            elif member_id in self.heard:
+                row["last_seen"] = self.seen.get(member_id, row["last_seen"])
             self.rows[member_id] = row
         return row
 
@@ -71,23 +84,29 @@ class MemberTable:
     def joined(self, member_id: str, now: float) -> None:
         """A member (re)joined: alive from now; its row is read afresh."""
         self.pending.pop(member_id, None)
+        self.heard.discard(member_id)
         self.rows.pop(member_id, None)
         self.seen[member_id] = now
         self.seen.move_to_end(member_id)
 
     def gone(self, member_id: str) -> None:
         """A member died or left: no longer timed; what it last reported is still written."""
-        self.seen.pop(member_id, None)
+        heard = self.seen.pop(member_id, None)
+        if member_id in self.heard:
+            self.heard.discard(member_id)
+            if heard is not None and member_id not in self.pending:
+                self.pending[member_id] = (heard, None, None)
         self.rows.pop(member_id, None)
 
     def touch(
         self, member_id: str, now: float, loaded: dict[str, int] | None = None, slots: int | None = None
     ) -> None:
         """The member was heard from (with what it has loaded and its slots, when it says)."""
-        if member_id not in self.seen:
+        seen = self.seen
+        if member_id not in seen:
             return  # not alive: nothing to renew
-        self.seen[member_id] = now
-        self.seen.move_to_end(member_id)
+        seen[member_id] = now
+        seen.move_to_end(member_id)
         row = self.rows.get(member_id)
         if row is not None:
             # what the store (or the pending write) already says needs no write again
@@ -95,6 +114,10 @@ class MemberTable:
                 loaded = None
             if slots is not None and slots == row.get("slots"):
                 slots = None
+            row["last_seen"] = now
+            if loaded is None and slots is None and member_id not in self.pending:
+                self.heard.add(member_id)  # only last_seen changed: written every SEEN_FLUSH_S
+                return
         old = self.pending.get(member_id)
         if old is not None:
             loaded = loaded if loaded is not None else old[1]
@@ -112,16 +135,35 @@ class MemberTable:
             out.append((mid, t))
         return out
 
+    def flush_member(self, member_id: str) -> None:
+        """Write what is pending of one member (a Hello's identity check reads its last_seen): a join
+        costs one row, not a write of every member heard from."""
+        entry = self.pending.pop(member_id, None)
+        if entry is None and member_id in self.heard and member_id in self.seen:
+            entry = (self.seen[member_id], None, None)
+        self.heard.discard(member_id)
+        if entry is not None:
+            self.store.touch_members({member_id: entry})
+
     def flush(self, now: float | None = None) -> int:
-        """Write the pending touches in one transaction (when `now` is given, only once FLUSH_S passed);
-        returns how many members were written."""
+        """Write the pending touches in one transaction, with last_seen of the members only heard from
+        when SEEN_FLUSH_S passed (when `now` is given; without it, everything at once); returns how
+        many members were written."""
         if now is not None and now - self.last_flush < FLUSH_S:
             return 0
         if now is not None:
             self.last_flush = now
-        if not self.pending:
-            return 0
         pending, self.pending = self.pending, {}
+        if now is None or now - self.last_seen_flush >= SEEN_FLUSH_S:
+            if now is not None:
+                self.last_seen_flush = now
+            seen = self.seen
+            for mid in self.heard:
+                if mid not in pending and mid in seen:
+                    pending[mid] = (seen[mid], None, None)
+            self.heard = set()
+        if not pending:
+            return 0
         self.store.touch_members(pending)
         return len(pending)
 

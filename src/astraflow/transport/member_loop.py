@@ -33,7 +33,8 @@ _log = log.get("transport.client")
 
 REOPEN_AFTER_S = 6.0
 """Seconds of silence from the controller, while expecting an answer, after which the member dials on a
-new connection; doubles on each reopen without an answer in between."""
+new connection; doubles on each reopen without an answer in between. A live controller answers an
+idle member's heartbeats at least every 2 s (roles/controller/beats.ACK_EVERY_S), not each one."""
 REOPEN_MAX_S = 60.0
 """The longest wait between two reopens."""
 

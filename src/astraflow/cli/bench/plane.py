@@ -51,6 +51,36 @@ def dash(
     )
 
 
+def _control_in_process(
+    beats: int,
+    heartbeat_s: float,
+    tokens: int,
+    steps: int,
+    warmup_steps: int,
+    *,
+    profile: bool,
+    as_json: bool,
+) -> None:
+    """`bench control --in-process`: the controller's CPU per sequence, or with `--beats N` per idle
+    heartbeat of N members."""
+    import json as _json
+
+    if beats:
+        from astraflow.bench import control_beats
+
+        if beats < 1 or heartbeat_s <= 0:
+            raise typer.BadParameter("--beats takes a member count >= 1, --heartbeat-s a time > 0")
+        rb = control_beats.run(beats, heartbeat_s=heartbeat_s, profile=profile)
+        typer.echo(_json.dumps(rb, indent=2) if as_json else control_beats.render(rb))
+        return
+    from astraflow.bench import control_inproc
+
+    if tokens < 1 or steps < 1 or warmup_steps < 0:
+        raise typer.BadParameter("--tokens and --steps take numbers >= 1, --warmup-steps >= 0")
+    r = control_inproc.run(steps=steps, warmup_steps=warmup_steps, tokens=tokens, profile=profile)
+    typer.echo(_json.dumps(r, indent=2) if as_json else control_inproc.render(r))
+
+
 @app.command("control")
 def control(
     members: str = typer.Option("2,100,1000", help="Comma-separated simulated worker counts, one run each."),
@@ -85,6 +115,11 @@ def control(
     profile: bool = typer.Option(
         False, help="--in-process: also print the top functions by own time (cProfile)."
     ),
+    beats: int = typer.Option(
+        0,
+        help="--in-process: instead of steps, this many idle members joined and beating at "
+        "--heartbeat-s: the controller's CPU per heartbeat (bench/control_beats.py).",
+    ),
 ) -> None:
     """One live controller fed by simulated members: sequences/s, steps/s, CPU per step, request
     latency and RSS per member, for each member count; raw ZeroMQ and SQLite rates as the limits."""
@@ -92,12 +127,7 @@ def control(
     import tempfile
 
     if in_process:
-        from astraflow.bench import control_inproc
-
-        if tokens < 1 or steps < 1 or warmup_steps < 0:
-            raise typer.BadParameter("--tokens and --steps take numbers >= 1, --warmup-steps >= 0")
-        r = control_inproc.run(steps=steps, warmup_steps=warmup_steps, tokens=tokens, profile=profile)
-        typer.echo(_json.dumps(r, indent=2) if as_json else control_inproc.render(r))
+        _control_in_process(beats, heartbeat_s, tokens, steps, warmup_steps, profile=profile, as_json=as_json)
         return
 
     from astraflow.bench.control import render, run

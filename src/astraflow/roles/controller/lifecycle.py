@@ -52,6 +52,9 @@ class LoopState:
     """What the controller exits with unless the run failed (1 after a stall past stall_fail_s)."""
     last_tick: float = 0.0
     last_prune: float = 0.0
+    backlogged: bool = False
+    """The last poll left messages unread: no member is declared dead until they are read (a
+    controller behind its input must not take its own lag for its members' silence)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,9 +189,8 @@ def _expire(ctx: Ticking, t: float) -> tuple[list[str], int]:
     """Members silent past member_timeout_s are dead (their leases go back), lapsed and expired leases
     return to the queue, long-dead members are pruned; the members declared dead and how many leases
     expired."""
-    silent = ctx.members.silent(
-        t - ctx.member_timeout_s
-    )  # the front of the heard-from order, not every member
+    # the front of the heard-from order, not every member; nobody while beats wait unread
+    silent = [] if ctx.loop.backlogged else ctx.members.silent(t - ctx.member_timeout_s)
     if silent:
         ctx.members.flush()  # what the dead last reported stays readable
     ctx.members.flush(t)

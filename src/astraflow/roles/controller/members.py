@@ -3,7 +3,8 @@
 Handlers over the store, the member table and the task ledger; each returns its Outcome (outcome.py):
 the reply, the events it caused, and the member whose held requests are void. Each takes only what it
 reads and changes: Hello a `Joining`, Heartbeat, Bye and Leave their parts as keywords (the Heartbeat
-the rids of the member's held requests as data, not the held-request table).
+the rids of the member's held requests as data, not the held-request table). A heartbeat reaches
+`on_heartbeat` through beats.py, which rate-limits it and answers idle ones itself.
 """
 
 from __future__ import annotations
@@ -107,7 +108,11 @@ def _checked_hello(
     if msg.member_id.encode() != ident:
         return m.Error(rid=msg.rid, code="bad_identity", message="member_id must equal the socket identity")
     msg = authz.cap_hello(msg)
-    ctx.members.flush()  # the identity checks read last_seen from the store
+    # the identity checks read last_seen from the store: this member's (a trainer's: every member's)
+    if msg.role == "trainer":
+        ctx.members.flush()
+    else:
+        ctx.members.flush_member(msg.member_id)
     refused = authz.hello_refusal(
         ctx.store,
         msg,
@@ -134,14 +139,10 @@ def on_heartbeat(
     run: RunEnd,
     lease_max_age_s: float,
 ) -> Outcome:
-    """Touch the member, renew its leases, tell it the versions and whether to stop. `held` is the
-    rids of the member's requests the controller holds (long polls): the ones it waits on that are
-    neither held nor answered are `lost`."""
+    """Touch the member, renew its leases, tell it the versions and whether to stop (the rate limit
+    and the idle beats' fast path are beats.py's). `held` is the rids of the member's requests the
+    controller holds (long polls): the ones it waits on that are neither held nor answered are `lost`."""
     now = time.time()
-    if not accounting.heartbeat_allowed(member["id"], now):
-        return Outcome(
-            m.Error(rid=msg.rid, code="rate_limited", message="heartbeats too fast: nothing recorded")
-        )
     new_error = bool(msg.error) and accounting.new_error(member["id"], msg.error)
     slots = msg.busy + msg.free
     # last_seen needs no durability (a restarted controller gives every member a fresh timer):

@@ -39,6 +39,10 @@ class PolicyVersions:
         """Which members of a region hold which versions (made at first use)."""
         self._latest: list[m.VersionInfo] | None = None
         self._budgets_met: bool | None = None
+        self.generation = 0
+        """Counts `changed` calls (a version recorded or announced again; an offer always comes with
+        one): a member told the versions at one generation needs telling again only at another
+        (roles/controller/beats.py)."""
 
     def latest(self) -> list[m.VersionInfo]:
         """The newest version of each policy that has one."""
@@ -66,6 +70,7 @@ class PolicyVersions:
         """Forget the cached versions and budgets (a version was recorded)."""
         self._latest = None
         self._budgets_met = None
+        self.generation += 1
 
     def offer(self, msg: m.VersionPublished) -> None:
         """Keep the faster paths a trainer offers for a version no older than the one kept."""

@@ -21,7 +21,7 @@ from astraflow.config.recipe import PolicyConfig, Recipe
 from astraflow.protocol import messages as m
 from astraflow.protocol.codec import DecodeError
 from astraflow.roles import authz
-from astraflow.roles.controller import batches, lifecycle, members, results, tasks, versions
+from astraflow.roles.controller import batches, beats, lifecycle, members, results, tasks, versions
 from astraflow.roles.controller.core import ControllerCore
 from astraflow.roles.controller.outcome import Event, Outcome
 from astraflow.roles.controller.parked import Parked, immediate
@@ -66,17 +66,24 @@ class Controller(ControllerCore):
             heartbeat_interval_s=cc.heartbeat_interval_s,
         )
         """The Hello's handler's parts."""
-        self._heartbeat = partial(
-            members.on_heartbeat,
-            store=store,
-            ledger=self.ledger,
-            members=self.members,
-            accounting=self.accounting,
-            versions=self.policy_versions,
-            run=self.run,
-            lease_max_age_s=rc.lease_max_age_s or rc.task_timeout_s + rc.lease_timeout_s,
+        self.beats = beats.Beats(
+            self.members,
+            self.policy_versions,
+            self.run,
+            partial(
+                members.on_heartbeat,
+                store=store,
+                ledger=self.ledger,
+                members=self.members,
+                accounting=self.accounting,
+                versions=self.policy_versions,
+                run=self.run,
+                lease_max_age_s=rc.lease_max_age_s or rc.task_timeout_s + rc.lease_timeout_s,
+            ),
+            heartbeat_interval_s=cc.heartbeat_interval_s,
         )
-        """The Heartbeat's handler; the rids of the member's held requests are added per message."""
+        """Heartbeats (beats.py): the rate limit, an idle beat from memory, the rest through
+        members.on_heartbeat (the rids of the member's held requests added per message)."""
         policies: dict[str, PolicyConfig] = {}
         for p in recipe.policy:
             policies.setdefault(p.name, p)
@@ -205,6 +212,7 @@ class Controller(ControllerCore):
         requests of members it declared dead die with them."""
         for mid in lifecycle.tick(self._ticking, now):
             self.parked.drop(mid.encode())
+            self.beats.forget(mid.encode())
 
     # ----- routing ------------------------------------------------------------------------------
 
@@ -244,7 +252,8 @@ class Controller(ControllerCore):
             return Outcome(m.Error(rid=rid, code=refused[0], message=refused[1]))
         if isinstance(msg, m.Heartbeat):
             # the held requests are the IO side's: the handler gets their rids as data
-            return self._heartbeat(member, msg, held=self.parked.held_rids(ident))
+            held = self.parked.held_rids(ident)
+            return self.beats.handle(ident, member, msg, held=held, now=time.time())
         # each handler takes the message type it is keyed by
         handler = self._handlers.get(type(msg))
         if handler is None:
@@ -288,9 +297,17 @@ class Controller(ControllerCore):
     ) -> list[tuple[bytes, m.Msg]]:
         """Handle one message; the replies to send now: its own (unless it was held, long_polls.py)
         and those of held requests the events it caused may answer."""
+        if type(msg) is m.Heartbeat:  # thousands of members beat: an idle beat skips the routing
+            try:
+                idle = self.beats.idle(ident, msg, principal, time.time())
+            except Exception:  # the general path below answers it (and logs what failed)
+                idle = None
+            if idle is not None:
+                return idle
         done = self._handle_safely(ident, msg, principal)
         if done.void is not None:
             self.parked.drop(done.void)
+            self.beats.forget(done.void)
         now = time.time()
         reply = self.polls.hold(ident, principal, msg, done.reply, now)
         out = [(ident, reply)] if reply is not None else []
@@ -321,6 +338,7 @@ class Controller(ControllerCore):
             for ident, principal, msg in server.poll(int(TICK_S * 1000)):
                 for to, reply in self.dispatch(ident, msg, principal):
                     server.send(to, reply)
+            self.loop.backlogged = not getattr(server, "drained", True)
             now = time.time()
             if now - self.loop.last_tick >= TICK_S:
                 self.loop.last_tick = now
