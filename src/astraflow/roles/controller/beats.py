@@ -124,7 +124,8 @@ class Beats:
         mid = beat.member_id
         if principal is not None and principal.name != mid:
             return False  # the general path refuses it
-        return mid in self.members.rows and mid in self.members.seen
+        row = self.members.rows.get(mid)  # the kept row: as the general path reads it
+        return row is not None and row["status"] == "alive" and mid in self.members.seen
 
     def handle(
         self, ident: bytes, member: dict[str, Any], msg: m.Heartbeat, *, held: Collection[int], now: float
