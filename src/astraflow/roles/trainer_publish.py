@@ -17,7 +17,6 @@ adds them to the step's metrics.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -26,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from astraflow import log
 from astraflow.errors import AstraflowError
 from astraflow.protocol.messages import Error, VersionPublished, WeightManifest, WeightOffer
-from astraflow.weights.publisher import BackgroundPublisher, device_event
+from astraflow.weights.publisher import BackgroundPublisher, device_event, side_stream
 
 if TYPE_CHECKING:
     from astraflow.config.recipe import WeightsConfig
@@ -277,7 +276,7 @@ class _FastJob:
     def _run(self) -> None:
         t0 = time.monotonic()
         try:
-            with _side_stream(self.weights, self._ready):
+            with side_stream(self.weights, self._ready):
                 self._work()
         except BaseException as exc:  # handed to the trainer's thread by _finish_job
             self.error = exc
@@ -298,18 +297,6 @@ class _FastJob:
                 continue
             if offer is not None:
                 self.offers.append(offer)
-
-
-def _side_stream(weights: dict[str, Any], ready: Any) -> Any:
-    """A CUDA stream that waits for `ready` (a device snapshot's event), entered; a no-op on a CPU."""
-    if ready is None:
-        return contextlib.nullcontext()
-    import torch
-
-    dev = next(t.device for t in weights.values() if getattr(t, "is_cuda", False))
-    stream = torch.cuda.Stream(dev)
-    stream.wait_event(ready)
-    return torch.cuda.stream(stream)
 
 
 def trainer_transports(weights: WeightsConfig, policy: str, device: Any, host: str) -> list[Any]:

@@ -22,7 +22,6 @@ Two paths, the same bytes (tests/unit/test_delta_encoder.py):
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
@@ -159,12 +158,13 @@ class DeltaEncoder:
 
     def _encode_on_device(self, job: _Job) -> dict[str, float] | None:
         from astraflow.weights import delta_device
+        from astraflow.weights.publisher import side_stream
 
         base, self._base = self._base, None
         parts, t0, seconds, base_sha = None, time.monotonic(), 0.0, ""
         if base is not None and base[0] == job.version - 1:
             base_sha = base[2]
-            with _side_stream(job.weights, job.ready):
+            with side_stream(job.weights, job.ready):
                 parts = delta_device.device_parts(base[1], job.weights)
             seconds = time.monotonic() - t0
         elif base is not None:
@@ -231,15 +231,3 @@ def publish_delta(
     t0 = time.monotonic()
     parts = host_parts(bytes_to_state_dict(prev), bytes_to_state_dict(blob))
     return hold_delta(server, policy, version, parts, prev_manifest.sha256, manifest, t0)
-
-
-def _side_stream(weights: dict[str, Any], ready: Any) -> Any:
-    """A CUDA stream that waits for `ready` (the snapshot's event), entered; a no-op without one."""
-    if ready is None:
-        return contextlib.nullcontext()
-    import torch
-
-    dev = next(t.device for t in weights.values() if getattr(t, "is_cuda", False))
-    stream = torch.cuda.Stream(dev)
-    stream.wait_event(ready)
-    return torch.cuda.stream(stream)

@@ -9,6 +9,7 @@ before it starts the next one. With deltas, each version's delta is encoded apar
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
@@ -144,6 +145,19 @@ def device_event(weights: dict[str, Any]) -> Any:
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(dev))
     return event
+
+
+def side_stream(weights: dict[str, Any], ready: Any) -> Any:
+    """A CUDA stream that waits for `ready` (a device snapshot's event, `device_event`), entered; a
+    no-op without one (host tensors)."""
+    if ready is None:
+        return contextlib.nullcontext()
+    import torch
+
+    dev = next(t.device for t in weights.values() if getattr(t, "is_cuda", False))
+    stream = torch.cuda.Stream(dev)
+    stream.wait_event(ready)
+    return torch.cuda.stream(stream)
 
 
 def _to_bytes_on_side_stream(weights: dict[str, Any], ready: Any) -> Any:
