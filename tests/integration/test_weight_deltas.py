@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from astraflow.weights.connection import PullConnection
 from astraflow.weights.delta_encoder import publish_delta
 from astraflow.weights.fetch import HeldWeights, fetch_version
 from astraflow.weights.manifest import blob_digest
+from astraflow.weights.publisher import BackgroundPublisher
 from astraflow.weights.server import WeightServer
 from astraflow.weights.snapshot import state_dict_to_bytes
 
@@ -93,16 +95,12 @@ def test_too_far_behind_or_deltas_off_pulls_full(trainer: WeightServer) -> None:
     assert got.kind == "held" and got.nbytes == 0
 
 
-def test_a_worker_that_asks_before_the_delta_is_held_pulls_full_then_deltas_again(
-    trainer: WeightServer, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The trainer serves (and announces) a version before its delta is encoded: a worker that asks
-    then pulls the full version; the next version comes by delta. The slow encode is a stand-in (the
-    real encoder, held back by the test's event)."""
-    import threading
-
+def _held_back_publisher(
+    trainer: WeightServer, monkeypatch: pytest.MonkeyPatch, versions: list[dict[str, torch.Tensor]]
+) -> tuple[threading.Event, BackgroundPublisher, list[str]]:
+    """A delta publisher whose encode waits for the returned gate (a stand-in for a slow encode: the
+    real encoder, held back), with versions 1 and 2 served and announced; their sha256s."""
     import astraflow.weights.delta as delta_mod
-    from astraflow.weights.publisher import BackgroundPublisher
 
     gate, real = threading.Event(), delta_mod.host_parts
 
@@ -111,12 +109,22 @@ def test_a_worker_that_asks_before_the_delta_is_held_pulls_full_then_deltas_agai
         return real(*args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(delta_mod, "host_parts", held_back)
-    versions = _versions(4)
     pub = BackgroundPublisher(trainer, POLICY, delta=True)
     shas = []
     for v in (1, 2):
         pub.start(v, versions[v], {})
         shas.append(pub.result(timeout_s=30).manifest.sha256)
+    return gate, pub, shas
+
+
+def test_a_worker_that_asks_before_the_delta_is_held_pulls_full_then_deltas_again(
+    trainer: WeightServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The trainer serves (and announces) a version before its delta is encoded: a worker that asks
+    then pulls the full version; the next version comes by delta. The slow encode is a stand-in (the
+    real encoder, held back by the test's event)."""
+    versions = _versions(4)
+    gate, pub, shas = _held_back_publisher(trainer, monkeypatch, versions)
     held = HeldWeights()
     fetch_version([trainer.address], POLICY, 1, expect_sha256=shas[0], held=held, delta=True)
     got = fetch_version([trainer.address], POLICY, 2, expect_sha256=shas[1], held=held, delta=True)
@@ -137,17 +145,6 @@ def test_a_worker_waits_for_a_delta_still_being_encoded_rather_than_pull_the_ful
     """With `delta_wait_s`, a worker that holds the version before asks again while the trainer says
     `not_yet` (its delta is being encoded) and patches the delta once it is held. The slow encode is a
     stand-in (the real encoder, held back by the test's event)."""
-    import threading
-
-    import astraflow.weights.delta as delta_mod
-    from astraflow.weights.publisher import BackgroundPublisher
-
-    gate, real_parts = threading.Event(), delta_mod.host_parts
-
-    def held_back(*args: object) -> object:
-        assert gate.wait(30)
-        return real_parts(*args)  # type: ignore[arg-type]
-
     told, real_chain = threading.Event(), wclient.fetch_chain
 
     def chain(*args: object, **kw: object) -> object:
@@ -157,14 +154,9 @@ def test_a_worker_waits_for_a_delta_still_being_encoded_rather_than_pull_the_ful
             told.set()  # the trainer said the delta is coming: the encode may go on now
             raise
 
-    monkeypatch.setattr(delta_mod, "host_parts", held_back)
     monkeypatch.setattr(wclient, "fetch_chain", chain)
     versions = _versions(3)
-    pub = BackgroundPublisher(trainer, POLICY, delta=True)
-    shas = []
-    for v in (1, 2):
-        pub.start(v, versions[v], {})
-        shas.append(pub.result(timeout_s=30).manifest.sha256)
+    gate, pub, shas = _held_back_publisher(trainer, monkeypatch, versions)
     held = HeldWeights()
     fetch_version([trainer.address], POLICY, 1, expect_sha256=shas[0], held=held, delta=True)
     out: list[object] = []
@@ -300,7 +292,6 @@ def test_a_failed_pull_returns_only_after_every_chunk_copy_into_its_buffer_ended
 ) -> None:
     """Chunks are copied into the destination by the hashing threads; a pull that fails must not
     return while one still writes there (the buffer goes back to a pool and serves the next pull)."""
-    import threading
     import time
 
     from astraflow.weights import chunk_pull
