@@ -46,31 +46,8 @@ def test_trajectory_rows_go_in_many_row_executions_exactly_as_given(tmp_path: Pa
     store = Store.open(tmp_path / "state.db")
     first = 1
     for n in (1, 15, 16, 17, 63, 64, 65, 80, 97, 129):
-        rows = [
-            (
-                1000 + k,
-                "main",
-                f"p{k}",
-                k / 8,
-                -k / 4,
-                k % 5,
-                k % 3,
-                first + k,
-                "buffered",
-                "r",
-                f"g{k}",
-                0.5,
-                0.9,
-                k,
-            )
-            for k in range(n)
-        ]
-        group = token_groups.joined_row(
-            first,
-            n,
-            b"\x01\x00\x00\x00" * n,
-            (b"\x00" * 4 * n, b"\x01" * n, b"\x00" * 4 * n, b"\x00" * 4 * n),
-        )
+        rows = _rows(first, n)
+        group = _group(first, n)
         with store.write():
             trajectories.insert_groups(store, first, rows, [group])
         got = store.query(
