@@ -86,6 +86,21 @@ def test_engine_counts_busy_time_and_weight_applications(model_dir: Path, tmp_pa
         engine.close()
 
 
+def _run_dir(path: Path, rows: list[dict[str, object]], inserts: str = "") -> None:
+    """A run directory as `up` leaves it: metrics.jsonl of `rows`, logs/, and a state.db with the
+    tasks and trajectories tables `bench e2e` reads (`inserts`: SQL that fills them)."""
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (path / "logs").mkdir()
+    db = sqlite3.connect(path / "state.db")
+    db.executescript(
+        "CREATE TABLE tasks (id INTEGER PRIMARY KEY, updated REAL);"
+        "CREATE TABLE trajectories (id INTEGER PRIMARY KEY, task_id INTEGER, policy TEXT, length INTEGER);"
+        + inserts
+    )
+    db.commit()
+    db.close()
+
+
 def test_report_takes_the_steady_window(tmp_path: Path) -> None:
     # a run directory as `up` leaves it: two steps of one policy, a worker's stats lines around them
     t = 1000.0
@@ -95,17 +110,12 @@ def test_report_takes_the_steady_window(tmp_path: Path) -> None:
         {"policy": "p", "step": 2, "version": 2, "time": t + 4, "samples_generated": 300, "batch_size": 64,
          "trainer_compute_s": 1.0, "trainer_wait_s": 2.0, "trainer_publish_s": 0.7, "reward_mean": 0.2},
     ]  # fmt: skip
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (tmp_path / "logs").mkdir()
-    db = sqlite3.connect(tmp_path / "state.db")
-    db.executescript(
-        "CREATE TABLE tasks (id INTEGER PRIMARY KEY, updated REAL);"
-        "CREATE TABLE trajectories (id INTEGER PRIMARY KEY, task_id INTEGER, policy TEXT, length INTEGER);"
+    _run_dir(
+        tmp_path,
+        rows,
         f"INSERT INTO tasks VALUES (1, {t - 2}), (2, {t + 1}), (3, {t + 3});"
-        "INSERT INTO trajectories (task_id, policy, length) VALUES (1, 'p', 9), (2, 'p', 5), (3, 'p', 7), (3, 'p', 8);"
+        "INSERT INTO trajectories (task_id, policy, length) VALUES (1, 'p', 9), (2, 'p', 5), (3, 'p', 7), (3, 'p', 8);",
     )
-    db.commit()
-    db.close()
 
     def line(at: float, busy: float, pulls: int, applies: list[list[float]]) -> str:
         eng = {"version": 1, "busy_s": busy, "weight_s": 0.0, "prefill_s": 0.0, "decode_s": busy,
@@ -138,14 +148,7 @@ def test_a_window_between_two_stats_lines_still_counts_its_pulls_and_busy_time(t
         {"policy": "p", "step": 2, "version": 2, "time": t + 1, "batch_size": 8, "trainer_compute_s": 0.3,
          "trainer_publish_s": 0.01},
     ]  # fmt: skip
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (tmp_path / "logs").mkdir()
-    db = sqlite3.connect(tmp_path / "state.db")
-    db.executescript(
-        "CREATE TABLE tasks (id INTEGER PRIMARY KEY, updated REAL);"
-        "CREATE TABLE trajectories (id INTEGER PRIMARY KEY, task_id INTEGER, policy TEXT, length INTEGER);"
-    )
-    db.close()
+    _run_dir(tmp_path, rows)
     recent = [
         [t - 0.5, 9.0, 9.0, 9],
         [t + 0.2, 0.02, 0.01, 100],
