@@ -212,6 +212,58 @@ def test_weights_change_mid_sequence_and_later_tokens_carry_the_new_version(
     assert max(abs(a - b) for a, b in zip(before + after, out.logprobs, strict=True)) < 1e-4
 
 
+@pytest.mark.parametrize("loop", LOOPS)
+def test_kv_on_update_keep_samples_later_tokens_over_the_older_versions_kv(
+    model_dirs: tuple[Path, Path], loop: str
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    config = TorchEngineConfig(max_batch=16, batch_wait_s=0.02, decode_loop=loop, kv_on_update="keep")
+    eng = TorchEngine(str(model_dirs[0]), config, seed=3)
+    new = _weights(model_dirs[1])
+    prefill, decode = eng.runner.prefill, eng.runner.decode
+    calls = {"n": 0}
+
+    def counting(fn: Any) -> Any:
+        def wrapped(*args: Any) -> Any:
+            calls["n"] += 1
+            if calls["n"] == 3:
+                eng.load_weights(1, new)  # staged during the third forward: applies after it
+            return fn(*args)
+
+        return wrapped
+
+    eng.runner.prefill, eng.runner.decode = counting(prefill), counting(decode)
+    prompt = [1, 14, 5, 6, 7, 18]
+
+    async def go() -> Any:
+        req = GenerationRequest(prompt_ids=prompt, max_new_tokens=7, sampling=SamplingParams())
+        return (await eng.generate([req]))[0]
+
+    try:
+        out = asyncio.run(go())
+        applies = list(eng._stats.applies)
+    finally:
+        eng.close()
+    assert out.versions == [0, 0, 0, 1, 1, 1, 1]
+    assert applies and applies[-1][3] == 0.0  # no KV recompute was run
+    old = AutoModelForCausalLM.from_pretrained(model_dirs[0])
+    newer = AutoModelForCausalLM.from_pretrained(model_dirs[1])
+    toks = out.token_ids
+    before = _full_logprobs(old, prompt, toks)[:3]
+    with torch.no_grad():
+        # the prompt and tokens 0-1 keep the KV the old weights wrote; token 2 is the first input the
+        # new weights read, so tokens 3.. are sampled by them over that KV
+        cache = old(input_ids=torch.tensor([prompt + toks[:2]]), use_cache=True).past_key_values
+        logits = newer(input_ids=torch.tensor([toks[2:-1]]), past_key_values=cache).logits[0].float()
+    logp = torch.log_softmax(logits, dim=-1)
+    after = [float(logp[k, t]) for k, t in enumerate(toks[3:])]
+    assert max(abs(a - b) for a, b in zip(before + after, out.logprobs, strict=True)) < 1e-4
+    # and that is not what a recompute gives: the new weights over their own KV
+    recomputed = _full_logprobs(newer, prompt, toks)[3:]
+    assert max(abs(a - b) for a, b in zip(recomputed, after, strict=True)) > 1e-3
+
+
 def test_load_weights_while_idle_and_from_other_threads(
     engine: TorchEngine, model_dirs: tuple[Path, Path]
 ) -> None:

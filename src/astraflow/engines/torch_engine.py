@@ -9,7 +9,8 @@ bucket; other architectures run transformers' forward without a cache (engines/r
 New weights are checked (engines/weights.py), staged by `load_weights` and copied into the parameters
 in place between two decode steps, so an in-flight sequence carries on under the new version and
 every token records the version that produced it; the KV of running rows is then recomputed under
-the new weights, so every behaviour logprob is exactly that of the version it is tagged with. If the
+the new weights, so every behaviour logprob is exactly that of the version it is tagged with
+(`kv_on_update = "keep"` skips the recompute: later tokens are sampled over the older versions' KV). If the
 decode loop ever fails, every waiting and later call raises EngineFailedError and `healthy()` is False.
 """
 
@@ -260,17 +261,18 @@ class TorchEngine(RolloutEngine):
         t0 = time.perf_counter()
         with self._cond:
             staged, self._staged = self._staged, None
-        t_copy = t0
+        recompute_s = 0.0
         if staged is not None:
             self._decode.apply_weights(*staged)
-            t_copy = time.perf_counter()
             with self._applied:
                 self._applied.notify_all()
-            if self._decode.rows:
+            if self._decode.rows and self.config.kv_on_update == "recompute":
+                t_copy = time.perf_counter()
                 self._decode.recompute_cache()
+                recompute_s = time.perf_counter() - t_copy
         t1 = time.perf_counter()
         if staged is not None:
-            self._stats.applied(staged[0], t1 - t0, t1 - t_copy)
+            self._stats.applied(staged[0], t1 - t0, recompute_s)
         if admitted:
             _resolve_all(self._decode.admit([(p.request, p) for p in admitted]))
         t2 = time.perf_counter()

@@ -30,3 +30,9 @@ class TorchEngineConfig(BaseModel):
     """How the decode thread steps (docs/engine.md): `sync` reads each step's tokens back before it
     builds the next step; `overlap` launches step N+1 from step N's tokens kept on the device and does
     step N's host work while it runs (a finished row costs one discarded extra step)."""
+    kv_on_update: Literal["recompute", "keep"] = "recompute"
+    """A version applied while rows are decoding (docs/engine.md): `recompute` rebuilds the running
+    rows' KV under it, so each token's logprob is exactly that of the version it is tagged with (a
+    prefill of every running row); `keep` leaves the KV the earlier versions wrote, so later tokens are
+    sampled by the new weights over it: each logprob is still exactly the distribution its token was
+    sampled from, but not one version's alone."""
