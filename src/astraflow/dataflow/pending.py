@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from astraflow.data.base import BufferItem
+from astraflow.dataflow.buffered import Part
 from astraflow.protocol import packed
 from astraflow.protocol.columns import ResultColumns
 from astraflow.protocol.messages import PackedSequence
@@ -75,23 +75,29 @@ class Pending:
         self.next_id += g.size
         return list(range(g.first_id, self.next_id))
 
-    def write(self, store: Store) -> list[tuple[str, BufferItem]]:
+    def write(self, store: Store) -> dict[str, Part]:
         """Write every queued group: two statements in all (inside the caller's transaction); the
-        buffered ones as (policy, item), as the buffer orders them."""
+        buffered ones as the buffer keeps them (dataflow/buffered.py), one part per policy."""
         if not self.groups:
-            return []
+            return {}
         oldest = iter(min_versions([s for g in self.groups for s in g.seqs]))
         facts: dict[int, _Facts] = {}
         rows: list[tuple[Any, ...]] = []
         tokens: list[tuple[Any, ...]] = []
+        kept: dict[str, list[list[Any]]] = {}
         for g in self.groups:
             if g.cols is None:
+                done = len(rows)
                 rows += _seq_rows(g, oldest)
                 tokens.append(
                     token_groups.group_row(
                         g.first_id, [(s.tokens, s.loss_mask, s.logprobs, s.versions) for s in g.seqs]
                     )
                 )
+                if g.status == "buffered":
+                    for r in rows[done:]:
+                        # (traj_id, task_id, min_version, arrival, reward, advantage, length): arrival is the id
+                        _extend(kept, r[1], ((r[7],), (r[0],), (r[6],), (r[7],), (r[3],), (r[4],), (r[5],)))
                 continue
             view, a, b = g.cols
             f = facts.get(id(view)) or facts.setdefault(id(view), _Facts.of(view))
@@ -99,11 +105,30 @@ class Pending:
             tokens.append(
                 token_groups.joined_row(g.first_id, b - a, view.lengths[a:b].tobytes(), view.joined(a, b))
             )
+            if g.status == "buffered":
+                ids = range(g.first_id, g.first_id + b - a)
+                pol = view.cols.names[int(view.policy[a])]
+                part = (
+                    ids,
+                    [g.task_id] * (b - a),
+                    f.oldest[a:b],
+                    ids,
+                    view.reward_list[a:b],
+                    g.advantages,
+                    f.masked[a:b],
+                )
+                _extend(kept, pol, part)
         trajectories.insert_groups(store, self.groups[0].first_id, rows, tokens)
-        # (traj_id, task_id, min_version, arrival, reward, advantage, length): arrival is the id
-        return [
-            (r[1], BufferItem(r[7], r[0], r[6], r[7], r[3], r[4], r[5])) for r in rows if r[8] == "buffered"
-        ]
+        return {pol: tuple(cols) for pol, cols in kept.items()}
+
+
+def _extend(kept: dict[str, list[list[Any]]], policy: str, part: Part) -> None:
+    """Add a group's buffered fields to its policy's lists."""
+    mine = kept.get(policy)
+    if mine is None:
+        mine = kept[policy] = [[] for _ in part]
+    for column, values in zip(mine, part, strict=True):
+        column.extend(values)
 
 
 def _seq_rows(g: Group, oldest: Iterator[int]) -> list[tuple[Any, ...]]:
