@@ -38,11 +38,13 @@ class _Driver:
 
     def __init__(self, run_dir: Path) -> None:
         from astraflow.roles.controller import Controller
+        from astraflow.roles.controller.service import settle_heap
         from astraflow.state.store import Store
 
         rec = Recipe.model_validate(recipe(0.5, len(WORKERS)))
         self.ctl = Controller(rec, run_dir, Store.open(run_dir / "state.db"))
         self.ctl.start()
+        settle_heap()  # as run_controller does: this process is the controller's for the bench's run
         self.cpu = 0.0
         self.messages = 0
         self.by_type: dict[str, float] = {}
