@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -183,43 +184,36 @@ class _Facts:
 
 
 def _column_rows(g: Group, view: ResultColumns, f: _Facts, a: int, b: int) -> list[tuple[Any, ...]]:
-    """The trajectory rows of the column group a..b-1."""
+    """The trajectory rows of the column group a..b-1: built as columns (a value repeated for the
+    group's fields that are one for all of it) and zipped into row tuples in C."""
     c = view.cols
-    names, keys, samplings = c.names, c.keys, c.samplings
-    pol = names[int(view.policy[a])]
-    roles = [names[i] for i in view.role[a:b].tolist()]
-    groups = [keys[i] for i in view.key[a:b].tolist()]
-    sps = [samplings[i] for i in view.sampling[a:b].tolist()]
-    return [
-        (
-            g.task_id,
-            pol,
-            g.prompt_key,
-            reward,
-            float(adv),
-            masked,
-            oldest,
-            g.first_id + k,
-            g.status,
-            role,
-            key,
-            float(sp.temperature),
-            float(sp.top_p),
-            int(sp.top_k),
+    names, keys = c.names, c.keys
+    n = b - a
+    if n <= 0:
+        return []
+    sps = [(float(sp.temperature), float(sp.top_p), int(sp.top_k)) for sp in c.samplings]
+    temperature, top_p, top_k = zip(*[sps[i] for i in view.sampling[a:b].tolist()], strict=True)
+    if len(g.advantages) != n:
+        raise ValueError(f"{len(g.advantages)} advantages for a group of {n} sequences")
+    return list(
+        zip(
+            repeat(g.task_id, n),
+            repeat(names[int(view.policy[a])], n),
+            repeat(g.prompt_key, n),
+            view.reward_list[a:b],
+            map(float, g.advantages),
+            f.masked[a:b],
+            f.oldest[a:b],
+            range(g.first_id, g.first_id + n),
+            repeat(g.status, n),
+            [names[i] for i in view.role[a:b].tolist()],
+            [keys[i] for i in view.key[a:b].tolist()],
+            temperature,
+            top_p,
+            top_k,
+            strict=True,
         )
-        for k, (reward, adv, masked, oldest, role, key, sp) in enumerate(
-            zip(
-                view.rewards[a:b].tolist(),
-                g.advantages,
-                f.masked[a:b],
-                f.oldest[a:b],
-                roles,
-                groups,
-                sps,
-                strict=True,
-            )
-        )
-    ]
+    )
 
 
 def min_versions(seqs: list[PackedSequence]) -> list[int]:
