@@ -43,6 +43,13 @@ def _columns(part: Part) -> Columns:
     return Columns(*(np.asarray(v, dtype) for v, dtype in zip(part, _DTYPES, strict=True)))
 
 
+def join_parts(parts: list[Part]) -> Part:
+    """Several parts as one (the arrays of each field joined)."""
+    if len(parts) == 1:
+        return parts[0]
+    return tuple(np.concatenate(c) for c in zip(*(_columns(p) for p in parts), strict=True))
+
+
 class Buffered:
     """One policy's buffered trajectories (in the order they were kept) as Columns."""
 
@@ -62,7 +69,7 @@ class Buffered:
 
     def add(self, part: Part) -> None:
         """Keep more trajectories (joined into the arrays when next read)."""
-        if part[0]:
+        if len(part[0]):
             self._parts.append(part)
             self._n += len(part[0])
             self._groups = None
@@ -105,17 +112,19 @@ def choose(order: BufferOrder, cols: Columns, n: int) -> Array:
     if rank is None:
         return _choose_items(order, cols, n)
     ranked_task = cols.task_id[rank]
-    tasks, first, sizes = np.unique(ranked_task, return_index=True, return_counts=True)
-    by_rank = np.argsort(first, kind="stable")
-    whole: list[int] = []
+    _tasks, first, group, sizes = np.unique(
+        ranked_task, return_index=True, return_inverse=True, return_counts=True
+    )
+    whole = np.zeros(len(first), bool)
     total = 0
-    for task, size in zip(tasks[by_rank].tolist(), sizes[by_rank].tolist(), strict=True):
+    by_rank = np.argsort(first, kind="stable")
+    for k, size in zip(by_rank.tolist(), sizes[by_rank].tolist(), strict=True):
         if total + size <= n:
-            whole.append(task)
+            whole[k] = True
             total += size
         if total == n:
             break
-    taken = np.isin(ranked_task, whole)
+    taken = whole[group]
     picked = rank[taken]
     if total < n:
         picked = np.concatenate((picked, rank[~taken][: n - total]))

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from astraflow.dataflow.buffered import Part
+from astraflow.dataflow.buffered import Part, join_parts
 from astraflow.protocol import packed
 from astraflow.protocol.columns import ResultColumns
 from astraflow.protocol.messages import PackedSequence
@@ -85,7 +85,7 @@ class Pending:
         facts: dict[int, _Facts] = {}
         rows: list[tuple[Any, ...]] = []
         tokens: list[tuple[Any, ...]] = []
-        kept: dict[str, list[list[Any]]] = {}
+        kept = _Kept()
         for g in self.groups:
             if g.cols is None:
                 done = len(rows)
@@ -96,9 +96,7 @@ class Pending:
                     )
                 )
                 if g.status == "buffered":
-                    for r in rows[done:]:
-                        # (traj_id, task_id, min_version, arrival, reward, advantage, length): arrival is the id
-                        _extend(kept, r[1], ((r[7],), (r[0],), (r[6],), (r[7],), (r[3],), (r[4],), (r[5],)))
+                    kept.rows(rows[done:])
                 continue
             view, a, b = g.cols
             f = facts.get(id(view)) or facts.setdefault(id(view), _Facts.of(view))
@@ -107,29 +105,64 @@ class Pending:
                 token_groups.joined_row(g.first_id, b - a, view.lengths[a:b].tobytes(), view.joined(a, b))
             )
             if g.status == "buffered":
-                ids = range(g.first_id, g.first_id + b - a)
-                pol = view.cols.names[int(view.policy[a])]
-                part = (
-                    ids,
-                    [g.task_id] * (b - a),
-                    f.oldest[a:b],
-                    ids,
-                    view.reward_list[a:b],
-                    g.advantages,
-                    f.masked[a:b],
-                )
-                _extend(kept, pol, part)
+                kept.columns(g, view, f)
         trajectories.insert_groups(store, self.groups[0].first_id, rows, tokens)
-        return {pol: tuple(cols) for pol, cols in kept.items()}
+        return kept.parts()
 
 
-def _extend(kept: dict[str, list[list[Any]]], policy: str, part: Part) -> None:
-    """Add a group's buffered fields to its policy's lists."""
-    mine = kept.get(policy)
-    if mine is None:
-        mine = kept[policy] = [[] for _ in part]
-    for column, values in zip(mine, part, strict=True):
-        column.extend(values)
+class _Kept:
+    """The buffered trajectories of one write, gathered per policy as the buffer keeps them: a
+    message's column groups as index lists into its columns (one numpy gather per field at the
+    end), groups of sequences from their rows."""
+
+    def __init__(self) -> None:
+        self._views: dict[tuple[str, int], tuple[ResultColumns, _Facts, list[list[Any]]]] = {}
+        """(policy, message) -> its columns, their facts, and the ids, task ids, advantages and
+        sequence indices of its buffered groups."""
+        self._rows: dict[str, list[list[Any]]] = {}
+
+    def columns(self, g: Group, view: ResultColumns, f: _Facts) -> None:
+        """Keep the column group g (buffered)."""
+        assert g.cols is not None
+        a, b = g.cols[1], g.cols[2]
+        pol = view.cols.names[int(view.policy[a])]
+        got = self._views.get((pol, id(view)))
+        if got is None:
+            got = self._views[(pol, id(view))] = (view, f, [[], [], [], []])
+        ids, tasks, advantages, at = got[2]
+        ids.extend(range(g.first_id, g.first_id + b - a))
+        tasks.extend([g.task_id] * (b - a))
+        advantages.extend(g.advantages)
+        at.extend(range(a, b))
+
+    def rows(self, rows: list[tuple[Any, ...]]) -> None:
+        """Keep the buffered trajectory rows of a group of sequences (trajectories.insert_groups' layout)."""
+        for r in rows:
+            mine = self._rows.setdefault(r[1], [[] for _ in range(7)])
+            # (traj_id, task_id, min_version, arrival, reward, advantage, length): arrival is the id
+            for column, value in zip(mine, (r[7], r[0], r[6], r[7], r[3], r[4], r[5]), strict=True):
+                column.append(value)
+
+    def parts(self) -> dict[str, Part]:
+        """Policy -> its kept trajectories as BufferItem's fields, one array each."""
+        pieces: dict[str, list[Part]] = {}
+        for (pol, _), (view, f, (ids, tasks, advantages, at)) in self._views.items():
+            idx = np.asarray(at, np.int64)
+            ids_a = np.asarray(ids, np.int64)
+            pieces.setdefault(pol, []).append(
+                (
+                    ids_a,
+                    np.asarray(tasks, np.int64),
+                    f.oldest_a[idx],
+                    ids_a,
+                    view.rewards[idx],
+                    np.asarray(advantages, np.float64),
+                    f.masked_a[idx],
+                )
+            )
+        for pol, lists in self._rows.items():
+            pieces.setdefault(pol, []).append(tuple(lists))
+        return {pol: join_parts(parts) for pol, parts in pieces.items()}
 
 
 def _seq_rows(g: Group, oldest: Iterator[int]) -> list[tuple[Any, ...]]:
@@ -166,6 +199,10 @@ class _Facts:
     """Tokens with a nonzero mask."""
     oldest: list[int]
     """min_versions of each sequence."""
+    masked_a: np.ndarray[Any, Any]
+    """`masked` as int64."""
+    oldest_a: np.ndarray[Any, Any]
+    """`oldest` as int64."""
 
     @classmethod
     def of(cls, view: ResultColumns) -> _Facts:
@@ -175,12 +212,14 @@ class _Facts:
         versions = np.frombuffer(c.versions, packed.INT32)
         starts, lengths = view.tok[:-1], view.lengths
         if not len(lengths):
-            return cls([], [])
+            none = np.zeros(0, np.int64)
+            return cls([], [], none, none)
         # a sentinel after the last token: reduceat needs every start inside the array; a sequence
         # of no tokens reads its neighbour's first, so it is zeroed
         masked = np.add.reduceat(np.append(mask, False).astype(np.int64), starts)
         masked[lengths == 0] = 0
-        return cls(masked.tolist(), _oldest(versions, mask, starts, lengths))
+        oldest = _oldest(versions, mask, starts, lengths)
+        return cls(masked.tolist(), oldest.tolist(), masked, oldest)
 
 
 def _column_rows(g: Group, view: ResultColumns, f: _Facts, a: int, b: int) -> list[tuple[Any, ...]]:
@@ -228,7 +267,7 @@ def min_versions(seqs: list[PackedSequence]) -> list[int]:
     mask = np.frombuffer(b"".join([seqs[i].loss_mask for i in idx]), np.uint8) != 0
     lengths = np.array([len(seqs[i].loss_mask) for i in idx], np.int64)
     starts = np.concatenate(([0], np.cumsum(lengths[:-1])))
-    for k, v in zip(idx, _oldest(versions, mask, starts, lengths), strict=True):
+    for k, v in zip(idx, _oldest(versions, mask, starts, lengths).tolist(), strict=True):
         out[k] = v
     return out
 
@@ -238,11 +277,11 @@ def _oldest(
     mask: np.ndarray[Any, Any],
     starts: np.ndarray[Any, Any],
     lengths: np.ndarray[Any, Any],
-) -> list[int]:
+) -> np.ndarray[Any, Any]:
     """min_versions of the sequences whose joined versions and (bool) mask start at `starts` with
-    these lengths (a sequence of no tokens: -1)."""
+    these lengths (a sequence of no tokens: -1), as int64."""
     if not len(starts):
-        return []
+        return np.zeros(0, np.int64)
     known = versions >= 0
     # a sentinel after the last token: reduceat needs every start inside the array, and an empty
     # sequence at the end starts there
@@ -250,4 +289,4 @@ def _oldest(
     present = np.minimum.reduceat(np.append(np.where(known, versions, _NONE), _NONE), starts)
     oldest = np.where(generated != _NONE, generated, present)
     oldest[(oldest == _NONE) | (lengths == 0)] = -1
-    return oldest.tolist()
+    return oldest.astype(np.int64)
