@@ -167,9 +167,12 @@ class Buffer:
                 why = nonfinite_row(reward, adv)
                 if why:
                     raise RefusedResult(f"task {task_id}: {why} is not finite; not stored")
-        with self.grouped():
-            assert self._pending is not None
+        if self._pending is not None:  # inside a message's block (the usual case): no block of its own
             ids = self._pending.add_columns(task_id, prompt_key, cols, list(advantages), status)
+        else:
+            with self.grouped():
+                assert self._pending is not None
+                ids = self._pending.add_columns(task_id, prompt_key, cols, list(advantages), status)
         pol = view.cols.names[int(view.policy[a])]
         if pol in self._generated:
             self._generated[pol] += b - a
