@@ -57,8 +57,8 @@ class Buffered:
         self._cols = _columns(part or ((), (), (), (), (), (), ()))
         self._parts: list[Part] = []
         self._n = len(self._cols.traj_id)
-        self._groups: int | None = None
-        """Distinct task ids, counted once after each change."""
+        self._tasks: set[int] = set(self._cols.task_id.tolist())
+        """The tasks these trajectories came from (admission counts them per task request)."""
 
     @classmethod
     def of_rows(cls, rows: Sequence[Sequence[Any]]) -> Buffered:
@@ -72,16 +72,15 @@ class Buffered:
         if len(part[0]):
             self._parts.append(part)
             self._n += len(part[0])
-            self._groups = None
+            tasks = part[1]
+            self._tasks.update(tasks.tolist() if isinstance(tasks, np.ndarray) else tasks)
 
     def __len__(self) -> int:
         return self._n
 
     def groups(self) -> int:
         """The tasks these trajectories came from."""
-        if self._groups is None:
-            self._groups = len(np.unique(self.columns().task_id))
-        return self._groups
+        return len(self._tasks)
 
     def columns(self) -> Columns:
         """Every kept trajectory's fields, one array each."""
@@ -96,7 +95,7 @@ class Buffered:
         cols = self.columns()
         self._cols = Columns(*(c[mask] for c in cols))
         self._n = len(self._cols.traj_id)
-        self._groups = None
+        self._tasks = set(self._cols.task_id.tolist())
 
     def items(self) -> list[BufferItem]:
         """The kept trajectories as BufferItems, in order."""
