@@ -35,7 +35,7 @@ class Columns(NamedTuple):
     length: Array
 
 
-Part = tuple[Sequence[Any], ...]
+Part = tuple[Sequence[Any] | Array, ...]
 """BufferItem's fields in order as plain sequences, one entry per trajectory: what one write appends."""
 
 
