@@ -4,6 +4,8 @@ result is accepted, every step's batch holds the bench's 32 x 16 sequences, and 
 from __future__ import annotations
 
 import gc
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -52,3 +54,43 @@ def test_settle_heap_takes_what_lives_now_out_of_full_collections() -> None:
         assert any(o is after for o in gc.get_objects())  # made per message: collected as before
     finally:
         gc.unfreeze()
+
+
+def test_run_controller_settles_the_heap_after_start_and_before_serving(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import signal
+
+    from astraflow.bench.control import recipe
+    from astraflow.config.recipe import Recipe
+    from astraflow.roles.controller import service
+    from astraflow.transport import server as transport
+
+    steps: list[str] = []
+
+    class Served:
+        address = "tcp://127.0.0.1:1"
+
+        def __init__(self, *_a: Any, **_k: Any) -> None:
+            steps.append("bind")
+
+        def close(self) -> None:
+            pass
+
+    def serve(self: service.Controller, _server: Any) -> int:
+        steps.append("serve")
+        return 0
+
+    real_start = service.Controller.start
+
+    def start(self: service.Controller) -> None:
+        real_start(self)
+        steps.append("start")
+
+    monkeypatch.setattr(transport, "RouterServer", Served)
+    monkeypatch.setattr(service.Controller, "start", start)
+    monkeypatch.setattr(service.Controller, "serve", serve)
+    monkeypatch.setattr(service, "settle_heap", lambda: steps.append("settle"))
+    monkeypatch.setattr(signal, "signal", lambda *_a: None)  # the test process keeps its handlers
+    assert service.run_controller(Recipe.model_validate(recipe(0.5, 1)), tmp_path) == 0
+    assert steps == ["start", "settle", "bind", "serve"]
