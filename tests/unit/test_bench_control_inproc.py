@@ -3,6 +3,12 @@ result is accepted, every step's batch holds the bench's 32 x 16 sequences, and 
 
 from __future__ import annotations
 
+import gc
+from pathlib import Path
+from typing import Any
+
+import pytest
+
 from astraflow.bench import control_inproc
 
 
@@ -15,3 +21,76 @@ def test_in_process_steps_move_whole_batches() -> None:
     assert abs(r["us_per_sequence"] * r["sequences"] / 1e6 - r["controller_cpu_s"]) < 1e-3
     assert "function calls" in r["profile"]
     assert "us/sequence" in control_inproc.render(r)
+
+
+def test_the_bench_settles_the_heap_as_run_controller_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    from astraflow.roles.controller import service
+
+    calls: list[int] = []
+
+    def settle() -> None:
+        calls.append(1)
+        real()
+
+    real = service.settle_heap
+    monkeypatch.setattr(service, "settle_heap", settle)
+    control_inproc.run(steps=1, warmup_steps=0, tokens=3)
+    assert calls == [1] and gc.get_freeze_count() == 0  # frozen while the controller ran, thawed after
+
+
+def test_settle_heap_takes_what_lives_now_out_of_full_collections() -> None:
+    from astraflow.roles.controller.service import settle_heap
+
+    class Node:
+        me: object = None
+
+    before = Node()
+    before.me = before  # a cycle alive when the controller has started
+    try:
+        settle_heap()
+        assert not any(o is before for o in gc.get_objects())  # no collection walks it any more
+        after = Node()
+        after.me = after
+        assert any(o is after for o in gc.get_objects())  # made per message: collected as before
+    finally:
+        gc.unfreeze()
+
+
+def test_run_controller_settles_the_heap_after_start_and_before_serving(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import signal
+
+    from astraflow.bench.control import recipe
+    from astraflow.config.recipe import Recipe
+    from astraflow.roles.controller import service
+    from astraflow.transport import server as transport
+
+    steps: list[str] = []
+
+    class Served:
+        address = "tcp://127.0.0.1:1"
+
+        def __init__(self, *_a: Any, **_k: Any) -> None:
+            steps.append("bind")
+
+        def close(self) -> None:
+            pass
+
+    def serve(self: service.Controller, _server: Any) -> int:
+        steps.append("serve")
+        return 0
+
+    real_start = service.Controller.start
+
+    def start(self: service.Controller) -> None:
+        real_start(self)
+        steps.append("start")
+
+    monkeypatch.setattr(transport, "RouterServer", Served)
+    monkeypatch.setattr(service.Controller, "start", start)
+    monkeypatch.setattr(service.Controller, "serve", serve)
+    monkeypatch.setattr(service, "settle_heap", lambda: steps.append("settle"))
+    monkeypatch.setattr(signal, "signal", lambda *_a: None)  # the test process keeps its handlers
+    assert service.run_controller(Recipe.model_validate(recipe(0.5, 1)), tmp_path) == 0
+    assert steps == ["start", "settle", "bind", "serve"]

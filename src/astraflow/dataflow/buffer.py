@@ -13,13 +13,14 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from operator import attrgetter
 from typing import Any
 
 import msgspec
+import numpy as np
 
-from astraflow.data.base import BufferItem, BufferOrder
+from astraflow.data.base import BufferOrder
 from astraflow.data.order import EdfOrder, FifoOrder
+from astraflow.dataflow.buffered import Buffered, Columns, choose
 from astraflow.dataflow.fresh import FreshSamples, sampling
 from astraflow.dataflow.limits import RefusedResult, nonfinite_row
 from astraflow.dataflow.pending import Pending, min_versions
@@ -27,8 +28,6 @@ from astraflow.protocol.columns import ResultColumns
 from astraflow.protocol.messages import PackedSequence, Sequence, TrainSample
 from astraflow.state import batches, trajectories
 from astraflow.state.store import Store
-
-_TASK_ID = attrgetter("task_id")
 
 TAKEN_KEPT = 8
 """Batches whose fresh items are kept for their step's metrics row (Buffer.taken_rows)."""
@@ -83,15 +82,15 @@ class Buffer:
         store.on_rollback.append(self._fresh.forget)
         self._pending: Pending | None = None
         """The groups of the open `grouped` block, written when it ends."""
-        self._items: dict[str, dict[int, BufferItem]] = {}
-        """Policy -> its buffered trajectories (id -> item), as state.db holds them: read once by the
-        policy's first batch after a start, then kept by `insert` and `next_batch` (the controller
-        is the only writer, and nothing else changes a buffered row's status while it runs). Cleared
-        on a rollback, so the next batch reads the store again."""
+        self._items: dict[str, Buffered] = {}
+        """Policy -> its buffered trajectories as columns (dataflow/buffered.py), as state.db holds
+        them: read once by the policy's first batch after a start, then kept by `insert` and
+        `next_batch` (the controller is the only writer, and nothing else changes a buffered row's
+        status while it runs). Cleared on a rollback, so the next batch reads the store again."""
         store.on_rollback.append(self._items.clear)
-        self._taken: dict[tuple[str, int], list[BufferItem]] = {}
-        """(policy, step) -> the fresh items of the newest batches taken, in id order, for the step's
-        metrics row (`taken_rows`); a few steps at most."""
+        self._taken: dict[tuple[str, int], tuple[list[int], Columns]] = {}
+        """(policy, step) -> the ids (in id order) and columns of the fresh trajectories of the newest
+        batches taken, for the step's metrics row (`taken_rows`); a few steps at most."""
 
     @contextmanager
     def grouped(self) -> Iterator[None]:
@@ -109,9 +108,9 @@ class Buffer:
                 stored = pending.write(self.store)
             finally:
                 self._pending = None
-            for policy, it in stored:
+            for policy, part in stored.items():
                 if policy in self._items:
-                    self._items[policy][it.traj_id] = it
+                    self._items[policy].add(part)
             for g in pending.groups:
                 if g.status != "buffered":
                     continue
@@ -168,9 +167,12 @@ class Buffer:
                 why = nonfinite_row(reward, adv)
                 if why:
                     raise RefusedResult(f"task {task_id}: {why} is not finite; not stored")
-        with self.grouped():
-            assert self._pending is not None
+        if self._pending is not None:  # inside a message's block (the usual case): no block of its own
             ids = self._pending.add_columns(task_id, prompt_key, cols, list(advantages), status)
+        else:
+            with self.grouped():
+                assert self._pending is not None
+                ids = self._pending.add_columns(task_id, prompt_key, cols, list(advantages), status)
         pol = view.cols.names[int(view.policy[a])]
         if pol in self._generated:
             self._generated[pol] += b - a
@@ -192,7 +194,7 @@ class Buffer:
     def kept_groups(self, policy: str) -> int | None:
         """Tasks the policy's kept buffered trajectories came from (None while not kept)."""
         mine = self._items.get(policy)
-        return None if mine is None or self._pending is not None else len(set(map(_TASK_ID, mine.values())))
+        return None if mine is None or self._pending is not None else mine.groups()
 
     def open_counts(self, policy: str) -> dict[str, int]:
         """Trajectories of a policy that are buffered, expired or dropped (`counts` without the consumed,
@@ -215,8 +217,11 @@ class Buffer:
         """(reward, oldest version, task id) of a recorded batch's fresh trajectories, in id order: as
         kept when this controller took the batch, else read from the store."""
         kept = self._taken.pop((policy, step), None)
-        if kept is not None and [it.traj_id for it in kept] == sorted(fresh_ids):
-            return [(it.reward, it.min_version, it.task_id) for it in kept]
+        if kept is not None and kept[0] == sorted(fresh_ids):
+            cols = kept[1]
+            return list(
+                zip(cols.reward.tolist(), cols.min_version.tolist(), cols.task_id.tolist(), strict=True)
+            )
         return trajectories.reward_rows(self.store, fresh_ids)
 
     def role_metrics(self, traj_ids: list[int]) -> dict[str, float]:
@@ -279,67 +284,52 @@ class Buffer:
             # The step trains on the weights of the previous step at the earliest.
             ref = max(version, step - 1)
             mine = self._buffered(policy)
-            buffered = list(mine.values())
-            stale = [it.traj_id for it in buffered if ref - it.min_version > max_staleness]
+            cols = mine.columns()
+            fit = ref - cols.min_version <= max_staleness
+            stale = cols.traj_id[~fit].tolist()
             if stale:
                 trajectories.expire(self.store, stale)
                 self._fresh.take(stale)
-                for i in stale:
-                    del mine[i]
-            items = [it for it in buffered if ref - it.min_version <= max_staleness]
+                mine.keep(fit)
+                cols = mine.columns()
             n_replay = max(0, min(int(self._replay(policy, batch_size)), batch_size))
             replay_ids: list[int] = []
             if n_replay:
                 replay_ids = trajectories.newest_consumed(self.store, policy, n_replay)
             n_fresh = batch_size - len(replay_ids)
-            if len(items) < n_fresh:
+            if len(mine) < n_fresh:
                 # Commit the expirations; the trainer retries once more data arrived.
                 return None
-            fresh = self._choose(self._order(policy), items, n_fresh)
-            ids = [it.traj_id for it in fresh] + replay_ids
+            picked = choose(self._order(policy), cols, n_fresh)
+            fresh = cols.traj_id[picked].tolist()
+            ids = fresh + replay_ids
             flags = [False] * len(fresh) + [True] * len(replay_ids)
             batches.record_batch(self.store, policy, step, ids, flags, ref, time.time())
-            trajectories.mark_consumed(self.store, step, [it.traj_id for it in fresh])
-            for it in fresh:
-                del mine[it.traj_id]
+            trajectories.mark_consumed(self.store, step, fresh)
+            left = np.ones(len(mine), bool)
+            left[picked] = False
+            mine.keep(left)
             samples = self._samples(ids, flags, self._fresh.take(ids))
-            self._taken[(policy, step)] = sorted(fresh, key=lambda it: it.traj_id)
+            by_id = picked[np.argsort(cols.traj_id[picked], kind="stable")]
+            self._taken[(policy, step)] = (cols.traj_id[by_id].tolist(), Columns(*(c[by_id] for c in cols)))
             while len(self._taken) > TAKEN_KEPT:
                 del self._taken[next(iter(self._taken))]
         return Batch(
-            policy, step, samples, ref, expired=len(stale), staleness=[ref - it.min_version for it in fresh]
+            policy,
+            step,
+            samples,
+            ref,
+            expired=len(stale),
+            staleness=(ref - cols.min_version[picked]).tolist(),
         )
 
-    def _buffered(self, policy: str) -> dict[int, BufferItem]:
+    def _buffered(self, policy: str) -> Buffered:
         """The policy's buffered trajectories (read from the store the first time)."""
         mine = self._items.get(policy)
         if mine is None:
             # the row's columns are BufferItem's fields in order (trajectories.buffered_items)
-            rows = trajectories.buffered_items(self.store, policy)
-            mine = self._items[policy] = {int(r[0]): BufferItem(*r) for r in rows}
+            mine = self._items[policy] = Buffered.of_rows(trajectories.buffered_items(self.store, policy))
         return mine
-
-    @staticmethod
-    def _choose(order: BufferOrder, items: list[BufferItem], n: int) -> list[BufferItem]:
-        """The first n items by the order, taking whole groups first and then filling with parts of groups."""
-        ranked = sorted(items, key=order.sort_key)
-        groups: dict[int, list[BufferItem]] = {}
-        for it in ranked:
-            groups.setdefault(it.task_id, []).append(it)
-        chosen: list[BufferItem] = []
-        taken: set[int] = set()
-        for members in groups.values():
-            if len(chosen) + len(members) <= n:
-                chosen.extend(members)
-                taken.update(m.traj_id for m in members)
-            if len(chosen) == n:
-                break
-        if len(chosen) < n:
-            chosen.extend([it for it in ranked if it.traj_id not in taken][: n - len(chosen)])
-        # The ranking decided what is taken; the batch is served in task order (each group in its own
-        # order), which does not depend on when results arrived: the trainer's sums over the batch, and
-        # so a seeded sync run, come out the same from run to run.
-        return sorted(chosen, key=attrgetter("task_id", "arrival"))
 
     def _samples(
         self, ids: list[int], flags: list[bool], known: dict[int, TrainSample] | None = None

@@ -38,17 +38,38 @@ class FreshSamples(dict[int, TrainSample]):
     def remember_columns(
         self, ids: list[int], view: ResultColumns, a: int, b: int, advantages: list[float]
     ) -> None:
-        """`remember` of the stored sequences a..b-1 of a message's columns."""
-        kept = [sampling(float(sp.temperature), float(sp.top_p), int(sp.top_k)) for sp in view.cols.samplings]
-        for i, (tokens, mask, logprobs, versions), reward, adv, sp in zip(
-            ids,
-            view.arrays(a, b),
-            view.reward_list[a:b],
-            advantages,
-            view.sampling[a:b].tolist(),
-            strict=True,
-        ):
-            self._keep(i, (tokens, mask, logprobs, versions), reward, adv, kept[sp])
+        """`remember` of the stored sequences a..b-1 of a message's columns: each sample's arrays are
+        slices of the message's joined columns, cut at the group's token offsets in one pass."""
+        c = view.cols
+        kept = [sampling(float(sp.temperature), float(sp.top_p), int(sp.top_k)) for sp in c.samplings]
+        tok = view.tok[a : b + 1].tolist()
+        tokens, mask, logprobs, versions = c.tokens, c.loss_mask, c.logprobs, c.versions
+        self.update(
+            (
+                i,
+                TrainSample(
+                    traj_id=i,
+                    tokens=tokens[4 * t0 : 4 * t1],
+                    loss_mask=mask[t0:t1],
+                    logprobs=logprobs[4 * t0 : 4 * t1],
+                    versions=versions[4 * t0 : 4 * t1],
+                    reward=reward,
+                    advantage=float(adv),
+                    replay=False,
+                    sampling=kept[sp],
+                ),
+            )
+            for i, t0, t1, reward, adv, sp in zip(
+                ids,
+                tok[:-1],
+                tok[1:],
+                view.reward_list[a:b],
+                advantages,
+                view.sampling[a:b].tolist(),
+                strict=True,
+            )
+        )
+        self.tokens += tok[-1] - tok[0]
         self._trim()
 
     def _keep(

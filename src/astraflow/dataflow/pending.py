@@ -13,11 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any
 
 import numpy as np
 
-from astraflow.data.base import BufferItem
+from astraflow.dataflow.buffered import Part, join_parts
 from astraflow.protocol import packed
 from astraflow.protocol.columns import ResultColumns
 from astraflow.protocol.messages import PackedSequence
@@ -75,23 +76,27 @@ class Pending:
         self.next_id += g.size
         return list(range(g.first_id, self.next_id))
 
-    def write(self, store: Store) -> list[tuple[str, BufferItem]]:
+    def write(self, store: Store) -> dict[str, Part]:
         """Write every queued group: two statements in all (inside the caller's transaction); the
-        buffered ones as (policy, item), as the buffer orders them."""
+        buffered ones as the buffer keeps them (dataflow/buffered.py), one part per policy."""
         if not self.groups:
-            return []
+            return {}
         oldest = iter(min_versions([s for g in self.groups for s in g.seqs]))
         facts: dict[int, _Facts] = {}
         rows: list[tuple[Any, ...]] = []
         tokens: list[tuple[Any, ...]] = []
+        kept = _Kept()
         for g in self.groups:
             if g.cols is None:
+                done = len(rows)
                 rows += _seq_rows(g, oldest)
                 tokens.append(
                     token_groups.group_row(
                         g.first_id, [(s.tokens, s.loss_mask, s.logprobs, s.versions) for s in g.seqs]
                     )
                 )
+                if g.status == "buffered":
+                    kept.rows(rows[done:])
                 continue
             view, a, b = g.cols
             f = facts.get(id(view)) or facts.setdefault(id(view), _Facts.of(view))
@@ -99,11 +104,65 @@ class Pending:
             tokens.append(
                 token_groups.joined_row(g.first_id, b - a, view.lengths[a:b].tobytes(), view.joined(a, b))
             )
+            if g.status == "buffered":
+                kept.columns(g, view, f)
         trajectories.insert_groups(store, self.groups[0].first_id, rows, tokens)
-        # (traj_id, task_id, min_version, arrival, reward, advantage, length): arrival is the id
-        return [
-            (r[1], BufferItem(r[7], r[0], r[6], r[7], r[3], r[4], r[5])) for r in rows if r[8] == "buffered"
-        ]
+        return kept.parts()
+
+
+class _Kept:
+    """The buffered trajectories of one write, gathered per policy as the buffer keeps them: a
+    message's column groups as index lists into its columns (one numpy gather per field at the
+    end), groups of sequences from their rows."""
+
+    def __init__(self) -> None:
+        self._views: dict[tuple[str, int], tuple[ResultColumns, _Facts, list[list[Any]]]] = {}
+        """(policy, message) -> its columns, their facts, and the ids, task ids, advantages and
+        sequence indices of its buffered groups."""
+        self._rows: dict[str, list[list[Any]]] = {}
+
+    def columns(self, g: Group, view: ResultColumns, f: _Facts) -> None:
+        """Keep the column group g (buffered)."""
+        assert g.cols is not None
+        a, b = g.cols[1], g.cols[2]
+        pol = view.cols.names[int(view.policy[a])]
+        got = self._views.get((pol, id(view)))
+        if got is None:
+            got = self._views[(pol, id(view))] = (view, f, [[], [], [], []])
+        ids, tasks, advantages, at = got[2]
+        ids.extend(range(g.first_id, g.first_id + b - a))
+        tasks.extend([g.task_id] * (b - a))
+        advantages.extend(g.advantages)
+        at.extend(range(a, b))
+
+    def rows(self, rows: list[tuple[Any, ...]]) -> None:
+        """Keep the buffered trajectory rows of a group of sequences (trajectories.insert_groups' layout)."""
+        for r in rows:
+            mine = self._rows.setdefault(r[1], [[] for _ in range(7)])
+            # (traj_id, task_id, min_version, arrival, reward, advantage, length): arrival is the id
+            for column, value in zip(mine, (r[7], r[0], r[6], r[7], r[3], r[4], r[5]), strict=True):
+                column.append(value)
+
+    def parts(self) -> dict[str, Part]:
+        """Policy -> its kept trajectories as BufferItem's fields, one array each."""
+        pieces: dict[str, list[Part]] = {}
+        for (pol, _), (view, f, (ids, tasks, advantages, at)) in self._views.items():
+            idx = np.asarray(at, np.int64)
+            ids_a = np.asarray(ids, np.int64)
+            pieces.setdefault(pol, []).append(
+                (
+                    ids_a,
+                    np.asarray(tasks, np.int64),
+                    f.oldest_a[idx],
+                    ids_a,
+                    view.rewards[idx],
+                    np.asarray(advantages, np.float64),
+                    f.masked_a[idx],
+                )
+            )
+        for pol, lists in self._rows.items():
+            pieces.setdefault(pol, []).append(tuple(lists))
+        return {pol: join_parts(parts) for pol, parts in pieces.items()}
 
 
 def _seq_rows(g: Group, oldest: Iterator[int]) -> list[tuple[Any, ...]]:
@@ -140,6 +199,10 @@ class _Facts:
     """Tokens with a nonzero mask."""
     oldest: list[int]
     """min_versions of each sequence."""
+    masked_a: np.ndarray[Any, Any]
+    """`masked` as int64."""
+    oldest_a: np.ndarray[Any, Any]
+    """`oldest` as int64."""
 
     @classmethod
     def of(cls, view: ResultColumns) -> _Facts:
@@ -149,52 +212,47 @@ class _Facts:
         versions = np.frombuffer(c.versions, packed.INT32)
         starts, lengths = view.tok[:-1], view.lengths
         if not len(lengths):
-            return cls([], [])
+            none = np.zeros(0, np.int64)
+            return cls([], [], none, none)
         # a sentinel after the last token: reduceat needs every start inside the array; a sequence
         # of no tokens reads its neighbour's first, so it is zeroed
         masked = np.add.reduceat(np.append(mask, False).astype(np.int64), starts)
         masked[lengths == 0] = 0
-        return cls(masked.tolist(), _oldest(versions, mask, starts, lengths))
+        oldest = _oldest(versions, mask, starts, lengths)
+        return cls(masked.tolist(), oldest.tolist(), masked, oldest)
 
 
 def _column_rows(g: Group, view: ResultColumns, f: _Facts, a: int, b: int) -> list[tuple[Any, ...]]:
-    """The trajectory rows of the column group a..b-1."""
+    """The trajectory rows of the column group a..b-1: built as columns (a value repeated for the
+    group's fields that are one for all of it) and zipped into row tuples in C."""
     c = view.cols
-    names, keys, samplings = c.names, c.keys, c.samplings
-    pol = names[int(view.policy[a])]
-    roles = [names[i] for i in view.role[a:b].tolist()]
-    groups = [keys[i] for i in view.key[a:b].tolist()]
-    sps = [samplings[i] for i in view.sampling[a:b].tolist()]
-    return [
-        (
-            g.task_id,
-            pol,
-            g.prompt_key,
-            reward,
-            float(adv),
-            masked,
-            oldest,
-            g.first_id + k,
-            g.status,
-            role,
-            key,
-            float(sp.temperature),
-            float(sp.top_p),
-            int(sp.top_k),
+    names, keys = c.names, c.keys
+    n = b - a
+    if n <= 0:
+        return []
+    sps = [(float(sp.temperature), float(sp.top_p), int(sp.top_k)) for sp in c.samplings]
+    temperature, top_p, top_k = zip(*[sps[i] for i in view.sampling[a:b].tolist()], strict=True)
+    if len(g.advantages) != n:
+        raise ValueError(f"{len(g.advantages)} advantages for a group of {n} sequences")
+    return list(
+        zip(
+            repeat(g.task_id, n),
+            repeat(names[int(view.policy[a])], n),
+            repeat(g.prompt_key, n),
+            view.reward_list[a:b],
+            map(float, g.advantages),
+            f.masked[a:b],
+            f.oldest[a:b],
+            range(g.first_id, g.first_id + n),
+            repeat(g.status, n),
+            [names[i] for i in view.role[a:b].tolist()],
+            [keys[i] for i in view.key[a:b].tolist()],
+            temperature,
+            top_p,
+            top_k,
+            strict=True,
         )
-        for k, (reward, adv, masked, oldest, role, key, sp) in enumerate(
-            zip(
-                view.rewards[a:b].tolist(),
-                g.advantages,
-                f.masked[a:b],
-                f.oldest[a:b],
-                roles,
-                groups,
-                sps,
-                strict=True,
-            )
-        )
-    ]
+    )
 
 
 def min_versions(seqs: list[PackedSequence]) -> list[int]:
@@ -209,7 +267,7 @@ def min_versions(seqs: list[PackedSequence]) -> list[int]:
     mask = np.frombuffer(b"".join([seqs[i].loss_mask for i in idx]), np.uint8) != 0
     lengths = np.array([len(seqs[i].loss_mask) for i in idx], np.int64)
     starts = np.concatenate(([0], np.cumsum(lengths[:-1])))
-    for k, v in zip(idx, _oldest(versions, mask, starts, lengths), strict=True):
+    for k, v in zip(idx, _oldest(versions, mask, starts, lengths).tolist(), strict=True):
         out[k] = v
     return out
 
@@ -219,11 +277,11 @@ def _oldest(
     mask: np.ndarray[Any, Any],
     starts: np.ndarray[Any, Any],
     lengths: np.ndarray[Any, Any],
-) -> list[int]:
+) -> np.ndarray[Any, Any]:
     """min_versions of the sequences whose joined versions and (bool) mask start at `starts` with
-    these lengths (a sequence of no tokens: -1)."""
+    these lengths (a sequence of no tokens: -1), as int64."""
     if not len(starts):
-        return []
+        return np.zeros(0, np.int64)
     known = versions >= 0
     # a sentinel after the last token: reduceat needs every start inside the array, and an empty
     # sequence at the end starts there
@@ -231,4 +289,4 @@ def _oldest(
     present = np.minimum.reduceat(np.append(np.where(known, versions, _NONE), _NONE), starts)
     oldest = np.where(generated != _NONE, generated, present)
     oldest[(oldest == _NONE) | (lengths == 0)] = -1
-    return oldest.tolist()
+    return oldest.astype(np.int64)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sqlite3
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -18,7 +19,7 @@ up on every insert and status change)."""
 
 
 def _marks(n: int) -> str:
-    return ",".join("?" for _ in range(n))
+    return ",".join("?" * n)  # a C-level join: a batch names 512 ids a step
 
 
 def id_runs(ids: list[int]) -> list[tuple[int, int]]:
@@ -50,17 +51,19 @@ execution of many rows costs SQLite and the driver less per row than one executi
 parameters stay under the 999 of old SQLite builds."""
 
 
+_INSERTS = {size: _INSERT + ",".join([_ROW] * size) for size in ROWS_PER_STATEMENT}
+
+
 def _insert_rows(c: sqlite3.Connection, rows: list[tuple[Any, ...]]) -> None:
     """Insert trajectory rows in order: as many as fit in executions of ROWS_PER_STATEMENT rows,
-    then one a time."""
+    then one a time (each execution's parameters flattened in C: `chain`)."""
     done = 0
     for size in ROWS_PER_STATEMENT:
         n = (len(rows) - done) // size * size
         if n:
-            flat = [v for r in rows[done : done + n] for v in r]
-            width = len(flat) // (n // size)
             c.executemany(
-                _INSERT + ",".join([_ROW] * size), [flat[k : k + width] for k in range(0, len(flat), width)]
+                _INSERTS[size],
+                [list(chain.from_iterable(rows[k : k + size])) for k in range(done, done + n, size)],
             )
             done += n
     if done < len(rows):

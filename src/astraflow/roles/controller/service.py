@@ -9,6 +9,7 @@ refilling the task queue) runs between polls (lifecycle.py).
 
 from __future__ import annotations
 
+import gc
 import signal
 import time
 from collections.abc import Callable
@@ -356,6 +357,14 @@ class Controller(ControllerCore):
         return self.loop.exit_code
 
 
+def settle_heap() -> None:
+    """After start: collect, then take every object alive now (modules, recipe, state read back) out of
+    the cyclic collector's sight (`gc.freeze`), so that a full collection no longer walks them; objects
+    made per message are collected as before. Only in a process that is the controller's."""
+    gc.collect()
+    gc.freeze()
+
+
 def run_controller(
     recipe: Recipe, run_dir: Path, bind: str | None = None, *, allow_recipe_change: bool = False
 ) -> int:
@@ -369,6 +378,7 @@ def run_controller(
     try:
         ctl = Controller(recipe, run_dir, store, allow_recipe_change=allow_recipe_change)
         ctl.start()
+        settle_heap()
         server = RouterServer(
             bind or recipe.controller.bind, max_message_bytes=recipe.controller.max_message_bytes
         )
