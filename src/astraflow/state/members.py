@@ -10,6 +10,11 @@ def member_count(store: Store) -> int:
     return int(store.scalar("SELECT COUNT(*) FROM members") or 0)
 
 
+def alive_count(store: Store) -> int:
+    """Member rows whose status is alive."""
+    return int(store.scalar("SELECT COUNT(*) FROM members WHERE status = 'alive'") or 0)
+
+
 def delete_departed(store: Store, last_seen_before: float) -> int:
     """Delete dead and departed members last seen before this time; returns how many."""
     with store.write() as c:

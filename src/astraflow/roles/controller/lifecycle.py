@@ -26,6 +26,7 @@ from astraflow.dataflow.poisoned import drop_poisoned
 from astraflow.dataflow.stall import Progress, stall_report
 from astraflow.metrics.sinks import Sinks
 from astraflow.roles import authz
+from astraflow.roles.controller.beat_pace import CHANGE, idle_interval, timeout_scale
 from astraflow.roles.controller.metrics_row import emit, rewrite_lost_rows
 from astraflow.roles.controller.policy_versions import PolicyVersions
 from astraflow.roles.controller.progress import made_progress
@@ -144,7 +145,7 @@ def start(ctx: Starting) -> None:
         # After a restart, members get one timeout to show up again before their leases go back.
         now = time.time()
         members.touch_alive(ctx.store, now)
-        ctx.members.load(now)
+        ctx.members.load(now, _restart_scale(ctx.recipe, members.alive_count(ctx.store)))
         ctx.store.add_event("start" if fresh else "restart", ctx.recipe.run.name)
         repaired = drop_poisoned(ctx.store)
         if repaired:
@@ -159,6 +160,16 @@ def start(ctx: Starting) -> None:
         )
         rewrite_lost_rows(ctx.store, ctx.run_dir / "metrics.jsonl", ctx.sinks, ctx.run)
     ctx.queue.refill()
+
+
+def _restart_scale(recipe: Recipe, alive: int) -> float:
+    """The timeout scale of every member a restarted controller finds alive, until its next beat says
+    how often it beats: that of the longest idle interval the previous controller can have told."""
+    cc = recipe.controller
+    told = idle_interval(alive, cc.heartbeat_interval_s, cc.idle_beats_per_s)
+    if told <= cc.heartbeat_interval_s:
+        return 1.0
+    return timeout_scale(told * (1.0 + CHANGE), cc.heartbeat_interval_s)
 
 
 def tick(ctx: Ticking, now: float | None = None) -> list[str]:
@@ -186,17 +197,19 @@ def tick(ctx: Ticking, now: float | None = None) -> list[str]:
 
 
 def _expire(ctx: Ticking, t: float) -> tuple[list[str], int]:
-    """Members silent past member_timeout_s are dead (their leases go back), lapsed and expired leases
+    """Members silent past their timeout (member_timeout_s, scaled for one that said it beats less
+    often: member_table.py) are dead (their leases go back), lapsed and expired leases
     return to the queue, long-dead members are pruned; the members declared dead and how many leases
     expired."""
     # the front of the heard-from order, not every member; nobody while beats wait unread
-    silent = [] if ctx.loop.backlogged else ctx.members.silent(t - ctx.member_timeout_s)
+    silent = [] if ctx.loop.backlogged else ctx.members.silent(t, ctx.member_timeout_s)
     if silent:
         ctx.members.flush()  # what the dead last reported stays readable
     ctx.members.flush(t)
     dead: list[str] = []
     with ctx.store.write():
         for mid, last_seen in silent:
+            timeout = ctx.members.timeout(mid, ctx.member_timeout_s)
             ctx.members.gone(mid)
             row = ctx.store.member(mid)
             if row is None or row["status"] != "alive":
@@ -205,9 +218,7 @@ def _expire(ctx: Ticking, t: float) -> tuple[list[str], int]:
             dead.append(mid)
             n = ctx.ledger.release_member(mid)
             ctx.store.add_event("member_dead", f"{mid} silent {t - last_seen:.1f}s; {n} leases back")
-            _log.warning(
-                "member %s is dead (silent > %.1fs); %d tasks requeued", mid, ctx.member_timeout_s, n
-            )
+            _log.warning("member %s is dead (silent > %.1fs); %d tasks requeued", mid, timeout, n)
         for owner in ctx.accounting.lapsed(t):
             ctx.ledger.give_back_lapsed(owner, t)  # its lapses are its own, not its tasks'
         expired = ctx.ledger.expire(t)
