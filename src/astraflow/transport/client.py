@@ -110,6 +110,8 @@ class MemberClient:
         """The latest Welcome received."""
         self.last_heard: float = 0.0
         """time.monotonic() of the last message from the controller (0 = never)."""
+        self.beats_sent = 0
+        """Heartbeats sent so far."""
 
         self._max_message_bytes = max_message_bytes
         self.credentials = credentials if credentials is not None else member_credentials()

@@ -84,7 +84,6 @@ class MemberLoop:
         """The error the last heartbeat carried."""
         self.unanswered_since: float | None = None
         """When the first message sent since the controller was last heard from went out."""
-        self.beats_sent = 0
         self.hung_logged = False
 
     def run(self) -> None:
@@ -197,7 +196,7 @@ class MemberLoop:
         waiting = [rid for rid, p in self.pending.items() if p.sent_on == self.connection][:256]
         gap = self.interval()
         self.last_beat, self.next_beat, self.gap, self.error_sent = now, now + gap, gap, error
-        self.beats_sent += 1
+        c.beats_sent += 1
         beat = Heartbeat(
             rid=c.next_rid(),
             loaded=loaded,
