@@ -226,7 +226,8 @@ def _expire(ctx: Ticking, t: float) -> tuple[list[str], int]:
             failures.record(ctx.store, "lease expired", expired)
         if t - ctx.loop.last_prune >= PRUNE_EVERY_S:
             ctx.loop.last_prune = t
-            authz.prune_members(ctx.store, t, ctx.forget_after_s)
+            for mid in authz.prune_members(ctx.store, t, ctx.forget_after_s):
+                ctx.accounting.forget(mid)  # its failure history goes with its row
     return dead, expired
 
 
