@@ -139,6 +139,7 @@ def test_the_periodic_work_runs_with_its_parts_alone(tmp_path: Path) -> None:
         member_timeout_s=2.0,
         heartbeat_interval_s=0.5,
         forget_after_s=3600.0,
+        pace=BeatPace(0.5, 1000.0),
     )
     t0 = core.progress.last
     core.store.upsert_member("w", "raas", policies=["main"], pid=1, host="h")

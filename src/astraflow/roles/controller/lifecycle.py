@@ -26,7 +26,7 @@ from astraflow.dataflow.poisoned import drop_poisoned
 from astraflow.dataflow.stall import Progress, stall_report
 from astraflow.metrics.sinks import Sinks
 from astraflow.roles import authz
-from astraflow.roles.controller.beat_pace import CHANGE, idle_interval, timeout_scale
+from astraflow.roles.controller.beat_pace import CHANGE, BeatPace, idle_interval, timeout_scale
 from astraflow.roles.controller.metrics_row import emit, rewrite_lost_rows
 from astraflow.roles.controller.policy_versions import PolicyVersions
 from astraflow.roles.controller.progress import made_progress
@@ -118,6 +118,8 @@ class Ticking:
     heartbeat_interval_s: float
     forget_after_s: float
     """controller.forget_after_s: dead this long, a member's row is deleted."""
+    pace: BeatPace
+    """The idle interval members are told: an idle member hears of the run's end at its next beat."""
 
 
 def start(ctx: Starting) -> None:
@@ -259,7 +261,7 @@ def should_exit(ctx: Ticking, now: float) -> bool:
         return False
     if not ctx.store.members("alive"):
         return True
-    grace = max(10.0, 4 * ctx.member_timeout_s)
+    grace = max(10.0, 4 * ctx.member_timeout_s, 2 * ctx.pace.told + 1.0)
     if ctx.run.failed is not None:
         # members learn of the end from their next heartbeat; nothing more is worth waiting for
         grace = 4 * ctx.heartbeat_interval_s + 1.0

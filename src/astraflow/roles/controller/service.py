@@ -206,6 +206,7 @@ class Controller(ControllerCore):
             member_timeout_s=cc.member_timeout_s,
             heartbeat_interval_s=cc.heartbeat_interval_s,
             forget_after_s=cc.forget_after_s,
+            pace=self.pace,
         )
         """The periodic work's parts (lifecycle.py)."""
 
