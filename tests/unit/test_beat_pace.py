@@ -106,3 +106,22 @@ def test_an_idle_beat_naming_a_held_long_poll_stays_on_the_fast_path(tmp_path: P
     else:
         (ack,) = replies
         assert isinstance(ack, m.HeartbeatAck) and ack.lost == [77]
+
+
+def test_a_slowly_beating_idle_member_is_answered_every_other_beat(tmp_path: Path) -> None:
+    """Each answer is a message on the member's connection: a member beating every 10 s hears from
+    the controller every 20 s, well inside the four intervals it waits before dialling again."""
+    c = _controller(tmp_path, idle_beats_per_s=0.2)
+    c.tick()
+    beat = m.Heartbeat(next_beat_s=10.0)
+    (told,) = [r for _, r in c.dispatch(b"w0", beat)]  # after the Hello: the general path answers
+    assert isinstance(told, m.HeartbeatAck) and told.idle_interval_s == 10.0
+    t = time.time()
+    answered = [len(c.beats.idle(b"w0", beat, None, t + 10.0 * i) or []) for i in range(1, 7)]
+    assert answered == [0, 1, 0, 1, 0, 1]
+    # one beating every 0.5 s is answered every 2 s (ACK_EVERY_S), as before
+    fast = m.Heartbeat()
+    c.dispatch(b"w1", fast)
+    t = time.time()
+    answered = [len(c.beats.idle(b"w1", fast, None, t + 0.5 * i) or []) for i in range(1, 9)]
+    assert answered == [0, 0, 0, 1, 0, 0, 0, 1]

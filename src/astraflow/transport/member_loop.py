@@ -36,8 +36,8 @@ REOPEN_AFTER_S = 6.0
 """Seconds of silence since the first message the controller has not answered after which the member
 dials on a new connection (or REOPEN_BEATS beat intervals, if longer); doubles on each reopen without
 an answer between. A live controller answers an idle member's heartbeats at least every 2 s
-(roles/controller/beats.ACK_EVERY_S), and each one when it beats less often."""
-REOPEN_BEATS = 3
+(roles/controller/beats.ACK_EVERY_S), or every other beat when it beats less often."""
+REOPEN_BEATS = 4
 """Intervals (the one its last heartbeat announced) of silence before a member dials again."""
 REOPEN_MAX_S = 60.0
 """The longest wait between two reopens (unless REOPEN_BEATS intervals are longer)."""

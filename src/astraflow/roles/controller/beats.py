@@ -8,9 +8,10 @@ does not hold (a long poll it holds is fine), no new error. Idle members beat le
 rate limit, times the member in the member table, in the timeout lane its `next_beat_s` asks for
 (memory; no SQLite write, roles/member_table.py) and is answered only when the member must learn
 something: versions it was not told of yet (`PolicyVersions.generation`; at most one such answer
-every NEWS_EVERY_S), that the run stops, a new idle interval, or that ACK_EVERY_S passed since its
-last answer (so a member beating every ACK_EVERY_S or more gets an answer to each beat; it dials
-again after hearing nothing for a few of its own intervals, transport/member_loop.py). Every other
+every NEWS_EVERY_S), that the run stops, a new idle interval, or that ACK_EVERY_S (or ACK_BEATS of
+the member's announced intervals, if longer) passed since its last answer (a member that beats every
+10 s gets an answer to every other beat; it dials again only after hearing nothing for several of its
+own intervals, transport/member_loop.py). Every other
 beat takes the general path (`Beats.handle`, members.on_heartbeat), which renews leases, records a
 new error, names lost requests and always answers; so does the first beat after a Hello, any beat of
 a member whose row the controller does not hold in memory, and every beat of a run with `[weights]
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from astraflow.protocol import messages as m
-from astraflow.roles.controller.beat_pace import BeatPace, timeout_scale
+from astraflow.roles.controller.beat_pace import IDLE_MAX_S, BeatPace, timeout_scale
 from astraflow.roles.controller.outcome import Outcome
 from astraflow.roles.controller.policy_versions import PolicyVersions
 from astraflow.roles.controller.run_end import RunEnd
@@ -32,8 +33,11 @@ from astraflow.roles.member_table import MemberTable
 from astraflow.transport.principal import Principal
 
 ACK_EVERY_S = 2.0
-"""Longest time an idle member goes without an answer to its beats, or one interval when it beats less
-often (well inside what the member waits before it dials again: transport/member_loop.py)."""
+"""Longest time an idle member goes without an answer to its beats (well inside what the member waits
+before it dials again: transport/member_loop.py), unless ACK_BEATS of its intervals are longer."""
+ACK_BEATS = 1.5
+"""An idle member that beats less often is answered once this many of its announced intervals passed
+since its last answer: every other beat (each answer is a message on its connection)."""
 NEWS_EVERY_S = 1.0
 """Shortest time between two answers that bring an idle member new versions: versions recorded many
 times a second reach it as one answer a second, the newest (a worker that leases tasks hears of each
@@ -128,11 +132,11 @@ class Beats:
         generation = self.versions.generation
         told = self.pace.for_role(row["role"])
         quiet = now - beat.answered
-        if (
-            not stop
-            and told == beat.told
-            and 0.0 <= quiet < (ACK_EVERY_S if beat.generation == generation else NEWS_EVERY_S)
-        ):
+        wait = NEWS_EVERY_S
+        if beat.generation == generation:
+            gap = msg.next_beat_s if msg.next_beat_s <= IDLE_MAX_S else IDLE_MAX_S  # also NaN
+            wait = max(ACK_EVERY_S, ACK_BEATS * gap)
+        if not stop and told == beat.told and 0.0 <= quiet < wait:
             return []
         beat.generation, beat.answered, beat.told = generation, now, told
         ack = m.HeartbeatAck(rid=msg.rid, versions=self.versions.latest(), stop=stop, idle_interval_s=told)
