@@ -295,7 +295,7 @@ class MemberLoop:
             if msg.rid == self.hello_rid:
                 self.joined = True
                 self.hello_rid = 0
-                self.last_beat = time.monotonic()
+                self.last_beat, self.gap = time.monotonic(), c.heartbeat_interval_s
                 self.next_beat = self.last_beat + c.heartbeat_interval_s
                 for p in self.backlog:
                     self.pending[p.msg.rid] = p
