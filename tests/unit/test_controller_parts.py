@@ -10,6 +10,7 @@ from pathlib import Path
 from astraflow.config.recipe import Recipe
 from astraflow.protocol import messages as m
 from astraflow.roles.controller import lifecycle, members
+from astraflow.roles.controller.beat_pace import BeatPace
 from astraflow.roles.controller.core import ControllerCore
 from astraflow.roles.controller.policy_versions import PolicyVersions
 from astraflow.roles.member_sections import WelcomeSections
@@ -62,6 +63,7 @@ def test_hello_joins_with_its_parts_alone(tmp_path: Path) -> None:
         policies=["main"],
         member_timeout_s=5.0,
         heartbeat_interval_s=0.7,
+        pace=BeatPace(0.7, 1000.0),
     )
 
     done = members.on_hello(ctx, b"trainer-main", _hello("trainer-main", "trainer"))
@@ -137,6 +139,7 @@ def test_the_periodic_work_runs_with_its_parts_alone(tmp_path: Path) -> None:
         member_timeout_s=2.0,
         heartbeat_interval_s=0.5,
         forget_after_s=3600.0,
+        pace=BeatPace(0.5, 1000.0),
     )
     t0 = core.progress.last
     core.store.upsert_member("w", "raas", policies=["main"], pid=1, host="h")

@@ -3,9 +3,14 @@ rate limit and de-duplicated errors; migration 0005 adds the member columns."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
+from astraflow.bench.control import recipe as bench_recipe
 from astraflow.config.load import validate_recipe
+from astraflow.config.recipe import Recipe
+from astraflow.protocol import messages as m
+from astraflow.roles.controller import Controller
 from astraflow.roles.member_accounting import MemberAccounting
 from astraflow.state.store import Store
 
@@ -64,3 +69,27 @@ def test_heartbeat_errors_are_recorded_once(tmp_path: Path) -> None:
     assert acc.new_error("raas-0", "boom") and not acc.new_error("raas-0", "boom")
     assert acc.new_error("raas-0", "other")
     store.close()
+
+
+def test_a_pruned_member_is_forgotten(tmp_path: Path) -> None:
+    """What accounting keeps of a member (its recent outcomes, its last error) goes when its row is
+    pruned, forget_after_s after its death: memory does not grow with every member id ever seen."""
+    r = bench_recipe(0.5, 2)
+    r["controller"] = {**r["controller"], "member_timeout_s": 5.0, "forget_after_s": 30.0}
+    c = Controller(Recipe.model_validate(r), tmp_path, Store.open(tmp_path / "state.db"))
+    c.start()
+    for ident in ("w0", "w1"):
+        hello = m.Hello(member_id=ident, role="raas", protocol=m.PROTOCOL_VERSION, policies=["main"], pid=1)
+        assert isinstance(c.dispatch(ident.encode(), hello)[0][1], m.Welcome)
+        c.dispatch(ident.encode(), m.Heartbeat(error=f"{ident} failed once"))
+        c.accounting.succeeded(ident)
+    assert set(c.accounting.recent) == set(c.accounting.last_error) == {"w0", "w1"}
+    t = time.time()
+    c.members.touch("w0", t + 20.0)
+    c.tick(t + 20.0)  # w1 silent past member_timeout_s: dead, but remembered until it is pruned
+    assert {row["id"]: row["status"] for row in c.store.members()} == {"w0": "alive", "w1": "dead"}
+    assert "w1" in c.accounting.recent and "w1" in c.accounting.last_error
+    c.members.touch("w0", t + 60.0)
+    c.tick(t + 60.0)  # w1 dead for longer than forget_after_s: its row and its accounting go
+    assert [row["id"] for row in c.store.members()] == ["w0"]
+    assert set(c.accounting.recent) == set(c.accounting.last_error) == {"w0"}

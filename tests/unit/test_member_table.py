@@ -69,7 +69,7 @@ def test_only_the_silent_members_die(tiny_model: Path, tmp_path: Path) -> None:
     t = time.time() + 10.0  # past member_timeout_s for every member but those heard from then
     for i in range(0, N, 2):
         c.members.touch(f"w{i:02d}", t)
-    assert [mid for mid, _ in c.members.silent(t - 5.0)] == [f"w{i:02d}" for i in range(1, N, 2)]
+    assert [mid for mid, _ in c.members.silent(t, 5.0)] == [f"w{i:02d}" for i in range(1, N, 2)]
     c.tick(t)
     status = {mem["id"]: mem["status"] for mem in c.store.members()}
     assert status == {f"w{i:02d}": "alive" if i % 2 == 0 else "dead" for i in range(N)}
@@ -87,7 +87,7 @@ def test_a_restarted_controller_times_every_alive_member_afresh(tiny_model: Path
     restarted = time.time()
     again.start()
     assert sorted(again.members.seen) == [f"w{i:02d}" for i in range(N)]
-    assert again.members.silent(restarted) == []  # every timer starts at the restart or later
+    assert again.members.silent(restarted, 0.0) == []  # every timer starts at the restart or later
 
 
 def test_migration_0006_indexes_members_for_the_healthy_peer_lookup(tmp_path: Path) -> None:

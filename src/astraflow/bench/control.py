@@ -35,10 +35,14 @@ ACTIVE = 2
 """RaaS members that lease and answer tasks; every other simulated worker only heartbeats."""
 
 
-def recipe(heartbeat_s: float, members: int, keep_steps: int = 0) -> dict[str, Any]:
+def recipe(
+    heartbeat_s: float, members: int, keep_steps: int = 0, idle_beats_per_s: float | None = None
+) -> dict[str, Any]:
     """The quickstart's shape with no model: the controller reads no weights and checks ids >= 0;
-    `keep_steps` > 0 turns on retention (archive to Parquet every 10 steps)."""
+    `keep_steps` > 0 turns on retention (archive to Parquet every 10 steps); `idle_beats_per_s` sets
+    controller.idle_beats_per_s (None: the recipe's default)."""
     retention = {"keep_steps": keep_steps, "every_steps": 10} if keep_steps else {}
+    idle = {} if idle_beats_per_s is None else {"idle_beats_per_s": idle_beats_per_s}
     return {
         "run": {"name": "control-bench", "seed": 0, "steps": 1_000_000},
         "policy": [
@@ -57,6 +61,7 @@ def recipe(heartbeat_s: float, members: int, keep_steps: int = 0) -> dict[str, A
             # a loaded machine delays simulators' beats and the reading of 10,000 connections: none dies
             "member_timeout_s": max(120.0, 20 * heartbeat_s),
             "retention": retention,
+            **idle,
         },
     }
 
@@ -105,6 +110,7 @@ def run_one(
     grouped: bool = True,
     keep_steps: int = 0,
     tokens: int = 3,
+    idle_beats_per_s: float | None = None,
 ) -> dict[str, Any]:
     """One controller with `members` simulated members (2 active RaaS + idle ones + 1 trainer), each
     sequence `tokens` generated tokens long."""
@@ -116,7 +122,9 @@ def run_one(
     run_dir = work / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     ctl, addr = start_controller(
-        work, keys=work / "keys" if curve else None, recipe_doc=recipe(heartbeat_s, workers, keep_steps)
+        work,
+        keys=work / "keys" if curve else None,
+        recipe_doc=recipe(heartbeat_s, workers, keep_steps, idle_beats_per_s),
     )
     sims: list[subprocess.Popen[bytes]] = []
     outs: list[Path] = []
@@ -308,10 +316,14 @@ def run(
     results: tuple[bool, ...] = (True,),
     keep_steps: int = 0,
     tokens: int = 3,
+    idle_beats_per_s: float | None = None,
 ) -> dict[str, Any]:
     """Every (results mode, curve, members) combination, then the physical limits; ratios against the
     first row of the same results mode and CURVE setting."""
     rows = []
+    opts: dict[str, Any] = {"seconds": seconds, "warmup_steps": warmup_steps, "heartbeat_s": heartbeat_s}
+    opts["procs"] = procs
+    opts |= {"keep_steps": keep_steps, "tokens": tokens, "idle_beats_per_s": idle_beats_per_s}
     for grouped in results:
         for c in curve:
             for n in member_counts:
@@ -320,20 +332,8 @@ def run(
                     progress(
                         f"controller with {n} simulated workers, CURVE {'on' if c else 'off'}, {mode} results ..."
                     )
-                rows.append(
-                    run_one(
-                        n,
-                        curve=c,
-                        seconds=seconds,
-                        warmup_steps=warmup_steps,
-                        heartbeat_s=heartbeat_s,
-                        procs=procs,
-                        work=work / f"{'curve' if c else 'plain'}-{mode}-{n}",
-                        grouped=grouped,
-                        keep_steps=keep_steps,
-                        tokens=tokens,
-                    )
-                )
+                work_n = work / f"{'curve' if c else 'plain'}-{mode}-{n}"
+                rows.append(run_one(n, curve=c, work=work_n, grouped=grouped, **opts))
     for key in {(r["results"], r["curve"]) for r in rows}:
         base = next(r for r in rows if (r["results"], r["curve"]) == key)
         for r in rows:

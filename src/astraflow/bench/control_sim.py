@@ -1,9 +1,11 @@
 """Simulated members for `astraflow bench control`: many protocol-speaking members in one process.
 
 One process runs a slice of the bench's members on one thread: each member has its own DEALER socket,
-routing id (and CURVE key when the bench runs with keys), says Hello, and heartbeats at the recipe's
-interval. The members' due times are one heap, so a process of thousands of members does work per
-beat, not per member; an idle member's beat is encoded once and only sent (with its rid 0: the
+routing id (and CURVE key when the bench runs with keys), says Hello, and heartbeats as a real member
+does: a working member at the recipe's interval, an idle one at the idle interval its Welcome and
+HeartbeatAcks tell (roles/controller/beat_pace.py), saying so in each beat (`next_beat_s`). The
+members' due times are one heap, so a process of thousands of members does work per beat, not per
+member; an idle member's beat is encoded once per interval and only sent (with its rid 0: the
 controller echoes rids and answers heartbeats only now and then), and its socket is read when it is
 due, not polled. Members given the `raas` role lease tasks and answer them at once with trivial episodes of
 the task's group size (all of a grant in one TaskResults, or one TaskResult each); the `trainer` member takes each batch and announces the next version at once.
@@ -31,7 +33,7 @@ import zmq
 
 from astraflow.protocol import messages as m
 from astraflow.protocol.codec import decode, encode
-from astraflow.transport.server import raise_fd_limit
+from astraflow.transport.server import MEMBER_PING_IVL_MS, MEMBER_PING_TIMEOUT_MS, raise_fd_limit
 
 TASK_WAIT_S = 1.0
 """Long-poll wait of a task request with nothing to lease (the real RaaS waits the same way)."""
@@ -97,6 +99,9 @@ class _Member:
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTING_ID, ident.encode())
+        # the ZMTP heartbeats a real member's control connection sends (transport/client.py)
+        self.sock.setsockopt(zmq.HEARTBEAT_IVL, MEMBER_PING_IVL_MS)
+        self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, MEMBER_PING_TIMEOUT_MS)
         if keys is not None:
             from astraflow.transport.keys import load_keypair
             from astraflow.transport.security import curve_client
@@ -111,6 +116,8 @@ class _Member:
         self.held: set[int] = set()
         self.sent_at: dict[int, tuple[str, float]] = {}
         self.next_beat = 0.0
+        self.idle_s = spec.heartbeat_s
+        """The idle interval the controller told (Welcome, HeartbeatAck)."""
 
     def send(self, msg: m.Msg, kind: str = "") -> None:
         self.rid += 1
@@ -159,9 +166,9 @@ def simulate(spec: SimSpec) -> SimResult:
     keys = Path(spec.keys_dir) if spec.keys_dir else None
     raise_fd_limit()  # two file descriptors a member (its socket's mailbox and its connection)
     members = [_Member(ctx, spec, ident, keys) for ident in spec.members]
-    # an idle member's beat never changes (it pulls no version, works on nothing): encoded once, and
-    # the tight loop below only sends it
-    idle_beat = encode(m.Heartbeat(loaded={spec.policy: 0}, busy=0, free=spec.slots))
+    # an idle member's beat never changes (it pulls no version, works on nothing) but for the interval
+    # it announces: encoded once per interval, and the tight loop below only sends it
+    idle_beats: dict[float, bytes] = {}
     stop = Path(spec.stop_file)
     now = res.started = time.time()
     # members join at JOIN_RATE a second (thousands of connects at once overflow the listen backlog
@@ -196,22 +203,7 @@ def simulate(spec: SimSpec) -> SimResult:
                     continue
                 if mem.role == "idle":
                     _drain(mem, spec, res, rng)
-                if mem.welcomed:
-                    if mem.role == "idle":
-                        mem.sock.send(idle_beat, zmq.NOBLOCK)
-                    else:
-                        mem.send(
-                            m.Heartbeat(
-                                loaded={spec.policy: mem.version},
-                                busy=len(mem.held),
-                                free=max(0, spec.slots - len(mem.held)),
-                                active=sorted(mem.held)[:4096],
-                            )
-                        )
-                    res.heartbeats += 1
-                    heapq.heappush(due, (now + spec.heartbeat_s, i))
-                else:  # its Welcome may be on the way: look again soon
-                    heapq.heappush(due, (now + min(0.2, spec.heartbeat_s), i))
+                heapq.heappush(due, (now + _beat(mem, spec, res, idle_beats), i))
             wait_ms = 20 if not due else max(0, min(20, int(1000 * (due[0][0] - time.time()))))
             if len(poller.sockets):
                 ready = poller.poll(wait_ms)
@@ -226,6 +218,37 @@ def simulate(spec: SimSpec) -> SimResult:
             mem.sock.close(0)
         ctx.term()
     return res
+
+
+def _beat(mem: _Member, spec: SimSpec, res: SimResult, idle_beats: dict[float, bytes]) -> float:
+    """One member's heartbeat (none before its Welcome); seconds until it is due again."""
+    if not mem.welcomed:  # its Welcome may be on the way: look again soon
+        return min(0.2, spec.heartbeat_s)
+    gap = spec.heartbeat_s
+    if mem.role == "idle":
+        gap = max(gap, mem.idle_s)
+        beat = idle_beats.get(gap)
+        if beat is None:
+            beat = idle_beats[gap] = _idle_beat(spec, gap)
+        mem.sock.send(beat, zmq.NOBLOCK)
+    else:
+        mem.send(
+            m.Heartbeat(
+                loaded={spec.policy: mem.version},
+                busy=len(mem.held),
+                free=max(0, spec.slots - len(mem.held)),
+                active=sorted(mem.held)[:4096],
+            )
+        )
+    res.heartbeats += 1
+    return gap
+
+
+def _idle_beat(spec: SimSpec, gap: float) -> bytes:
+    """An idle member's heartbeat: nothing leased, nothing waiting, no error; the next in `gap` s."""
+    beat = m.Heartbeat(loaded={spec.policy: 0}, busy=0, free=spec.slots)
+    beat.next_beat_s = gap if gap > spec.heartbeat_s else 0.0
+    return encode(beat)
 
 
 def _hello(mem: _Member, spec: SimSpec) -> None:
@@ -262,9 +285,12 @@ def _on_reply(mem: _Member, msg: m.Msg, spec: SimSpec, res: SimResult, rng: rand
     took = time.perf_counter() - sent[1] if sent is not None else 0.0
     if isinstance(msg, m.HeartbeatAck):
         res.acks += 1
+        if msg.idle_interval_s > 0:
+            mem.idle_s = msg.idle_interval_s
     elif isinstance(msg, m.Error):
         _on_error(mem, msg, res)
     elif isinstance(msg, m.Welcome):
+        mem.idle_s = max(msg.idle_interval_s, spec.heartbeat_s)
         _on_welcome(mem, spec, res)
     elif isinstance(msg, m.TaskGrant):
         _on_grant(mem, msg, spec, res, rng, took)

@@ -17,7 +17,7 @@ import msgspec
 
 from astraflow.protocol import packed
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 
 # Caps on what a peer may send, checked by the decoder before a message reaches a handler
 # (docs/protocol.md "Limits"); frames as a whole are capped by the transport's MAXMSGSIZE.
@@ -349,6 +349,9 @@ class Welcome(Msg, kw_only=True):
     trainer TrainerSections, an observer nothing; never the whole recipe."""
     heartbeat_interval_s: float
     versions: list[VersionInfo] = []
+    idle_interval_s: float = 0.0
+    """Seconds between the beats of this member while it is idle (no lease, no request the controller
+    does not hold, no new error); 0: heartbeat_interval_s."""
 
 
 class Heartbeat(Msg, kw_only=True):
@@ -366,18 +369,23 @@ class Heartbeat(Msg, kw_only=True):
     """rids of requests sent before this heartbeat, on this connection, still unanswered."""
     relay_addr: Annotated[str, msgspec.Meta(max_length=1024)] = ""
     """The member's relay weight server, which serves the versions it holds to peers ("" = none)."""
+    next_beat_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    """Seconds until this member's next heartbeat (0: heartbeat_interval_s): the controller declares it
+    dead after the same number of missed beats (at most the idle cap's, roles/controller/beat_pace.py)."""
 
 
 class HeartbeatAck(Msg, kw_only=True):
     """Answer to a Heartbeat, when the member has something to learn: newest versions, whether to
-    stop, requests the controller never got; an idle member's beats get one at least every 2 s
-    (roles/controller/beats.py), not one each."""
+    stop, requests the controller never got, a new idle interval; an idle member's beats get one at
+    least every 2 s or every beat when it beats less often (roles/controller/beats.py), not one each."""
 
     versions: list[VersionInfo] = []
     stop: bool = False
     lost: list[int] = []
     """The heartbeat's `waiting` rids this controller neither answered nor holds: it never got them
     (it restarted, or they died with a connection). No answer will come; the member asks again."""
+    idle_interval_s: float = 0.0
+    """The member's idle interval from now on (as Welcome.idle_interval_s; 0: unchanged)."""
 
 
 class Bye(Msg, kw_only=True):

@@ -211,6 +211,6 @@ def task_quota(
     return max(0, min(asked, slots - held))
 
 
-def prune_members(store: Store, now: float, forget_after_s: float) -> int:
-    """Delete dead and departed members last seen more than forget_after_s ago; returns how many."""
+def prune_members(store: Store, now: float, forget_after_s: float) -> list[str]:
+    """Delete dead and departed members last seen more than forget_after_s ago; returns their ids."""
     return members.delete_departed(store, now - forget_after_s)

@@ -38,7 +38,8 @@ GAP = 0.5
 
 
 class MemberAccounting:
-    """The controller's per-member ledger of outcomes; memory is one entry per member id seen."""
+    """The controller's per-member ledger of outcomes; memory is one entry per member id whose row
+    the store keeps (`forget` when the row is pruned, controller.forget_after_s after its death)."""
 
     def __init__(self, store: Store, recipe: Recipe) -> None:
         self.store = store

@@ -7,10 +7,13 @@ last_seen alone (all an idle member's beat changes) every `SEEN_FLUSH_S`, so tho
 cost one write of their rows every few seconds, not every second (readers of state.db such as
 `astraflow status --run-dir` see last_seen at most that old); and all of it before anything that
 reads those fields from the store (a Hello's identity check, a StatusRequest, the death of a silent
-member). Liveness
-is decided here: members are kept in the order they were last heard from, so the liveness check
-looks only at the silent ones at the front, never at every member. None of this needs durability: a
-restarted controller gives every member a fresh timer (Controller.start).
+member). Liveness is decided here: a member is dead after member_timeout_s times its timeout scale
+(1 for a member that beats at the recipe's interval, more for an idle one that said it beats less
+often: roles/controller/beat_pace.py). Members of one scale are a lane, kept in the order they were
+last heard from, so the liveness check looks only at the silent ones at the front of each lane,
+never at every member. None of this needs durability: a restarted controller gives every member a
+fresh timer (Controller.start) in the widest lane (it does not know how often each beats) until
+its first heartbeat says.
 
 Member rows themselves (role, status, policies, accounting) stay in state.db; `row` keeps a copy of
 each live member's row for the per-message identity check and the handlers, so a message does not
@@ -37,8 +40,12 @@ class MemberTable:
 
     def __init__(self, store: Store) -> None:
         self.store = store
-        self.seen: OrderedDict[str, float] = OrderedDict()
-        """Alive member id -> last heard from (time.time()), oldest first."""
+        self.seen: dict[str, float] = {}
+        """Alive member id -> last heard from (time.time())."""
+        self.lanes: dict[float, OrderedDict[str, float]] = {1.0: OrderedDict()}
+        """Timeout scale -> its alive members and when each was last heard from, oldest first."""
+        self.scale: dict[str, float] = {}
+        """Member -> its timeout scale, for the members whose scale is not 1."""
         self.rows: dict[str, dict[str, Any]] = {}
         """Member id -> its row as last read or written by the controller (hot fields kept current)."""
         self.pending: dict[str, tuple[float, dict[str, int] | None, int | None]] = {}
@@ -51,13 +58,20 @@ class MemberTable:
         store.on_member_change.append(self.forget)
         store.on_rollback.append(self.forget)
 
-    def load(self, now: float) -> None:
-        """Every alive member of state.db, each with a fresh timer (a restarted controller's start)."""
+    def load(self, now: float, scale: float = 1.0) -> None:
+        """Every alive member of state.db, each with a fresh timer in the lane of `scale` (a restarted
+        controller's start: the widest, until each member's first beat says how often it beats)."""
         self.seen.clear()
         self.rows.clear()
         self.heard.clear()
+        self.lanes = {1.0: OrderedDict()}
+        self.scale.clear()
         for mem in self.store.members("alive"):
-            self.seen[str(mem["id"])] = now
+            mid = str(mem["id"])
+            self.seen[mid] = now
+            self.lanes.setdefault(scale, OrderedDict())[mid] = now
+            if scale != 1.0:
+                self.scale[mid] = scale
 
     def row(self, member_id: str) -> dict[str, Any] | None:
         """The member's row (from memory when the controller already read it), or None."""
@@ -86,12 +100,14 @@ class MemberTable:
         self.pending.pop(member_id, None)
         self.heard.discard(member_id)
         self.rows.pop(member_id, None)
+        self._unlane(member_id)
         self.seen[member_id] = now
-        self.seen.move_to_end(member_id)
+        self.lanes[1.0][member_id] = now
 
     def gone(self, member_id: str) -> None:
         """A member died or left: no longer timed; what it last reported is still written."""
         heard = self.seen.pop(member_id, None)
+        self._unlane(member_id)
         if member_id in self.heard:
             self.heard.discard(member_id)
             if heard is not None and member_id not in self.pending:
@@ -106,7 +122,9 @@ class MemberTable:
         if member_id not in seen:
             return  # not alive: nothing to renew
         seen[member_id] = now
-        seen.move_to_end(member_id)
+        lane = self.lanes[self.scale.get(member_id, 1.0)]
+        lane[member_id] = now
+        lane.move_to_end(member_id)
         row = self.rows.get(member_id)
         if row is not None:
             # what the store (or the pending write) already says needs no write again
@@ -126,14 +144,40 @@ class MemberTable:
         if row is not None:
             _apply(row, (now, loaded, slots))
 
-    def silent(self, cutoff: float) -> list[tuple[str, float]]:
-        """(id, last heard from) of alive members not heard from since `cutoff`: only the front of the order."""
+    def pace(self, member_id: str, scale: float) -> None:
+        """The member's timeout scale from now on (beat_pace.timeout_scale of its last beat); call it
+        right after `touch`, so the member joins its new lane's end as the newest heard from."""
+        old = self.scale.get(member_id, 1.0)
+        if scale == old or member_id not in self.seen:
+            return
+        self.lanes[old].pop(member_id, None)
+        self.lanes.setdefault(scale, OrderedDict())[member_id] = self.seen[member_id]
+        if scale == 1.0:
+            del self.scale[member_id]
+        else:
+            self.scale[member_id] = scale
+
+    def timeout(self, member_id: str, member_timeout_s: float) -> float:
+        """How long this member may be silent before it is dead."""
+        return member_timeout_s * self.scale.get(member_id, 1.0)
+
+    def silent(self, now: float, member_timeout_s: float) -> list[tuple[str, float]]:
+        """(id, last heard from) of alive members silent past their timeout (member_timeout_s times
+        their scale): only the front of each lane."""
         out: list[tuple[str, float]] = []
-        for mid, t in self.seen.items():
-            if t >= cutoff:
-                break
-            out.append((mid, t))
+        for scale, lane in list(self.lanes.items()):
+            if not lane and scale != 1.0:
+                del self.lanes[scale]
+                continue
+            cutoff = now - member_timeout_s * scale
+            for mid, t in lane.items():
+                if t >= cutoff:
+                    break
+                out.append((mid, t))
         return out
+
+    def _unlane(self, member_id: str) -> None:
+        self.lanes[self.scale.pop(member_id, 1.0)].pop(member_id, None)
 
     def flush_member(self, member_id: str) -> None:
         """Write what is pending of one member (a Hello's identity check reads its last_seen): a join

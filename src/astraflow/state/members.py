@@ -10,16 +10,21 @@ def member_count(store: Store) -> int:
     return int(store.scalar("SELECT COUNT(*) FROM members") or 0)
 
 
-def delete_departed(store: Store, last_seen_before: float) -> int:
-    """Delete dead and departed members last seen before this time; returns how many."""
+def alive_count(store: Store) -> int:
+    """Member rows whose status is alive."""
+    return int(store.scalar("SELECT COUNT(*) FROM members WHERE status = 'alive'") or 0)
+
+
+def delete_departed(store: Store, last_seen_before: float) -> list[str]:
+    """Delete dead and departed members last seen before this time; returns their ids."""
+    where = "status IN ('dead', 'left') AND COALESCE(last_seen, 0) < ?"
     with store.write() as c:
-        cur = c.execute(
-            "DELETE FROM members WHERE status IN ('dead', 'left') AND COALESCE(last_seen, 0) < ?",
-            (last_seen_before,),
-        )
-    if cur.rowcount:
+        ids = [str(r[0]) for r in c.execute(f"SELECT id FROM members WHERE {where}", (last_seen_before,))]
+        if ids:
+            c.execute(f"DELETE FROM members WHERE {where}", (last_seen_before,))
+    if ids:
         store.member_changed(None)
-    return cur.rowcount
+    return ids
 
 
 def touch_alive(store: Store, now: float) -> None:

@@ -31,7 +31,7 @@ from astraflow.protocol.messages import (
 )
 from astraflow.transport.member_loop import MemberLoop, Pending
 from astraflow.transport.security import MemberCredentials, curve_client, member_credentials, routing_id
-from astraflow.transport.server import DEFAULT_MAX_MESSAGE_BYTES, HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS
+from astraflow.transport.server import DEFAULT_MAX_MESSAGE_BYTES, MEMBER_PING_IVL_MS, MEMBER_PING_TIMEOUT_MS
 
 _log = log.get("transport.client")
 
@@ -93,6 +93,9 @@ class MemberClient:
         self.hello = hello
         self.heartbeat_interval_s = heartbeat_interval_s
         """Seconds between heartbeats; replaced by the Welcome's value when that is positive."""
+        self.idle_interval_s = heartbeat_interval_s
+        """Seconds between heartbeats while idle (transport/member_loop.py `interval`): what the Welcome
+        and the HeartbeatAcks tell, never less than heartbeat_interval_s."""
         self.hang_timeout_s = hang_timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.versions: dict[str, VersionInfo] = {}
@@ -107,6 +110,8 @@ class MemberClient:
         """The latest Welcome received."""
         self.last_heard: float = 0.0
         """time.monotonic() of the last message from the controller (0 = never)."""
+        self.beats_sent = 0
+        """Heartbeats sent so far."""
 
         self._max_message_bytes = max_message_bytes
         self.credentials = credentials if credentials is not None else member_credentials()
@@ -235,9 +240,14 @@ class MemberClient:
             self._load = (dict(loaded), busy, free)
 
     def set_progress(self, active: list[int], error: str = "") -> None:
-        """Set the tasks the next Heartbeat reports progress on (only their leases are renewed) and an error to report."""
+        """Set the tasks the next Heartbeat reports progress on (only their leases are renewed) and an
+        error to report; the first tasks, or a new error, wake the transport thread so a member that
+        beat at its idle interval beats now."""
         with self._lock:
+            old_active, old_error = self._progress
             self._progress = (list(active), error)
+        if (active and not old_active) or error != old_error:
+            self._wake()
 
     def tick(self) -> None:
         """Tell the watchdog the owner's loop is alive; call it at least every hang_timeout_s."""
@@ -304,6 +314,28 @@ class MemberClient:
         active, error = self._progress
         return loaded, busy, free, active, error
 
+    def merge_versions(self, infos: list[VersionInfo]) -> None:
+        """Take the versions a reply told (on the transport thread); calls on_versions when they changed."""
+        current = self.versions
+        # A newer version wins; the same version re-announced at another address (its trainer restarted
+        # and serves it again) replaces the old address, or pulls would go on asking a dead server.
+        newer = {
+            v.policy: v
+            for v in infos
+            if v.policy not in current
+            or v.version > current[v.policy].version
+            or (v.version == current[v.policy].version and v.weights_addr != current[v.policy].weights_addr)
+            or (v.version == current[v.policy].version and v.relays != current[v.policy].relays)
+        }
+        if not newer:
+            return
+        self.versions = {**current, **newer}
+        if self.on_versions is not None:
+            try:
+                self.on_versions(self.versions)
+            except Exception:
+                _log.exception("on_versions callback failed")
+
     def timeout_error(self, msg: Msg, timeout_s: float) -> ConnectError:
         """The error a request gets when no reply came within timeout_s."""
         return self._timeout_error(msg, timeout_s)
@@ -332,9 +364,10 @@ class MemberClient:
         sock.setsockopt(zmq.IMMEDIATE, 1)
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
-        # ZMTP heartbeats: a connection to a dead controller host is noticed and redialled
-        sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        # ZMTP heartbeats: a connection to a dead controller host is noticed and redialled (sooner,
+        # while an answer is awaited, by the member loop's reopen)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, MEMBER_PING_IVL_MS)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, MEMBER_PING_TIMEOUT_MS)
         if self.credentials is not None:
             curve_client(sock, self.credentials.keypair, self.credentials.controller_public)
         sock.connect(self.controller)

@@ -16,13 +16,14 @@ from astraflow import log
 from astraflow.errors import ConnectError
 from astraflow.protocol.codec import DecodeError, decode, encode
 from astraflow.protocol.messages import (
+    BatchRequest,
     Error,
     Heartbeat,
     HeartbeatAck,
     Hello,
     Msg,
     TaskGrant,
-    VersionInfo,
+    TaskRequest,
     Welcome,
 )
 
@@ -32,11 +33,14 @@ if TYPE_CHECKING:
 _log = log.get("transport.client")
 
 REOPEN_AFTER_S = 6.0
-"""Seconds of silence from the controller, while expecting an answer, after which the member dials on a
-new connection; doubles on each reopen without an answer in between. A live controller answers an
-idle member's heartbeats at least every 2 s (roles/controller/beats.ACK_EVERY_S), not each one."""
+"""Seconds of silence since the first message the controller has not answered after which the member
+dials on a new connection (or REOPEN_BEATS beat intervals, if longer); doubles on each reopen without
+an answer between. A live controller answers an idle member's heartbeats at least every 2 s
+(roles/controller/beats.ACK_EVERY_S), or every other beat when it beats less often."""
+REOPEN_BEATS = 4
+"""Intervals (the one its last heartbeat announced) of silence before a member dials again."""
 REOPEN_MAX_S = 60.0
-"""The longest wait between two reopens."""
+"""The longest wait between two reopens (unless REOPEN_BEATS intervals are longer)."""
 
 
 @dataclass
@@ -73,6 +77,13 @@ class MemberLoop:
         self.hello_rid = 0
         self.hello_sent = 0.0
         self.next_beat = 0.0
+        self.last_beat = 0.0
+        self.gap = client.heartbeat_interval_s
+        """The interval the last heartbeat announced (its next_beat_s)."""
+        self.error_sent = ""
+        """The error the last heartbeat carried."""
+        self.unanswered_since: float | None = None
+        """When the first message sent since the controller was last heard from went out."""
         self.hung_logged = False
 
     def run(self) -> None:
@@ -138,16 +149,35 @@ class MemberLoop:
         self.outbox = deque(m for m in self.outbox if not isinstance(m, Hello))
         self.outbox.appendleft(hello)
 
+    def interval(self) -> float:
+        """Seconds to the next heartbeat: the recipe's while the member holds leases, has a new error or
+        waits on a request that is not a long poll; else the idle interval told (beat_pace.py). A
+        long poll never received is still found: beats name it (`waiting`), an answer says lost."""
+        c = self.c
+        _, _, _, active, error = c.heartbeat_fields()
+        if active or error != self.error_sent or c.idle_interval_s <= c.heartbeat_interval_s:
+            return c.heartbeat_interval_s
+        for p in self.pending.values():
+            if not (isinstance(p.msg, TaskRequest | BatchRequest) and p.msg.wait_s > 0):
+                return c.heartbeat_interval_s
+        return c.idle_interval_s
+
     def _heartbeat_or_hello(self) -> None:
         c = self.c
         now = time.monotonic()
+        if self.joined and not c.hung:
+            # work arrived (a lease, an error, a request): the next beat comes at the recipe's interval
+            self.next_beat = min(self.next_beat, self.last_beat + self.interval())
         if now < self.next_beat or c.leaving:
             return
         self.next_beat = now + c.heartbeat_interval_s
         # expecting an answer (a request in flight, or heartbeats going out) and hearing nothing: the
-        # connection may be one the controller's ROUTER ignores (see _reopen); dial again
+        # connection may be one the controller's ROUTER ignores (see _reopen); dial again. Silence is
+        # counted from the first message not answered, and in the member's own beat intervals too
         expecting = bool(self.pending) or (self.joined and not c.hung)
-        if expecting and now - max(self.opened, c.last_heard) > self.reopen_after:
+        since = self.unanswered_since
+        patience = max(self.reopen_after, REOPEN_BEATS * self.gap)
+        if expecting and since is not None and now - max(self.opened, since) > patience:
             self._reopen()
             self.reopen_after = min(2 * self.reopen_after, REOPEN_MAX_S)
         if c.hung:
@@ -164,6 +194,9 @@ class MemberLoop:
         loaded, busy, free, active, error = c.heartbeat_fields()
         # the requests already sent on this connection: the controller says which it never got
         waiting = [rid for rid, p in self.pending.items() if p.sent_on == self.connection][:256]
+        gap = self.interval()
+        self.last_beat, self.next_beat, self.gap, self.error_sent = now, now + gap, gap, error
+        c.beats_sent += 1
         beat = Heartbeat(
             rid=c.next_rid(),
             loaded=loaded,
@@ -173,6 +206,7 @@ class MemberLoop:
             error=error,
             waiting=waiting,
             relay_addr=c.relay_addr,
+            next_beat_s=gap if gap > c.heartbeat_interval_s else 0.0,
         )
         # a heartbeat that cannot go out now is worthless later: replace any queued one
         self.outbox = deque(m for m in self.outbox if not isinstance(m, Heartbeat))
@@ -195,6 +229,8 @@ class MemberLoop:
         self.connection += 1
 
     def _flush(self) -> None:
+        if self.outbox and self.unanswered_since is None:
+            self.unanswered_since = time.monotonic()
         while self.outbox:
             msg = self.outbox[0]
             try:
@@ -240,6 +276,7 @@ class MemberLoop:
                 _log.warning("ignored an undecodable reply: %s", exc)
                 continue
             self.c.last_heard = time.monotonic()
+            self.unanswered_since = None
             self.reopen_after = REOPEN_AFTER_S
             self._handle(msg)
 
@@ -253,22 +290,26 @@ class MemberLoop:
             c.welcome = msg
             if msg.heartbeat_interval_s > 0:
                 c.heartbeat_interval_s = msg.heartbeat_interval_s
-            self._merge_versions(msg.versions)
+            c.idle_interval_s = max(msg.idle_interval_s, c.heartbeat_interval_s)
+            c.merge_versions(msg.versions)
             if msg.rid == self.hello_rid:
                 self.joined = True
                 self.hello_rid = 0
-                self.next_beat = time.monotonic() + c.heartbeat_interval_s
+                self.last_beat, self.gap = time.monotonic(), c.heartbeat_interval_s
+                self.next_beat = self.last_beat + c.heartbeat_interval_s
                 for p in self.backlog:
                     self.pending[p.msg.rid] = p
                     self.outbox.append(p.msg)
                 self.backlog.clear()
         elif isinstance(msg, HeartbeatAck):
-            self._merge_versions(msg.versions)
+            if msg.idle_interval_s > 0:
+                c.idle_interval_s = max(msg.idle_interval_s, c.heartbeat_interval_s)
+            c.merge_versions(msg.versions)
             c.stop_requested = c.stop_requested or msg.stop
             self._lost(msg.lost)
             return
         elif isinstance(msg, TaskGrant):
-            self._merge_versions(msg.versions)
+            c.merge_versions(msg.versions)
             c.stop_requested = c.stop_requested or msg.stop
         p = self.pending.pop(msg.rid, None)
         if p is not None and not p.future.done():
@@ -331,28 +372,6 @@ class MemberLoop:
             self.outbox = deque(m for m in self.outbox if not _is_request(m) or id(m) in live)
         if not self.hello_rid or time.monotonic() - self.hello_sent > self.c.heartbeat_interval_s:
             self._send_hello()
-
-    def _merge_versions(self, infos: list[VersionInfo]) -> None:
-        c = self.c
-        current = c.versions
-        # A newer version wins; the same version re-announced at another address (its trainer restarted
-        # and serves it again) replaces the old address, or pulls would go on asking a dead server.
-        newer = {
-            v.policy: v
-            for v in infos
-            if v.policy not in current
-            or v.version > current[v.policy].version
-            or (v.version == current[v.policy].version and v.weights_addr != current[v.policy].weights_addr)
-            or (v.version == current[v.policy].version and v.relays != current[v.policy].relays)
-        }
-        if not newer:
-            return
-        c.versions = {**current, **newer}
-        if c.on_versions is not None:
-            try:
-                c.on_versions(c.versions)
-            except Exception:
-                _log.exception("on_versions callback failed")
 
 
 def _is_request(msg: Msg) -> bool:

@@ -93,6 +93,9 @@ def control(
     procs: int = typer.Option(
         4, help="Simulator processes: one for the trainer and active workers, the rest share idle members."
     ),
+    idle_beats_per_s: float = typer.Option(
+        None, help="controller.idle_beats_per_s of the bench's recipe (default: the recipe's default)."
+    ),
     out: Path = typer.Option(None, help="Keep the runs' directories here (default: a temporary directory)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
     keep_steps: int = typer.Option(
@@ -155,5 +158,6 @@ def control(
             results=grouping,
             keep_steps=keep_steps,
             tokens=tokens,
+            idle_beats_per_s=idle_beats_per_s,
         )
     typer.echo(_json.dumps(res, indent=2) if as_json else render(res))

@@ -1,17 +1,21 @@
 """Heartbeats: the rate limit, and an idle member's beat handled from memory and answered only when
 there is news.
 
-Ten thousand members beating every 0.5 s send the controller 20,000 messages a second, nearly all of
-them idle: no lease to renew, no request waiting, no new error. Such a beat (`Beats.idle`) is taken
-before the general routing (service.py `dispatch`): it passes the member's rate limit, times the member
-in the member table (memory; no SQLite write, roles/member_table.py) and is answered only when the
-member must learn something: versions it was not told of yet (`PolicyVersions.generation`; at most
-one such answer every NEWS_EVERY_S), that the run stops, or that ACK_EVERY_S passed since its last
-answer (a member dials again when it has heard nothing for transport/member_loop.REOPEN_AFTER_S). Every other beat takes the general path
-(`Beats.handle`, members.on_heartbeat), which renews leases, records a new error, names lost requests
-and always answers; so does the first beat after a Hello, any beat of a member whose row the
-controller does not hold in memory, and every beat of a run with `[weights] relays` (each answer
-names the relays of the member's region).
+Nearly every beat of a big pool is idle: no lease to renew, no request waiting that the controller
+does not hold (a long poll it holds is fine), no new error. Idle members beat less often
+(beat_pace.py: all of them together at most `controller.idle_beats_per_s` a second), and such a beat
+(`Beats.idle`) is taken before the general routing (service.py `dispatch`): it passes the member's
+rate limit, times the member in the member table, in the timeout lane its `next_beat_s` asks for
+(memory; no SQLite write, roles/member_table.py) and is answered only when the member must learn
+something: versions it was not told of yet (`PolicyVersions.generation`; at most one such answer
+every NEWS_EVERY_S), that the run stops, a new idle interval, or that ACK_EVERY_S (or ACK_BEATS of
+the member's announced intervals, if longer) passed since its last answer (a member that beats every
+10 s gets an answer to every other beat; it dials again only after hearing nothing for several of its
+own intervals, transport/member_loop.py). Every other
+beat takes the general path (`Beats.handle`, members.on_heartbeat), which renews leases, records a
+new error, names lost requests and always answers; so does the first beat after a Hello, any beat of
+a member whose row the controller does not hold in memory, and every beat of a run with `[weights]
+relays` (each answer names the relays of the member's region).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from astraflow.protocol import messages as m
+from astraflow.roles.controller.beat_pace import IDLE_MAX_S, BeatPace, timeout_scale
 from astraflow.roles.controller.outcome import Outcome
 from astraflow.roles.controller.policy_versions import PolicyVersions
 from astraflow.roles.controller.run_end import RunEnd
@@ -28,8 +33,11 @@ from astraflow.roles.member_table import MemberTable
 from astraflow.transport.principal import Principal
 
 ACK_EVERY_S = 2.0
-"""Longest time an idle member goes without an answer to its beats (well inside the member's
-REOPEN_AFTER_S, 6 s, after which it dials again)."""
+"""Longest time an idle member goes without an answer to its beats (well inside what the member waits
+before it dials again: transport/member_loop.py), unless ACK_BEATS of its intervals are longer."""
+ACK_BEATS = 1.5
+"""An idle member that beats less often is answered once this many of its announced intervals passed
+since its last answer: every other beat (each answer is a message on its connection)."""
 NEWS_EVERY_S = 1.0
 """Shortest time between two answers that bring an idle member new versions: versions recorded many
 times a second reach it as one answer a second, the newest (a worker that leases tasks hears of each
@@ -60,6 +68,8 @@ class Beat:
     """The versions' generation it was last told (-1: none)."""
     answered: float = 0.0
     """When one of its beats was last answered."""
+    told: float = 0.0
+    """The idle interval it was last told (0: none yet)."""
 
 
 class Beats:
@@ -73,12 +83,19 @@ class Beats:
         on_heartbeat: Callable[..., Outcome],
         *,
         heartbeat_interval_s: float,
+        pace: BeatPace,
+        held: Callable[[bytes], Collection[int]],
     ) -> None:
         self.members = members
         self.versions = versions
         self.run = run
         self.on_heartbeat = on_heartbeat
         """members.on_heartbeat with its parts (service.py): the general path."""
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.pace = pace
+        """The idle interval members are told (beat_pace.py)."""
+        self.held = held
+        """Member (socket identity) -> the rids of its requests the controller holds (long polls)."""
         self.per_s = max(PER_S, 4.0 / heartbeat_interval_s)
         """Sustained heartbeats allowed per member."""
         self.beats: dict[bytes, Beat] = {}
@@ -102,30 +119,47 @@ class Beats:
         """The replies to an idle member's beat ([] when it has nothing to learn), or None when the
         beat takes the general path (see the module's docstring)."""
         beat = self.beats.get(ident)
-        if beat is None or not self._is_idle(beat, msg, principal):
+        row = None if beat is None else self._idle_row(ident, beat, msg, principal)
+        if beat is None or row is None:
             return None
         mid = beat.member_id
         if not self.allowed(beat, now):
             return [(ident, m.Error(rid=msg.rid, code="rate_limited", message=RATE_LIMITED))]
         slots = msg.busy + msg.free
         self.members.touch(mid, now, msg.loaded or None, slots if slots > 0 else None)
+        self.members.pace(mid, timeout_scale(msg.next_beat_s, self.heartbeat_interval_s))
         stop = self.run.stopping()
         generation = self.versions.generation
+        told = self.pace.for_role(row["role"])
         quiet = now - beat.answered
-        if not stop and 0.0 <= quiet < (ACK_EVERY_S if beat.generation == generation else NEWS_EVERY_S):
+        wait = NEWS_EVERY_S
+        if beat.generation == generation:
+            gap = msg.next_beat_s if msg.next_beat_s <= IDLE_MAX_S else IDLE_MAX_S  # also NaN
+            wait = max(ACK_EVERY_S, ACK_BEATS * gap)
+        if not stop and told == beat.told and 0.0 <= quiet < wait:
             return []
-        beat.generation, beat.answered = generation, now
-        return [(ident, m.HeartbeatAck(rid=msg.rid, versions=self.versions.latest(), stop=stop))]
+        beat.generation, beat.answered, beat.told = generation, now, told
+        ack = m.HeartbeatAck(rid=msg.rid, versions=self.versions.latest(), stop=stop, idle_interval_s=told)
+        return [(ident, ack)]
 
-    def _is_idle(self, beat: Beat, msg: m.Heartbeat, principal: Principal | None) -> bool:
-        """Whether the fast path may take this beat of a live member (see the module's docstring)."""
-        if msg.active or msg.waiting or self.versions.relays or (msg.error and msg.error != beat.error):
-            return False
+    def _idle_row(
+        self, ident: bytes, beat: Beat, msg: m.Heartbeat, principal: Principal | None
+    ) -> dict[str, Any] | None:
+        """The member's kept row when the fast path may take this beat of it (see the module's
+        docstring), else None."""
+        if msg.active or self.versions.relays or (msg.error and msg.error != beat.error):
+            return None
+        if msg.waiting:
+            held = self.held(ident)
+            if any(rid not in held for rid in msg.waiting):
+                return None  # the general path names the ones it never got
         mid = beat.member_id
         if principal is not None and principal.name != mid:
-            return False  # the general path refuses it
+            return None  # the general path refuses it
         row = self.members.rows.get(mid)  # the kept row: as the general path reads it
-        return row is not None and row["status"] == "alive" and mid in self.members.seen
+        if row is None or row["status"] != "alive" or mid not in self.members.seen:
+            return None
+        return row
 
     def handle(
         self, ident: bytes, member: dict[str, Any], msg: m.Heartbeat, *, held: Collection[int], now: float
@@ -140,8 +174,13 @@ class Beats:
         generation = self.versions.generation
         done = self.on_heartbeat(member, msg, held=held)
         beat.error = msg.error  # recorded by on_heartbeat when it was new
+        # a member with leases is timed as one that beats at the recipe's interval whatever it says
+        scale = 1.0 if msg.active else timeout_scale(msg.next_beat_s, self.heartbeat_interval_s)
+        self.members.pace(beat.member_id, scale)
         if isinstance(done.reply, m.HeartbeatAck):
-            beat.generation, beat.answered = generation, now
+            told = self.pace.for_role(member["role"])
+            done.reply.idle_interval_s = told
+            beat.generation, beat.answered, beat.told = generation, now, told
         return done
 
     def forget(self, ident: bytes) -> None:

@@ -26,6 +26,7 @@ from astraflow.dataflow.poisoned import drop_poisoned
 from astraflow.dataflow.stall import Progress, stall_report
 from astraflow.metrics.sinks import Sinks
 from astraflow.roles import authz
+from astraflow.roles.controller.beat_pace import CHANGE, BeatPace, idle_interval, timeout_scale
 from astraflow.roles.controller.metrics_row import emit, rewrite_lost_rows
 from astraflow.roles.controller.policy_versions import PolicyVersions
 from astraflow.roles.controller.progress import made_progress
@@ -117,6 +118,8 @@ class Ticking:
     heartbeat_interval_s: float
     forget_after_s: float
     """controller.forget_after_s: dead this long, a member's row is deleted."""
+    pace: BeatPace
+    """The idle interval members are told: an idle member hears of the run's end at its next beat."""
 
 
 def start(ctx: Starting) -> None:
@@ -144,7 +147,7 @@ def start(ctx: Starting) -> None:
         # After a restart, members get one timeout to show up again before their leases go back.
         now = time.time()
         members.touch_alive(ctx.store, now)
-        ctx.members.load(now)
+        ctx.members.load(now, _restart_scale(ctx.recipe, members.alive_count(ctx.store)))
         ctx.store.add_event("start" if fresh else "restart", ctx.recipe.run.name)
         repaired = drop_poisoned(ctx.store)
         if repaired:
@@ -159,6 +162,16 @@ def start(ctx: Starting) -> None:
         )
         rewrite_lost_rows(ctx.store, ctx.run_dir / "metrics.jsonl", ctx.sinks, ctx.run)
     ctx.queue.refill()
+
+
+def _restart_scale(recipe: Recipe, alive: int) -> float:
+    """The timeout scale of every member a restarted controller finds alive, until its next beat says
+    how often it beats: that of the longest idle interval the previous controller can have told."""
+    cc = recipe.controller
+    told = idle_interval(alive, cc.heartbeat_interval_s, cc.idle_beats_per_s)
+    if told <= cc.heartbeat_interval_s:
+        return 1.0
+    return timeout_scale(told * (1.0 + CHANGE), cc.heartbeat_interval_s)
 
 
 def tick(ctx: Ticking, now: float | None = None) -> list[str]:
@@ -186,17 +199,19 @@ def tick(ctx: Ticking, now: float | None = None) -> list[str]:
 
 
 def _expire(ctx: Ticking, t: float) -> tuple[list[str], int]:
-    """Members silent past member_timeout_s are dead (their leases go back), lapsed and expired leases
+    """Members silent past their timeout (member_timeout_s, scaled for one that said it beats less
+    often: member_table.py) are dead (their leases go back), lapsed and expired leases
     return to the queue, long-dead members are pruned; the members declared dead and how many leases
     expired."""
     # the front of the heard-from order, not every member; nobody while beats wait unread
-    silent = [] if ctx.loop.backlogged else ctx.members.silent(t - ctx.member_timeout_s)
+    silent = [] if ctx.loop.backlogged else ctx.members.silent(t, ctx.member_timeout_s)
     if silent:
         ctx.members.flush()  # what the dead last reported stays readable
     ctx.members.flush(t)
     dead: list[str] = []
     with ctx.store.write():
         for mid, last_seen in silent:
+            timeout = ctx.members.timeout(mid, ctx.member_timeout_s)
             ctx.members.gone(mid)
             row = ctx.store.member(mid)
             if row is None or row["status"] != "alive":
@@ -205,9 +220,7 @@ def _expire(ctx: Ticking, t: float) -> tuple[list[str], int]:
             dead.append(mid)
             n = ctx.ledger.release_member(mid)
             ctx.store.add_event("member_dead", f"{mid} silent {t - last_seen:.1f}s; {n} leases back")
-            _log.warning(
-                "member %s is dead (silent > %.1fs); %d tasks requeued", mid, ctx.member_timeout_s, n
-            )
+            _log.warning("member %s is dead (silent > %.1fs); %d tasks requeued", mid, timeout, n)
         for owner in ctx.accounting.lapsed(t):
             ctx.ledger.give_back_lapsed(owner, t)  # its lapses are its own, not its tasks'
         expired = ctx.ledger.expire(t)
@@ -215,7 +228,8 @@ def _expire(ctx: Ticking, t: float) -> tuple[list[str], int]:
             failures.record(ctx.store, "lease expired", expired)
         if t - ctx.loop.last_prune >= PRUNE_EVERY_S:
             ctx.loop.last_prune = t
-            authz.prune_members(ctx.store, t, ctx.forget_after_s)
+            for mid in authz.prune_members(ctx.store, t, ctx.forget_after_s):
+                ctx.accounting.forget(mid)  # its failure history goes with its row
     return dead, expired
 
 
@@ -247,7 +261,7 @@ def should_exit(ctx: Ticking, now: float) -> bool:
         return False
     if not ctx.store.members("alive"):
         return True
-    grace = max(10.0, 4 * ctx.member_timeout_s)
+    grace = max(10.0, 4 * ctx.member_timeout_s, 2 * ctx.pace.told + 1.0)
     if ctx.run.failed is not None:
         # members learn of the end from their next heartbeat; nothing more is worth waiting for
         grace = 4 * ctx.heartbeat_interval_s + 1.0

@@ -17,6 +17,7 @@ from typing import Any
 from astraflow import log
 from astraflow.protocol import messages as m
 from astraflow.roles import authz
+from astraflow.roles.controller.beat_pace import BeatPace
 from astraflow.roles.controller.outcome import Event, Outcome
 from astraflow.roles.controller.policy_versions import PolicyVersions
 from astraflow.roles.controller.run_end import RunEnd
@@ -50,6 +51,8 @@ class Joining:
     """controller.member_timeout_s: how long a silent member still holds its id."""
     heartbeat_interval_s: float
     """controller.heartbeat_interval_s, told to the member in its Welcome."""
+    pace: BeatPace
+    """The idle interval told to the member in its Welcome (beat_pace.py)."""
 
 
 def on_hello(ctx: Joining, ident: bytes, msg: m.Hello, principal: Principal | None = None) -> Outcome:
@@ -89,6 +92,7 @@ def on_hello(ctx: Joining, ident: bytes, msg: m.Hello, principal: Principal | No
         sections=ctx.sections(msg.role, list(msg.policies)),
         heartbeat_interval_s=ctx.heartbeat_interval_s,
         versions=ctx.versions.latest(),
+        idle_interval_s=ctx.pace.for_role(msg.role),
     )
     # a member joining (again) starts afresh: what it had held from before is void; its client already
     # failed those requests, and a late answer would grant tasks to nobody
@@ -118,7 +122,8 @@ def _checked_hello(
         msg,
         principal,
         policies=ctx.policies,
-        member_timeout_s=ctx.member_timeout_s,
+        # a live member that beats less often holds its id as long as it is not declared dead
+        member_timeout_s=ctx.members.timeout(msg.member_id, ctx.member_timeout_s),
     )
     if refused is not None:
         _log.warning("refused Hello of %r as %s: %s", msg.member_id[:64], msg.role, refused[1])

@@ -23,6 +23,7 @@ from astraflow.protocol import messages as m
 from astraflow.protocol.codec import DecodeError
 from astraflow.roles import authz
 from astraflow.roles.controller import batches, beats, lifecycle, members, results, tasks, versions
+from astraflow.roles.controller.beat_pace import BeatPace
 from astraflow.roles.controller.core import ControllerCore
 from astraflow.roles.controller.outcome import Event, Outcome
 from astraflow.roles.controller.parked import Parked, immediate
@@ -54,6 +55,8 @@ class Controller(ControllerCore):
         """Give each member message's handler the parts of the state it reads, once (a flood of
         messages must not rebuild them): keywords, or one context per concern."""
         rc, cc = recipe.rollout, recipe.controller
+        self.pace = BeatPace(cc.heartbeat_interval_s, cc.idle_beats_per_s)
+        """The idle interval members are told, set by how many are alive (beat_pace.py)."""
         self._joining = members.Joining(
             store=store,
             ledger=self.ledger,
@@ -65,6 +68,7 @@ class Controller(ControllerCore):
             policies=[p.name for p in recipe.policy],
             member_timeout_s=cc.member_timeout_s,
             heartbeat_interval_s=cc.heartbeat_interval_s,
+            pace=self.pace,
         )
         """The Hello's handler's parts."""
         self.beats = beats.Beats(
@@ -82,6 +86,8 @@ class Controller(ControllerCore):
                 lease_max_age_s=rc.lease_max_age_s or rc.task_timeout_s + rc.lease_timeout_s,
             ),
             heartbeat_interval_s=cc.heartbeat_interval_s,
+            pace=self.pace,
+            held=self.parked.held_rids,
         )
         """Heartbeats (beats.py): the rate limit, an idle beat from memory, the rest through
         members.on_heartbeat (the rids of the member's held requests added per message)."""
@@ -201,6 +207,7 @@ class Controller(ControllerCore):
             member_timeout_s=cc.member_timeout_s,
             heartbeat_interval_s=cc.heartbeat_interval_s,
             forget_after_s=cc.forget_after_s,
+            pace=self.pace,
         )
         """The periodic work's parts (lifecycle.py)."""
 
@@ -214,6 +221,7 @@ class Controller(ControllerCore):
         for mid in lifecycle.tick(self._ticking, now):
             self.parked.drop(mid.encode())
             self.beats.forget(mid.encode())
+        self.pace.update(len(self.members.seen))
 
     # ----- routing ------------------------------------------------------------------------------
 

@@ -103,6 +103,8 @@ def _lease(ctx: Leasing, member: dict[str, Any], msg: m.TaskRequest) -> m.Msg:
                     done = finished[pols] = ctx.admission.read_only(pols)
                 if done and not set(done) <= set(t.read_only):
                     ctx.ledger.set_read_only(t, set(t.read_only) | set(done))
+    if leased:  # it beats at once, and at the recipe's interval while it holds them
+        ctx.members.pace(member["id"], 1.0)
     tasks = [
         m.Task(
             task_id=t.id,
