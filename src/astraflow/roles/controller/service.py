@@ -9,7 +9,6 @@ refilling the task queue) runs between polls (lifecycle.py).
 
 from __future__ import annotations
 
-import gc
 import signal
 import time
 from collections.abc import Callable
@@ -24,7 +23,7 @@ from astraflow.protocol.codec import DecodeError
 from astraflow.roles import authz
 from astraflow.roles.controller import batches, beats, lifecycle, members, results, tasks, versions
 from astraflow.roles.controller.beat_pace import BeatPace
-from astraflow.roles.controller.core import ControllerCore
+from astraflow.roles.controller.core import ControllerCore, settle_heap
 from astraflow.roles.controller.outcome import Event, Outcome
 from astraflow.roles.controller.parked import Parked, immediate
 from astraflow.roles.controller.run_end import summary
@@ -363,14 +362,6 @@ class Controller(ControllerCore):
             _log.error("run failed: %s", summary(self.failed))
             return 1
         return self.loop.exit_code
-
-
-def settle_heap() -> None:
-    """After start: collect, then take every object alive now (modules, recipe, state read back) out of
-    the cyclic collector's sight (`gc.freeze`), so that a full collection no longer walks them; objects
-    made per message are collected as before. Only in a process that is the controller's."""
-    gc.collect()
-    gc.freeze()
 
 
 def run_controller(
