@@ -91,6 +91,15 @@ def _status(peer: Peer) -> dict[str, Any]:
     return reply.status
 
 
+def _wait_told(out: Path) -> float:
+    """Wait until the member says the controller told it IDLE_S; returns the deadline it waited by."""
+    deadline = time.monotonic() + 10
+    while _state(out)["idle_s"] != IDLE_S:
+        assert time.monotonic() < deadline, _state(out)
+        time.sleep(0.1)
+    return deadline
+
+
 def _member_status(peer: Peer) -> str:
     return {m["id"]: m["status"] for m in _status(peer)["members"]}.get("idle-a", "")
 
@@ -103,11 +112,7 @@ def test_an_idle_member_beats_at_its_interval_lives_and_dies_by_its_own_timeout(
     member = _member(addr, out)
     observer = Peer(ctx, addr, "observer")
     try:
-        # the controller tells the new interval at its first answer after the join
-        deadline = time.monotonic() + 10
-        while _state(out)["idle_s"] != IDLE_S:
-            assert time.monotonic() < deadline, _state(out)
-            time.sleep(0.1)
+        _wait_told(out)  # the controller tells the new interval at its first answer after the join
         time.sleep(IDLE_S)
         first = _state(out)
         time.sleep(4 * IDLE_S)  # eight times member_timeout_s
@@ -140,10 +145,7 @@ def test_a_member_given_tasks_renews_their_leases_at_the_recipes_interval(
     member = _member(addr, out)
     observer = Peer(ctx, addr, "observer")
     try:
-        deadline = time.monotonic() + 10
-        while _state(out)["idle_s"] != IDLE_S:
-            assert time.monotonic() < deadline, _state(out)
-            time.sleep(0.1)
+        deadline = _wait_told(out)
         time.sleep(IDLE_S)  # beating at the idle interval, longer than lease_timeout_s
         (tmp_path / "member.work").touch()
         while not _state(out)["active"]:
