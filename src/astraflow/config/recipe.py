@@ -333,7 +333,7 @@ class ControllerConfig(_Model):
     """Members send a heartbeat this often."""
     member_timeout_s: float = Field(5.0, gt=0)
     """A member silent for this long is dead; its leases return to the queue. A member that said it beats less often (an idle one) gets this times its interval over heartbeat_interval_s: the same number of missed beats."""
-    idle_beats_per_s: float = Field(1000.0, gt=0)
+    idle_beats_per_s: float = Field(200.0, gt=0)
     """Most heartbeats per second the controller asks of its idle members together (no lease, no request it does not hold): with N live members an idle one beats every max(heartbeat_interval_s, N / this) s, at most 60 s. Fewer beats cost the controller less; an idle member's death is noticed that much later (it holds no lease)."""
     max_message_bytes: int = Field(64 << 20, ge=1024)
     """Largest accepted message; larger frames are dropped by the socket."""
