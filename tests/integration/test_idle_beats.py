@@ -5,6 +5,7 @@ timeout; given tasks, it renews their leases at the recipe's interval (none laps
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -104,14 +105,27 @@ def _member_status(peer: Peer) -> str:
     return {m["id"]: m["status"] for m in _status(peer)["members"]}.get("idle-a", "")
 
 
-def test_an_idle_member_beats_at_its_interval_lives_and_dies_by_its_own_timeout(
+@contextlib.contextmanager
+def _controller_and_idle_member(
     tmp_path: Path, ctx: zmq.Context
-) -> None:
+) -> Iterator[tuple[subprocess.Popen[bytes], Path, Peer]]:
+    """A controller process and one member process (its state file) and an observer peer; both
+    processes are stopped on the way out."""
     proc, addr = _start(tmp_path, _recipe())
     out = tmp_path / "member.json"
     member = _member(addr, out)
-    observer = Peer(ctx, addr, "observer")
     try:
+        yield member, out, Peer(ctx, addr, "observer")
+    finally:
+        member.kill()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(15)
+
+
+def test_an_idle_member_beats_at_its_interval_lives_and_dies_by_its_own_timeout(
+    tmp_path: Path, ctx: zmq.Context
+) -> None:
+    with _controller_and_idle_member(tmp_path, ctx) as (member, out, observer):
         _wait_told(out)  # the controller tells the new interval at its first answer after the join
         time.sleep(IDLE_S)
         first = _state(out)
@@ -131,20 +145,12 @@ def test_an_idle_member_beats_at_its_interval_lives_and_dies_by_its_own_timeout(
         assert _member_status(observer) == "dead"
         # never before member_timeout_s times the beats it missed: it was alive for TIMEOUT_S at least
         assert time.monotonic() - killed > TIMEOUT_S
-    finally:
-        member.kill()
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(15)
 
 
 def test_a_member_given_tasks_renews_their_leases_at_the_recipes_interval(
     tmp_path: Path, ctx: zmq.Context
 ) -> None:
-    proc, addr = _start(tmp_path, _recipe())
-    out = tmp_path / "member.json"
-    member = _member(addr, out)
-    observer = Peer(ctx, addr, "observer")
-    try:
+    with _controller_and_idle_member(tmp_path, ctx) as (_, out, observer):
         deadline = _wait_told(out)
         time.sleep(IDLE_S)  # beating at the idle interval, longer than lease_timeout_s
         (tmp_path / "member.work").touch()
@@ -159,7 +165,3 @@ def test_a_member_given_tasks_renews_their_leases_at_the_recipes_interval(
         assert status["tasks"].get("leased", 0) == len(held["active"]) > 0
         assert status["failures"]["by_reason"].get("lease expired", 0) == 0
         assert _member_status(observer) == "alive"
-    finally:
-        member.kill()
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(15)

@@ -171,11 +171,11 @@ def test_seeded_requests_reproduce_regardless_of_batch_mates(engine: TorchEngine
     assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
 
 
-def test_weights_change_mid_sequence_and_later_tokens_carry_the_new_version(
-    engine: TorchEngine, model_dirs: tuple[Path, Path]
-) -> None:
-    new = _weights(model_dirs[1])
-    old = {k: v.clone() for k, v in engine.model.state_dict().items()}
+def _generate_with_new_weights_staged_at_the_third_forward(
+    engine: TorchEngine, new: dict[str, torch.Tensor], prompt: list[int]
+) -> Any:
+    """Generate 7 tokens of `prompt`, staging `new` as version 1 while the third forward (prefill,
+    decode, decode) runs, so it applies after it: tokens 0-2 are version 0's, 3-6 version 1's."""
     prefill, decode = engine.runner.prefill, engine.runner.decode
     calls = {"n": 0}
 
@@ -183,24 +183,30 @@ def test_weights_change_mid_sequence_and_later_tokens_carry_the_new_version(
         def wrapped(*args: Any) -> Any:
             calls["n"] += 1
             if calls["n"] == 3:
-                # Staged while the third forward (prefill, decode, decode) runs: applies after it.
                 engine.load_weights(1, new)
             return fn(*args)
 
         return wrapped
 
     engine.runner.prefill, engine.runner.decode = counting(prefill), counting(decode)
-    prompt = [1, 14, 5, 6, 7, 18]
 
     async def go() -> Any:
-        return (
-            await engine.generate(
-                [GenerationRequest(prompt_ids=prompt, max_new_tokens=7, sampling=SamplingParams())]
-            )
-        )[0]
+        req = GenerationRequest(prompt_ids=prompt, max_new_tokens=7, sampling=SamplingParams())
+        return (await engine.generate([req]))[0]
 
-    out = asyncio.run(go())
-    engine.runner.prefill, engine.runner.decode = prefill, decode
+    try:
+        return asyncio.run(go())
+    finally:
+        engine.runner.prefill, engine.runner.decode = prefill, decode
+
+
+def test_weights_change_mid_sequence_and_later_tokens_carry_the_new_version(
+    engine: TorchEngine, model_dirs: tuple[Path, Path]
+) -> None:
+    new = _weights(model_dirs[1])
+    old = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    prompt = [1, 14, 5, 6, 7, 18]
+    out = _generate_with_new_weights_staged_at_the_third_forward(engine, new, prompt)
     assert out.versions == [0, 0, 0, 1, 1, 1, 1]
     assert engine.version == 1
     assert torch.equal(engine.model.state_dict()["model.norm.weight"], new["model.norm.weight"])
@@ -221,27 +227,9 @@ def test_kv_on_update_keep_samples_later_tokens_over_the_older_versions_kv(
     config = TorchEngineConfig(max_batch=16, batch_wait_s=0.02, decode_loop=loop, kv_on_update="keep")
     eng = TorchEngine(str(model_dirs[0]), config, seed=3)
     new = _weights(model_dirs[1])
-    prefill, decode = eng.runner.prefill, eng.runner.decode
-    calls = {"n": 0}
-
-    def counting(fn: Any) -> Any:
-        def wrapped(*args: Any) -> Any:
-            calls["n"] += 1
-            if calls["n"] == 3:
-                eng.load_weights(1, new)  # staged during the third forward: applies after it
-            return fn(*args)
-
-        return wrapped
-
-    eng.runner.prefill, eng.runner.decode = counting(prefill), counting(decode)
     prompt = [1, 14, 5, 6, 7, 18]
-
-    async def go() -> Any:
-        req = GenerationRequest(prompt_ids=prompt, max_new_tokens=7, sampling=SamplingParams())
-        return (await eng.generate([req]))[0]
-
     try:
-        out = asyncio.run(go())
+        out = _generate_with_new_weights_staged_at_the_third_forward(eng, new, prompt)
         applies = list(eng._stats.applies)
     finally:
         eng.close()
