@@ -26,7 +26,7 @@ from typing import Any
 import zmq
 
 from astraflow.bench.control_sim import SimSpec
-from astraflow.bench.wire import rss_mb, start_controller
+from astraflow.bench.wire import pin, rss_mb, start_controller
 from astraflow.protocol import messages as m
 from astraflow.protocol.codec import decode, encode
 
@@ -111,9 +111,11 @@ def run_one(
     keep_steps: int = 0,
     tokens: int = 3,
     idle_beats_per_s: float | None = None,
+    controller_cpu: int | None = None,
 ) -> dict[str, Any]:
     """One controller with `members` simulated members (2 active RaaS + idle ones + 1 trainer), each
-    sequence `tokens` generated tokens long."""
+    sequence `tokens` generated tokens long; with `controller_cpu`, the controller alone on that CPU
+    and the simulators on the others."""
     work.mkdir(parents=True, exist_ok=True)
     workers = max(members, ACTIVE)
     names = ["trainer-main"] + [f"sim-{i:05d}" for i in range(workers)]
@@ -125,7 +127,9 @@ def run_one(
         work,
         keys=work / "keys" if curve else None,
         recipe_doc=recipe(heartbeat_s, workers, keep_steps, idle_beats_per_s),
+        cpus=None if controller_cpu is None else {controller_cpu},
     )
+    others = None if controller_cpu is None else set(os.sched_getaffinity(0)) - {controller_cpu}
     sims: list[subprocess.Popen[bytes]] = []
     outs: list[Path] = []
     stop = work / "stop"
@@ -160,6 +164,7 @@ def run_one(
                     stdout=(work / f"sim{i}.log").open("ab"),
                     stderr=subprocess.STDOUT,
                     env=env,
+                    preexec_fn=pin(others),
                 )
             )
         joined = _wait_joined(addr, keys_dir, len(names), deadline=time.monotonic() + 60 + members * 0.02)
@@ -317,6 +322,7 @@ def run(
     keep_steps: int = 0,
     tokens: int = 3,
     idle_beats_per_s: float | None = None,
+    controller_cpu: int | None = None,
 ) -> dict[str, Any]:
     """Every (results mode, curve, members) combination, then the physical limits; ratios against the
     first row of the same results mode and CURVE setting."""
@@ -324,6 +330,7 @@ def run(
     opts: dict[str, Any] = {"seconds": seconds, "warmup_steps": warmup_steps, "heartbeat_s": heartbeat_s}
     opts["procs"] = procs
     opts |= {"keep_steps": keep_steps, "tokens": tokens, "idle_beats_per_s": idle_beats_per_s}
+    opts["controller_cpu"] = controller_cpu
     for grouped in results:
         for c in curve:
             for n in member_counts:
@@ -354,7 +361,13 @@ def run(
     from astraflow.bench.control_limits import sqlite_rows_rate, zmq_msgpack_rate
 
     limits = {"zmq_msgpack_msgs_per_s": round(zmq_msgpack_rate()), **sqlite_rows_rate()}
-    return {"rows": rows, "limits": limits, "cpus": os.cpu_count(), "load_avg": os.getloadavg()[0]}
+    return {
+        "rows": rows,
+        "limits": limits,
+        "cpus": os.cpu_count(),
+        "controller_cpu": controller_cpu,
+        "load_avg": os.getloadavg()[0],
+    }
 
 
 def render(res: dict[str, Any]) -> str:
@@ -396,5 +409,7 @@ def render(res: dict[str, Any]) -> str:
         f"physical limits here: raw ZeroMQ + msgpack {lim['zmq_msgpack_msgs_per_s']:,} msgs/s; SQLite WAL "
         f"{lim['rows_per_s_batched']:,} rows/s batched, {lim['rows_per_s_one_per_txn']:,} rows/s one per transaction"
     )
-    lines.append(f"machine: {res['cpus']} CPUs, load average {res['load_avg']:.1f} at the end")
+    pinned = res.get("controller_cpu")
+    where = "" if pinned is None else f", the controller alone on CPU {pinned}, the simulators on the others"
+    lines.append(f"machine: {res['cpus']} CPUs{where}, load average {res['load_avg']:.1f} at the end")
     return "\n".join(lines)

@@ -14,7 +14,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -118,15 +118,25 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def pin(cpus: set[int] | None) -> Callable[[], None] | None:
+    """A `preexec_fn` that pins a child to `cpus` before it execs (so every thread it starts later,
+    libzmq's I/O thread included, stays there); None when not pinning."""
+    if cpus is None:
+        return None
+    chosen = set(cpus)
+    return lambda: os.sched_setaffinity(0, chosen)
+
+
 def start_controller(
     work: Path,
     *,
     keys: Path | None = None,
     timeout_s: float = 120.0,
     recipe_doc: dict[str, Any] | None = None,
+    cpus: set[int] | None = None,
 ) -> tuple[subprocess.Popen[bytes], str]:
     """A real `astraflow controller` process on a free loopback port (with a key store if given), running
-    `recipe_doc` (default: this bench's model-free RECIPE) in work/run."""
+    `recipe_doc` (default: this bench's model-free RECIPE) in work/run; pinned to `cpus` if given."""
     work.mkdir(parents=True, exist_ok=True)
     recipe = work / "recipe.json"
     recipe.write_text(json.dumps(RECIPE if recipe_doc is None else recipe_doc))
@@ -147,7 +157,11 @@ def start_controller(
         args += ["--keys", str(keys)]
     log = (work / "controller.log").open("ab")
     proc = subprocess.Popen(
-        args, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"}
+        args,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        preexec_fn=pin(cpus),
     )
     _wait_file(run_dir / "controller.addr", proc, work / "controller.log", timeout_s)
     return proc, addr

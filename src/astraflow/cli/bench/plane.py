@@ -118,6 +118,11 @@ def control(
     profile: bool = typer.Option(
         False, help="--in-process: also print the top functions by own time (cProfile)."
     ),
+    controller_cpu: int = typer.Option(
+        None,
+        help="Pin the controller (every thread, libzmq's included) to this CPU and the simulators to "
+        "the others: the controller's rate on one core of its own.",
+    ),
     beats: int = typer.Option(
         0,
         help="--in-process: instead of steps, this many idle members joined and beating at "
@@ -140,6 +145,11 @@ def control(
         curve.replace(" ", "")
     )
     grouping = {"grouped": (True,), "single": (False,), "both": (True, False)}.get(results.strip())
+    cpus = sorted(os.sched_getaffinity(0))
+    if controller_cpu is not None and (controller_cpu not in cpus or len(cpus) < 2):
+        raise typer.BadParameter(
+            f"--controller-cpu takes one of this process's CPUs {cpus}, and needs another for the simulators"
+        )
     if not counts or min(counts) < 1 or modes is None or grouping is None or tokens < 1:
         raise typer.BadParameter(
             "--members takes counts >= 1 (e.g. 2,100,1000); --curve off, on or off,on; --results grouped, single or both; "
@@ -159,5 +169,6 @@ def control(
             keep_steps=keep_steps,
             tokens=tokens,
             idle_beats_per_s=idle_beats_per_s,
+            controller_cpu=controller_cpu,
         )
     typer.echo(_json.dumps(res, indent=2) if as_json else render(res))
