@@ -138,7 +138,8 @@ def control(
         _control_in_process(beats, heartbeat_s, tokens, steps, warmup_steps, profile=profile, as_json=as_json)
         return
 
-    from astraflow.bench.control import render, run
+    from astraflow.bench.control import run
+    from astraflow.bench.control_table import render
 
     counts = [int(x) for x in members.split(",") if x.strip()]
     modes = {"off": [False], "on": [True], "off,on": [False, True], "on,off": [True, False]}.get(
