@@ -27,6 +27,7 @@ from astraflow.dataflow.stall import Progress, stall_report
 from astraflow.metrics.sinks import Sinks
 from astraflow.roles import authz
 from astraflow.roles.controller.beat_pace import CHANGE, BeatPace, idle_interval, timeout_scale
+from astraflow.roles.controller.core import settle_heap
 from astraflow.roles.controller.metrics_row import emit, rewrite_lost_rows
 from astraflow.roles.controller.policy_versions import PolicyVersions
 from astraflow.roles.controller.progress import made_progress
@@ -56,6 +57,9 @@ class LoopState:
     backlogged: bool = False
     """The last poll left messages unread: no member is declared dead until they are read (a
     controller behind its input must not take its own lag for its members' silence)."""
+    settled_members: int = 0
+    """Members alive when the heap was last settled (core.settle_heap); 0: this process does not
+    settle it (only the controller's own process does: run_controller sets it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,7 +199,22 @@ def tick(ctx: Ticking, now: float | None = None) -> list[str]:
     if ctx.run.finished_at is None and not ctx.control.paused:
         check_stall(ctx.stalls, ctx.loop, t)  # a paused run waits on purpose
     ctx.sinks.retry()
+    _settle_again(ctx.loop, len(ctx.members.seen))
     return dead
+
+
+RESETTLE_MIN = 1000
+"""Fewest members alive at which the heap is settled again (below, a full collection is cheap)."""
+
+
+def _settle_again(loop: LoopState, alive: int) -> None:
+    """Settle the heap again once the members alive doubled since it was last settled (and are at least
+    RESETTLE_MIN): what the controller keeps per member (its rows, beats, timers: tens of thousands of
+    objects at 10,000 members) otherwise stays in every full collection's walk, 50 ms each at 10,000
+    members (docs/benchmarks.md). At most about log2(members) times in a run."""
+    if loop.settled_members and alive >= RESETTLE_MIN and alive >= 2 * loop.settled_members:
+        loop.settled_members = alive
+        settle_heap()
 
 
 def _expire(ctx: Ticking, t: float) -> tuple[list[str], int]:

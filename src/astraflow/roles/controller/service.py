@@ -378,6 +378,7 @@ def run_controller(
         ctl = Controller(recipe, run_dir, store, allow_recipe_change=allow_recipe_change)
         ctl.start()
         settle_heap()
+        ctl.loop.settled_members = max(1, len(ctl.members.seen))  # and again as members join (lifecycle)
         server = RouterServer(
             bind or recipe.controller.bind, max_message_bytes=recipe.controller.max_message_bytes
         )
