@@ -15,7 +15,7 @@ last (process start-up, model loading and the first step's compilation are left 
   between the worker's last stats line before the window and its first after it (metrics/role_stats.py;
   a line every INTERVAL_S, so this span exceeds a short window by up to that much), over that span's
   length. Two engines in one worker run concurrently, so their fractions can add up to more than 1.
-  Beside the prefill share: prefill forwards per admitted row over the same span (engines/admission.py
+  Beside the prefill share: prefill forwards per admitted row over the same span (engines/slot_admission.py
   decides how many admissions there are; a GRPO group admitted whole is one prompt of one forward).
 - GPU utilisation (GPU runs only): the share of NVML's sample periods in which a kernel ran on each GPU,
   sampled by this process every SAMPLE_S seconds, averaged over the window. A coarse cross-check: a GPU

@@ -1,7 +1,7 @@
 """The embedded rollout engine's async face: the contract, the request queue and the decode thread.
 
 Coroutines enqueue requests; the decode thread takes them into free slots between steps (continuous
-batching: they join the running batch, and a finished row frees its slot at once; engines/admission.py
+batching: they join the running batch, and a finished row frees its slot at once; engines/slot_admission.py
 says when and which, so that admissions are few and keep a group's prompt to one prefill) and runs the model
 through engines/decode_loop.py (slots, shared prefill, decode steps, weight copies). Qwen3 models run
 our own forward (engines/qwen3_forward.py), on a GPU with Triton kernels and one CUDA graph per batch
@@ -29,12 +29,12 @@ from typing import Any
 import torch
 
 from astraflow import log
-from astraflow.engines.admission import AdmissionRule
 from astraflow.engines.base import Completion, GenerationRequest, RolloutEngine
 from astraflow.engines.decode_loop import DecodeLoop
 from astraflow.engines.device import resolve_device
 from astraflow.engines.engine_stats import EngineStats
 from astraflow.engines.overlap_loop import OverlapDecodeLoop
+from astraflow.engines.slot_admission import SlotAdmission
 from astraflow.engines.torch_engine_config import TorchEngineConfig
 from astraflow.engines.weights import check_weights
 from astraflow.errors import AstraflowError, EngineFailedError
@@ -50,7 +50,7 @@ class _Pending:
     future: asyncio.Future[Completion]
     loop: asyncio.AbstractEventLoop
     run: int
-    """Equal for neighbours in the queue with the same prompt (AdmissionRule keeps them together)."""
+    """Equal for neighbours in the queue with the same prompt (SlotAdmission keeps them together)."""
     step: int
     """The engine's decode-step count when the request was queued."""
 
@@ -101,7 +101,7 @@ class TorchEngine(RolloutEngine):
             self.runner, self._params, self.device, cfg.max_batch, seed=seed
         )
         self._queue: deque[_Pending] = deque()
-        self._admission = AdmissionRule(cfg.max_batch, cfg.admit_min_free, cfg.admit_max_wait)
+        self._admission = SlotAdmission(cfg.max_batch, cfg.admit_min_free, cfg.admit_max_wait)
         self._seeds = random.Random(seed)
         self._runs = 0
         self._step = 0

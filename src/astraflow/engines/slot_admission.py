@@ -38,7 +38,7 @@ class Queued(Protocol):
 
 
 @dataclass(frozen=True)
-class AdmissionRule:
+class SlotAdmission:
     """The admission rule of one engine (TorchEngineConfig's admit_min_free and admit_max_wait)."""
 
     max_batch: int
