@@ -37,43 +37,55 @@ LOOPS = ["sync", "overlap"]
 @dataclass
 class Q:
     run: int
-    step: int = 0
 
 
-def _queue(*sizes: int, step: int = 0) -> list[Q]:
-    """Runs of the given sizes, in order, all queued at `step`."""
-    return [Q(i, step) for i, n in enumerate(sizes) for _ in range(n)]
+def _queue(*sizes: int) -> list[Q]:
+    """Runs of the given sizes, in order."""
+    return [Q(i) for i, n in enumerate(sizes) for _ in range(n)]
 
 
 def test_the_rule_takes_whole_groups_and_waits_rather_than_split_one() -> None:
-    rule = SlotAdmission(max_batch=32, min_free=4, max_wait=10)
     q = _queue(8, 8)
-    assert rule.pick(q, free=7, running=25, step=3) == []  # the first group does not fit: it waits
-    assert rule.pick(q, free=12, running=20, step=3) == list(range(8))  # one whole group, not 12 rows
-    assert rule.pick(q, free=3, running=29, step=3) == []  # under min_free
-    assert rule.pick(_queue(2), free=3, running=29, step=3) == [0, 1]  # everything queued fits
+    rule = SlotAdmission(max_batch=32, min_free=4, max_wait=10)
+    assert rule.pick(q, free=7, running=25) == []  # the first group does not fit: it waits
+    assert rule.pick(q, free=12, running=20) == list(range(8))  # one whole group, not 12 rows
+    assert rule.pick(q, free=3, running=29) == []  # under min_free
+    assert rule.pick(_queue(2), free=3, running=29) == [0, 1]  # everything queued fits
     # idle: greedy at once, even if that splits a group
-    assert rule.pick(q, free=12, running=0, step=3) == list(range(12))
+    assert rule.pick(q, free=12, running=0) == list(range(12))
     # min_free 0 is the greedy rule: every free slot, in queue order
     greedy = SlotAdmission(max_batch=32, min_free=0, max_wait=10)
-    assert greedy.pick(q, free=3, running=29, step=3) == [0, 1, 2]
+    assert greedy.pick(q, free=3, running=29) == [0, 1, 2]
 
 
 def test_the_rule_lets_a_small_group_pass_a_big_one_until_the_big_one_waited_too_long() -> None:
-    rule = SlotAdmission(max_batch=32, min_free=4, max_wait=10)
     q = _queue(16, 1, 3)
+    rule = SlotAdmission(max_batch=32, min_free=4, max_wait=3)
     # the big group does not fit; the two behind it do, in queue order
-    assert rule.pick(q, free=5, running=27, step=5) == [16, 17, 18, 19]
-    assert rule.pick(q, free=4, running=28, step=5) == [16, 17, 18, 19]
-    # past the bound the oldest is admitted into whatever is free, split if need be
-    assert rule.pick(q, free=5, running=27, step=11) == [0, 1, 2, 3, 4]
-    assert rule.pick(q, free=5, running=27, step=10) == [16, 17, 18, 19]
+    assert rule.pick(q, free=5, running=27) == [16, 17, 18, 19]
+    assert rule.pick(q, free=2, running=30) == []  # under min_free, the front passed over again
+    assert rule.pick(q, free=0, running=32) == []  # no free slot: not counted
+    assert rule.pick(q, free=4, running=28) == [16, 17, 18, 19]
+    # passed over three times with slots free: the front is admitted into whatever is free, split
+    assert rule.pick(q, free=5, running=27) == [0, 1, 2, 3, 4]
+    # and its count starts again
+    assert rule.pick(q, free=5, running=27) == [16, 17, 18, 19]
+
+
+def test_a_full_engine_does_not_make_the_rule_greedy() -> None:
+    # a queue behind a full engine waits for rows to finish: that wait does not count
+    rule = SlotAdmission(max_batch=32, min_free=16, max_wait=2)
+    q = _queue(8, 8, 8)
+    for _ in range(50):
+        assert rule.pick(q, free=0, running=32) == []
+    assert rule.pick(q, free=8, running=24) == []
+    assert rule.pick(q, free=16, running=16) == list(range(16))
 
 
 def test_a_group_larger_than_the_engine_is_cut_into_engine_sized_runs() -> None:
     assert runs(_queue(5, 2), cap=2) == [(0, 2), (2, 4), (4, 5), (5, 7)]
     rule = SlotAdmission(max_batch=4, min_free=4, max_wait=10)
-    assert rule.pick(_queue(10), free=4, running=0, step=0) == [0, 1, 2, 3]
+    assert rule.pick(_queue(10), free=4, running=0) == [0, 1, 2, 3]
 
 
 # ----- the engine under it ----------------------------------------------------------------------

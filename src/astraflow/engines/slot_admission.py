@@ -5,10 +5,14 @@ cost on a GPU mostly launches whatever the number of rows. Admitting into every 
 frees (`min_free = 0`, the greedy rule) makes an admission of most decode steps and splits a GRPO
 group (one prompt, queued together) across several of them, prefilling its prompt again each time.
 
-The rule while rows decode: wait until `min_free` slots are free (or everything queued fits, or the
-oldest queued request has waited more than `max_wait` decode steps), then take whole same-prompt runs
-in queue order, skipping a run that does not fit (it keeps its place at the front). Past `max_wait`
-the greedy rule admits from the front, so nothing waits longer than that for a slot that is free.
+The rule while rows decode: wait until `min_free` slots are free (or everything queued fits), then
+take whole same-prompt runs in queue order, skipping a run that does not fit (it keeps its place at
+the front). Once the request at the front has been passed over for `max_wait` decode steps while slots
+were free (held back under `min_free`, or its group did not fit and others went ahead), the greedy
+rule admits from the front into whatever is free, splitting its group if need be: free slots never
+wait longer than that for queued work, and nothing waits for ever behind smaller groups. The count
+starts when slots are free, not when the request was queued: in a full engine every queued request
+waits for rows to finish, and counting that would make the rule greedy whenever the engine is busy.
 With no row decoding the greedy rule applies at once: an idle engine fills every slot it can.
 
 Which step a request is admitted on does not change what it samples: noise comes from (seed, token
@@ -19,7 +23,6 @@ queued, not when it is admitted.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
 
@@ -31,39 +34,42 @@ class Queued(Protocol):
         """Equal for neighbours in the queue with the same prompt (one prefill serves them)."""
         ...
 
-    @property
-    def step(self) -> int:
-        """The engine's decode-step count when the request was queued."""
-        ...
 
-
-@dataclass(frozen=True)
 class SlotAdmission:
-    """The admission rule of one engine (TorchEngineConfig's admit_min_free and admit_max_wait)."""
+    """The admission rule of one engine (TorchEngineConfig's admit_min_free and admit_max_wait).
+    Asked once per pass of the decode loop (a decode step while rows run); it counts the passes in
+    which the request at the front of the queue was passed over while slots were free."""
 
-    max_batch: int
-    min_free: int
-    """Free slots that open an admission while rows decode (capped at max_batch); 0: greedy."""
-    max_wait: int
-    """Decode steps the oldest queued request may wait before the greedy rule admits it."""
+    def __init__(self, max_batch: int, min_free: int, max_wait: int) -> None:
+        """`min_free`: free slots that open an admission while rows decode (capped at max_batch; 0:
+        greedy); `max_wait`: passes over the front request, with slots free, before greedy."""
+        self.max_batch = max_batch
+        self.min_free = min(min_free, max_batch)
+        self.max_wait = max_wait
+        self.passed_over = 0
+        """Passes since the front request's wait with free slots began (reset when it is admitted)."""
 
-    def pick(self, queue: Sequence[Queued], free: int, running: int, step: int) -> list[int]:
+    def pick(self, queue: Sequence[Queued], free: int, running: int) -> list[int]:
         """Indices into `queue` (ascending) of the requests to admit now into `free` slots, with
-        `running` rows decoding at decode step `step`."""
+        `running` rows decoding."""
         n = len(queue)
-        if not n or free <= 0:
+        if not n:
+            self.passed_over = 0
             return []
-        greedy = self.min_free == 0 or running == 0 or step - queue[0].step > self.max_wait
+        if free <= 0:
+            return []
+        greedy = self.min_free == 0 or running == 0 or self.passed_over >= self.max_wait
         if greedy or n <= free:
+            self.passed_over = 0
             return list(range(min(free, n)))
-        if free < min(self.min_free, self.max_batch):
-            return []
         picked: list[int] = []
-        for start, end in runs(queue, self.max_batch):
-            if end - start <= free - len(picked):
-                picked += range(start, end)
-                if len(picked) == free:
-                    break
+        if free >= self.min_free:
+            for start, end in runs(queue, self.max_batch):
+                if end - start <= free - len(picked):
+                    picked += range(start, end)
+                    if len(picked) == free:
+                        break
+        self.passed_over = 0 if picked[:1] == [0] else self.passed_over + 1
         return picked
 
 

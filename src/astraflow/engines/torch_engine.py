@@ -51,8 +51,6 @@ class _Pending:
     loop: asyncio.AbstractEventLoop
     run: int
     """Equal for neighbours in the queue with the same prompt (SlotAdmission keeps them together)."""
-    step: int
-    """The engine's decode-step count when the request was queued."""
 
 
 class TorchEngine(RolloutEngine):
@@ -104,8 +102,6 @@ class TorchEngine(RolloutEngine):
         self._admission = SlotAdmission(cfg.max_batch, cfg.admit_min_free, cfg.admit_max_wait)
         self._seeds = random.Random(seed)
         self._runs = 0
-        self._step = 0
-        """Decode steps run so far (the admission rule's clock)."""
         self._staged: tuple[int, dict[str, torch.Tensor]] | None = None
         self._cond = threading.Condition()
         self._closed = False
@@ -202,7 +198,7 @@ class TorchEngine(RolloutEngine):
         last = self._queue[-1] if self._queue else None
         if last is None or last.request.prompt_ids != r.prompt_ids:
             self._runs += 1
-        return _Pending(r, future, loop, self._runs, self._step)
+        return _Pending(r, future, loop, self._runs)
 
     # ----- checks -------------------------------------------------------------------------------
 
@@ -275,7 +271,7 @@ class TorchEngine(RolloutEngine):
                     self._cond.wait(remaining)
             if self._closed:
                 return None
-            picked = self._admission.pick(self._queue, self._decode.free, len(self._decode.rows), self._step)
+            picked = self._admission.pick(self._queue, self._decode.free, len(self._decode.rows))
             if picked == list(range(len(picked))):
                 return [self._queue.popleft() for _ in picked]
             chosen = set(picked)
@@ -316,7 +312,6 @@ class TorchEngine(RolloutEngine):
         rows = len(self._decode.rows)
         if rows:
             _resolve_all(self._decode.step())
-            self._step += 1
         self._stats.add(t1 - t0, t2 - t1, time.perf_counter() - t2, rows)
 
 
