@@ -1,4 +1,5 @@
-"""The embedded engine's counters: how long its decode thread kept the device busy, and on what."""
+"""The embedded engine's counters: how long its decode thread kept the device busy, and on what; how
+many admissions it made and how many prefill forwards they cost (engines/slot_admission.py)."""
 
 from __future__ import annotations
 
