@@ -188,7 +188,7 @@ def test_a_streaming_workload_completes_with_fewer_prefills_per_row(model_dir: P
 
 
 def _group_behind_running_rows(model_dir: Path, loop: str, min_free: int) -> int:
-    """Six rows of lengths 8..30 hold six of eight slots; a group of four arrives once they decode.
+    """Six rows of lengths 20..40 hold six of eight slots; a group of four arrives once they decode.
     How many times the group's prompt was prefilled."""
     eng = _engine(model_dir, loop, max_batch=8, admit_min_free=min_free)
     prefilled: list[list[list[int]]] = []
@@ -201,7 +201,7 @@ def _group_behind_running_rows(model_dir: Path, loop: str, min_free: int) -> int
         return decode(tokens, positions)
 
     eng.runner.decode = recording
-    lengths = [30, 8, 10, 12, 14, 16]
+    lengths = [40, 20, 22, 24, 26, 28]
     first = [
         GenerationRequest(prompt_ids=[1, 3 + i], max_new_tokens=n, seed=i) for i, n in enumerate(lengths)
     ]
