@@ -57,6 +57,9 @@ def test_engine_counts_busy_time_and_weight_applications(model_dir: Path, tmp_pa
         assert first["decode_steps"] == 4 and first["row_steps"] == 16
         assert first["prefill_s"] > 0 and first["decode_s"] > 0 and first["n_applied"] == 0
         assert first["busy_s"] == pytest.approx(first["weight_s"] + first["prefill_s"] + first["decode_s"])
+        # one admission of 4 rows of one prompt: one forward over one prompt
+        assert (first["admissions"], first["admitted_rows"]) == (1, 4)
+        assert (first["prefill_forwards"], first["prefill_prompts"]) == (1, 1)
         sd = {k: v.clone() for k, v in engine.model.state_dict().items()}
         engine.load_weights(7, sd)
         _generate(engine, 2, 3)
@@ -120,6 +123,7 @@ def test_report_takes_the_steady_window(tmp_path: Path) -> None:
     def line(at: float, busy: float, pulls: int, applies: list[list[float]]) -> str:
         eng = {"version": 1, "busy_s": busy, "weight_s": 0.0, "prefill_s": 0.0, "decode_s": busy,
                "decode_steps": 10, "row_steps": 100, "applies": applies,
+               "admitted_rows": 16 * busy, "prefill_forwards": 2 * busy,
                "pulls": {"pulls": pulls, "fetch_s": 0.3 * pulls, "load_s": 0.1 * pulls, "bytes": 10**6 * pulls}}  # fmt: skip
         return json.dumps({"time": at, "engines": {"p": eng}}) + "\n"
 
@@ -135,7 +139,8 @@ def test_report_takes_the_steady_window(tmp_path: Path) -> None:
     eng = rep["workers"]["raas-0"]["engines"]["p"]
     assert eng["busy"] == 0.75 and eng["pulls"] == 1 and eng["lag_s"] == 0.0
     assert pol["weight_sync"]["total_s"] == pytest.approx(0.6 + 0.3 + 0.1 + 0.2)
-    assert "trainer busy" in format_report(rep)
+    assert eng["prefill_per_row"] == 0.125  # 6 forwards for 48 rows admitted in the span
+    assert "trainer busy" in format_report(rep) and "0.125 forwards/row" in format_report(rep)
 
 
 def test_a_window_between_two_stats_lines_still_counts_its_pulls_and_busy_time(tmp_path: Path) -> None:

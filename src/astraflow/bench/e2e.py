@@ -15,6 +15,8 @@ last (process start-up, model loading and the first step's compilation are left 
   between the worker's last stats line before the window and its first after it (metrics/role_stats.py;
   a line every INTERVAL_S, so this span exceeds a short window by up to that much), over that span's
   length. Two engines in one worker run concurrently, so their fractions can add up to more than 1.
+  Beside the prefill share: prefill forwards per admitted row over the same span (engines/slot_admission.py
+  decides how many admissions there are; a GRPO group admitted whole is one prompt of one forward).
 - GPU utilisation (GPU runs only): the share of NVML's sample periods in which a kernel ran on each GPU,
   sampled by this process every SAMPLE_S seconds, averaged over the window. A coarse cross-check: a GPU
   counts as busy for a whole period even when one small kernel ran.
@@ -221,6 +223,10 @@ def read_workers(
                 "busy": grown("busy_s") / dt if dt > 0 else None,
                 "decode_share": grown("decode_s") / dt if dt > 0 else None,
                 "prefill_share": grown("prefill_s") / dt if dt > 0 else None,
+                # prefill forwards per admitted row (absent in stats files of older engines)
+                "prefill_per_row": grown("prefill_forwards") / grown("admitted_rows")
+                if grown("admitted_rows") > 0
+                else None,
                 "weight_share": grown("weight_s") / dt if dt > 0 else None,
                 "decode_rows_per_s": grown("row_steps") / dt if dt > 0 else None,
                 "mean_batch": grown("row_steps") / grown("decode_steps")
@@ -323,7 +329,7 @@ def format_report(rep: dict[str, Any]) -> str:
                 continue
             lines.append(
                 f"  engine {ename}: busy {f(e['busy'], '.0%')} (decode {f(e['decode_share'], '.0%')}, prefill "
-                f"{f(e['prefill_share'], '.0%')}, weights {f(e['weight_share'], '.0%')}), "
+                f"{f(e['prefill_share'], '.0%')} at {f(e.get('prefill_per_row'), '.3f')} forwards/row, weights {f(e['weight_share'], '.0%')}), "
                 f"{f(e['decode_rows_per_s'], '.0f')} tokens/s in decode, mean batch {f(e['mean_batch'], '.0f')}, "
                 f"{e['pulls']} pulls of {f(e['mb_per_pull'], '.0f')} MB, {e['applied']} versions applied"
             )

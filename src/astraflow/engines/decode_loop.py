@@ -97,6 +97,10 @@ class DecodeLoop(Generic[T]):
         self.rng = random.Random(seed)
         self.version = 0
         self.rows: list[Row[T]] = []
+        self.prefill_forwards = 0
+        """Prefill forwards `admit` ran (a GRPO group's prompt is one row of one forward)."""
+        self.prefill_prompts = 0
+        """Distinct prompts `admit` prefilled."""
         self.timeline: list[tuple[str, float]] | None = None
         """When a list, `admit` appends ("prefill", time) after each admission's prefill (with the
         device synchronised): the rollout bench splits prefill from decode with it."""
@@ -137,6 +141,8 @@ class DecodeLoop(Generic[T]):
             self.rows.append(Row(req, tag, seed, gen))
         for chunk in _chunks([(list(prompt), slots) for prompt, slots in groups.items()]):
             logits = self.runner.prefill([prompt for prompt, _ in chunk], [slots[0] for _, slots in chunk])
+            self.prefill_forwards += 1
+            self.prefill_prompts += len(chunk)
             members: list[int] = []
             for i, (prompt, slots) in enumerate(chunk):
                 self.runner.copy_slot(slots[0], slots[1:], len(prompt))

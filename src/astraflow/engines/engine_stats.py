@@ -1,4 +1,5 @@
-"""The embedded engine's counters: how long its decode thread kept the device busy, and on what."""
+"""The embedded engine's counters: how long its decode thread kept the device busy, and on what; how
+many admissions it made and how many prefill forwards they cost (engines/slot_admission.py)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,14 @@ class EngineStats:
         """(version, wall time it was applied, seconds the copy and the KV recompute took, seconds of
         those the recompute of the running rows' KV took)."""
         self.n_applied = 0
+        self.admissions = 0
+        """Passes of the decode loop that admitted requests."""
+        self.admitted_rows = 0
+        """Requests admitted (rows given a slot, or finished at once with max_new_tokens 0)."""
+        self.prefill_forwards = 0
+        """Prefill forwards of those admissions (the weight update's KV recompute not counted)."""
+        self.prefill_prompts = 0
+        """Distinct prompts those forwards prefilled (a group's shared prompt counts once)."""
 
     def add(self, weight_s: float, prefill_s: float, decode_s: float, rows: int) -> None:
         """One pass of the decode loop."""
@@ -36,6 +45,13 @@ class EngineStats:
         if rows:
             self.decode_steps += 1
             self.row_steps += rows
+
+    def admitted(self, rows: int, forwards: int, prompts: int) -> None:
+        """One admission: `rows` requests, prefilled by `forwards` forwards over `prompts` prompts."""
+        self.admissions += 1
+        self.admitted_rows += rows
+        self.prefill_forwards += forwards
+        self.prefill_prompts += prompts
 
     def applied(self, version: int, seconds: float, recompute_s: float = 0.0) -> None:
         """A weight version went live in `seconds`, `recompute_s` of them rebuilding running rows' KV."""
@@ -53,5 +69,9 @@ class EngineStats:
             "decode_steps": self.decode_steps,
             "row_steps": self.row_steps,
             "n_applied": self.n_applied,
+            "admissions": self.admissions,
+            "admitted_rows": self.admitted_rows,
+            "prefill_forwards": self.prefill_forwards,
+            "prefill_prompts": self.prefill_prompts,
             "applies": [list(a) for a in self.applies],
         }

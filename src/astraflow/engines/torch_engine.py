@@ -1,7 +1,8 @@
 """The embedded rollout engine's async face: the contract, the request queue and the decode thread.
 
-Coroutines enqueue requests; the decode thread takes them into free slots at every step (continuous
-batching: they join the running batch, and a finished row frees its slot at once) and runs the model
+Coroutines enqueue requests; the decode thread takes them into free slots between steps (continuous
+batching: they join the running batch, and a finished row frees its slot at once; engines/slot_admission.py
+says when and which, so that admissions are few and keep a group's prompt to one prefill) and runs the model
 through engines/decode_loop.py (slots, shared prefill, decode steps, weight copies). Qwen3 models run
 our own forward (engines/qwen3_forward.py), on a GPU with Triton kernels and one CUDA graph per batch
 bucket; other architectures run transformers' forward without a cache (engines/runners.py).
@@ -17,11 +18,12 @@ decode loop ever fails, every waiting and later call raises EngineFailedError an
 from __future__ import annotations
 
 import asyncio
+import random
 import threading
 import time
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -32,6 +34,7 @@ from astraflow.engines.decode_loop import DecodeLoop
 from astraflow.engines.device import resolve_device
 from astraflow.engines.engine_stats import EngineStats
 from astraflow.engines.overlap_loop import OverlapDecodeLoop
+from astraflow.engines.slot_admission import SlotAdmission
 from astraflow.engines.torch_engine_config import TorchEngineConfig
 from astraflow.engines.weights import check_weights
 from astraflow.errors import AstraflowError, EngineFailedError
@@ -46,6 +49,8 @@ class _Pending:
     request: GenerationRequest
     future: asyncio.Future[Completion]
     loop: asyncio.AbstractEventLoop
+    run: int
+    """Equal for neighbours in the queue with the same prompt (SlotAdmission keeps them together)."""
 
 
 class TorchEngine(RolloutEngine):
@@ -94,6 +99,9 @@ class TorchEngine(RolloutEngine):
             self.runner, self._params, self.device, cfg.max_batch, seed=seed
         )
         self._queue: deque[_Pending] = deque()
+        self._admission = SlotAdmission(cfg.max_batch, cfg.admit_min_free, cfg.admit_max_wait)
+        self._seeds = random.Random(seed)
+        self._runs = 0
         self._staged: tuple[int, dict[str, torch.Tensor]] | None = None
         self._cond = threading.Condition()
         self._closed = False
@@ -117,7 +125,8 @@ class TorchEngine(RolloutEngine):
             self._raise_if_failed()
             if self._closed:
                 raise RuntimeError("engine is closed")
-            self._queue.extend(_Pending(r, f, loop) for r, f in zip(requests, futures, strict=True))
+            for r, f in zip(requests, futures, strict=True):
+                self._queue.append(self._queued(r, f, loop))
             self._cond.notify()
         return list(await asyncio.gather(*futures))
 
@@ -178,6 +187,18 @@ class TorchEngine(RolloutEngine):
     @timeline.setter
     def timeline(self, value: list[tuple[str, float]] | None) -> None:
         self._decode.timeline = value
+
+    def _queued(
+        self, r: GenerationRequest, future: asyncio.Future[Completion], loop: asyncio.AbstractEventLoop
+    ) -> _Pending:
+        """A request as it enters the queue (under the lock): its seed drawn now, so that when it is
+        admitted does not change what it samples, and its run (same prompt as the request before)."""
+        if r.seed is None:
+            r = replace(r, seed=self._seeds.getrandbits(62))
+        last = self._queue[-1] if self._queue else None
+        if last is None or last.request.prompt_ids != r.prompt_ids:
+            self._runs += 1
+        return _Pending(r, future, loop, self._runs)
 
     # ----- checks -------------------------------------------------------------------------------
 
@@ -250,7 +271,13 @@ class TorchEngine(RolloutEngine):
                     self._cond.wait(remaining)
             if self._closed:
                 return None
-            return [self._queue.popleft() for _ in range(min(self._decode.free, len(self._queue)))]
+            picked = self._admission.pick(self._queue, self._decode.free, len(self._decode.rows))
+            if picked == list(range(len(picked))):
+                return [self._queue.popleft() for _ in picked]
+            chosen = set(picked)
+            admitted = [p for i, p in enumerate(self._queue) if i in chosen]
+            self._queue = deque(p for i, p in enumerate(self._queue) if i not in chosen)
+            return admitted
 
     def _pass(self, admitted: list[_Pending]) -> None:
         """One pass at a safe point (every running row has its next input token): apply staged
@@ -274,7 +301,13 @@ class TorchEngine(RolloutEngine):
         if staged is not None:
             self._stats.applied(staged[0], t1 - t0, recompute_s)
         if admitted:
+            forwards, prompts = self._decode.prefill_forwards, self._decode.prefill_prompts
             _resolve_all(self._decode.admit([(p.request, p) for p in admitted]))
+            self._stats.admitted(
+                len(admitted),
+                self._decode.prefill_forwards - forwards,
+                self._decode.prefill_prompts - prompts,
+            )
         t2 = time.perf_counter()
         rows = len(self._decode.rows)
         if rows:

@@ -30,6 +30,15 @@ class TorchEngineConfig(BaseModel):
     """How the decode thread steps (docs/engine.md): `sync` reads each step's tokens back before it
     builds the next step; `overlap` launches step N+1 from step N's tokens kept on the device and does
     step N's host work while it runs (a finished row costs one discarded extra step)."""
+    admit_min_free: int = Field(16, ge=0)
+    """While rows decode, admit queued requests only once this many slots are free (capped at
+    max_batch) or everything queued fits, taking whole same-prompt groups in queue order and skipping
+    one that does not fit (engines/slot_admission.py, docs/engine.md). 0: admit into every free slot
+    at every step, in queue order, splitting groups."""
+    admit_max_wait: int = Field(32, ge=0)
+    """Decode steps with free slots that the request at the front of the queue may be passed over
+    (held back under admit_min_free, or its group not fitting); then the front of the queue is admitted
+    into whatever is free, splitting its group if need be."""
     kv_on_update: Literal["recompute", "keep"] = "recompute"
     """A version applied while rows are decoding (docs/engine.md): `recompute` rebuilds the running
     rows' KV under it, so each token's logprob is exactly that of the version it is tagged with (a

@@ -89,6 +89,69 @@ def rollout(
         typer.echo(json.dumps(res.to_dict(), indent=2))
 
 
+@app.command("rollout-stream")
+def rollout_stream(
+    model: Annotated[
+        Path, typer.Option("--model", help="Model directory (e.g. from `astraflow model init`).")
+    ],
+    rules: Annotated[
+        str,
+        typer.Option(
+            "--rules", help="admit_min_free values to compare, comma-separated (0: the greedy rule)."
+        ),
+    ] = "0,16",
+    max_batch: Annotated[int, typer.Option("--max-batch", min=1, help="The engine's KV slots.")] = 64,
+    group: Annotated[int, typer.Option("--group", min=1, help="Samples per prompt (GRPO group).")] = 16,
+    in_flight: Annotated[
+        int, typer.Option("--in-flight", min=1, help="Groups queued or running at once (a RaaS's slots).")
+    ] = 8,
+    groups: Annotated[int, typer.Option("--groups", min=1, help="Groups per timed round.")] = 32,
+    prompt_len: Annotated[int, typer.Option("--prompt-len", min=1, help="Tokens per random prompt.")] = 16,
+    new_tokens: Annotated[int, typer.Option("--new-tokens", min=1, help="Most tokens per sequence.")] = 64,
+    stops: Annotated[
+        int, typer.Option("--stops", min=0, help="Stop tokens (ids 4, 5, ...): rows end at random lengths.")
+    ] = 0,
+    stagger: Annotated[
+        float, typer.Option("--stagger", min=0.0, help="Seconds between the callers' first groups.")
+    ] = 0.0,
+    decode_loop: Annotated[
+        str, typer.Option("--loop", help="The engine's decode loop: sync | overlap.")
+    ] = "sync",
+    device: Annotated[str, typer.Option("--device", help="auto | cpu | cuda.")] = "auto",
+    dtype: Annotated[str, typer.Option("--dtype", help="float32 | bfloat16.")] = "float32",
+    repeats: Annotated[int, typer.Option("--repeats", min=1, help="Timed rounds per rule (median).")] = 3,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the prompts and the sampling.")] = 0,
+    threads: Annotated[int, typer.Option("--threads", min=1, help="torch CPU threads.")] = 1,
+) -> None:
+    """Stream GRPO groups through the engine as a RaaS does, under several admission rules side by side."""
+    from astraflow import log
+    from astraflow.bench.rollout_stream import format_stream_table, parse_rules, run_stream_bench
+    from astraflow.errors import AstraflowError
+
+    log.setup("bench")
+    if decode_loop not in ("sync", "overlap"):
+        raise AstraflowError(f"unknown --loop {decode_loop!r}", hint="choose sync or overlap")
+    res = run_stream_bench(
+        model,
+        parse_rules(rules),
+        max_batch=max_batch,
+        group=group,
+        in_flight=in_flight,
+        groups=groups,
+        prompt_len=prompt_len,
+        new_tokens=new_tokens,
+        stops=stops,
+        stagger_s=stagger,
+        decode_loop=decode_loop,
+        device=device,
+        dtype=dtype,
+        repeats=repeats,
+        seed=seed,
+        threads=threads,
+    )
+    typer.echo(format_stream_table(res))
+
+
 @app.command("trainer")
 def trainer(
     model: Annotated[
