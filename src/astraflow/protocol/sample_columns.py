@@ -1,0 +1,276 @@
+"""A batch's samples as columns: what a BatchReply carries (docs/protocol.md, "Batches as columns").
+
+The controller builds them from blocks of stored sequences (`Block`: a stored group's joined arrays,
+or rows read back from state.db) without a Python object per sequence: a group's consecutive
+sequences are one slice of each of its arrays. The trainer checks the layout (`problem`) and cuts
+the columns into the TrainSamples its step consumes (`cut`), each array a slice of the joined bytes,
+so a sample holds exactly the bytes it held when it travelled on its own.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+from dataclasses import dataclass, field
+from itertools import repeat
+from typing import Any
+
+import numpy as np
+
+from astraflow.protocol import packed
+from astraflow.protocol.messages import SampleColumns, SamplingParams, TrainSample
+
+Array = np.ndarray[Any, Any]
+INT64 = "<i8"
+"""numpy dtype of the trajectory ids."""
+FLOAT64 = "<f8"
+"""numpy dtype of rewards and advantages."""
+
+
+@dataclass
+class Block:
+    """Consecutive stored sequences with their arrays joined (one bytes object per per-token field):
+    sequence k's tokens are `tokens[4 * tok[k] : 4 * tok[k + 1]]`."""
+
+    tok: Array
+    """int64, one per sequence and one after the last: where each sequence's tokens start."""
+    tokens: bytes
+    loss_mask: bytes
+    logprobs: bytes
+    versions: bytes
+    rewards: Array
+    """float64, one per sequence."""
+    advantages: Array
+    """float64, one per sequence."""
+    sampling: Array
+    """int, one per sequence: an index into `table`."""
+    table: list[SamplingParams]
+    """The distinct sampling settings the sequences index."""
+    first: int = 0
+    """The trajectory id of sequence 0 (the ids of a stored group are consecutive)."""
+    left: int = field(default=0)
+    """Sequences of the block still wanted (FreshSamples drops the block at 0)."""
+
+    def __len__(self) -> int:
+        return len(self.tok) - 1
+
+    @property
+    def token_count(self) -> int:
+        """Tokens in the block."""
+        return int(self.tok[-1])
+
+    @classmethod
+    def of_samples(cls, samples: collections.abc.Sequence[TrainSample], first: int = 0) -> Block:
+        """A block of TrainSamples, in order."""
+        return cls.of_arrays(
+            [(s.tokens, s.loss_mask, s.logprobs, s.versions) for s in samples],
+            [s.reward for s in samples],
+            [s.advantage for s in samples],
+            [s.sampling for s in samples],
+            first,
+        )
+
+    @classmethod
+    def of_arrays(
+        cls,
+        arrays: list[tuple[bytes, bytes, bytes, bytes]],
+        rewards: list[float],
+        advantages: list[float],
+        samplings: list[SamplingParams],
+        first: int = 0,
+    ) -> Block:
+        """A block of sequences given one by one: (tokens, loss_mask, logprobs, versions) each."""
+        tok = np.zeros(len(arrays) + 1, np.int64)
+        np.cumsum([len(a[1]) for a in arrays], out=tok[1:])
+        table: dict[SamplingParams, int] = {}
+        return cls(
+            tok=tok,
+            tokens=b"".join([a[0] for a in arrays]),
+            loss_mask=b"".join([a[1] for a in arrays]),
+            logprobs=b"".join([a[2] for a in arrays]),
+            versions=b"".join([a[3] for a in arrays]),
+            rewards=np.array(rewards, np.float64),
+            advantages=np.array(advantages, np.float64),
+            sampling=np.array([table.setdefault(sp, len(table)) for sp in samplings], np.int64),
+            table=list(table),
+            first=first,
+            left=len(arrays),
+        )
+
+
+Segment = tuple[Block, int, int]
+"""Sequences k0..k1-1 of a block."""
+
+
+def join(segments: list[Segment], ids: list[int], replay: list[bool]) -> SampleColumns:
+    """The columns of these blocks' sequences, in order, as samples with these ids and replay flags."""
+    if not segments:
+        return SampleColumns()
+    tok = [(b, int(b.tok[k0]), int(b.tok[k1])) for b, k0, k1 in segments]
+    lengths = np.concatenate([np.diff(b.tok[k0 : k1 + 1]) for b, k0, k1 in segments])
+    table: dict[SamplingParams, int] = {}
+    runs: list[Array] = []
+    for b, k0, k1 in segments:
+        remap = np.array([table.setdefault(sp, len(table)) for sp in b.table], np.int64)
+        runs.append(remap[b.sampling[k0:k1]])
+    index = np.concatenate(runs)
+    starts = np.flatnonzero(np.concatenate(([True], index[1:] != index[:-1])))
+    counts = np.diff(np.append(starts, len(index)))
+    samplings = list(table)
+    return SampleColumns(
+        traj_ids=np.array(ids, INT64).tobytes(),
+        lengths=lengths.astype(packed.INT32).tobytes(),
+        tokens=b"".join([memoryview(b.tokens)[4 * t0 : 4 * t1] for b, t0, t1 in tok]),
+        loss_mask=b"".join([memoryview(b.loss_mask)[t0:t1] for b, t0, t1 in tok]),
+        logprobs=b"".join([memoryview(b.logprobs)[4 * t0 : 4 * t1] for b, t0, t1 in tok]),
+        versions=b"".join([memoryview(b.versions)[4 * t0 : 4 * t1] for b, t0, t1 in tok]),
+        rewards=np.concatenate([b.rewards[k0:k1] for b, k0, k1 in segments]).astype(FLOAT64).tobytes(),
+        advantages=np.concatenate([b.advantages[k0:k1] for b, k0, k1 in segments]).astype(FLOAT64).tobytes(),
+        replay=np.array(replay, np.uint8).tobytes(),
+        sampling_runs=counts.astype(packed.INT32).tobytes(),
+        samplings=[samplings[i] for i in index[starts].tolist()],
+    )
+
+
+def pack(samples: collections.abc.Sequence[TrainSample]) -> SampleColumns:
+    """The columns of these samples (one by one: for samples built in process)."""
+    if not samples:
+        return SampleColumns()
+    block = Block.of_samples(samples)
+    return join([(block, 0, len(block))], [s.traj_id for s in samples], [s.replay for s in samples])
+
+
+def problem(cols: SampleColumns) -> str:
+    """Why these columns are not a batch's samples ('' when their layout adds up)."""
+    n, rest = divmod(len(cols.traj_ids), 8)
+    if rest:
+        return f"traj_ids is {len(cols.traj_ids)} bytes, not a whole number of int64"
+    per_sample = {"lengths": 4, "rewards": 8, "advantages": 8, "replay": 1}
+    for name, size in per_sample.items():
+        have = len(getattr(cols, name))
+        if have != size * n:
+            return f"{name} is {have} bytes for {n} samples ({size} each)"
+    lengths = np.frombuffer(cols.lengths, packed.INT32)
+    if n and int(lengths.min()) < 0:
+        return "a sample's length is negative"
+    total = int(lengths.sum(dtype=np.int64))
+    if (
+        not len(cols.tokens)
+        == len(cols.logprobs)
+        == len(cols.versions)
+        == 4 * total
+        == 4 * len(cols.loss_mask)
+    ):
+        return (
+            f"tokens/loss_mask/logprobs/versions are {len(cols.tokens)}/{len(cols.loss_mask)}/"
+            f"{len(cols.logprobs)}/{len(cols.versions)} bytes for {total} tokens (the sum of lengths)"
+        )
+    if n and int(np.frombuffer(cols.replay, np.uint8).max()) > 1:
+        return "replay holds a value other than 0 or 1"
+    if len(cols.sampling_runs) != 4 * len(cols.samplings):
+        return f"sampling_runs is {len(cols.sampling_runs)} bytes for {len(cols.samplings)} samplings"
+    runs = np.frombuffer(cols.sampling_runs, packed.INT32)
+    if len(runs) and int(runs.min()) < 0:
+        return "a sampling run is negative"
+    if int(runs.sum(dtype=np.int64)) != n:
+        return f"sampling_runs add up to {int(runs.sum(dtype=np.int64))}, not the {n} samples"
+    for sp in cols.samplings:
+        why = sp.problem()
+        if why:
+            return f"sampling settings: {why}"
+    return ""
+
+
+def cut(cols: SampleColumns) -> list[TrainSample]:
+    """The TrainSamples of these columns, in order: each array a slice of the joined bytes
+    (ValueError naming the fault when the layout does not add up)."""
+    why = problem(cols)
+    if why:
+        raise ValueError(f"batch columns: {why}")
+    n = cols.count
+    if not n:
+        return []
+    tok = np.zeros(n + 1, np.int64)
+    np.cumsum(np.frombuffer(cols.lengths, packed.INT32), out=tok[1:])
+    starts = tok[:-1].tolist()
+    ends = tok[1:].tolist()
+    tokens, mask, logprobs, versions = cols.tokens, cols.loss_mask, cols.logprobs, cols.versions
+    runs = np.frombuffer(cols.sampling_runs, packed.INT32).tolist()
+    samplings = [sp for sp, r in zip(cols.samplings, runs, strict=True) for sp in repeat(sp, r)]
+    return [
+        TrainSample(
+            traj_id=i,
+            tokens=tokens[4 * t0 : 4 * t1],
+            loss_mask=mask[t0:t1],
+            logprobs=logprobs[4 * t0 : 4 * t1],
+            versions=versions[4 * t0 : 4 * t1],
+            reward=reward,
+            advantage=adv,
+            sampling=sp,
+            replay=replay,
+        )
+        for i, t0, t1, reward, adv, sp, replay in zip(
+            np.frombuffer(cols.traj_ids, INT64).tolist(),
+            starts,
+            ends,
+            np.frombuffer(cols.rewards, FLOAT64).tolist(),
+            np.frombuffer(cols.advantages, FLOAT64).tolist(),
+            samplings,
+            map(bool, cols.replay),
+            strict=True,
+        )
+    ]
+
+
+def part(cols: SampleColumns, a: int, b: int) -> SampleColumns:
+    """Samples a..b-1 of these columns (well-formed ones: the controller's own)."""
+    n = cols.count
+    if a == 0 and b >= n:
+        return cols
+    lengths = np.frombuffer(cols.lengths, packed.INT32)
+    t0 = int(lengths[:a].sum(dtype=np.int64))
+    t1 = t0 + int(lengths[a:b].sum(dtype=np.int64))
+    runs = np.frombuffer(cols.sampling_runs, packed.INT32).astype(np.int64)
+    ends = np.cumsum(runs)
+    starts = ends - runs
+    sel = np.flatnonzero((ends > a) & (starts < b))
+    kept = np.minimum(ends[sel], b) - np.maximum(starts[sel], a)
+    return SampleColumns(
+        traj_ids=cols.traj_ids[8 * a : 8 * b],
+        lengths=cols.lengths[4 * a : 4 * b],
+        tokens=cols.tokens[4 * t0 : 4 * t1],
+        loss_mask=cols.loss_mask[t0:t1],
+        logprobs=cols.logprobs[4 * t0 : 4 * t1],
+        versions=cols.versions[4 * t0 : 4 * t1],
+        rewards=cols.rewards[8 * a : 8 * b],
+        advantages=cols.advantages[8 * a : 8 * b],
+        replay=cols.replay[a:b],
+        sampling_runs=kept.astype(packed.INT32).tobytes(),
+        samplings=[cols.samplings[i] for i in sel.tolist()],
+    )
+
+
+def with_advantages(cols: SampleColumns, advantages: list[float]) -> SampleColumns:
+    """The same columns with these advantages (one per sample)."""
+    import msgspec
+
+    return msgspec.structs.replace(cols, advantages=np.array(advantages, FLOAT64).tobytes())
+
+
+def advantage_list(cols: SampleColumns) -> list[float]:
+    """The advantages as Python floats."""
+    return list(np.frombuffer(cols.advantages, FLOAT64).tolist())
+
+
+def replayed(cols: SampleColumns) -> int:
+    """Samples flagged as replay."""
+    return int(np.frombuffer(cols.replay, np.uint8).sum(dtype=np.int64))
+
+
+def id_list(cols: SampleColumns) -> list[int]:
+    """The trajectory ids, in order."""
+    return list(np.frombuffer(cols.traj_ids, INT64).tolist())
+
+
+def length_list(cols: SampleColumns) -> list[int]:
+    """Tokens of each sample, in order."""
+    return list(np.frombuffer(cols.lengths, packed.INT32).tolist())
