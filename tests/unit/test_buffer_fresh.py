@@ -127,3 +127,19 @@ def test_the_buffered_items_kept_in_memory_are_what_the_store_holds(tmp_path: Pa
     # a restarted controller reads the same
     assert buf._buffered("main").items() == Buffer(store)._buffered("main").items()
     assert [it.task_id for it in buf._buffered("main").items()] == [5]
+
+
+def test_taking_runs_of_a_kept_group_around_sequences_taken_before() -> None:
+    """A run of consecutive ids whose middle was taken before (expired, or consumed and now replayed)
+    comes back as the kept slices around it and the taken id itself, to be read from the store."""
+    from astraflow.protocol.messages import PackedSequence
+
+    kept = fresh_mod.FreshSamples()
+    kept.remember([5, 6, 7, 8], [PackedSequence.of(_seq(k, 0.0)) for k in range(4)], [0.0] * 4)
+    assert kept.tokens == 20
+    (one,) = kept.take([6])
+    block = one[0]  # type: ignore[index]
+    assert one == (block, 1, 2)
+    assert kept.take([4, 5, 6, 7]) == [4, (block, 0, 1), 6, (block, 2, 3)]
+    assert list(kept) == [8] and kept.tokens == 20  # the group's arrays stay while a sequence is kept
+    assert kept.take([8, 9]) == [(block, 3, 4), 9] and not list(kept) and kept.tokens == 0

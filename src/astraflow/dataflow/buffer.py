@@ -26,7 +26,7 @@ from astraflow.dataflow.pending import Pending, min_versions
 from astraflow.protocol import sample_columns
 from astraflow.protocol.columns import ResultColumns
 from astraflow.protocol.messages import PackedSequence, SampleColumns, Sequence, TrainSample
-from astraflow.protocol.sample_columns import Block, Segment
+from astraflow.protocol.sample_columns import Block, Ids, Segment
 from astraflow.state import batches, trajectories
 from astraflow.state.store import Store
 
@@ -319,7 +319,11 @@ class Buffer:
             left = np.ones(len(mine), bool)
             left[picked] = False
             mine.keep(left)
-            columns = self._columns(ids, flags, self._fresh.take(ids))
+            # the ids and flags as arrays too: the columns are built without a conversion a sequence
+            id_array = np.concatenate((cols.traj_id[picked], np.asarray(replay_ids, np.int64)))
+            replay = np.zeros(len(ids), np.uint8)
+            replay[len(fresh) :] = 1
+            columns = self._columns(id_array, replay, self._fresh.take(ids, id_array))
             by_id = picked[np.argsort(cols.traj_id[picked], kind="stable")]
             self._taken[(policy, step)] = (cols.traj_id[by_id].tolist(), Columns(*(c[by_id] for c in cols)))
             while len(self._taken) > TAKEN_KEPT:
@@ -341,7 +345,7 @@ class Buffer:
             mine = self._items[policy] = Buffered.of_rows(trajectories.buffered_items(self.store, policy))
         return mine
 
-    def _columns(self, ids: list[int], flags: list[bool], found: list[Segment | int]) -> SampleColumns:
+    def _columns(self, ids: Ids, flags: Ids, found: list[Segment | int]) -> SampleColumns:
         """The columns of `ids`: `found` holds, in their order, runs of kept groups' sequences and the
         ids not kept, which are read from the store (or the archive) as one block."""
         missing = [x for x in found if isinstance(x, int)]

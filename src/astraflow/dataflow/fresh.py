@@ -14,12 +14,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from functools import lru_cache
+from itertools import repeat
 
 import numpy as np
 
 from astraflow.protocol.columns import ResultColumns
 from astraflow.protocol.messages import PackedSequence, SamplingParams
-from astraflow.protocol.sample_columns import Block, Segment
+from astraflow.protocol.sample_columns import Array, Block, Segment
 
 FRESH_TOKENS = 262_144
 """Tokens of just-stored buffered groups kept in memory as joined arrays (a few MB), so that the batch
@@ -34,6 +35,9 @@ class FreshSamples:
         self._blocks: dict[int, Block] = {}
         """First id -> block, oldest first."""
         self.tokens = 0
+        self._samplings: list[SamplingParams] | None = None
+        self._table: list[SamplingParams] = []
+        """The sampling settings of the newest message's columns, as stored."""
 
     def __len__(self) -> int:
         return len(self._at)
@@ -61,17 +65,22 @@ class FreshSamples:
         """`remember` of the stored sequences a..b-1 of a message's columns: the group's arrays are one
         slice of each of the message's joined columns."""
         tokens, mask, logprobs, versions = view.joined(a, b)
-        tok = view.tok[a : b + 1] - view.tok[a]
+        tok = view.tok[a : b + 1].tolist()
+        base = tok[0]
+        if self._samplings is not view.cols.samplings:  # a message's settings as stored, once a message
+            self._samplings = view.cols.samplings
+            self._table = [_stored(sp) for sp in self._samplings]
         block = Block(
-            tok=tok,
+            tok=[t - base for t in tok] if base else tok,
+            lengths=view.lengths[a:b],
             tokens=tokens,
             loss_mask=mask,
             logprobs=logprobs,
             versions=versions,
             rewards=view.rewards[a:b],
-            advantages=np.array(advantages, np.float64),
+            advantages=advantages,
             sampling=view.sampling[a:b],
-            table=[_stored(sp) for sp in view.cols.samplings],
+            table=self._table,
             first=ids[0] if ids else 0,
             left=b - a,
         )
@@ -99,31 +108,55 @@ class FreshSamples:
         self._blocks.clear()
         self.tokens = 0
 
-    def take(self, ids: list[int]) -> list[Segment | int]:
+    def take(self, ids: list[int], array: Array | None = None) -> list[Segment | int]:
         """Remove these ids; return, in their order, runs of kept consecutive sequences of one block
-        as (block, k0, k1), and each id not kept as itself."""
+        as (block, k0, k1), and each id not kept as itself. Runs of consecutive ids are taken a block
+        at a time (a batch takes whole groups, or their consecutive parts). `array`: the same ids as
+        an int64 array, when the caller has one."""
         out: list[Segment | int] = []
+        n = len(ids)
+        if not n:
+            return out
+        cuts = (
+            np.flatnonzero(np.diff(np.asarray(ids if array is None else array, np.int64)) != 1) + 1
+        ).tolist()
         at = self._at
-        last: Block | None = None
-        end = -1
-        for i in ids:
-            block = at.pop(i, None)
-            if block is None:
-                out.append(i)
-                last = None
-                continue
-            k = i - block.first
-            if block is last and k == end:
-                b, k0, _ = out[-1]  # type: ignore[misc]
-                out[-1] = (b, k0, k + 1)
-            else:
-                out.append((block, k, k + 1))
-            last, end = block, k + 1
-            block.left -= 1
-            if not block.left:
-                self._blocks.pop(block.first, None)
-                self.tokens -= block.token_count
+        for s, e in zip([0, *cuts], [*cuts, n], strict=True):
+            i = s
+            while i < e:
+                first = ids[i]
+                block = at.get(first)
+                if block is None:
+                    out.append(first)
+                    i += 1
+                    continue
+                k0 = first - block.first
+                k1 = min(len(block), k0 + e - i)
+                got = list(map(at.pop, range(first, first + k1 - k0), repeat(None)))
+                kept = got.count(block)
+                if kept == len(got):
+                    _add(out, block, k0, k1)
+                else:  # some of them were taken before (a replayed id next to fresh ones)
+                    for j, g in enumerate(got):
+                        if g is block:
+                            _add(out, block, k0 + j, k0 + j + 1)
+                        else:
+                            out.append(first + j)
+                block.left -= kept
+                if not block.left:
+                    self._blocks.pop(block.first, None)
+                    self.tokens -= block.token_count
+                i += k1 - k0
         return out
+
+
+def _add(out: list[Segment | int], block: Block, k0: int, k1: int) -> None:
+    """Append sequences k0..k1-1 of a block, joined to the run before when it ends at k0."""
+    last = out[-1] if out else None
+    if isinstance(last, tuple) and last[0] is block and last[2] == k0:
+        out[-1] = (block, last[1], k1)
+    else:
+        out.append((block, k0, k1))
 
 
 def _stored(sp: SamplingParams) -> SamplingParams:

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import collections.abc
 from dataclasses import dataclass, field
-from itertools import repeat
+from itertools import accumulate, chain, repeat
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from astraflow.protocol import packed
@@ -26,21 +27,23 @@ FLOAT64 = "<f8"
 """numpy dtype of rewards and advantages."""
 
 
-@dataclass
+@dataclass(slots=True)
 class Block:
     """Consecutive stored sequences with their arrays joined (one bytes object per per-token field):
     sequence k's tokens are `tokens[4 * tok[k] : 4 * tok[k + 1]]`."""
 
-    tok: Array
-    """int64, one per sequence and one after the last: where each sequence's tokens start."""
+    tok: list[int]
+    """One per sequence and one after the last: where each sequence's tokens start (tok[0] == 0)."""
+    lengths: Array
+    """int32, one per sequence: its tokens."""
     tokens: bytes
     loss_mask: bytes
     logprobs: bytes
     versions: bytes
     rewards: Array
     """float64, one per sequence."""
-    advantages: Array
-    """float64, one per sequence."""
+    advantages: list[float]
+    """One per sequence (a list: joined into one array per batch, not one per group)."""
     sampling: Array
     """int, one per sequence: an index into `table`."""
     table: list[SamplingParams]
@@ -56,7 +59,7 @@ class Block:
     @property
     def token_count(self) -> int:
         """Tokens in the block."""
-        return int(self.tok[-1])
+        return self.tok[-1]
 
     @classmethod
     def of_samples(cls, samples: collections.abc.Sequence[TrainSample], first: int = 0) -> Block:
@@ -79,55 +82,68 @@ class Block:
         first: int = 0,
     ) -> Block:
         """A block of sequences given one by one: (tokens, loss_mask, logprobs, versions) each."""
-        tok = np.zeros(len(arrays) + 1, np.int64)
-        np.cumsum([len(a[1]) for a in arrays], out=tok[1:])
+        lengths = [len(a[1]) for a in arrays]
         table: dict[SamplingParams, int] = {}
         return cls(
-            tok=tok,
+            tok=[0, *accumulate(lengths)],
+            lengths=np.array(lengths, packed.INT32),
             tokens=b"".join([a[0] for a in arrays]),
             loss_mask=b"".join([a[1] for a in arrays]),
             logprobs=b"".join([a[2] for a in arrays]),
             versions=b"".join([a[3] for a in arrays]),
             rewards=np.array(rewards, np.float64),
-            advantages=np.array(advantages, np.float64),
+            advantages=list(advantages),
             sampling=np.array([table.setdefault(sp, len(table)) for sp in samplings], np.int64),
             table=list(table),
             first=first,
             left=len(arrays),
         )
 
+    def runs(self, k0: int, k1: int) -> list[tuple[SamplingParams, int]]:
+        """(settings, how many) of each run of equal settings among sequences k0..k1-1."""
+        if len(self.table) == 1:
+            return [(self.table[0], k1 - k0)]
+        index = self.sampling[k0:k1]
+        starts = np.flatnonzero(np.concatenate(([True], index[1:] != index[:-1])))
+        counts = np.diff(np.append(starts, len(index))).tolist()
+        return [(self.table[i], n) for i, n in zip(index[starts].tolist(), counts, strict=True)]
+
 
 Segment = tuple[Block, int, int]
 """Sequences k0..k1-1 of a block."""
+Ids = collections.abc.Sequence[int] | Array
+"""Integers, one per sample: a list or a numpy array."""
 
 
-def join(segments: list[Segment], ids: list[int], replay: list[bool]) -> SampleColumns:
-    """The columns of these blocks' sequences, in order, as samples with these ids and replay flags."""
+def join(segments: list[Segment], ids: Ids, replay: Ids) -> SampleColumns:
+    """The columns of these blocks' sequences, in order, as samples with these ids and replay flags
+    (lists, or arrays where the caller has them: no conversion a sequence)."""
     if not segments:
         return SampleColumns()
-    tok = [(b, int(b.tok[k0]), int(b.tok[k1])) for b, k0, k1 in segments]
-    lengths = np.concatenate([np.diff(b.tok[k0 : k1 + 1]) for b, k0, k1 in segments])
-    table: dict[SamplingParams, int] = {}
-    runs: list[Array] = []
+    tok = [(b, b.tok[k0], b.tok[k1]) for b, k0, k1 in segments]
+    samplings: list[SamplingParams] = []
+    counts: list[int] = []
     for b, k0, k1 in segments:
-        remap = np.array([table.setdefault(sp, len(table)) for sp in b.table], np.int64)
-        runs.append(remap[b.sampling[k0:k1]])
-    index = np.concatenate(runs)
-    starts = np.flatnonzero(np.concatenate(([True], index[1:] != index[:-1])))
-    counts = np.diff(np.append(starts, len(index)))
-    samplings = list(table)
+        for sp, n in b.runs(k0, k1):
+            if samplings and (sp is samplings[-1] or sp == samplings[-1]):
+                counts[-1] += n
+            else:
+                samplings.append(sp)
+                counts.append(n)
     return SampleColumns(
         traj_ids=np.array(ids, INT64).tobytes(),
-        lengths=lengths.astype(packed.INT32).tobytes(),
+        lengths=np.concatenate([b.lengths[k0:k1] for b, k0, k1 in segments]).astype(packed.INT32).tobytes(),
         tokens=b"".join([memoryview(b.tokens)[4 * t0 : 4 * t1] for b, t0, t1 in tok]),
         loss_mask=b"".join([memoryview(b.loss_mask)[t0:t1] for b, t0, t1 in tok]),
         logprobs=b"".join([memoryview(b.logprobs)[4 * t0 : 4 * t1] for b, t0, t1 in tok]),
         versions=b"".join([memoryview(b.versions)[4 * t0 : 4 * t1] for b, t0, t1 in tok]),
         rewards=np.concatenate([b.rewards[k0:k1] for b, k0, k1 in segments]).astype(FLOAT64).tobytes(),
-        advantages=np.concatenate([b.advantages[k0:k1] for b, k0, k1 in segments]).astype(FLOAT64).tobytes(),
+        advantages=np.array(
+            list(chain.from_iterable(b.advantages[k0:k1] for b, k0, k1 in segments)), FLOAT64
+        ).tobytes(),
         replay=np.array(replay, np.uint8).tobytes(),
-        sampling_runs=counts.astype(packed.INT32).tobytes(),
-        samplings=[samplings[i] for i in index[starts].tolist()],
+        sampling_runs=np.array(counts, packed.INT32).tobytes(),
+        samplings=samplings,
     )
 
 
@@ -196,8 +212,22 @@ def cut(cols: SampleColumns) -> list[TrainSample]:
     tokens, mask, logprobs, versions = cols.tokens, cols.loss_mask, cols.logprobs, cols.versions
     runs = np.frombuffer(cols.sampling_runs, packed.INT32).tolist()
     samplings = [sp for sp, r in zip(cols.samplings, runs, strict=True) for sp in repeat(sp, r)]
+    # a template's copy with every field replaced: the fields are packed bytes already, so the
+    # constructor's packing of lists (__post_init__) has nothing to do, and a copy costs half a call
+    template = TrainSample(
+        traj_id=0,
+        tokens=b"",
+        loss_mask=b"",
+        logprobs=b"",
+        versions=b"",
+        reward=0.0,
+        advantage=0.0,
+        sampling=samplings[0],
+    )
+    make = msgspec.structs.replace
     return [
-        TrainSample(
+        make(
+            template,
             traj_id=i,
             tokens=tokens[4 * t0 : 4 * t1],
             loss_mask=mask[t0:t1],
@@ -251,8 +281,6 @@ def part(cols: SampleColumns, a: int, b: int) -> SampleColumns:
 
 def with_advantages(cols: SampleColumns, advantages: list[float]) -> SampleColumns:
     """The same columns with these advantages (one per sample)."""
-    import msgspec
-
     return msgspec.structs.replace(cols, advantages=np.array(advantages, FLOAT64).tobytes())
 
 
