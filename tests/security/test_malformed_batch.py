@@ -126,7 +126,7 @@ def test_a_batch_whose_columns_do_not_add_up_is_refused_with_the_reason(
     # one sample claims 50 more tokens than the columns hold: cut as told, it would take its
     # neighbours' tokens (or bytes past the end)
     longer = msgspec.structs.replace(good, lengths=np.array([lengths[0] + 50, *lengths[1:]], "<i4").tobytes())
-    with pytest.raises(AstraflowError, match=r"part 1 of batch 1 malformed: batch columns: tokens/loss_mask"):
+    with pytest.raises(AstraflowError, match=r"part 1 of batch 1 malformed: batch columns: tokens chunk 0"):
         _fetch(ctl, client, longer)
     # a negative length that keeps the sum right would shift every later sample's bytes
     shifted = np.array([lengths[0] + lengths[1] + 1, -1, *lengths[2:]], "<i4").tobytes()

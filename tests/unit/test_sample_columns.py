@@ -49,6 +49,16 @@ def test_columns_cut_back_into_the_same_samples_through_the_codec_and_in_any_par
         for b in range(a, 24):
             part = sc.part(cols, a, b)
             assert not sc.problem(part) and sc.cut(part) == samples[a:b], (a, b)
+    # parts of a batch of several chunks
+    blocks = [sc.Block.of_samples(samples[k : k + 5]) for k in range(0, 23, 5)]
+    chunked = sc.join(
+        [(b, 0, len(b)) for b in blocks], [s.traj_id for s in samples], [s.replay for s in samples]
+    )
+    assert len(chunked.tokens) == 5 and sc.cut(chunked) == samples
+    for a in range(24):
+        for b in range(a, 24):
+            part = sc.part(chunked, a, b)
+            assert not sc.problem(part) and sc.cut(part) == samples[a:b], (a, b)
     assert sc.cut(sc.SampleColumns()) == [] and sc.pack([]) == sc.SampleColumns()
 
 
@@ -59,8 +69,13 @@ def test_blocks_join_into_the_columns_of_their_samples() -> None:
     segments = [(right, 2, 5), (left, 0, 3), (right, 0, 2), (left, 3, 7)]
     order = [*samples[9:12], *samples[0:3], *samples[7:9], *samples[3:7]]
     cols = sc.join(segments, [s.traj_id for s in order], [s.replay for s in order])
-    assert cols == sc.pack(order)
-    assert sc.cut(cols) == order
+    assert sc.cut(cols) == order and np.frombuffer(cols.chunks, "<i4").tolist() == [3, 3, 2, 4]
+    # through the codec the chunks' views become bytes: the same samples
+    reply = decode(encode(m.BatchReply(policy="p", step=1, columns=cols, ready=True)))
+    assert isinstance(reply, m.BatchReply) and reply.samples == order
+    assert [len(c) for c in reply.columns.loss_mask] == [
+        sum(s.length for s in order[a:b]) for a, b in ((0, 3), (3, 6), (6, 8), (8, 12))
+    ]
 
 
 def test_served_advantages_replace_the_column_and_nothing_else() -> None:
@@ -95,7 +110,7 @@ def test_columns_that_do_not_add_up_are_refused_with_the_reason() -> None:
     good = sc.pack(_samples(6))
     lengths = sc.length_list(good)
     longer = ints([lengths[0] + 1, *lengths[1:]])
-    assert "bytes for" in _bad(lengths=longer) and "sum of lengths" in _bad(lengths=longer)
+    assert _bad(lengths=longer).startswith("tokens chunk 0 is")
     negative = ints([-lengths[1] - 1, lengths[0] + 2 * lengths[1] + 1, *lengths[2:]])
     assert _bad(lengths=negative) == "a sample's length is negative"
     assert _bad(traj_ids=good.traj_ids + b"\0") == "traj_ids is 49 bytes, not a whole number of int64"
@@ -103,10 +118,19 @@ def test_columns_that_do_not_add_up_are_refused_with_the_reason() -> None:
     assert _bad(rewards=good.rewards[:-8]).startswith("rewards is 40 bytes for 6 samples")
     assert _bad(advantages=good.advantages + bytes(8)).startswith("advantages is 56 bytes")
     assert _bad(replay=b"\x00\x01\x02\x00\x00\x00") == "replay holds a value other than 0 or 1"
-    assert _bad(loss_mask=good.loss_mask[:-1]).startswith("tokens/loss_mask/logprobs/versions are")
+    assert _bad(loss_mask=[good.loss_mask[0][:-1]]).startswith("loss_mask chunk 0 is")
     assert _bad(sampling_runs=ints([6] * len(good.samplings))).startswith("sampling_runs add up to")
     runs = np.frombuffer(good.sampling_runs, "<i4").tolist()
     assert _bad(sampling_runs=ints([-1, runs[0] + runs[1] + 1, *runs[2:]])) == "a sampling run is negative"
     assert _bad(sampling_runs=good.sampling_runs[:-4]).startswith("sampling_runs is")
+    assert _bad(chunks=ints([7])) == "chunks add up to 7 samples, not the 6 there are"
+    assert _bad(chunks=ints([-1, 7])).startswith("a chunk's sample count is negative")
+    two = ints([2, 4])  # the same bytes said to be two chunks: the lists hold one
+    assert _bad(chunks=two) == "tokens/loss_mask/logprobs/versions hold 1/1/1/1 chunks, not the 2 of `chunks`"
+    halves = {
+        f: [getattr(good, f)[0][:8], getattr(good, f)[0][8:]] for f in ("tokens", "logprobs", "versions")
+    }
+    why = _bad(chunks=two, loss_mask=[good.loss_mask[0][:2], good.loss_mask[0][2:]], **halves)
+    assert why.startswith("tokens chunk 0 is 8 bytes for") and "(the sum of its lengths)" in why
     cold = [msgspec.structs.replace(good.samplings[0], temperature=0.0), *good.samplings[1:]]
     assert _bad(samplings=cold).startswith("sampling settings: temperature 0.0")

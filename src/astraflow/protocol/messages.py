@@ -573,23 +573,30 @@ class BatchRequest(Msg, kw_only=True):
     after the first is served only for a recorded step."""
 
 
+Chunks = Annotated[list[Packed], msgspec.Meta(max_length=1 << 20)]
+"""One packed array per chunk of a SampleColumns."""
+
+
 class SampleColumns(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """A batch's samples (or one part's), one column per TrainSample field: per-token arrays joined,
-    one bytes object each, cut at the running sum of `lengths` (protocol/sample_columns.py builds,
-    checks and cuts them)."""
+    """A batch's samples (or one part's), one column per TrainSample field; the per-token arrays in
+    chunks of consecutive samples (a stored group's, as the buffer kept them), each chunk one bytes
+    object per field cut at the running sum of `lengths` (protocol/sample_columns.py builds, checks
+    and cuts them)."""
 
     traj_ids: Packed = b""
     """int64 little-endian, one per sample."""
     lengths: Packed = b""
     """int32, one per sample: its tokens."""
-    tokens: Packed = b""
-    """int32 token ids of every sample, joined."""
-    loss_mask: Packed = b""
-    """uint8, joined."""
-    logprobs: Packed = b""
-    """float32, joined."""
-    versions: Packed = b""
-    """int32, joined."""
+    chunks: Packed = b""
+    """int32, one per chunk: how many consecutive samples its arrays hold."""
+    tokens: Chunks = []
+    """Per chunk: the int32 token ids of its samples, joined."""
+    loss_mask: Chunks = []
+    """Per chunk: uint8, joined."""
+    logprobs: Chunks = []
+    """Per chunk: float32, joined."""
+    versions: Chunks = []
+    """Per chunk: int32, joined."""
     rewards: Packed = b""
     """float64, one per sample."""
     advantages: Packed = b""

@@ -117,7 +117,8 @@ Ids = collections.abc.Sequence[int] | Array
 
 def join(segments: list[Segment], ids: Ids, replay: Ids) -> SampleColumns:
     """The columns of these blocks' sequences, in order, as samples with these ids and replay flags
-    (lists, or arrays where the caller has them: no conversion a sequence)."""
+    (lists, or arrays where the caller has them: no conversion a sequence). Each segment is one chunk,
+    its arrays views of the block's: the encoder copies them once, into the message."""
     if not segments:
         return SampleColumns()
     tok = [(b, b.tok[k0], b.tok[k1]) for b, k0, k1 in segments]
@@ -130,13 +131,19 @@ def join(segments: list[Segment], ids: Ids, replay: Ids) -> SampleColumns:
             else:
                 samplings.append(sp)
                 counts.append(n)
+    # memoryviews encode as bytes (msgspec); the views keep nothing but the blocks' bytes alive
+    views: Any = [
+        (memoryview(b.tokens), memoryview(b.loss_mask), memoryview(b.logprobs), memoryview(b.versions))
+        for b, _t0, _t1 in tok
+    ]
     return SampleColumns(
         traj_ids=np.array(ids, INT64).tobytes(),
         lengths=np.concatenate([b.lengths[k0:k1] for b, k0, k1 in segments]).astype(packed.INT32).tobytes(),
-        tokens=b"".join([memoryview(b.tokens)[4 * t0 : 4 * t1] for b, t0, t1 in tok]),
-        loss_mask=b"".join([memoryview(b.loss_mask)[t0:t1] for b, t0, t1 in tok]),
-        logprobs=b"".join([memoryview(b.logprobs)[4 * t0 : 4 * t1] for b, t0, t1 in tok]),
-        versions=b"".join([memoryview(b.versions)[4 * t0 : 4 * t1] for b, t0, t1 in tok]),
+        chunks=np.array([k1 - k0 for _b, k0, k1 in segments], packed.INT32).tobytes(),
+        tokens=[v[0][4 * t0 : 4 * t1] for v, (_b, t0, t1) in zip(views, tok, strict=True)],
+        loss_mask=[v[1][t0:t1] for v, (_b, t0, t1) in zip(views, tok, strict=True)],
+        logprobs=[v[2][4 * t0 : 4 * t1] for v, (_b, t0, t1) in zip(views, tok, strict=True)],
+        versions=[v[3][4 * t0 : 4 * t1] for v, (_b, t0, t1) in zip(views, tok, strict=True)],
         rewards=np.concatenate([b.rewards[k0:k1] for b, k0, k1 in segments]).astype(FLOAT64).tobytes(),
         advantages=np.array(
             list(chain.from_iterable(b.advantages[k0:k1] for b, k0, k1 in segments)), FLOAT64
@@ -168,18 +175,9 @@ def problem(cols: SampleColumns) -> str:
     lengths = np.frombuffer(cols.lengths, packed.INT32)
     if n and int(lengths.min()) < 0:
         return "a sample's length is negative"
-    total = int(lengths.sum(dtype=np.int64))
-    if (
-        not len(cols.tokens)
-        == len(cols.logprobs)
-        == len(cols.versions)
-        == 4 * total
-        == 4 * len(cols.loss_mask)
-    ):
-        return (
-            f"tokens/loss_mask/logprobs/versions are {len(cols.tokens)}/{len(cols.loss_mask)}/"
-            f"{len(cols.logprobs)}/{len(cols.versions)} bytes for {total} tokens (the sum of lengths)"
-        )
+    why = _chunks_problem(cols, n, lengths)
+    if why:
+        return why
     if n and int(np.frombuffer(cols.replay, np.uint8).max()) > 1:
         return "replay holds a value other than 0 or 1"
     if len(cols.sampling_runs) != 4 * len(cols.samplings):
@@ -196,8 +194,41 @@ def problem(cols: SampleColumns) -> str:
     return ""
 
 
+def _chunks_problem(cols: SampleColumns, n: int, lengths: Array) -> str:
+    """Why the chunks of per-token arrays do not hold the samples' tokens ('' when they do)."""
+    if len(cols.chunks) % 4:
+        return f"chunks is {len(cols.chunks)} bytes, not a whole number of int32"
+    counts = np.frombuffer(cols.chunks, packed.INT32)
+    if len(counts) and int(counts.min()) < 0:
+        return "a chunk's sample count is negative"
+    if int(counts.sum(dtype=np.int64)) != n:
+        return f"chunks add up to {int(counts.sum(dtype=np.int64))} samples, not the {n} there are"
+    fields = (cols.tokens, cols.loss_mask, cols.logprobs, cols.versions)
+    if any(len(f) != len(counts) for f in fields):
+        return (
+            f"tokens/loss_mask/logprobs/versions hold {'/'.join(str(len(f)) for f in fields)} chunks, "
+            f"not the {len(counts)} of `chunks`"
+        )
+    tok = np.zeros(n + 1, np.int64)
+    np.cumsum(lengths, out=tok[1:])
+    bounds = np.zeros(len(counts) + 1, np.int64)
+    np.cumsum(counts, out=bounds[1:])
+    want = tok[bounds[1:]] - tok[bounds[:-1]]
+    for name, f, size in zip(
+        ("tokens", "loss_mask", "logprobs", "versions"), fields, (4, 1, 4, 4), strict=True
+    ):
+        have = np.array([len(x) for x in f], np.int64)
+        bad = np.flatnonzero(have != size * want)
+        if len(bad):
+            j = int(bad[0])
+            return (
+                f"{name} chunk {j} is {int(have[j])} bytes for {int(want[j])} tokens (the sum of its lengths)"
+            )
+    return ""
+
+
 def cut(cols: SampleColumns) -> list[TrainSample]:
-    """The TrainSamples of these columns, in order: each array a slice of the joined bytes
+    """The TrainSamples of these columns, in order: each array a slice of its chunk's bytes
     (ValueError naming the fault when the layout does not add up)."""
     why = problem(cols)
     if why:
@@ -205,15 +236,23 @@ def cut(cols: SampleColumns) -> list[TrainSample]:
     n = cols.count
     if not n:
         return []
+    counts = np.frombuffer(cols.chunks, packed.INT32)
     tok = np.zeros(n + 1, np.int64)
     np.cumsum(np.frombuffer(cols.lengths, packed.INT32), out=tok[1:])
-    starts = tok[:-1].tolist()
-    ends = tok[1:].tolist()
-    tokens, mask, logprobs, versions = cols.tokens, cols.loss_mask, cols.logprobs, cols.versions
+    chunk = np.repeat(np.arange(len(counts)), counts)
+    first = np.zeros(len(counts) + 1, np.int64)
+    np.cumsum(counts, out=first[1:])
+    base = tok[first[chunk]]  # each sample's chunk's first token
+    starts = (tok[:-1] - base).tolist()
+    ends = (tok[1:] - base).tolist()
+    # decoded chunks are bytes; the controller's own (in process) may be views of its blocks
+    tokens, mask, logprobs, versions = (
+        [x if type(x) is bytes else bytes(x) for x in f]
+        for f in (cols.tokens, cols.loss_mask, cols.logprobs, cols.versions)
+    )
     runs = np.frombuffer(cols.sampling_runs, packed.INT32).tolist()
     samplings = [sp for sp, r in zip(cols.samplings, runs, strict=True) for sp in repeat(sp, r)]
-    # a template's copy with every field replaced: the fields are packed bytes already, so the
-    # constructor's packing of lists (__post_init__) has nothing to do, and a copy costs half a call
+    # a template's copy with every field replaced: the fields are packed bytes already
     template = TrainSample(
         traj_id=0,
         tokens=b"",
@@ -229,17 +268,18 @@ def cut(cols: SampleColumns) -> list[TrainSample]:
         make(
             template,
             traj_id=i,
-            tokens=tokens[4 * t0 : 4 * t1],
-            loss_mask=mask[t0:t1],
-            logprobs=logprobs[4 * t0 : 4 * t1],
-            versions=versions[4 * t0 : 4 * t1],
+            tokens=tokens[j][4 * t0 : 4 * t1],
+            loss_mask=mask[j][t0:t1],
+            logprobs=logprobs[j][4 * t0 : 4 * t1],
+            versions=versions[j][4 * t0 : 4 * t1],
             reward=reward,
             advantage=adv,
             sampling=sp,
             replay=replay,
         )
-        for i, t0, t1, reward, adv, sp, replay in zip(
+        for i, j, t0, t1, reward, adv, sp, replay in zip(
             np.frombuffer(cols.traj_ids, INT64).tolist(),
+            chunk.tolist(),
             starts,
             ends,
             np.frombuffer(cols.rewards, FLOAT64).tolist(),
@@ -257,8 +297,23 @@ def part(cols: SampleColumns, a: int, b: int) -> SampleColumns:
     if a == 0 and b >= n:
         return cols
     lengths = np.frombuffer(cols.lengths, packed.INT32)
-    t0 = int(lengths[:a].sum(dtype=np.int64))
-    t1 = t0 + int(lengths[a:b].sum(dtype=np.int64))
+    tok = np.zeros(n + 1, np.int64)
+    np.cumsum(lengths, out=tok[1:])
+    counts = np.frombuffer(cols.chunks, packed.INT32).astype(np.int64)
+    c_end = np.cumsum(counts)
+    c_start = c_end - counts
+    fields: tuple[list[Any], list[Any], list[Any], list[Any]] = ([], [], [], [])
+    kept_counts = []
+    for j in np.flatnonzero((c_end > a) & (c_start < b)).tolist():
+        s0, s1 = max(a, int(c_start[j])), min(b, int(c_end[j]))
+        t_base = int(tok[c_start[j]])
+        t0, t1 = int(tok[s0]) - t_base, int(tok[s1]) - t_base
+        for out, f, size in zip(
+            fields, (cols.tokens, cols.loss_mask, cols.logprobs, cols.versions), (4, 1, 4, 4), strict=True
+        ):
+            whole = s0 == c_start[j] and s1 == c_end[j]
+            out.append(f[j] if whole else memoryview(f[j])[size * t0 : size * t1])
+        kept_counts.append(s1 - s0)
     runs = np.frombuffer(cols.sampling_runs, packed.INT32).astype(np.int64)
     ends = np.cumsum(runs)
     starts = ends - runs
@@ -267,10 +322,11 @@ def part(cols: SampleColumns, a: int, b: int) -> SampleColumns:
     return SampleColumns(
         traj_ids=cols.traj_ids[8 * a : 8 * b],
         lengths=cols.lengths[4 * a : 4 * b],
-        tokens=cols.tokens[4 * t0 : 4 * t1],
-        loss_mask=cols.loss_mask[t0:t1],
-        logprobs=cols.logprobs[4 * t0 : 4 * t1],
-        versions=cols.versions[4 * t0 : 4 * t1],
+        chunks=np.array(kept_counts, packed.INT32).tobytes(),
+        tokens=fields[0],
+        loss_mask=fields[1],
+        logprobs=fields[2],
+        versions=fields[3],
         rewards=cols.rewards[8 * a : 8 * b],
         advantages=cols.advantages[8 * a : 8 * b],
         replay=cols.replay[a:b],
