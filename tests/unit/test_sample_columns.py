@@ -89,6 +89,7 @@ def test_served_advantages_replace_the_column_and_nothing_else() -> None:
     assert sc.replayed(cols) == sum(s.replay for s in samples)
     assert sc.id_list(cols) == [s.traj_id for s in samples]
     assert sc.length_list(cols) == [s.length for s in samples]
+    assert sc.token_count(cols) == sum(s.length for s in samples)
 
 
 def ints(values: list[int]) -> bytes:

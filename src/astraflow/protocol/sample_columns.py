@@ -358,3 +358,8 @@ def id_list(cols: SampleColumns) -> list[int]:
 def length_list(cols: SampleColumns) -> list[int]:
     """Tokens of each sample, in order."""
     return list(np.frombuffer(cols.lengths, packed.INT32).tolist())
+
+
+def token_count(cols: SampleColumns) -> int:
+    """Tokens of all the samples."""
+    return int(np.frombuffer(cols.lengths, packed.INT32).sum(dtype=np.int64))

@@ -101,7 +101,7 @@ def _first_part(ctx: Batching, msg: m.BatchRequest, pol: PolicyConfig) -> m.Msg:
     if batch.new:
         made_progress(ctx.store, ctx.progress)
     cols = batch.columns
-    bounds = _part_bounds(ctx, sample_columns.id_list(cols), len(cols.loss_mask))
+    bounds = _part_bounds(ctx, sample_columns.id_list(cols), sample_columns.token_count(cols))
     served = ctx.pipeline.batch_columns(msg.policy, cols)  # the estimator's batch stage
     return m.BatchReply(
         rid=msg.rid,
