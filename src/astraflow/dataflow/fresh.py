@@ -4,8 +4,8 @@ served as columns without reading them back from state.db or building an object 
 
 Each stored group is one `Block` (protocol/sample_columns.py): its sequences' per-token arrays joined,
 one bytes object per field (a slice of the message's columns, cut once), with its rewards,
-advantages and sampling settings as arrays. A trajectory id maps to its group's block; a batch takes
-runs of a group's consecutive sequences as one slice each. Bounded: FRESH_TOKENS tokens of blocks in
+advantages and sampling settings beside them. A trajectory id maps to its group's block; a batch takes
+runs of a group's consecutive sequences as one chunk each. Bounded: FRESH_TOKENS tokens of blocks in
 all, oldest dropped first; a block goes as soon as every sequence of it was taken. A miss reads the
 store. The buffer clears it on a rollback: the ids of a rolled-back insert are reused.
 """

@@ -1,10 +1,11 @@
 """A batch's samples as columns: what a BatchReply carries (docs/protocol.md, "Batches as columns").
 
 The controller builds them from blocks of stored sequences (`Block`: a stored group's joined arrays,
-or rows read back from state.db) without a Python object per sequence: a group's consecutive
-sequences are one slice of each of its arrays. The trainer checks the layout (`problem`) and cuts
-the columns into the TrainSamples its step consumes (`cut`), each array a slice of the joined bytes,
-so a sample holds exactly the bytes it held when it travelled on its own.
+or rows read back from state.db) without a Python object per sequence: a run of a group's
+consecutive sequences is one chunk, a view of each of the block's arrays, which the encoder copies
+once into the message. The trainer checks the layout (`problem`) and cuts the chunks into the
+TrainSamples its step consumes (`cut`), each array a slice of its chunk's bytes, so a sample holds
+exactly the bytes it held when it travelled on its own.
 """
 
 from __future__ import annotations
