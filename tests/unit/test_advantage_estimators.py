@@ -20,6 +20,7 @@ from astraflow.dataflow.estimators import (
 from astraflow.dataflow.pipeline import Pipeline
 from astraflow.errors import PluginError, RecipeError
 from astraflow.protocol.messages import Episode, SamplingParams, Sequence
+from astraflow.protocol.sample_columns import cut
 from astraflow.state.store import Store
 
 
@@ -137,14 +138,16 @@ def test_reinforce_pp_through_the_pipeline(tmp_path: Path) -> None:
     assert batch is not None
     stored = sorted(s.advantage for s in batch.samples)
     assert stored == [-0.5, 0.0, 0.0, 0.5]
-    served = pipe.batch_samples("main", batch.samples)
+    served = cut(pipe.batch_columns("main", batch.columns))
     # [0.5, -0.5, 0, 0]: mean 0, population std sqrt(0.125)
     s = math.sqrt(0.125) + 1e-5
     assert sorted(x.advantage for x in served) == pytest.approx([-0.5 / s, 0.0, 0.0, 0.5 / s], abs=1e-12)
     assert [x.traj_id for x in served] == [x.traj_id for x in batch.samples]
     again = buf.next_batch("main", 1, 4, 1, 0)
     assert again is not None and not again.new
-    assert [x.advantage for x in pipe.batch_samples("main", again.samples)] == [x.advantage for x in served]
+    assert [x.advantage for x in cut(pipe.batch_columns("main", again.columns))] == [
+        x.advantage for x in served
+    ]
     store.close()
 
 
@@ -156,7 +159,7 @@ def test_rloo_through_the_pipeline_and_a_plugin_subclass(tmp_path: Path) -> None
     pipe.ingest(buf, 1, "a", _episodes([3.0, 1.0, 2.0]))
     batch = buf.next_batch("main", 1, 3, 1, 0)
     assert batch is not None
-    by_reward = {s.reward: s.advantage for s in pipe.batch_samples("main", batch.samples)}
+    by_reward = {s.reward: s.advantage for s in cut(pipe.batch_columns("main", batch.columns))}
     assert by_reward == pytest.approx({3.0: 1.5, 1.0: -1.5, 2.0: 0.0})
     store.close()
 

@@ -12,6 +12,7 @@ from astraflow.dataflow import fresh as fresh_mod
 from astraflow.dataflow.buffer import Buffer
 from astraflow.protocol.codec import encode
 from astraflow.protocol.messages import BatchReply, SamplingParams, Sequence
+from astraflow.protocol.sample_columns import pack
 from astraflow.state.store import Store
 
 
@@ -28,7 +29,7 @@ def _seq(first: int, reward: float, n: int = 4) -> Sequence:
 
 
 def _reply(samples: list) -> bytes:
-    return encode(BatchReply(policy="main", step=1, samples=samples, ready=True))
+    return encode(BatchReply(policy="main", step=1, columns=pack(samples), ready=True))
 
 
 def test_kept_samples_are_what_the_store_reads_back(tmp_path: Path) -> None:
@@ -56,16 +57,40 @@ def test_a_rolled_back_insert_leaves_nothing_kept(tmp_path: Path) -> None:
     assert [s.token_list()[0] for s in batch.samples] == [3, 4]
 
 
-def test_beyond_the_budget_the_oldest_are_read_from_the_store(
+def test_beyond_the_budget_the_oldest_groups_are_read_from_the_store(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(fresh_mod, "FRESH_TOKENS", 12)  # two sequences of 5 tokens fit, not three
+    monkeypatch.setattr(fresh_mod, "FRESH_TOKENS", 12)  # one group of two 5-token sequences fits, not two
     buf = Buffer(Store.open(tmp_path / "s.db"))
-    ids = buf.insert(1, "k1", [_seq(1, 1.0), _seq(2, 0.0), _seq(3, 1.0)], [0.5, -0.5, 0.5])
-    assert list(buf._fresh) == ids[1:] and buf._fresh.tokens == 10
-    batch = buf.next_batch("main", 1, batch_size=3, max_staleness=0, version=0)
-    assert batch is not None
-    assert _reply(batch.samples) == _reply(buf.samples(ids, [False] * 3))
+    a = buf.insert(1, "k1", [_seq(1, 1.0), _seq(2, 0.0)], [0.5, -0.5])
+    b = buf.insert(2, "k2", [_seq(3, 1.0), _seq(4, 0.0)], [0.5, -0.5])
+    assert list(buf._fresh) == b and buf._fresh.tokens == 10
+    batch = buf.next_batch("main", 1, batch_size=4, max_staleness=0, version=0)
+    assert batch is not None and not buf._fresh and buf._fresh.tokens == 0
+    assert _reply(batch.samples) == _reply(buf.samples(a + b, [False] * 4))
+
+
+def test_a_batch_of_kept_and_read_sequences_is_cut_where_each_came_from(tmp_path: Path) -> None:
+    """Kept groups served in part (a group split across two steps), expired ones, sequences read back
+    from the store and replayed ones mix in one batch: every sample is the store's bytes."""
+    store = Store.open(tmp_path / "s.db")
+    buf = Buffer(store)
+    a = buf.insert(1, "k1", [_seq(1, 1.0), _seq(2, 0.0), _seq(3, 1.0)], [0.5, -0.5, 0.5])
+    buf._fresh.forget()  # as after a restart: read back from the store
+    b = buf.insert(2, "k2", [_seq(4, 0.0, 2), _seq(5, 1.0, 6), _seq(6, 1.0, 1)], [-0.5, 0.5, 0.0])
+    first = buf.next_batch("main", 1, batch_size=4, max_staleness=0, version=0)
+    assert first is not None and [s.traj_id for s in first.samples] == a + b[:1]
+    assert list(buf._fresh) == b[1:]  # the rest of the split group stays kept
+    assert _reply(first.samples) == _reply(buf.samples(a + b[:1], [False] * 4))
+    second = buf.next_batch("main", 2, batch_size=2, max_staleness=1, version=1)
+    assert second is not None and [s.traj_id for s in second.samples] == b[1:] and not buf._fresh
+    assert _reply(second.samples) == _reply(buf.samples(b[1:], [False] * 2))
+    mixed = buf.columns([b[2], a[0], b[1], a[1]], [False, True, False, True])
+    from astraflow.protocol.sample_columns import cut
+
+    got = cut(mixed)
+    assert [(s.traj_id, s.replay) for s in got] == [(b[2], False), (a[0], True), (b[1], False), (a[1], True)]
+    assert [s.token_list()[0] for s in got] == [6, 1, 5, 2] and [s.length for s in got] == [2, 5, 7, 5]
 
 
 def test_a_step_metrics_rows_kept_when_its_batch_was_taken_are_what_the_store_reads(tmp_path: Path) -> None:
@@ -102,3 +127,19 @@ def test_the_buffered_items_kept_in_memory_are_what_the_store_holds(tmp_path: Pa
     # a restarted controller reads the same
     assert buf._buffered("main").items() == Buffer(store)._buffered("main").items()
     assert [it.task_id for it in buf._buffered("main").items()] == [5]
+
+
+def test_taking_runs_of_a_kept_group_around_sequences_taken_before() -> None:
+    """A run of consecutive ids whose middle was taken before (expired, or consumed and now replayed)
+    comes back as the kept slices around it and the taken id itself, to be read from the store."""
+    from astraflow.protocol.messages import PackedSequence
+
+    kept = fresh_mod.FreshSamples()
+    kept.remember([5, 6, 7, 8], [PackedSequence.of(_seq(k, 0.0)) for k in range(4)], [0.0] * 4)
+    assert kept.tokens == 20
+    (one,) = kept.take([6])
+    block = one[0]  # type: ignore[index]
+    assert one == (block, 1, 2)
+    assert kept.take([4, 5, 6, 7]) == [4, (block, 0, 1), 6, (block, 2, 3)]
+    assert list(kept) == [8] and kept.tokens == 20  # the group's arrays stay while a sequence is kept
+    assert kept.take([8, 9]) == [(block, 3, 4), 9] and not list(kept) and kept.tokens == 0

@@ -8,6 +8,7 @@ import msgspec
 import pytest
 
 from astraflow.protocol import messages as m
+from astraflow.protocol import sample_columns
 from astraflow.protocol.codec import MESSAGE_TYPES, DecodeError, decode, encode
 
 _TASK = m.Task(task_id=3, epoch=2, sample={"prompt": "1+1", "answer": 2}, group_size=4, roles={"solver": "p"})
@@ -49,7 +50,7 @@ SAMPLES: list[m.Msg] = [
     m.TaskResults.of([m.Outcome(task_id=3, epoch=2, episodes=[m.Episode(sequences=[_SEQ])])], rid=6),
     m.ResultsAck(rid=6, acks=[m.OutcomeAck(task_id=3, status="invalid", code="bad_result", message="why")]),
     m.BatchRequest(rid=6, policy="p", step=1),
-    m.BatchReply(rid=6, policy="p", step=1, samples=[_TS], ready=True),
+    m.BatchReply(rid=6, policy="p", step=1, columns=sample_columns.pack([_TS]), ready=True),
     m.VersionPublished(
         rid=7, policy="p", version=8, step=8, weights_addr="tcp://h:1", nbytes=10, metrics={"loss": 0.1}
     ),

@@ -2,14 +2,18 @@
 through `Controller.dispatch` with results of sequences of different lengths, logprobs, versions and
 sampling settings serves batches (new, replayed, and re-served from state.db by a controller reopened
 on the same run directory) whose encoded `BatchReply` bytes hash to the digest recorded from the
-layout before token arrays moved to a table of their own (main 9e68a28). A change to what a
-TrainSample carries, or to its order, fails here."""
+layout before token arrays moved to a table of their own (main 9e68a28). Since protocol 10 a batch
+travels as columns: the samples the trainer cuts from them are encoded as protocol 9's per-sample
+`BatchReply` (`_Protocol9Reply`) and must hash to the same digest. A change to what a TrainSample
+carries, or to its order, fails here."""
 
 from __future__ import annotations
 
 import hashlib
 import random
 from pathlib import Path
+
+import msgspec
 
 from astraflow.bench.control import POLICY, recipe
 from astraflow.config.recipe import Recipe
@@ -19,6 +23,22 @@ from astraflow.protocol.codec import decode, encode
 DIGEST = "197099912e41a831a95b1254a04ab8bae84de8ac9ddec20c66153c6eb782ce8a"
 """sha256 of every served BatchReply's encoding, in order, on main 9e68a28 (the layout before)."""
 WORKER, TRAINER = "raas-0", "trainer-0"
+
+
+class _Protocol9Reply(msgspec.Struct, tag="BatchReply", tag_field="type", kw_only=True):
+    """BatchReply as protocol 9 carried it: one TrainSample struct per sample."""
+
+    rid: int = 0
+    policy: str
+    step: int
+    samples: list[m.TrainSample] = []
+    ready: bool = False
+    done: bool = False
+    retry_after_s: float = 0.0
+    part: int = 0
+    parts: int = 1
+
+
 STEPS = 4
 
 
@@ -81,9 +101,19 @@ def _controller(run_dir: Path) -> object:
 
 
 def _batch(ctl: object, step: int) -> bytes | None:
+    """The step's reply as the trainer reads it (decoded, its samples cut from the columns), encoded
+    as protocol 9 sent it."""
     (reply,) = _send(ctl, TRAINER, m.BatchRequest(policy=POLICY, step=step, wait_s=0.0))
     assert isinstance(reply, m.BatchReply)
-    return encode(reply) if reply.ready else None
+    if not reply.ready:
+        return None
+    got = decode(encode(reply))
+    assert isinstance(got, m.BatchReply)
+    fields = {
+        f: getattr(got, f)
+        for f in ("rid", "policy", "step", "ready", "done", "retry_after_s", "part", "parts")
+    }
+    return msgspec.msgpack.encode(_Protocol9Reply(samples=got.samples, **fields))
 
 
 def test_served_batches_are_the_bytes_served_before(tmp_path: Path) -> None:
@@ -107,6 +137,8 @@ def test_served_batches_are_the_bytes_served_before(tmp_path: Path) -> None:
     again = _controller(tmp_path)  # nothing in memory: every batch is read back from state.db
     assert [_batch(again, step) for step in range(1, STEPS + 1)] == served
     again.store.close()  # type: ignore[attr-defined]
-    replayed = [s for b in served for s in decode(b).samples if s.replay]  # type: ignore[attr-defined]
+    replayed = [
+        s for b in served for s in msgspec.msgpack.decode(b, type=_Protocol9Reply).samples if s.replay
+    ]
     assert replayed and len({len(s.tokens) for s in replayed}) > 1
     assert hashlib.sha256(b"".join(served)).hexdigest() == DIGEST

@@ -113,7 +113,7 @@ def _step(d: _Driver, step: int, rng: random.Random, tokens: int) -> int:
         if isinstance(reply, m.BatchReply) and reply.ready:
             break
     d.send(TRAINER, m.VersionPublished(policy=POLICY, version=step, step=step, weights_addr=""))
-    return len(reply.samples)
+    return reply.columns.count
 
 
 def run(

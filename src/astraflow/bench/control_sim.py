@@ -360,7 +360,7 @@ def _on_batch(mem: _Member, msg: m.BatchReply, spec: SimSpec, res: SimResult, to
         mem.send(m.BatchRequest(policy=spec.policy, step=mem.step, wait_s=BATCH_WAIT_S), "batch")
         return
     res.batch_latency_s.append(took)
-    res.steps.append((time.time(), msg.step, len(msg.samples)))
+    res.steps.append((time.time(), msg.step, msg.columns.count))
     mem.send(
         m.VersionPublished(policy=spec.policy, version=msg.step, step=msg.step, weights_addr=""),
         "version",

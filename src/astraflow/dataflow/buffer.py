@@ -15,7 +15,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
 import numpy as np
 
 from astraflow.data.base import BufferOrder
@@ -24,8 +23,10 @@ from astraflow.dataflow.buffered import Buffered, Columns, choose
 from astraflow.dataflow.fresh import FreshSamples, sampling
 from astraflow.dataflow.limits import RefusedResult, nonfinite_row
 from astraflow.dataflow.pending import Pending, min_versions
+from astraflow.protocol import sample_columns
 from astraflow.protocol.columns import ResultColumns
-from astraflow.protocol.messages import PackedSequence, Sequence, TrainSample
+from astraflow.protocol.messages import PackedSequence, SampleColumns, Sequence, TrainSample
+from astraflow.protocol.sample_columns import Block, Ids, Segment
 from astraflow.state import batches, trajectories
 from astraflow.state.store import Store
 
@@ -35,11 +36,11 @@ TAKEN_KEPT = 8
 
 @dataclass
 class Batch:
-    """A recorded batch: its samples in order, and what taking it did."""
+    """A recorded batch: its samples in order (as columns), and what taking it did."""
 
     policy: str
     step: int
-    samples: list[TrainSample]
+    columns: SampleColumns
     version: int
     """Policy version the batch was checked against (staleness reference)."""
     expired: int = 0
@@ -48,6 +49,11 @@ class Batch:
     """version - min_version of each fresh sample."""
     new: bool = True
     """False when this is a re-delivery of an already recorded batch."""
+
+    @property
+    def samples(self) -> list[TrainSample]:
+        """The samples cut from the columns (an object per sample: for readers that want them)."""
+        return sample_columns.cut(self.columns)
 
 
 def default_order(kind: str) -> BufferOrder:
@@ -77,8 +83,8 @@ class Buffer:
         # a rolled-back insert leaves the count too high: count again from the store when next asked
         store.on_rollback.append(self._generated.clear)
         self._fresh = FreshSamples()
-        """Buffered trajectories stored lately, as ready TrainSamples (dataflow/fresh.py); cleared
-        on a rollback: the ids of a rolled-back insert are reused."""
+        """Buffered groups stored lately, as their joined arrays (dataflow/fresh.py); cleared on a
+        rollback: the ids of a rolled-back insert are reused."""
         store.on_rollback.append(self._fresh.forget)
         self._pending: Pending | None = None
         """The groups of the open `grouped` block, written when it ends."""
@@ -263,7 +269,11 @@ class Buffer:
 
     def samples(self, ids: list[int], flags: list[bool]) -> list[TrainSample]:
         """The TrainSamples of these trajectories, in this order, with these replay flags."""
-        return self._samples(ids, flags)
+        return sample_columns.cut(self.columns(ids, flags))
+
+    def columns(self, ids: list[int], flags: list[bool]) -> SampleColumns:
+        """The samples of these trajectories, in this order, with these replay flags, as columns."""
+        return self._columns(ids, flags, list(ids))
 
     def recorded(self, policy: str, step: int) -> Batch | None:
         """The recorded batch of a step, rebuilt from the store (same trajectories, same order)."""
@@ -271,7 +281,7 @@ class Buffer:
         if recorded is None:
             return None
         ids, flags, version = recorded
-        return Batch(policy, step, self._samples(ids, flags), version, new=False)
+        return Batch(policy, step, self.columns(ids, flags), version, new=False)
 
     def next_batch(
         self, policy: str, step: int, batch_size: int, max_staleness: int, version: int
@@ -309,7 +319,11 @@ class Buffer:
             left = np.ones(len(mine), bool)
             left[picked] = False
             mine.keep(left)
-            samples = self._samples(ids, flags, self._fresh.take(ids))
+            # the ids and flags as arrays too: the columns are built without a conversion a sequence
+            id_array = np.concatenate((cols.traj_id[picked], np.asarray(replay_ids, np.int64)))
+            replay = np.zeros(len(ids), np.uint8)
+            replay[len(fresh) :] = 1
+            columns = self._columns(id_array, replay, self._fresh.take(ids, id_array))
             by_id = picked[np.argsort(cols.traj_id[picked], kind="stable")]
             self._taken[(policy, step)] = (cols.traj_id[by_id].tolist(), Columns(*(c[by_id] for c in cols)))
             while len(self._taken) > TAKEN_KEPT:
@@ -317,7 +331,7 @@ class Buffer:
         return Batch(
             policy,
             step,
-            samples,
+            columns,
             ref,
             expired=len(stale),
             staleness=(ref - cols.min_version[picked]).tolist(),
@@ -331,34 +345,35 @@ class Buffer:
             mine = self._items[policy] = Buffered.of_rows(trajectories.buffered_items(self.store, policy))
         return mine
 
-    def _samples(
-        self, ids: list[int], flags: list[bool], known: dict[int, TrainSample] | None = None
-    ) -> list[TrainSample]:
-        """The TrainSamples of `ids`: those in `known` as they are, the rest read from the store."""
-        if not ids:
-            return []
-        known = known or {}
-        missing = [i for i in ids if i not in known]
-        by_id: dict[int, Any] = dict(trajectories.sample_rows(self.store, missing)) if missing else {}
-        by_id.update(self._archived(missing, by_id))
-        out = []
-        for i, replay in zip(ids, flags, strict=True):
-            ready = known.get(i)
-            if ready is not None:
-                out.append(ready if not replay else msgspec.structs.replace(ready, replay=True))
-                continue
-            r = by_id[i]
-            out.append(
-                TrainSample(
-                    traj_id=i,
-                    tokens=r["tokens"],
-                    loss_mask=r["loss_mask"],
-                    logprobs=r["logprobs"],
-                    versions=r["versions"],
-                    reward=float(r["reward"]),
-                    advantage=float(r["advantage"]),
-                    replay=replay,
-                    sampling=sampling(float(r["temperature"]), float(r["top_p"]), int(r["top_k"])),
-                )
-            )
-        return out
+    def _columns(self, ids: Ids, flags: Ids, found: list[Segment | int]) -> SampleColumns:
+        """The columns of `ids`: `found` holds, in their order, runs of kept groups' sequences and the
+        ids not kept, which are read from the store (or the archive) as one block."""
+        missing = [x for x in found if isinstance(x, int)]
+        if missing:
+            block = self._read_block(missing)
+            at = {i: k for k, i in enumerate(missing)}
+            segments: list[Segment] = []
+            for x in found:
+                if isinstance(x, int):
+                    k = at[x]
+                    if segments and segments[-1][0] is block and segments[-1][2] == k:
+                        segments[-1] = (block, segments[-1][1], k + 1)
+                    else:
+                        segments.append((block, k, k + 1))
+                else:
+                    segments.append(x)
+        else:
+            segments = found  # type: ignore[assignment]
+        return sample_columns.join(segments, ids, flags)
+
+    def _read_block(self, ids: list[int]) -> Block:
+        """These trajectories read from the store (or the archive), in this order, as one block."""
+        by_id: dict[int, Any] = dict(trajectories.sample_rows(self.store, ids))
+        by_id.update(self._archived(ids, by_id))
+        rows = [by_id[i] for i in ids]
+        return Block.of_arrays(
+            [(r["tokens"], r["loss_mask"], r["logprobs"], r["versions"]) for r in rows],
+            [float(r["reward"]) for r in rows],
+            [float(r["advantage"]) for r in rows],
+            [sampling(float(r["temperature"]), float(r["top_p"]), int(r["top_k"])) for r in rows],
+        )

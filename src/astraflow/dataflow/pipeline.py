@@ -12,8 +12,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
-
 from astraflow.config.recipe import PolicyConfig
 from astraflow.data.base import (
     AdmissionStage,
@@ -30,11 +28,12 @@ from astraflow.dataflow.buffer import Buffer, default_order
 from astraflow.dataflow.estimators import AdvantageEstimator, make_estimator
 from astraflow.errors import RecipeError
 from astraflow.log import get
+from astraflow.protocol import sample_columns
 from astraflow.protocol.messages import (
     AnyEpisodes,
     PackedEpisode,
     PackedSequence,
-    TrainSample,
+    SampleColumns,
     pack_episodes,
 )
 from astraflow.state.store import Store
@@ -355,19 +354,18 @@ class Pipeline:
         est = self.policies[policy].estimator
         return est is not None and est.batch_level
 
-    def batch_samples(
-        self, policy: str, samples: list[TrainSample], whole: list[float] | None = None, start: int = 0
-    ) -> list[TrainSample]:
-        """Served samples with the estimator's batch stage applied (unchanged for group-only estimators).
-        `whole`: the stored advantages of the whole batch when `samples` is its part from `start`."""
+    def batch_columns(
+        self, policy: str, cols: SampleColumns, whole: list[float] | None = None, start: int = 0
+    ) -> SampleColumns:
+        """Served columns with the estimator's batch stage applied to their advantages (unchanged for
+        group-only estimators). `whole`: the stored advantages of the whole batch when `cols` is its
+        part from `start`."""
         est = self.policies[policy].estimator
-        if est is None or not est.batch_level or not samples:
-            return samples
-        advs = est.batch(whole if whole is not None else [s.advantage for s in samples])
-        return [
-            msgspec.structs.replace(s, advantage=a)
-            for s, a in zip(samples, advs[start : start + len(samples)], strict=True)
-        ]
+        n = cols.count
+        if est is None or not est.batch_level or not n:
+            return cols
+        advs = est.batch(whole if whole is not None else sample_columns.advantage_list(cols))
+        return sample_columns.with_advantages(cols, advs[start : start + n])
 
     def on_batch(self, policy: str, replayed: int) -> None:
         """Tell the composers how many sequences a newly recorded batch replayed."""

@@ -17,7 +17,7 @@ import msgspec
 
 from astraflow.protocol import packed
 
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 
 # Caps on what a peer may send, checked by the decoder before a message reaches a handler
 # (docs/protocol.md "Limits"); frames as a whole are capped by the transport's MAXMSGSIZE.
@@ -573,19 +573,68 @@ class BatchRequest(Msg, kw_only=True):
     after the first is served only for a recorded step."""
 
 
+Chunks = Annotated[list[Packed], msgspec.Meta(max_length=1 << 20)]
+"""One packed array per chunk of a SampleColumns."""
+
+
+class SampleColumns(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A batch's samples (or one part's), one column per TrainSample field; the per-token arrays in
+    chunks of consecutive samples (a stored group's, as the buffer kept them), each chunk one bytes
+    object per field cut at the running sum of `lengths` (protocol/sample_columns.py builds, checks
+    and cuts them)."""
+
+    traj_ids: Packed = b""
+    """int64 little-endian, one per sample."""
+    lengths: Packed = b""
+    """int32, one per sample: its tokens."""
+    chunks: Packed = b""
+    """int32, one per chunk: how many consecutive samples its arrays hold."""
+    tokens: Chunks = []
+    """Per chunk: the int32 token ids of its samples, joined."""
+    loss_mask: Chunks = []
+    """Per chunk: uint8, joined."""
+    logprobs: Chunks = []
+    """Per chunk: float32, joined."""
+    versions: Chunks = []
+    """Per chunk: int32, joined."""
+    rewards: Packed = b""
+    """float64, one per sample."""
+    advantages: Packed = b""
+    """float64, one per sample."""
+    replay: Packed = b""
+    """uint8 (0 or 1), one per sample."""
+    sampling_runs: Packed = b""
+    """int32, one per entry of `samplings`: how many consecutive samples have those settings."""
+    samplings: Annotated[list[SamplingParams], msgspec.Meta(max_length=1 << 20)] = []
+    """The sampling settings of each run of samples, in order."""
+
+    @property
+    def count(self) -> int:
+        """Samples in these columns."""
+        return len(self.traj_ids) // 8
+
+
 class BatchReply(Msg, kw_only=True):
     """The recorded batch for a step (or one part of it), or not ready yet (retry), or done (budget reached)."""
 
     policy: str
     step: int
-    samples: list[TrainSample] = []
+    columns: SampleColumns = SampleColumns()
+    """The samples of this part of the batch, as columns."""
     ready: bool = False
     done: bool = False
     retry_after_s: float = 0.0
     part: int = 0
-    """Which part of the batch `samples` is."""
+    """Which part of the batch `columns` is."""
     parts: int = 1
     """How many parts the batch has: the trainer asks for parts 1 .. parts-1 of the same step next."""
+
+    @property
+    def samples(self) -> list[TrainSample]:
+        """The samples cut from the columns, in order (ValueError when the columns do not add up)."""
+        from astraflow.protocol import sample_columns
+
+        return sample_columns.cut(self.columns)
 
 
 class VersionPublished(Msg, kw_only=True):

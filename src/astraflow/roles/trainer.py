@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -13,6 +12,7 @@ from astraflow.errors import AstraflowError, Stopped
 from astraflow.roles import member_files
 from astraflow.roles.member import advertise_host
 from astraflow.roles.stop_flag import StopFlag
+from astraflow.roles.trainer_batches import fetch_parts
 from astraflow.roles.trainer_checkpoint import latest_checkpoint, save_checkpoint
 
 if TYPE_CHECKING:
@@ -360,26 +360,6 @@ class TrainerLoop:
         self.publisher.close()
         self.server.close()
         self.client.close(bye[:1000])
-
-
-def fetch_parts(client: MemberClient, first: Any, stop: Callable[[], bool] | None = None) -> list[Any] | None:
-    """The samples of a ready batch: `first`'s, then those of its other parts (a batch larger than one
-    message comes in parts); None when the controller says the run is done meanwhile."""
-    from astraflow.protocol.messages import BatchReply, BatchRequest
-    from astraflow.roles.member import request_retrying
-
-    samples = list(first.samples)
-    for part in range(1, first.parts):
-        reply = request_retrying(
-            client, BatchRequest(policy=first.policy, step=first.step, part=part), timeout_s=60.0, stop=stop
-        )
-        if isinstance(reply, BatchReply) and reply.done:
-            return None
-        if not (isinstance(reply, BatchReply) and reply.ready and reply.part == part):
-            detail = f"{reply.code} {reply.message}" if hasattr(reply, "code") else type(reply).__name__
-            raise AstraflowError(f"controller refused part {part} of batch {first.step}: {detail}")
-        samples += reply.samples
-    return samples
 
 
 def serve_until_done(client: MemberClient, policy: str, budget: int, stop: StopFlag) -> None:

@@ -13,6 +13,7 @@ from astraflow.dataflow.limits import samples_bytes
 from astraflow.dataflow.pipeline import Pipeline
 from astraflow.dataflow.stall import Progress
 from astraflow.protocol import messages as m
+from astraflow.protocol import sample_columns
 from astraflow.roles import authz
 from astraflow.roles.controller.core import RETRY_S
 from astraflow.roles.controller.outcome import Event, Outcome
@@ -92,31 +93,31 @@ def _first_part(ctx: Batching, msg: m.BatchRequest, pol: PolicyConfig) -> m.Msg:
             msg.policy, msg.step, pol.batch_prompts * pol.group_size, pol.max_staleness, version
         )
         if batch is not None and batch.new:
-            ctx.pipeline.on_batch(msg.policy, sum([s.replay for s in batch.samples]))
+            ctx.pipeline.on_batch(msg.policy, sample_columns.replayed(batch.columns))
             ctx.pipeline.save(msg.policy)
     if batch is None:
         ctx.queue.refill()
         return m.BatchReply(rid=msg.rid, policy=msg.policy, step=msg.step, retry_after_s=RETRY_S)
     if batch.new:
         made_progress(ctx.store, ctx.progress)
-    # a sample's mask holds one byte a token: its length without a call per sample
-    bounds = _part_bounds(ctx, [s.traj_id for s in batch.samples], [len(s.loss_mask) for s in batch.samples])
-    served = ctx.pipeline.batch_samples(msg.policy, batch.samples)  # the estimator's batch stage
+    cols = batch.columns
+    bounds = _part_bounds(ctx, sample_columns.id_list(cols), sample_columns.token_count(cols))
+    served = ctx.pipeline.batch_columns(msg.policy, cols)  # the estimator's batch stage
     return m.BatchReply(
         rid=msg.rid,
         policy=msg.policy,
         step=msg.step,
-        samples=served[: bounds[0][1]],
+        columns=sample_columns.part(served, 0, bounds[0][1]),
         ready=True,
         parts=len(bounds),
     )
 
 
-def _part_bounds(ctx: Batching, ids: list[int], lengths: list[int] | None = None) -> list[tuple[int, int]]:
+def _part_bounds(ctx: Batching, ids: list[int], tokens: int | None = None) -> list[tuple[int, int]]:
     """Where a recorded batch of these trajectories splits into parts (dataflow/batch_parts.py);
-    `lengths` (tokens per sample, when at hand) skip the size query for a batch that surely fits."""
+    `tokens` (of all its samples, when at hand) skip the size query for a batch that surely fits."""
     budget = ctx.batch_part_bytes
-    if lengths is not None and samples_bytes(sum(lengths), len(lengths)) <= budget:
+    if tokens is not None and samples_bytes(tokens, len(ids)) <= budget:
         return [(0, len(ids))]  # the exact sizes are smaller still: the same answer
     return part_bounds(ctx.buffer.sample_bytes(ids), budget)
 
@@ -132,14 +133,14 @@ def _batch_part(ctx: Batching, msg: m.BatchRequest) -> m.Msg:
             message=f"step {msg.step} of {msg.policy!r} has no recorded part {msg.part} ({len(bounds)} parts)",
         )
     a, b = bounds[msg.part]
-    samples = ctx.buffer.samples(rec[0][a:b], rec[1][a:b])
+    cols = ctx.buffer.columns(rec[0][a:b], rec[1][a:b])
     if ctx.pipeline.batch_level(msg.policy):  # normalised over the whole batch, not this part
-        samples = ctx.pipeline.batch_samples(msg.policy, samples, ctx.buffer.advantages(rec[0]), a)
+        cols = ctx.pipeline.batch_columns(msg.policy, cols, ctx.buffer.advantages(rec[0]), a)
     return m.BatchReply(
         rid=msg.rid,
         policy=msg.policy,
         step=msg.step,
-        samples=samples,
+        columns=cols,
         ready=True,
         part=msg.part,
         parts=len(bounds),
