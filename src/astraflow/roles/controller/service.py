@@ -25,10 +25,9 @@ from astraflow.roles import authz
 from astraflow.roles.controller import batches, beats, lifecycle, members, results, tasks, versions
 from astraflow.roles.controller.beat_pace import BeatPace
 from astraflow.roles.controller.core import ControllerCore, settle_heap
-from astraflow.roles.controller.outcome import Event, Outcome
+from astraflow.roles.controller.outcome import Outcome
 from astraflow.roles.controller.parked import Parked, immediate
 from astraflow.roles.controller.run_end import summary
-from astraflow.roles.run_control import on_control
 from astraflow.state.status import build_status
 from astraflow.state.store import Store
 from astraflow.transport.principal import Principal
@@ -251,7 +250,7 @@ class Controller(ControllerCore):
         if isinstance(msg, m.Leave):
             return members.on_leave(msg, principal, store=self.store, draining=self.draining)
         if isinstance(msg, m.Control):
-            return self._on_control(msg, principal)
+            return self.on_control(msg, principal)
         # the kept row (roles/member_table.py: dropped whenever a statement changes it)
         member = self.members.row(member_id)
         if member is None or member["status"] != "alive":
@@ -277,23 +276,6 @@ class Controller(ControllerCore):
                 )
             )
         return handler(member, msg)
-
-    def _on_control(self, msg: m.Control, principal: Principal | None) -> Outcome:
-        """An operator's pause, resume or stop (roles/run_control.py); one that was applied changes
-        the run for every held request."""
-        done: list[str] = []
-
-        def applied(action: str) -> None:
-            if action == "resume":
-                self.made_progress()  # the paused time is not a stall
-                self.refill()
-            done.append(action)
-
-        names = [p.name for p in self.recipe.policy]
-        reply = on_control(
-            msg, principal, store=self.store, control=self.control, policies=names, applied=applied
-        )
-        return Outcome(reply, (Event.RUN_CHANGED,) if done else ())
 
     def _handle_safely(self, ident: bytes, msg: m.Msg | DecodeError, principal: Principal | None) -> Outcome:
         try:
