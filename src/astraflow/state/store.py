@@ -85,6 +85,8 @@ class Store(Transactions):
         if synchronous not in ("normal", "full"):
             raise ValueError(f"synchronous must be 'normal' or 'full', not {synchronous!r}")
         conn.execute(f"PRAGMA synchronous={synchronous.upper()}")
+        # no table declares a foreign key (this checks nothing and costs nothing); one a migration
+        # adds is enforced
         conn.execute("PRAGMA foreign_keys=ON")
         # a savepoint (Store.together: one per message) keeps the pages it changes in a sub-journal,
         # which SQLite spills to a temporary file past 64 KiB unless temporary storage is in memory
