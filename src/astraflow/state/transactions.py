@@ -3,8 +3,8 @@
 `write()` is a `BEGIN IMMEDIATE` transaction (nested uses join the outer one, so a caller can make
 several writes atomic). Inside `together()` the writes of several units (`unit()`: one member
 message each) share one transaction, each unit and each outermost write a SAVEPOINT of its own, and
-commit once when the block ends: the controller's loop handles the messages of one poll so and
-answers them after that COMMIT (roles/controller/service.py, `dispatch_all`).
+commit once when the block ends: the controller's loop handles the messages of one poll this way
+and answers them after that COMMIT (roles/controller/service.py, `dispatch_all`).
 """
 
 from __future__ import annotations
@@ -70,11 +70,12 @@ class Transactions:
 
     @contextmanager
     def together(self) -> Iterator[None]:
-        """One commit for many messages: the writes made inside share one transaction, opened by the first of them
-        (none when nothing writes), and commit together when the block ends. A caller tells a member
-        what those writes did only after the block returned: then they are on disk. If the block or
-        the COMMIT raises, everything since the shared BEGIN is rolled back (the rollback holders
-        reload) and the error propagates. Inside another `together()` or a transaction it joins that one."""
+        """One commit for many messages: the writes made inside share one transaction, opened by the
+        first of them (none when nothing writes), and commit together when the block ends. A caller
+        tells a member what those writes did only after the block returned: then they are on disk.
+        If the block or the COMMIT raises, everything since the shared BEGIN is rolled back (the
+        rollback holders reload) and the error propagates. Inside another `together()` or a
+        transaction it joins that one."""
         if self._grouped or self.conn.in_transaction:
             yield
             return
