@@ -1,8 +1,8 @@
 """The run's durable state: one SQLite file in WAL mode, written only by the controller.
 
-Every write goes through `Store.write()`, a `BEGIN IMMEDIATE` transaction, or shares one with other
-messages' writes inside `Store.together()` (transactions.py). Readers (`astraflow status`) open the
-file read-only and never block the writer thanks to WAL.
+Every write goes through `Store.write()`, a `BEGIN IMMEDIATE` transaction (nested uses join the
+outer one, so a caller can make several writes atomic). Readers (`astraflow status`) open the file
+read-only and never block the writer thanks to WAL.
 """
 
 from __future__ import annotations
@@ -12,14 +12,18 @@ import os
 import sqlite3
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from astraflow.state.transactions import StateError as StateError
-from astraflow.state.transactions import Transactions
+from astraflow.errors import AstraflowError
 
 if TYPE_CHECKING:
     from sqlite_utils import Database
+
+
+class StateError(AstraflowError):
+    """The state file cannot be opened or does not hold a run."""
 
 
 def _sqlite_utils() -> Any:
@@ -43,14 +47,17 @@ def _sqlite_utils() -> Any:
     return sqlite_utils
 
 
-class Store(Transactions):
-    """Typed access to a run's state.db; the controller is its only writer (its transactions:
-    transactions.py)."""
+class Store:
+    """Typed access to a run's state.db; the controller is its only writer."""
 
     def __init__(self, conn: sqlite3.Connection, *, readonly: bool) -> None:
         conn.row_factory = sqlite3.Row
-        super().__init__(conn, readonly=readonly)
+        self.conn = conn
+        self.readonly = readonly
         self._db: Database | None = None
+        self.on_rollback: list[Callable[[], None]] = []
+        """Called after a write transaction rolled back: holders of in-memory state that the
+        transaction's statements persist (data stages, the prompt cursor) reload it from the store."""
         self.on_member_change: list[Callable[[str | None], None]] = []
         """Called with a member's id (None: any member) after a statement changed its row: holders of
         a copy of member rows (the controller's member table) drop it."""
@@ -88,9 +95,6 @@ class Store(Transactions):
         # no table declares a foreign key (this checks nothing and costs nothing); one a migration
         # adds is enforced
         conn.execute("PRAGMA foreign_keys=ON")
-        # a savepoint (Store.together: one per message) keeps the pages it changes in a sub-journal,
-        # which SQLite spills to a temporary file past 64 KiB unless temporary storage is in memory
-        conn.execute("PRAGMA temp_store=MEMORY")
         store = cls(conn, readonly=False)
         db = store.db  # before migrations imports sqlite_utils the usual way (see _sqlite_utils)
         from astraflow.state import migrations
@@ -110,6 +114,24 @@ class Store(Transactions):
     def close(self) -> None:
         """Close the connection (a WAL checkpoint happens on the writer's close)."""
         self.conn.close()
+
+    @contextmanager
+    def write(self) -> Iterator[sqlite3.Connection]:
+        """A BEGIN IMMEDIATE transaction, committed on exit; inside another write it joins that one."""
+        if self.readonly:
+            raise StateError("this store was opened read-only", hint="only the controller writes state.db")
+        if self.conn.in_transaction:
+            yield self.conn
+            return
+        self.conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield self.conn
+        except BaseException:
+            self.conn.execute("ROLLBACK")
+            for restore in self.on_rollback:
+                restore()
+            raise
+        self.conn.execute("COMMIT")
 
     def query(self, sql: str, params: tuple[Any, ...] | dict[str, Any] = ()) -> list[sqlite3.Row]:
         """Rows of a read query."""

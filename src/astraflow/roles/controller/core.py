@@ -27,10 +27,8 @@ from astraflow.dataflow.stall import Progress
 from astraflow.dataflow.validate import ResultChecker
 from astraflow.metrics.sinks import Sinks
 from astraflow.protocol import messages as m
-from astraflow.roles import run_control
 from astraflow.roles.controller.long_polls import LongPolls
 from astraflow.roles.controller.metrics_row import StepMetrics
-from astraflow.roles.controller.outcome import Event, Outcome
 from astraflow.roles.controller.parked import ParkedRequests
 from astraflow.roles.controller.policy_versions import PolicyVersions
 from astraflow.roles.controller.progress import made_progress
@@ -41,7 +39,6 @@ from astraflow.roles.member_sections import WelcomeSections
 from astraflow.roles.member_table import MemberTable
 from astraflow.state.ledger import Ledger
 from astraflow.state.store import Store
-from astraflow.transport.principal import Principal
 
 RETRY_S = 0.2
 """retry_after_s told to members when nothing is available yet."""
@@ -182,23 +179,6 @@ class ControllerCore:
     def refill(self, limit: int = 1024) -> int:
         """Queue prompts through admission and the curators; returns how many tasks were queued."""
         return self.queue.refill(limit)
-
-    def on_control(self, msg: m.Control, principal: Principal | None) -> Outcome:
-        """An operator's pause, resume or stop (roles/run_control.py); one that was applied changes
-        the run for every held request."""
-        done: list[str] = []
-
-        def applied(action: str) -> None:
-            if action == "resume":
-                self.made_progress()  # the paused time is not a stall
-                self.refill()
-            done.append(action)
-
-        names = [p.name for p in self.recipe.policy]
-        reply = run_control.on_control(
-            msg, principal, store=self.store, control=self.control, policies=names, applied=applied
-        )
-        return Outcome(reply, (Event.RUN_CHANGED,) if done else ())
 
     def sink_event(self, kind: str, detail: str) -> None:
         """Record a metric sink's failure or recovery as an event (`status`, the dashboard, `up`)."""

@@ -1,11 +1,10 @@
 """The controller's IO: route each message to its handler, hold long polls, and run the loop.
 
-It is the only writer of state.db. The messages one pass of the loop read are handled in one
-transaction (`dispatch_all`), each in a savepoint of its own (a failing message undoes only its own
-writes), and their replies are sent only after it committed, so whatever a member was told is on
-disk. A handler returns an `Outcome` (outcome.py): `dispatch` sends its reply (or holds the request)
-and hands its events to the long polls, whose answers it sends too. Periodic work (liveness, lease
-expiry, refilling the task queue) runs between polls (lifecycle.py).
+It is the only writer of state.db. Each message is handled in its own transaction, and a reply is
+sent only after that transaction committed, so whatever a member was told is on disk. A handler
+returns an `Outcome` (outcome.py): `dispatch` sends its reply (or holds the request) and hands its
+events to the long polls, whose answers it sends too. Periodic work (liveness, lease expiry,
+refilling the task queue) runs between polls (lifecycle.py).
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 from astraflow import log
 from astraflow.config.recipe import PolicyConfig, Recipe
@@ -25,15 +24,13 @@ from astraflow.roles import authz
 from astraflow.roles.controller import batches, beats, lifecycle, members, results, tasks, versions
 from astraflow.roles.controller.beat_pace import BeatPace
 from astraflow.roles.controller.core import ControllerCore, settle_heap
-from astraflow.roles.controller.outcome import Outcome
+from astraflow.roles.controller.outcome import Event, Outcome
 from astraflow.roles.controller.parked import Parked, immediate
 from astraflow.roles.controller.run_end import summary
+from astraflow.roles.run_control import on_control
 from astraflow.state.status import build_status
 from astraflow.state.store import Store
 from astraflow.transport.principal import Principal
-
-if TYPE_CHECKING:
-    from astraflow.transport.server import Polled
 
 _log = log.get("controller")
 
@@ -250,7 +247,7 @@ class Controller(ControllerCore):
         if isinstance(msg, m.Leave):
             return members.on_leave(msg, principal, store=self.store, draining=self.draining)
         if isinstance(msg, m.Control):
-            return self.on_control(msg, principal)
+            return self._on_control(msg, principal)
         # the kept row (roles/member_table.py: dropped whenever a statement changes it)
         member = self.members.row(member_id)
         if member is None or member["status"] != "alive":
@@ -277,10 +274,26 @@ class Controller(ControllerCore):
             )
         return handler(member, msg)
 
+    def _on_control(self, msg: m.Control, principal: Principal | None) -> Outcome:
+        """An operator's pause, resume or stop (roles/run_control.py); one that was applied changes
+        the run for every held request."""
+        done: list[str] = []
+
+        def applied(action: str) -> None:
+            if action == "resume":
+                self.made_progress()  # the paused time is not a stall
+                self.refill()
+            done.append(action)
+
+        names = [p.name for p in self.recipe.policy]
+        reply = on_control(
+            msg, principal, store=self.store, control=self.control, policies=names, applied=applied
+        )
+        return Outcome(reply, (Event.RUN_CHANGED,) if done else ())
+
     def _handle_safely(self, ident: bytes, msg: m.Msg | DecodeError, principal: Principal | None) -> Outcome:
         try:
-            with self.store.unit():  # inside dispatch_all: a failure rolls back this message alone
-                return self.outcome(ident, msg, principal)
+            return self.outcome(ident, msg, principal)
         except Exception as exc:  # a bad request must never take the controller down
             _log.exception("handling %s from %r failed", type(msg).__name__, ident)
             return Outcome(m.Error(rid=getattr(msg, "rid", 0), code="internal", message=str(exc)[:500]))
@@ -310,16 +323,6 @@ class Controller(ControllerCore):
             return out
         return out + self.polls.deliver(done.events, now, self._answer, self._may_be_ready)
 
-    def dispatch_all(self, polled: list[Polled]) -> list[tuple[bytes, m.Msg]]:
-        """`dispatch` each (ident, principal, message) in one transaction (Store.together);
-        the replies, returned once it committed: several messages cost one commit, none is answered
-        before what it wrote is on disk."""
-        out: list[tuple[bytes, m.Msg]] = []
-        with self.store.together():
-            for ident, principal, msg in polled:
-                out += self.dispatch(ident, msg, principal)
-        return out
-
     def wake(
         self, kinds: tuple[str, ...], now: float, *, expired_only: bool = False, answer_all: bool = False
     ) -> list[tuple[bytes, m.Msg]]:
@@ -340,8 +343,9 @@ class Controller(ControllerCore):
     def serve(self, server: Any) -> int:
         """Poll, dispatch, do periodic work; returns 0 on a signal or at the run's end, 1 if the run failed."""
         while not self.loop.stop_requested:
-            for to, reply in self.dispatch_all(server.poll(int(TICK_S * 1000))):
-                server.send(to, reply)
+            for ident, principal, msg in server.poll(int(TICK_S * 1000)):
+                for to, reply in self.dispatch(ident, msg, principal):
+                    server.send(to, reply)
             self.loop.backlogged = not getattr(server, "drained", True)
             now = time.time()
             if now - self.loop.last_tick >= TICK_S:
