@@ -92,6 +92,8 @@ class Store:
         if synchronous not in ("normal", "full"):
             raise ValueError(f"synchronous must be 'normal' or 'full', not {synchronous!r}")
         conn.execute(f"PRAGMA synchronous={synchronous.upper()}")
+        # no table declares a foreign key (this checks nothing and costs nothing); one a migration
+        # adds is enforced
         conn.execute("PRAGMA foreign_keys=ON")
         store = cls(conn, readonly=False)
         db = store.db  # before migrations imports sqlite_utils the usual way (see _sqlite_utils)
