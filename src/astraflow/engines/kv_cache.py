@@ -3,8 +3,10 @@
 Keys and values of every layer live in one tensor [layers, slots, kv_heads, max_len + 1, head_dim],
 allocated once. Running sequences occupy slots 0..n-1 (the engine compacts them when one finishes), so
 a decode step over n rows reads plain views and a CUDA graph captured for a batch bucket always
-addresses the same memory. Position `max_len` of every slot is scratch: padding rows of a bucket write
-their keys there, so they never touch a live sequence.
+addresses the same memory. Position `max_len` of every slot is scratch: padding rows of a decode
+bucket write their keys there, so they never touch a live sequence. One slot beyond `slots` is scratch
+too: padding prompts of a prefill bucket write their whole KV into it. Decode never addresses it (a
+decode bucket's rows are slots 0..bucket-1, and buckets stop at `slots`).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ class SlotKVCache:
     ) -> None:
         self.slots = slots
         self.max_len = max_len
-        shape = (layers, slots, kv_heads, max_len + 1, head_dim)
+        shape = (layers, slots + 1, kv_heads, max_len + 1, head_dim)
         # Zeros, not empty: padding rows of a graph bucket read position 0 of free slots.
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
@@ -39,8 +41,13 @@ class SlotKVCache:
         """The position padding rows write to (never part of a sequence)."""
         return self.max_len
 
+    @property
+    def scratch_slot(self) -> int:
+        """The slot padding prompts of a prefill write to (never holds a sequence)."""
+        return self.slots
+
     def nbytes(self) -> int:
-        """Bytes held by keys and values."""
+        """Bytes held by keys and values (the scratch slot included)."""
         return 2 * self.k.numel() * self.k.element_size()
 
     def copy_slot(self, src: int, dst: int | list[int], length: int) -> None:

@@ -7,7 +7,8 @@ the HF parameters therefore land in the fused buffers too, in place: CUDA graphs
 stay valid.
 
 Two entry points: `prefill` (right-padded prompts, causal attention, writes the KV of given slots and
-returns the logits at each prompt's last position) and `decode_step` (one token for each of the rows
+returns the logits at each prompt's last position; `prefill_packed` is its body, over inputs already
+on the device, which the runner's prefill graphs capture) and `decode_step` (one token for each of the rows
 in slots 0..B-1, through an ops table: plain PyTorch or Triton kernels).
 """
 
@@ -82,17 +83,49 @@ class Qwen3Forward:
         self.cos = (emb.cos() * scale).to(self.dtype)
         self.sin = (emb.sin() * scale).to(self.dtype)
 
-    @torch.no_grad()
-    def prefill(self, prompts: list[list[int]], slots: list[int]) -> torch.Tensor:
-        """Run the prompts (right-padded), store their KV in `slots`; logits [n, V] at each last token."""
+    def pack_prefill(
+        self, prompts: list[list[int]], slots: list[int], shape: tuple[int, int] | None = None
+    ) -> torch.Tensor:
+        """The host inputs of a prefill as one int64 tensor [rows * width + 2 * rows]: token ids
+        (right-padded with 0), then each row's slot, then its last token's index. `shape` (rows, width)
+        pads to a bucket: rows beyond the prompts are padding prompts, of slot `cache.scratch_slot`
+        and last index 0; None means (number of prompts, longest prompt)."""
         n = len(prompts)
-        lengths = [len(p) for p in prompts]
-        width = max(lengths)
-        ids = torch.zeros((n, width), dtype=torch.long)
+        rows, width = shape or (n, max(len(p) for p in prompts))
+        packed = torch.zeros(rows * width + 2 * rows, dtype=torch.long)
+        ids = packed[: rows * width].view(rows, width)
         for i, p in enumerate(prompts):
             ids[i, : len(p)] = torch.tensor(p, dtype=torch.long)
-        ids = to_device(ids, self.device)
-        slot_idx = to_device(torch.tensor(slots), self.device)
+        tail = packed[rows * width :].view(2, rows)
+        tail[0, :n] = torch.tensor(slots, dtype=torch.long)
+        tail[0, n:] = self.cache.scratch_slot
+        tail[1, :n] = torch.tensor([len(p) - 1 for p in prompts], dtype=torch.long)
+        return packed
+
+    @torch.no_grad()
+    def prefill(
+        self, prompts: list[list[int]], slots: list[int], shape: tuple[int, int] | None = None
+    ) -> torch.Tensor:
+        """Run the prompts (right-padded), store their KV in `slots`; logits [n, V] at each last token.
+        `shape` pads to a bucket as `pack_prefill` says (the padding rows' logits are dropped)."""
+        rows, width = shape or (len(prompts), max(len(p) for p in prompts))
+        packed = to_device(self.pack_prefill(prompts, slots, (rows, width)), self.device)
+        return self.prefill_packed(packed, rows, width)[: len(prompts)]
+
+    @torch.no_grad()
+    def prefill_packed(self, packed: torch.Tensor, n: int, width: int) -> torch.Tensor:
+        """The prefill forward of `pack_prefill`'s inputs, already on the device; logits [n, V].
+
+        It reads nothing from the host and builds no host tensor, so a CUDA graph can capture it. Each
+        row writes its KV at positions 0..width-1 of its slot, the positions beyond its prompt too:
+        those hold garbage (keys of the padding tokens), which is harmless because decode writes
+        position `length` before it attends to it and attends only to positions below `lengths`, and
+        a shared prompt is copied to other slots only up to its length. Padding prompts write into
+        the scratch slot (several of them into the same one: whichever lands last is never read).
+        Attention is causal, so a prompt's own positions never see the padding after them."""
+        ids = packed[: n * width].view(n, width)
+        slot_idx = packed[n * width : n * width + n]
+        last = packed[n * width + n :]
         cos = self.cos[:width][None, :, None, :]
         sin = self.sin[:width][None, :, None, :]
         h_, hk, d = self.heads, self.kv_heads, self.head_dim
@@ -113,9 +146,10 @@ class Qwen3Forward:
             a = F.linear(att.transpose(1, 2).reshape(n, width, h_ * d), o_w)
             h, res = rmsnorm(a, ln2, self.eps, res)
             x = F.linear(silu_mul(F.linear(h, gu_w)), down_w)
-        last = to_device(torch.tensor(lengths), self.device) - 1
-        rows = torch.arange(n, device=self.device)
-        h, _ = rmsnorm(x[rows, last], self.norm, self.eps, None if res is None else res[rows, last])
+        flat = torch.arange(n, device=packed.device) * width + last
+        hidden = x.shape[-1]
+        r = None if res is None else res.reshape(n * width, hidden)[flat]
+        h, _ = rmsnorm(x.reshape(n * width, hidden)[flat], self.norm, self.eps, r)
         return F.linear(h, self.lm_head)
 
     @torch.no_grad()

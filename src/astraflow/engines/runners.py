@@ -1,8 +1,9 @@
 """How the engine's decode loop runs the model: prefill prompts into slots, decode one token for the
 rows in slots 0..n-1, and copy or move a slot's KV.
 
-- `CachedRunner`: our Qwen3 forward over the preallocated slot KV cache; on a GPU, decode steps replay
-  CUDA graphs and run Triton kernels.
+- `CachedRunner`: our Qwen3 forward over the preallocated slot KV cache; prefills pad to a bucket
+  shape (engines/prefill_graphs.py); on a GPU, prefills and decode steps replay CUDA graphs and decode
+  steps run Triton kernels.
 - `HFRecomputeRunner`: any other transformers causal LM. It keeps no KV cache and recomputes each
   row's whole sequence every step: correct for every architecture, and slow (quadratic in length).
 """
@@ -41,14 +42,23 @@ class CachedRunner:
                     raise
                 _log.info("triton is not installed; decode steps use PyTorch ops")
         self.graphs = None
+        self.prefill_graphs = None
         if on_gpu and graphs:
             from astraflow.engines.graphs import DecodeGraphs
+            from astraflow.engines.prefill_graphs import PrefillGraphs
 
             self.graphs = DecodeGraphs(self.forward, self.ops, slots)
+            self.prefill_graphs = PrefillGraphs(self.forward)
 
     def prefill(self, prompts: list[list[int]], slots: list[int]) -> torch.Tensor:
-        """Logits [n, V] at each prompt's last token; the prompts' KV lands in `slots`."""
-        return self.forward.prefill(prompts, slots)
+        """Logits [n, V] at each prompt's last token; the prompts' KV lands in `slots`. A shape with a
+        bucket is padded to it on every device, and replayed as a CUDA graph when graphs are on."""
+        from astraflow.engines.prefill_graphs import bucket
+
+        shape = bucket(len(prompts), max(len(p) for p in prompts), self.forward.cache.max_len)
+        if shape is not None and self.prefill_graphs is not None:
+            return self.prefill_graphs.run(prompts, slots, shape)
+        return self.forward.prefill(prompts, slots, shape)
 
     def decode(self, tokens: list[int] | torch.Tensor, positions: list[int]) -> torch.Tensor:
         """Logits [n, V] for rows 0..n-1, each feeding `tokens[i]` at `positions[i]`; `tokens` may be
