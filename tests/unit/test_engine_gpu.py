@@ -1,7 +1,8 @@
 """The embedded engine's GPU path: Triton kernels against the PyTorch ops they replace, fused sampling
-against the unfused one, and the whole engine (CUDA graphs, Triton) against a fresh HF forward,
-including a weight swap between graph replays, with both decode loops (the overlapped one against the
-synchronous one too). Skipped without a GPU."""
+against the unfused one, prefill graphs against the eager prefill (and a timing print of both), and
+the whole engine (CUDA graphs for prefill and decode, Triton) against a fresh HF forward, including a
+weight swap between graph replays, with both decode loops (the overlapped one against the synchronous
+one too). Skipped without a GPU."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 import asyncio
+import statistics
+import time
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +27,8 @@ triton_ops = pytest.importorskip("astraflow.engines.triton_ops")
 
 from astraflow.engines import ops, triton_sampling  # noqa: E402
 from astraflow.engines.base import GenerationRequest  # noqa: E402
+from astraflow.engines.prefill_graphs import bucket  # noqa: E402
+from astraflow.engines.runners import CachedRunner  # noqa: E402
 from astraflow.engines.sampling import processed_logprobs  # noqa: E402
 from astraflow.engines.torch_engine import TorchEngine, TorchEngineConfig  # noqa: E402
 from astraflow.models.init import init_model  # noqa: E402
@@ -157,6 +162,7 @@ def test_graph_engine_logprobs_and_weight_swap_between_replays(models: tuple[Pat
         outs = asyncio.run(eng.generate(reqs))
     finally:
         eng.close()
+    assert eng.runner.prefill_graphs is not None and eng.runner.prefill_graphs.graphs  # prefill replayed
     for req, out in zip(reqs, outs, strict=True):
         assert out.versions == [0] * 5 + [1] * 7
         eng.model.load_state_dict(old)
@@ -229,3 +235,73 @@ def test_two_engines_of_one_process_capture_and_decode_at_once(models: tuple[Pat
             e.close()
     assert not errors, errors
     assert all(len(e.runner.graphs.graphs) >= 5 for e in engines)
+
+
+def _runner(path: Path, dtype: torch.dtype, slots: int, max_len: int) -> CachedRunner:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(DEV).eval()  # type: ignore[arg-type]
+    model.requires_grad_(False)
+    return CachedRunner(model, slots, max_len, graphs=True, kernels="auto")
+
+
+def test_prefill_graphs_match_the_eager_prefill_and_refill_their_inputs(models: tuple[Path, Path]) -> None:
+    """Two admissions of one bucket replay one graph, each giving its own prompts' logits and KV (the
+    static inputs refilled), as the eager unpadded prefill does at bf16; no slot but the prompts' own
+    and the scratch slot changes."""
+    runner = _runner(models[0], torch.bfloat16, slots=16, max_len=64)
+    fw, graphs = runner.forward, runner.prefill_graphs
+    assert graphs is not None and fw.cache.k.shape[1] == 17
+    admissions = [
+        ([[1, 14, 5, 6, 7], [1, 9], [1, 3, 3, 8, 2, 4, 11]], [3, 0, 7]),
+        ([[1, 20, 21], [1, 4, 4, 4, 5, 6, 9, 9, 9, 9, 9, 9], [1, 2, 30]], [1, 5, 2]),
+    ]
+    for prompts, slots in admissions:
+        assert bucket(len(prompts), max(len(p) for p in prompts), fw.cache.max_len) == (4, 16)
+        others = [s for s in range(16) if s not in slots]
+        k_before, v_before = fw.cache.k[:, others].clone(), fw.cache.v[:, others].clone()
+        got = runner.prefill(prompts, slots).clone()
+        torch.cuda.synchronize()
+        assert torch.equal(fw.cache.k[:, others], k_before) and torch.equal(fw.cache.v[:, others], v_before)
+        kv_got = [
+            (fw.cache.k[:, s, :, : len(p)].clone(), fw.cache.v[:, s, :, : len(p)].clone())
+            for p, s in zip(prompts, slots, strict=True)
+        ]
+        want = fw.prefill(prompts, slots)  # eager, unpadded
+        assert got.shape == want.shape
+        assert _rel(got, want) < 2e-2
+        for (k, v), p, s in zip(kv_got, prompts, slots, strict=True):
+            assert _rel(k, fw.cache.k[:, s, :, : len(p)]) < 2e-2
+            assert _rel(v, fw.cache.v[:, s, :, : len(p)]) < 2e-2
+        for i, (p, s) in enumerate(zip(prompts, slots, strict=True)):
+            assert _rel(got[i], fw.prefill([p], [s])[0]) < 2e-2  # each row is its own prompt's
+    assert list(graphs.graphs) == [(4, 16)]  # captured once, replayed for the second admission
+    one = runner.prefill([[1, 7]], [9]).clone()
+    assert sorted(graphs.graphs) == [(1, 16), (4, 16)]
+    assert _rel(one, fw.prefill([[1, 7]], [9])) < 2e-2
+
+
+def test_prefill_graph_against_eager_prefill_timing(tmp_path: Path) -> None:
+    """Not an assertion: prints the host-bound eager prefill's time against the graph's, at Qwen3-0.6B's
+    shape in bf16, for one 2-token prompt and for 16 prompts of 60 tokens (run with -s to see it)."""
+    path = init_model("qwen3", "0.6b-shape", tmp_path / "m", seed=0, device="cuda")
+    runner = _runner(path, torch.bfloat16, slots=64, max_len=512)
+    fw = runner.forward
+
+    def timed(fn: Any, prompts: list[list[int]], slots: list[int]) -> float:
+        fn(prompts, slots)
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            fn(prompts, slots)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times) * 1e3
+
+    for n, width in ((1, 2), (16, 60)):
+        prompts = [[1 + (i * 7 + j) % 1000 for j in range(width)] for i in range(n)]
+        slots = list(range(n))
+        eager = timed(fw.prefill, prompts, slots)
+        graph = timed(runner.prefill, prompts, slots)
+        print(f"prefill {n} x {width} tokens: eager {eager:.2f} ms, graph {graph:.2f} ms (median of 20)")
