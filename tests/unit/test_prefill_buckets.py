@@ -79,11 +79,12 @@ def test_a_padded_prefill_gives_the_unpadded_logits_and_kv_and_touches_only_scra
     assert torch.equal(fw.cache.k[:, SLOTS, :, 16:], k0[:, SLOTS, :, 16:])
 
 
-def test_the_runner_pads_to_the_bucket_on_the_cpu_and_its_logits_stay_the_unpadded_ones(
+def test_the_runner_pads_to_the_bucket_when_asked_and_its_logits_stay_the_unpadded_ones(
     model: object,
 ) -> None:
     runner = CachedRunner(model, SLOTS, MAX_LEN, graphs=True, kernels="auto")
-    assert runner.prefill_graphs is None  # graphs only on a GPU
+    assert runner.prefill_graphs is None and not runner.pad_prefill  # graphs (and padding) on a GPU
+    runner.pad_prefill = True
     fw = runner.forward
     k0, _ = _fill_random(fw)
     prompts = [[1, 4, 6], [1, 9, 2, 2], [1, 3]]
@@ -94,3 +95,41 @@ def test_the_runner_pads_to_the_bucket_on_the_cpu_and_its_logits_stay_the_unpadd
     for i, p in enumerate(prompts):
         alone = fw.prefill([p], [4])
         assert torch.allclose(got[i], alone[0], atol=1e-5, rtol=1e-5)
+
+
+def test_an_engine_with_padded_prefills_samples_what_the_unpadded_engine_samples(tmp_path: Path) -> None:
+    """The whole engine (admissions, a group prompt prefilled once and shared, decode steps)
+    over padded prefills, as a GPU's prefill graphs run it: the same seeded completions as unpadded."""
+    import asyncio
+
+    from astraflow.engines.base import GenerationRequest
+    from astraflow.engines.torch_engine import TorchEngine, TorchEngineConfig
+    from astraflow.protocol.messages import SamplingParams
+
+    path = init_model("qwen3", "tiny", tmp_path / "m", seed=2)
+    # the first admission: 6 distinct prompts (a group of 3 among them) in 8 slots, padded to 8 rows
+    reqs = [
+        GenerationRequest(
+            prompt_ids=[1, 3 + i, 7, 2 + i % 3, 9][: 2 + i % 4],
+            max_new_tokens=8 + i % 5,
+            seed=40 + i,
+            sampling=SamplingParams(top_k=6) if i % 4 == 0 else SamplingParams(),
+        )
+        for i in range(5)
+    ]
+    reqs += [GenerationRequest(prompt_ids=[1, 4, 4], max_new_tokens=9, seed=90 + i) for i in range(3)]
+    reqs += [GenerationRequest(prompt_ids=[1, 10 + i, 5], max_new_tokens=6, seed=70 + i) for i in range(5)]
+    outs = []
+    for pad in (False, True):
+        eng = TorchEngine(str(path), TorchEngineConfig(max_batch=8, max_seq_len=48), seed=5)
+        eng.runner.pad_prefill = pad
+        scratch = eng.runner.forward.cache.k[:, eng.runner.forward.cache.scratch_slot]
+        scratch.fill_(7.0)  # the pad token's embedding is zero: a padding prompt writes zero keys
+        try:
+            outs.append(asyncio.run(eng.generate(reqs)))
+        finally:
+            eng.close()
+        assert bool((scratch != 7.0).any()) == pad  # padding prompts ran only when padding
+    for a, b in zip(*outs, strict=True):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-4

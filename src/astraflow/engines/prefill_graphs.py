@@ -6,13 +6,14 @@ one launch. A bucket is (rows, width): the prompt count rounded up to a power of
 prompt to a power of two from `MIN_WIDTH` (at most the cache's `max_len + 1` positions); shapes over
 `MAX_ROWS` rows or `MAX_TOKENS` padded tokens have no bucket and run eagerly at their own shape.
 
-The padding is the same on every device (`CachedRunner` pads an eager prefill too), so the CPU tests
-check what the graphs replay: padding prompts write into the cache's scratch slot, padding positions
-beyond a prompt into its own slot where decode overwrites them before reading (`Qwen3Forward.
-prefill_packed`). A graph's static input is one int64 buffer (ids, slots, last indices) refilled by
-one copy per admission; its output, the logits rows, is a static buffer too, valid until the next
-replay of that bucket. The graphs of one runner share one memory pool, so buckets add only their
-logits to it, not a set of activations each.
+The padding is plain PyTorch and runs eagerly on any device (`Qwen3Forward.prefill` with a shape,
+`CachedRunner.pad_prefill`), so the CPU tests check what the graphs replay: padding prompts write
+into the cache's scratch slot, padding positions beyond a prompt into its own slot, where decode
+overwrites them before reading them (`Qwen3Forward.prefill_packed`). A graph's static input is one int64 buffer (ids, slots, last indices) refilled by
+one copy per admission; its output, the logits rows, is a static buffer too. The graphs of one
+runner share one memory pool, so buckets add only their logits to it, not a set of activations each;
+a later capture may therefore place its activations over an earlier bucket's logits, which is why
+the logits of a prefill must be consumed (stream order suffices) before the next prefill replays.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ class PrefillGraphs:
 
     def run(self, prompts: list[list[int]], slots: list[int], shape: tuple[int, int]) -> torch.Tensor:
         """Logits [n, V] at each prompt's last token; the prompts' KV lands in `slots`. The tensor is
-        the graph's output buffer: read it before the next prefill of the same bucket."""
+        the graph's output buffer: use it (on the stream) before the next prefill replays."""
         g = self.graphs.get(shape) or self._capture(shape)
         # pinned through torch's caching host allocator, which keeps the block until the copy has run
         staging = self.forward.pack_prefill(prompts, slots, shape).pin_memory()

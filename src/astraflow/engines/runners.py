@@ -1,9 +1,9 @@
 """How the engine's decode loop runs the model: prefill prompts into slots, decode one token for the
 rows in slots 0..n-1, and copy or move a slot's KV.
 
-- `CachedRunner`: our Qwen3 forward over the preallocated slot KV cache; prefills pad to a bucket
-  shape (engines/prefill_graphs.py); on a GPU, prefills and decode steps replay CUDA graphs and decode
-  steps run Triton kernels.
+- `CachedRunner`: our Qwen3 forward over the preallocated slot KV cache; on a GPU, prefills (padded
+  to a bucket shape, engines/prefill_graphs.py) and decode steps replay CUDA graphs, and decode steps
+  run Triton kernels.
 - `HFRecomputeRunner`: any other transformers causal LM. It keeps no KV cache and recomputes each
   row's whole sequence every step: correct for every architecture, and slow (quadratic in length).
 """
@@ -49,13 +49,19 @@ class CachedRunner:
 
             self.graphs = DecodeGraphs(self.forward, self.ops, slots)
             self.prefill_graphs = PrefillGraphs(self.forward)
+        self.pad_prefill = self.prefill_graphs is not None
+        """Pad each prefill with a bucket to it. Only where a graph replays it by default: an eager
+        prefill is compute-bound on a CPU, where padding made it 1.5 to 2.5 times slower; CPU tests
+        turn it on to run the engine through the shapes the graphs replay."""
 
     def prefill(self, prompts: list[list[int]], slots: list[int]) -> torch.Tensor:
         """Logits [n, V] at each prompt's last token; the prompts' KV lands in `slots`. A shape with a
-        bucket is padded to it on every device, and replayed as a CUDA graph when graphs are on."""
+        bucket is padded to it (`pad_prefill`), and replayed as a CUDA graph when graphs are on."""
         from astraflow.engines.prefill_graphs import bucket
 
-        shape = bucket(len(prompts), max(len(p) for p in prompts), self.forward.cache.max_len)
+        shape = None
+        if self.pad_prefill:
+            shape = bucket(len(prompts), max(len(p) for p in prompts), self.forward.cache.max_len)
         if shape is not None and self.prefill_graphs is not None:
             return self.prefill_graphs.run(prompts, slots, shape)
         return self.forward.prefill(prompts, slots, shape)
