@@ -142,7 +142,13 @@ class Qwen3Forward:
             v = v.transpose(1, 2)
             self.cache.k[i, :, :, :width].index_copy_(0, slot_idx, k)
             self.cache.v[i, :, :, :width].index_copy_(0, slot_idx, v)
-            att = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=hk != h_)
+            if hk != h_:
+                # each KV head repeated for its query heads by a plain copy, which a CUDA graph can
+                # capture; SDPA's `enable_gqa` takes a repeat of its own on some backends (float32 on
+                # a GPU), whose capture this code has not verified
+                k = k[:, :, None].expand(n, hk, h_ // hk, width, d).reshape(n, h_, width, d)
+                v = v[:, :, None].expand(n, hk, h_ // hk, width, d).reshape(n, h_, width, d)
+            att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             a = F.linear(att.transpose(1, 2).reshape(n, width, h_ * d), o_w)
             h, res = rmsnorm(a, ln2, self.eps, res)
             x = F.linear(silu_mul(F.linear(h, gu_w)), down_w)
