@@ -9,11 +9,14 @@ prompt to a power of two from `MIN_WIDTH` (at most the cache's `max_len + 1` pos
 The padding is plain PyTorch and runs eagerly on any device (`Qwen3Forward.prefill` with a shape,
 `CachedRunner.pad_prefill`), so the CPU tests check what the graphs replay: padding prompts write
 into the cache's scratch slot, padding positions beyond a prompt into its own slot, where decode
-overwrites them before reading them (`Qwen3Forward.prefill_packed`). A graph's static input is one int64 buffer (ids, slots, last indices) refilled by
-one copy per admission; its output, the logits rows, is a static buffer too. The graphs of one
-runner share one memory pool, so buckets add only their logits to it, not a set of activations each;
-a later capture may therefore place its activations over an earlier bucket's logits, which is why
-the logits of a prefill must be consumed (stream order suffices) before the next prefill replays.
+overwrites them before reading them (`Qwen3Forward.prefill_packed`).
+
+A graph's static input is one int64 buffer (ids, slots, last indices) refilled by one copy per
+prefill; its output, the logits rows, is a static buffer too. The graphs of one runner share one
+memory pool, so buckets add only their logits to it, not a set of activations each; a later capture
+may therefore place its activations over an earlier bucket's logits, which is why the logits of a
+prefill must be consumed (stream order suffices) before the next prefill replays. The decode graphs
+keep pools of their own (engines/graphs.py).
 """
 
 from __future__ import annotations

@@ -7,9 +7,9 @@ the HF parameters therefore land in the fused buffers too, in place: CUDA graphs
 stay valid.
 
 Two entry points: `prefill` (right-padded prompts, causal attention, writes the KV of given slots and
-returns the logits at each prompt's last position; `prefill_packed` is its body, over inputs already
-on the device, which the runner's prefill graphs capture) and `decode_step` (one token for each of the rows
-in slots 0..B-1, through an ops table: plain PyTorch or Triton kernels).
+returns the logits at each prompt's last position; its body `prefill_packed`, over inputs already on
+the device, is what the runner's prefill graphs capture) and `decode_step` (one token for each of
+the rows in slots 0..B-1, through an ops table: plain PyTorch or Triton kernels).
 """
 
 from __future__ import annotations
