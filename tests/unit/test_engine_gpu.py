@@ -246,9 +246,9 @@ def _runner(path: Path, dtype: torch.dtype, slots: int, max_len: int) -> CachedR
 
 
 def test_prefill_graphs_match_the_eager_prefill_and_refill_their_inputs(models: tuple[Path, Path]) -> None:
-    """(The tiny model's vocabulary is 19 tokens.) Two admissions of one bucket replay one graph, each giving its own prompts' logits and KV (the
+    """Two admissions of one bucket replay one graph, each giving its own prompts' logits and KV (the
     static inputs refilled), as the eager unpadded prefill does at bf16; no slot but the prompts' own
-    and the scratch slot changes."""
+    and the scratch slot changes. (The tiny model's vocabulary is 19 tokens.)"""
     runner = _runner(models[0], torch.bfloat16, slots=16, max_len=64)
     fw, graphs = runner.forward, runner.prefill_graphs
     assert graphs is not None and fw.cache.k.shape[1] == 17
