@@ -10,12 +10,29 @@ from pathlib import Path
 _CONFIGURED = False
 
 
+class _Stderr(logging.StreamHandler):
+    """A handler that writes to whatever `sys.stderr` is when a line is emitted, not the stream of the
+    moment it was made: a caller that swaps stderr for a while (a test's capture, an in-process CLI
+    runner) and closes its stand-in leaves the log writing to the real one again."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self) -> object:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value: object) -> None:
+        pass  # always the current sys.stderr
+
+
 def setup(role: str = "astraflow", level: str | None = None) -> logging.Logger:
     """Configure the root 'astraflow' logger once; every line is prefixed with the role."""
     global _CONFIGURED
     logger = logging.getLogger("astraflow")
     if not _CONFIGURED:
-        handler = logging.StreamHandler(sys.stderr)
+        handler = _Stderr()
         fmt = f"%(asctime)s {role} %(levelname).1s %(message)s"
         handler.setFormatter(logging.Formatter(fmt, datefmt="%H:%M:%S"))
         logger.addHandler(handler)

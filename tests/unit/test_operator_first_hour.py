@@ -4,6 +4,7 @@ up front, `astraflow logs` merges roles by time, hand-started roles log into the
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 
 import pytest
@@ -76,7 +77,7 @@ def test_add_file_writes_the_role_log(tmp_path: Path) -> None:
     try:
         log.add_file(path)
         log.get("test").warning("hello file")
-        for h in logger.handlers:
+        for h in logger.handlers[len(before) :]:
             h.flush()
         assert "hello file" in path.read_text()
     finally:
@@ -102,3 +103,22 @@ def test_missing_model_names_the_recipes_own_commands(tmp_path: Path) -> None:
     with pytest.raises(RecipeError) as exc:  # a model its comments do not make: the generic hint
         check_models(_Recipe(_Policy(Path("m/other"), None)), source=recipe)
     assert "policy.model_init" in exc.value.hint
+
+
+def test_the_log_writes_to_the_stderr_of_the_moment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A caller that swapped stderr for a while and closed its stand-in (a CLI runner in process)
+    leaves the log writing to the stderr of now, not to the closed stand-in."""
+    import io
+
+    from astraflow import log
+
+    first, second = io.StringIO(), io.StringIO()
+    monkeypatch.setattr(sys, "stderr", first)
+    handler = log._Stderr()
+    record = logging.LogRecord("astraflow.t", logging.WARNING, __file__, 1, "%s", ("line",), None)
+    handler.emit(record)
+    monkeypatch.setattr(sys, "stderr", second)
+    first.close()
+    handler.emit(record)
+    handler.flush()
+    assert second.getvalue() == "line\n"
