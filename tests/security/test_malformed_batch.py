@@ -6,7 +6,6 @@ it cuts any sample, instead of training on bytes read past one sample's end."""
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -21,6 +20,7 @@ from astraflow.protocol import sample_columns as sc
 from astraflow.protocol.codec import decode, encode
 from astraflow.roles.trainer_batches import fetch_parts
 from astraflow.transport.client import MemberClient
+from tests.loopback_member import member_of
 
 
 def _samples(n: int) -> list[m.TrainSample]:
@@ -76,37 +76,14 @@ class RogueController:
 
 @pytest.fixture()
 def rogue() -> Iterator[tuple[RogueController, MemberClient]]:
-    ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    port = router.bind_to_random_port("tcp://127.0.0.1")
     good = sc.pack(_samples(3))
-    ctl = RogueController(router, forged=good, good=good)
-    thread = threading.Thread(target=ctl.serve, daemon=True)
-    thread.start()
     hello = m.Hello(member_id="trainer-main", role="trainer", protocol=m.PROTOCOL_VERSION, policies=["main"])
-    client = MemberClient(f"tcp://127.0.0.1:{port}", hello, heartbeat_interval_s=0.5, credentials=None)
-    client.exit_on_failure = False
-    ticking = threading.Event()
-
-    def tick() -> None:
-        while not ticking.is_set():
-            client.tick()
-            time.sleep(0.05)
-
-    ticker = threading.Thread(target=tick, daemon=True)
-    ticker.start()
-    try:
-        client.connect()
+    with member_of(lambda router: RogueController(router, forged=good, good=good), hello, 0.5) as (
+        ctl,
+        client,
+        _,
+    ):
         yield ctl, client
-    finally:
-        ticking.set()
-        client.leaving = True
-        client.close()
-        ctl.stop.set()
-        thread.join(2)
-        router.close(0)
-        ctx.term()
 
 
 def _fetch(ctl: RogueController, client: MemberClient, forged: m.SampleColumns) -> list[m.TrainSample] | None:

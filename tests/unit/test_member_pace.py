@@ -17,6 +17,7 @@ from astraflow.protocol import messages as m
 from astraflow.protocol.codec import decode, encode
 from astraflow.transport import member_loop
 from astraflow.transport.client import MemberClient
+from tests.loopback_member import member_of
 
 FAST = 0.05
 IDLE = 0.5
@@ -53,37 +54,10 @@ class FakeController:
 
 @pytest.fixture()
 def fake() -> Iterator[tuple[FakeController, MemberClient]]:
-    ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    port = router.bind_to_random_port("tcp://127.0.0.1")
-    ctl = FakeController(router)
-    thread = threading.Thread(target=ctl.serve, daemon=True)
-    thread.start()
     hello = m.Hello(member_id="pace-a", role="raas", protocol=m.PROTOCOL_VERSION, policies=["main"])
-    client = MemberClient(f"tcp://127.0.0.1:{port}", hello, heartbeat_interval_s=1.0, credentials=None)
-    client.exit_on_failure = False
-    ticking = threading.Event()
-
-    def tick() -> None:
-        while not ticking.is_set():
-            client.tick()
-            time.sleep(0.05)
-
-    ticker = threading.Thread(target=tick, daemon=True)
-    ticker.start()
-    try:
-        welcome = client.connect()
+    with member_of(FakeController, hello, 1.0) as (ctl, client, welcome):
         assert welcome.idle_interval_s == IDLE and client.idle_interval_s == IDLE
         yield ctl, client
-    finally:
-        ticking.set()
-        client.leaving = True
-        client.close()
-        ctl.stop.set()
-        thread.join(2)
-        router.close(0)
-        ctx.term()
 
 
 def test_a_member_beats_slowly_while_idle_and_at_once_when_work_arrives(

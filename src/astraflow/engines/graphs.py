@@ -16,6 +16,7 @@ same moment failed with "operation not permitted when stream is capturing".)
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,16 +93,25 @@ class DecodeGraphs:
         def step() -> torch.Tensor:
             return self.forward.decode_step(inputs[0], inputs[1], inputs[2], span, self.ops)
 
-        # Warm up on a side stream (compiles kernels, creates library handles) before capturing.
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                step()
-        torch.cuda.current_stream(dev).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            logits = step()
+        graph, logits = capture(step, dev)
         g = _Graph(graph, inputs, logits)
         self.graphs[bucket] = g
         return g
+
+
+def capture(
+    step: Callable[[], torch.Tensor], dev: torch.device, pool: Any = None
+) -> tuple[Any, torch.Tensor]:
+    """Run `step` twice on a side stream (compiles kernels, creates library handles, lets the attention
+    pick its kernel), then capture it as one CUDA graph (in memory pool `pool`, else a pool of its own);
+    the graph and the output buffer its replays write. Capture errors stay in this thread."""
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream(dev).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        out = step()
+    return graph, out

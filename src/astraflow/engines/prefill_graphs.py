@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from astraflow.engines.graphs import _CAPTURING
+from astraflow.engines.graphs import _CAPTURING, capture
 from astraflow.engines.qwen3_forward import Qwen3Forward
 
 MIN_WIDTH = 16
@@ -93,16 +93,7 @@ class PrefillGraphs:
         def step() -> torch.Tensor:
             return self.forward.prefill_packed(inputs, rows, width)
 
-        # Warm up on a side stream (library handles, the attention kernel's choice) before capturing.
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                step()
-        torch.cuda.current_stream(dev).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            logits = step()
+        graph, logits = capture(step, dev, self.pool)
         g = _Graph(graph, inputs, logits)
         self.graphs[shape] = g
         return g
