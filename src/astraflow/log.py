@@ -13,18 +13,21 @@ _CONFIGURED = False
 class _Stderr(logging.StreamHandler):
     """A handler that writes to whatever `sys.stderr` is when a line is emitted, not the stream of the
     moment it was made: a caller that swaps stderr for a while (a test's capture, an in-process CLI
-    runner) and closes its stand-in leaves the log writing to the real one again."""
+    runner) and closes its stand-in leaves the log writing to the real one again. `setStream(f)` still
+    sends it to `f` (`up` sends the launcher's lines to logs/up.log under the dashboard) until
+    `setStream(sys.stderr)`."""
 
     def __init__(self) -> None:
+        self._pinned: object = None
         super().__init__(sys.stderr)
 
     @property
     def stream(self) -> object:
-        return sys.stderr
+        return sys.stderr if self._pinned is None else self._pinned
 
     @stream.setter
-    def stream(self, _value: object) -> None:
-        pass  # always the current sys.stderr
+    def stream(self, value: object) -> None:
+        self._pinned = None if value is sys.stderr else value
 
 
 def setup(role: str = "astraflow", level: str | None = None) -> logging.Logger:

@@ -122,3 +122,20 @@ def test_the_log_writes_to_the_stderr_of_the_moment(monkeypatch: pytest.MonkeyPa
     handler.emit(record)
     handler.flush()
     assert second.getvalue() == "line\n"
+
+
+def test_the_log_can_still_be_sent_to_a_file_for_a_while(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`up` moves the launcher's lines to logs/up.log under the dashboard (setStream), then back."""
+    import io
+
+    from astraflow import log
+
+    err, up_log = io.StringIO(), io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    handler = log._Stderr()
+    record = logging.LogRecord("astraflow.t", logging.WARNING, __file__, 1, "%s", ("line",), None)
+    handler.setStream(up_log)
+    handler.emit(record)
+    handler.setStream(sys.stderr)
+    handler.emit(record)
+    assert up_log.getvalue() == "line\n" and err.getvalue() == "line\n"
