@@ -13,6 +13,7 @@ from typing import Protocol, TypeVar
 import zmq
 
 from astraflow.protocol import messages as m
+from astraflow.protocol.codec import decode, encode
 from astraflow.transport.client import MemberClient
 
 
@@ -25,6 +26,18 @@ class Served(Protocol):
 
 
 S = TypeVar("S", bound=Served)
+
+
+def serve_router(sock: zmq.Socket, stop: threading.Event, answer: Callable[[m.Msg], m.Msg | None]) -> None:
+    """A fake controller's loop: each message read from `sock` until `stop` is set, answered with
+    `answer(msg)` on the connection it came from (nothing when that is None)."""
+    while not stop.is_set():
+        if not sock.poll(20):
+            continue
+        ident, frame = sock.recv_multipart()
+        reply = answer(decode(frame))
+        if reply is not None:
+            sock.send_multipart([ident, encode(reply)])
 
 
 @contextmanager

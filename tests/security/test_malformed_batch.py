@@ -17,10 +17,9 @@ import zmq
 from astraflow.errors import AstraflowError
 from astraflow.protocol import messages as m
 from astraflow.protocol import sample_columns as sc
-from astraflow.protocol.codec import decode, encode
 from astraflow.roles.trainer_batches import fetch_parts
 from astraflow.transport.client import MemberClient
-from tests.loopback_member import member_of
+from tests.loopback_member import member_of, serve_router
 
 
 def _samples(n: int) -> list[m.TrainSample]:
@@ -49,29 +48,25 @@ class RogueController:
     stop: threading.Event = field(default_factory=threading.Event)
 
     def serve(self) -> None:
-        while not self.stop.is_set():
-            if not self.sock.poll(20):
-                continue
-            ident, frame = self.sock.recv_multipart()
-            msg = decode(frame)
-            if isinstance(msg, m.Hello):
-                reply: m.Msg = m.Welcome(rid=msg.rid, run_name="r", sections={}, heartbeat_interval_s=0.5)
-            elif isinstance(msg, m.Heartbeat):
-                reply = m.HeartbeatAck(rid=msg.rid)
-            elif isinstance(msg, m.BatchRequest):
-                cols = self.good if msg.part == 0 else self.forged
-                reply = m.BatchReply(
-                    rid=msg.rid,
-                    policy=msg.policy,
-                    step=msg.step,
-                    columns=cols,
-                    ready=True,
-                    part=msg.part,
-                    parts=2,
-                )
-            else:
-                reply = m.Ack(rid=msg.rid)
-            self.sock.send_multipart([ident, encode(reply)])
+        serve_router(self.sock, self.stop, self.reply)
+
+    def reply(self, msg: m.Msg) -> m.Msg:
+        if isinstance(msg, m.Hello):
+            return m.Welcome(rid=msg.rid, run_name="r", sections={}, heartbeat_interval_s=0.5)
+        if isinstance(msg, m.Heartbeat):
+            return m.HeartbeatAck(rid=msg.rid)
+        if isinstance(msg, m.BatchRequest):
+            cols = self.good if msg.part == 0 else self.forged
+            return m.BatchReply(
+                rid=msg.rid,
+                policy=msg.policy,
+                step=msg.step,
+                columns=cols,
+                ready=True,
+                part=msg.part,
+                parts=2,
+            )
+        return m.Ack(rid=msg.rid)
 
 
 @pytest.fixture()

@@ -14,10 +14,9 @@ import pytest
 import zmq
 
 from astraflow.protocol import messages as m
-from astraflow.protocol.codec import decode, encode
 from astraflow.transport import member_loop
 from astraflow.transport.client import MemberClient
-from tests.loopback_member import member_of
+from tests.loopback_member import member_of, serve_router
 
 FAST = 0.05
 IDLE = 0.5
@@ -33,20 +32,18 @@ class FakeController:
     stop: threading.Event = field(default_factory=threading.Event)
 
     def serve(self) -> None:
-        while not self.stop.is_set():
-            if not self.sock.poll(20):
-                continue
-            ident, frame = self.sock.recv_multipart()
-            msg = decode(frame)
-            if isinstance(msg, m.Hello):
-                welcome = m.Welcome(
-                    rid=msg.rid, run_name="r", sections={}, heartbeat_interval_s=FAST, idle_interval_s=IDLE
-                )
-                self.sock.send_multipart([ident, encode(welcome)])
-            elif isinstance(msg, m.Heartbeat):
-                self.beats.append((time.monotonic(), msg))
-                if self.answer:
-                    self.sock.send_multipart([ident, encode(m.HeartbeatAck(rid=msg.rid))])
+        serve_router(self.sock, self.stop, self.reply)
+
+    def reply(self, msg: m.Msg) -> m.Msg | None:
+        if isinstance(msg, m.Hello):
+            return m.Welcome(
+                rid=msg.rid, run_name="r", sections={}, heartbeat_interval_s=FAST, idle_interval_s=IDLE
+            )
+        if isinstance(msg, m.Heartbeat):
+            self.beats.append((time.monotonic(), msg))
+            if self.answer:
+                return m.HeartbeatAck(rid=msg.rid)
+        return None
 
     def since(self, t: float) -> list[m.Heartbeat]:
         return [b for at, b in list(self.beats) if at >= t]
