@@ -31,14 +31,12 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-import numpy as np
-import numpy.typing as npt
 import torch
 
 from astraflow.engines.base import Completion
 from astraflow.engines.decode_loop import DecodeLoop, Row
 from astraflow.engines.device import to_device
-from astraflow.engines.sampler import Plan, lists, seed_words, stacked, step_keys
+from astraflow.engines.sampler import lists, stacked
 
 T = TypeVar("T")
 
@@ -55,26 +53,6 @@ class _Read(Generic[T]):
     """A torch.cuda.Event recorded after the copy (None on a CPU)."""
     version: int
     """The weight version the tokens were sampled under."""
-
-
-@dataclass
-class _Batch:
-    """What a decode step needs of its rows while they stay the same rows in the same slots: built
-    from the rows once, then advanced by one per step in a few vector operations instead of a pass
-    over the rows (at 256 rows that pass, with the seeds' keys, was about a fifth of the host's work
-    a step on an H100)."""
-
-    n: int
-    params: list[Any]
-    """Each row's sampling settings."""
-    plan: Plan | None
-    """Planned at the batch's first step (it needs the logits' vocabulary size)."""
-    seeds: npt.NDArray[np.uint64]
-    """[n] uint64: each row's seed (modulo 2**64)."""
-    counters: npt.NDArray[np.uint64]
-    """[n] uint64: tokens sampled for each row so far, read or not (its next token's index)."""
-    positions: npt.NDArray[np.int64]
-    """[n] int64: each row's `cached`, the position its next input is written at."""
 
 
 class OverlapDecodeLoop(DecodeLoop[T]):
@@ -94,11 +72,6 @@ class OverlapDecodeLoop(DecodeLoop[T]):
         self._next: torch.Tensor | None = None
         """[len(rows)] int64 on the device: each running row's newest sampled token, its next input."""
         self._reads: deque[_Read[T]] = deque()
-        self._batch: _Batch | None = None
-        """The running rows' step inputs; None once rows join, leave or move (built again at the next
-        step)."""
-        self._finished = False
-        """A read recorded a row's last token: `_finish_done` has rows to take out."""
 
     def step(self) -> list[tuple[T, Completion]]:
         """Launch one decode step for every running row, then read the step before it; returns the
@@ -106,33 +79,10 @@ class OverlapDecodeLoop(DecodeLoop[T]):
         rows = self.rows
         if not rows:
             return []
-        b = self._batch
-        if b is None or b.n != len(rows):
-            b = self._batch = self._rebuild()
-        logits = self.runner.decode(self._next, b.positions.tolist())
-        if b.plan is None:
-            b.plan = self.sampler.plan(b.params, logits.shape[1])
-        tok, lp = self.sampler.sample_planned(logits, b.plan, step_keys(b.seeds, b.counters))
-        b.positions += 1
-        b.counters += 1
-        for r in rows:
-            r.ahead += 1
-        self._reads.append(self._copy_out(list(rows), tok, lp))  # a copy: rows move before it is read
-        self._next = tok
+        logits = self.runner.decode(self._next, [r.cached for r in rows])
+        self._take(list(range(len(rows))), logits)
         self._read(keep=1)
         return self._finish_done()
-
-    def _rebuild(self) -> _Batch:
-        rows = self.rows
-        n = len(rows)
-        return _Batch(
-            n,
-            [r.request.sampling for r in rows],
-            None,
-            seed_words([r.seed for r in rows]),
-            np.fromiter((len(r.tokens) + r.ahead for r in rows), dtype=np.uint64, count=n),
-            np.fromiter((r.cached for r in rows), dtype=np.int64, count=n),
-        )
 
     def recompute_cache(self) -> None:
         """As DecodeLoop's: rebuild the KV of each row's prompt and read tokens (its one unread token
@@ -145,14 +95,10 @@ class OverlapDecodeLoop(DecodeLoop[T]):
         """Forget every running row and every read in flight; the rows' tags, to fail."""
         self._reads.clear()
         self._next = None
-        self._batch = None
-        self._finished = False
         return super().drop()
 
     def _take(self, idx: list[int], logits: torch.Tensor) -> None:
-        """Sample rows `idx` on the device (an admission's new rows), keep the tokens as their next
-        inputs, queue their read."""
-        self._batch = None
+        """Sample rows `idx` on the device, keep the tokens as their next inputs, queue their read."""
         rows = [self.rows[i] for i in idx]
         tok, lp = self.sampler.sample_on_device(
             logits,
@@ -193,21 +139,13 @@ class OverlapDecodeLoop(DecodeLoop[T]):
             if read.event is not None:
                 read.event.synchronize()
             tokens, logps = lists(read.host)
-            version = read.version
             for row, tok, lp in zip(read.rows, tokens, logps, strict=True):
                 row.ahead -= 1
                 if not row.finish_reason:
-                    row.record(tok, lp, version)
-                    if row.finish_reason:
-                        self._finished = True
+                    row.record(tok, lp, read.version)
 
     def _finish_done(self) -> list[tuple[T, Completion]]:
-        """As DecodeLoop's, and the next inputs follow their rows to their new slots. Only rows a read
-        finished can be done, so a step whose read finished none has nothing to look at."""
-        if not self._finished:
-            return []
-        self._finished = False
-        self._batch = None
+        """As DecodeLoop's, and the next inputs follow their rows to their new slots."""
         before = {id(r): i for i, r in enumerate(self.rows)}
         done = super()._finish_done()
         if not self.rows:

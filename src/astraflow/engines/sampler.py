@@ -10,11 +10,8 @@ processed_logprobs in PyTorch, which applies each row's own filters.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-import numpy.typing as npt
 import torch
 
 from astraflow.engines.device import to_device
@@ -22,27 +19,13 @@ from astraflow.engines.sampling import processed_logprobs
 from astraflow.protocol.messages import SamplingParams
 
 _MASK = (1 << 62) - 1
-_M64 = (1 << 64) - 1
 
 
 def step_seeds(seeds: list[int], counters: list[int]) -> torch.Tensor:
-    """A Philox key per row for its next token: a mix of the row's seed and its token index,
-    `(seed * 0x9E3779B1 + counter * 0x85EBCA77 + 1) & (2**62 - 1)`."""
-    return step_keys(seed_words(seeds), np.asarray(counters, dtype=np.uint64))
-
-
-def seed_words(seeds: list[int]) -> npt.NDArray[np.uint64]:
-    """Seeds as uint64 words (each taken modulo 2**64, which leaves the keys' 62 bits unchanged)."""
-    return np.fromiter((s & _M64 for s in seeds), dtype=np.uint64, count=len(seeds))
-
-
-def step_keys(seeds: npt.NDArray[np.uint64], counters: npt.NDArray[np.uint64]) -> torch.Tensor:
-    """`step_seeds` over uint64 arrays in a few vector operations: products and sums wrap modulo
-    2**64, so the low 62 bits, the key, are those of the exact integer formula."""
-    with np.errstate(over="ignore"):
-        mixed = seeds * np.uint64(0x9E3779B1) + counters * np.uint64(0x85EBCA77) + np.uint64(1)
-    keys: npt.NDArray[np.uint64] = np.bitwise_and(mixed, np.uint64(_MASK))
-    return torch.from_numpy(keys.astype(np.int64))
+    """A Philox key per row for its next token: a mix of the row's seed and its token index."""
+    return torch.tensor(
+        [(s * 0x9E3779B1 + c * 0x85EBCA77 + 1) & _MASK for s, c in zip(seeds, counters, strict=True)]
+    )
 
 
 _M32 = 0xFFFFFFFF
@@ -66,21 +49,6 @@ def hashed_gumbel(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     h = _mix32(row[:, None] ^ col[None, :])
     u = (h.double() + 0.5) / 4294967296.0  # in (0, 1): -log(-log(u)) stays finite
     return (-torch.log(-torch.log(u))).float()
-
-
-@dataclass
-class Plan:
-    """What a batch's sampling settings decide, worked out once for as long as the batch's rows stay
-    the same (the overlapped loop's): the temperatures on the device and which rows take the fused
-    kernel."""
-
-    params: list[SamplingParams]
-    temp: torch.Tensor
-    """[n] float32 on the device."""
-    plain: list[bool]
-    """Rows with neither top-k nor top-p."""
-    split: list[tuple[torch.Tensor, list[SamplingParams], bool]]
-    """For a batch of both kinds: (row indices on the device, their settings, plain or not) per kind."""
 
 
 class Sampler:
@@ -116,39 +84,23 @@ class Sampler:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`sample` without reading the result back: tokens [n] int64 and logprobs [n] float32 on the
         device, queued behind the logits (nothing here waits for the device), noise from (seed, counter)."""
-        return self.sample_planned(logits, self.plan(params, logits.shape[1]), step_seeds(seeds, counters))
-
-    def plan(self, params: list[SamplingParams], vocab: int) -> Plan:
-        """The settings' part of sampling, for `sample_planned`."""
+        n, vocab = logits.shape
         temp = to_device(torch.tensor([p.temperature for p in params], dtype=torch.float32), self.device)
         plain = [p.top_p >= 1.0 and (p.top_k <= 0 or p.top_k >= vocab) for p in params]
-        split: list[tuple[torch.Tensor, list[SamplingParams], bool]] = []
-        if self.use_triton and any(plain) and not all(plain):
-            for kind in (True, False):
-                rows = _where(plain, kind)
-                idx = to_device(torch.tensor(rows, dtype=torch.int64), self.device)
-                split.append((idx, [params[i] for i in rows], kind))
-        return Plan(params, temp, plain, split)
-
-    def sample_planned(
-        self, logits: torch.Tensor, plan: Plan, keys: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`sample_on_device` with the settings planned and the rows' keys (`step_seeds`, on the host)
-        given."""
-        n, vocab = logits.shape
-        temp, params, plain = plan.temp, plan.params, plan.plain
+        keys = step_seeds(seeds, counters)
         if not self.use_triton:
             return self._pick(logits, temp, hashed_gumbel(to_device(keys, self.device), vocab), params)
         key = to_device(keys, self.device)
-        if not plan.split:
-            if all(plain):
-                return self._fused(logits, temp, key, params)
+        if all(plain):
+            return self._fused(logits, temp, key, params)
+        if not any(plain):
             return self._filtered(logits, temp, key, params)
         # plain rows keep the fused kernel (the same numbers as in an all-plain batch)
         tokens = torch.empty(n, dtype=torch.int64, device=self.device)
         logps = torch.empty(n, dtype=torch.float32, device=self.device)
-        for idx, sub, kind in plan.split:
-            fn = self._fused if kind else self._filtered
+        for rows, fn in ((_where(plain, True), self._fused), (_where(plain, False), self._filtered)):
+            idx = to_device(torch.tensor(rows, dtype=torch.int64), self.device)
+            sub = [params[i] for i in rows]
             tok, lp = fn(
                 logits.index_select(0, idx), temp.index_select(0, idx), key.index_select(0, idx), sub
             )
@@ -203,7 +155,7 @@ def stacked(tok: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:
 
 def lists(both: torch.Tensor) -> tuple[list[int], list[float]]:
     """Tokens and logprobs from a host copy of `stacked`."""
-    return both[0].to(torch.int64).tolist(), both[1].tolist()
+    return [int(t) for t in both[0].tolist()], both[1].tolist()
 
 
 def to_lists(tok: torch.Tensor, lp: torch.Tensor) -> tuple[list[int], list[float]]:
