@@ -137,3 +137,27 @@ def test_role_means_read_by_id_ranges_are_those_of_the_id_list(tmp_path: Path) -
     cases += [list(range(1, 700, 2))]  # 350 runs: the list
     for ids in cases:
         assert trajectories.role_rewards(store, ids) == by_list(ids)
+
+
+def test_role_means_read_nothing_until_a_role_is_named(tmp_path: Path) -> None:
+    """A store none of whose trajectories names a role answers `role_rewards` without reading the
+    rows; a row that names one, inserted after, or found by a store opened later on the same file,
+    is counted as before."""
+    path = tmp_path / "state.db"
+    store = Store.open(path)
+    rows = [(1, "main", "p", 0.25 * k, 0.0, 1, 0, 1 + k, "buffered", "", "", 1.0, 1.0, 0) for k in range(4)]
+    with store.write():
+        trajectories.insert_groups(store, 1, rows, [_group(1, 4)])
+    traced: list[str] = []
+    store.conn.set_trace_callback(traced.append)
+    assert trajectories.role_rewards(store, [1, 2, 3, 4]) == []
+    assert not [q for q in traced if "AVG(reward)" in q]
+    named = [
+        (2, "main", "p", 0.5 * k, 0.0, 1, 0, 5 + k, "buffered", "critic", "", 1.0, 1.0, 0) for k in range(2)
+    ]
+    with store.write():
+        trajectories.insert_groups(store, 5, named, [_group(5, 2)])
+    assert trajectories.role_rewards(store, [1, 2, 3, 4, 5, 6]) == [("critic", 0.25, 2)]
+    store.close()
+    again = Store.open(path)  # a later start finds the named rows in the file
+    assert trajectories.role_rewards(again, [5, 6]) == [("critic", 0.25, 2)]

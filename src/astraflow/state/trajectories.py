@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import sqlite3
+import weakref
 from itertools import chain
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -74,6 +76,22 @@ def _insert_rows(c: sqlite3.Connection, rows: list[tuple[Any, ...]]) -> None:
         c.executemany(_INSERT + _ROW, rows[done:])
 
 
+_NAMED_ROLES: weakref.WeakKeyDictionary[Store, bool] = weakref.WeakKeyDictionary()
+"""Store -> whether a trajectory with a named workflow role may be in it: read once, then set by
+every insert that names one (`insert_groups` is the only writer of trajectory rows). A rolled-back
+or deleted row may leave it True, which only costs a query that finds nothing."""
+_ROLE = itemgetter(9)
+"""A trajectory row's role, in `insert_groups`' rows."""
+
+
+def _may_have_roles(store: Store) -> bool:
+    known = _NAMED_ROLES.get(store)
+    if known is None:
+        known = store.scalar("SELECT 1 FROM trajectories WHERE role != '' LIMIT 1") is not None
+        _NAMED_ROLES[store] = known
+    return known
+
+
 def max_trajectory_id(store: Store) -> int:
     """The newest trajectory id (0 when none): ids only grow, so it is a cheap arrival counter."""
     with store.write() as c:
@@ -91,6 +109,8 @@ def insert_groups(
     group_key, temperature, top_p, top_k) in a few executions of many rows each (ROWS_PER_STATEMENT),
     and each group's token_groups row (token_groups.group_row or joined_row) in one statement. Raises
     if SQLite gave other ids."""
+    if any(map(_ROLE, rows)):
+        _NAMED_ROLES[store] = True
     with store.write() as c:
         _insert_rows(c, rows)
         last = int(c.execute("SELECT last_insert_rowid()").fetchone()[0])
@@ -161,8 +181,8 @@ RANGES_AT_MOST = 64
 
 def role_rewards(store: Store, ids: list[int]) -> list[tuple[str, float, int]]:
     """(role, mean reward, sequences) per workflow role among these trajectories (unnamed roles left out)."""
-    if not ids:
-        return []
+    if not ids or not _may_have_roles(store):
+        return []  # a run whose workflows name no role (the usual case) reads no rows for it
     runs = id_runs(sorted(set(ids)))
     if len(runs) <= RANGES_AT_MOST:
         # a batch's ids are a few runs: a range each instead of an ephemeral table of 512 ids; either
