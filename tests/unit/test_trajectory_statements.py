@@ -3,6 +3,7 @@ execution and id ranges, with the same rows and statuses as one row and one id a
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
@@ -90,3 +91,73 @@ def test_id_runs_and_a_batch_marked_consumed_by_ranges(tmp_path: Path) -> None:
         else:
             assert (status, step) == ("buffered", None)
     store.close()
+
+
+def test_role_means_read_by_id_ranges_are_those_of_the_id_list(tmp_path: Path) -> None:
+    """`role_rewards` reads a batch's few runs of ids as ranges: per role, the same mean (to the
+    float: the rows are summed in the same order), the same count, as the list of ids finds, for
+    shuffled, repeated and scattered ids, and past RANGES_AT_MOST runs."""
+    rng = random.Random(3)
+    store = Store.open(tmp_path / "state.db")
+    rows = [
+        (
+            k // 4,
+            "main",
+            "p",
+            rng.uniform(-1e6, 1e6) * 10 ** rng.randint(-8, 3),
+            0.0,
+            1,
+            0,
+            1 + k,
+            "buffered",
+            rng.choice(["", "a", "b", "critic"]),
+            "",
+            1.0,
+            1.0,
+            0,
+        )
+        for k in range(700)
+    ]
+    with store.write():
+        trajectories.insert_groups(store, 1, rows, [_group(1, 700)])
+
+    def by_list(ids: list[int]) -> list[tuple[str, float, int]]:
+        marks = ",".join("?" * len(ids))
+        return [
+            (r[0], float(r[1]), int(r[2]))
+            for r in store.query(
+                f"SELECT role, AVG(reward), COUNT(*) FROM trajectories WHERE id IN ({marks}) AND role != '' "
+                "GROUP BY role",
+                tuple(ids),
+            )
+        ]
+
+    cases = [list(range(1, 513)), list(range(100, 612))[::-1], [5, 5, 6, 7, 300, 301, 299]]
+    cases += [rng.sample(range(1, 701), rng.randint(1, 600)) for _ in range(30)]
+    cases += [list(range(1, 700, 2))]  # 350 runs: the list
+    for ids in cases:
+        assert trajectories.role_rewards(store, ids) == by_list(ids)
+
+
+def test_role_means_read_nothing_until_a_role_is_named(tmp_path: Path) -> None:
+    """A store none of whose trajectories names a role answers `role_rewards` without reading the
+    rows; a row that names one, inserted after, or found by a store opened later on the same file,
+    is counted as before."""
+    path = tmp_path / "state.db"
+    store = Store.open(path)
+    rows = [(1, "main", "p", 0.25 * k, 0.0, 1, 0, 1 + k, "buffered", "", "", 1.0, 1.0, 0) for k in range(4)]
+    with store.write():
+        trajectories.insert_groups(store, 1, rows, [_group(1, 4)])
+    traced: list[str] = []
+    store.conn.set_trace_callback(traced.append)
+    assert trajectories.role_rewards(store, [1, 2, 3, 4]) == []
+    assert not [q for q in traced if "AVG(reward)" in q]
+    named = [
+        (2, "main", "p", 0.5 * k, 0.0, 1, 0, 5 + k, "buffered", "critic", "", 1.0, 1.0, 0) for k in range(2)
+    ]
+    with store.write():
+        trajectories.insert_groups(store, 5, named, [_group(5, 2)])
+    assert trajectories.role_rewards(store, [1, 2, 3, 4, 5, 6]) == [("critic", 0.25, 2)]
+    store.close()
+    again = Store.open(path)  # a later start finds the named rows in the file
+    assert trajectories.role_rewards(again, [5, 6]) == [("critic", 0.25, 2)]

@@ -305,7 +305,8 @@ class Buffer:
             n_replay = max(0, min(int(self._replay(policy, batch_size)), batch_size))
             replay_ids: list[int] = []
             if n_replay:
-                replay_ids = trajectories.newest_consumed(self.store, policy, n_replay)
+                since = batches.consumed_since(self.store, policy, n_replay)
+                replay_ids = trajectories.newest_consumed(self.store, policy, n_replay, since)
             n_fresh = batch_size - len(replay_ids)
             if len(mine) < n_fresh:
                 # Commit the expirations; the trainer retries once more data arrived.

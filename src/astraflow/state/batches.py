@@ -68,6 +68,26 @@ def decode_flags(text: str, n: int) -> list[bool]:
     return flags
 
 
+def consumed_since(store: Store, policy: str, n: int) -> tuple[int, int] | None:
+    """(first id, step) such that the batches of `policy` from `step` on consumed at least n
+    trajectories, all with ids >= first id (a trajectory is consumed by the step whose batch holds it
+    fresh, in the same transaction); None when all its batches together consumed fewer."""
+    total, first = 0, None
+    # a cursor read as far as needed: the newest few batches, not every step of the run
+    rows = store.conn.execute(
+        "SELECT step, traj_ids, replay FROM batches WHERE policy = ? ORDER BY step DESC", (policy,)
+    )
+    for r in rows:
+        ids = decode_ids(r["traj_ids"])
+        fresh = [i for i, f in zip(ids, decode_flags(r["replay"], len(ids)), strict=True) if not f]
+        if fresh:
+            total += len(fresh)
+            first = min(fresh) if first is None else min(first, min(fresh))
+        if total >= n and first is not None:
+            return first, int(r["step"])
+    return None
+
+
 def last_batch_step(store: Store, policy: str) -> int:
     """The highest step of `policy` whose batch was taken (0 when none)."""
     return int(store.scalar("SELECT COALESCE(MAX(step), 0) FROM batches WHERE policy = ?", (policy,)))

@@ -299,6 +299,24 @@ def m0010_token_groups(db: Database) -> None:
     conn.execute("DROP INDEX IF EXISTS idx_trajectories_policy_status")
 
 
+OPEN_INDEX_MIGRATION = "0011_open_status_index"
+"""The migration after which the status index holds only the trajectories not consumed."""
+
+
+def m0011_open_status_index(db: Database) -> None:
+    """The (status, policy, task_id) index keeps only the trajectories that are not consumed (a
+    partial index, `WHERE status != 'consumed'`): marking a batch consumed then removes 512 index
+    entries instead of moving them to the consumed range, and the consumed rows, which grow with
+    the run, no longer cost an index entry each. Queries of the other statuses name the index's
+    condition (state/trajectories.py, `OPEN`); those of the consumed rows read the table."""
+    conn = db.conn
+    conn.execute("DROP INDEX IF EXISTS idx_trajectories_status_policy_task_id")
+    conn.execute(
+        "CREATE INDEX idx_trajectories_open ON trajectories (status, policy, task_id) "
+        "WHERE status != 'consumed'"
+    )
+
+
 MIGRATIONS: list[tuple[str, Migration]] = [
     ("0001_initial", m0001_initial),
     ("0002_sequence_roles", m0002_sequence_roles),
@@ -310,6 +328,7 @@ MIGRATIONS: list[tuple[str, Migration]] = [
     ("0008_retired_tasks", m0008_retired_tasks),
     (PACKED_MIGRATION, m0009_packed_tokens),
     (TOKEN_GROUPS_MIGRATION, m0010_token_groups),
+    (OPEN_INDEX_MIGRATION, m0011_open_status_index),
 ]
 """Every migration in the order applied; append only."""
 

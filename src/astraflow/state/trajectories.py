@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import sqlite3
+import weakref
 from itertools import chain
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -13,9 +15,13 @@ from astraflow.state.store import Store
 
 STATUSES = ("buffered", "consumed", "expired", "dropped")
 _ANY_STATUS = "status IN ('buffered', 'consumed', 'expired', 'dropped')"
-"""Every status, named so that a query of one policy uses the (status, policy, task_id) index: the
-table has no index that starts with the policy (migration 0010 dropped it: one index less to keep
-up on every insert and status change)."""
+"""Every status (a query of every trajectory of a policy reads the table: no index starts with the
+policy, migration 0010 dropped it, one index less to keep up on every insert and status change)."""
+OPEN = "status != 'consumed'"
+"""The condition of the status index (migration 0011: `(status, policy, task_id) WHERE status !=
+'consumed'`). A query of a status other than consumed names it word for word, so that SQLite uses
+the index (it does not infer it from `status = ?`); marking a batch consumed then takes its rows out
+of the index instead of moving them within it. Queries of the consumed rows read the table."""
 
 
 def _marks(n: int) -> str:
@@ -70,6 +76,22 @@ def _insert_rows(c: sqlite3.Connection, rows: list[tuple[Any, ...]]) -> None:
         c.executemany(_INSERT + _ROW, rows[done:])
 
 
+_NAMED_ROLES: weakref.WeakKeyDictionary[Store, bool] = weakref.WeakKeyDictionary()
+"""Store -> whether a trajectory with a named workflow role may be in it: read once, then set by
+every insert that names one (`insert_groups` is the only writer of trajectory rows). A rolled-back
+or deleted row may leave it True, which only costs a query that finds nothing."""
+_ROLE = itemgetter(9)
+"""A trajectory row's role, in `insert_groups`' rows."""
+
+
+def _may_have_roles(store: Store) -> bool:
+    known = _NAMED_ROLES.get(store)
+    if known is None:
+        known = store.scalar("SELECT 1 FROM trajectories WHERE role != '' LIMIT 1") is not None
+        _NAMED_ROLES[store] = known
+    return known
+
+
 def max_trajectory_id(store: Store) -> int:
     """The newest trajectory id (0 when none): ids only grow, so it is a cheap arrival counter."""
     with store.write() as c:
@@ -87,6 +109,8 @@ def insert_groups(
     group_key, temperature, top_p, top_k) in a few executions of many rows each (ROWS_PER_STATEMENT),
     and each group's token_groups row (token_groups.group_row or joined_row) in one statement. Raises
     if SQLite gave other ids."""
+    if any(map(_ROLE, rows)):
+        _NAMED_ROLES[store] = True
     with store.write() as c:
         _insert_rows(c, rows)
         last = int(c.execute("SELECT last_insert_rowid()").fetchone()[0])
@@ -101,8 +125,19 @@ def count(store: Store, policy: str, status: str | None = None) -> int:
         return int(
             store.scalar(f"SELECT COUNT(*) FROM trajectories WHERE {_ANY_STATUS} AND policy = ?", (policy,))
         )
+    if status == "consumed":
+        return _consumed_count(store, policy)
     return int(
-        store.scalar("SELECT COUNT(*) FROM trajectories WHERE status = ? AND policy = ?", (status, policy))
+        store.scalar(
+            f"SELECT COUNT(*) FROM trajectories WHERE {OPEN} AND status = ? AND policy = ?", (status, policy)
+        )
+    )
+
+
+def _consumed_count(store: Store, policy: str) -> int:
+    """Consumed trajectories of `policy` (a read of the table: the status index leaves them out)."""
+    return int(
+        store.scalar("SELECT COUNT(*) FROM trajectories WHERE status = 'consumed' AND policy = ?", (policy,))
     )
 
 
@@ -110,10 +145,12 @@ def status_counts(store: Store, policy: str) -> dict[str, int]:
     """Trajectories of `policy` per status (every status, 0 when none)."""
     out = dict.fromkeys(STATUSES, 0)
     for r in store.query(
-        f"SELECT status, COUNT(*) AS n FROM trajectories WHERE {_ANY_STATUS} AND policy = ? GROUP BY status",
+        f"SELECT status, COUNT(*) AS n FROM trajectories WHERE {OPEN} AND {_ANY_STATUS} AND policy = ? "
+        "GROUP BY status",
         (policy,),
     ):
         out[r["status"]] = int(r["n"])
+    out["consumed"] = _consumed_count(store, policy)
     return out
 
 
@@ -122,7 +159,7 @@ def buffered_by_policy(store: Store) -> dict[str, int]:
     return {
         r["policy"]: int(r["n"])
         for r in store.query(
-            "SELECT policy, COUNT(*) AS n FROM trajectories WHERE status = 'buffered' GROUP BY policy"
+            f"SELECT policy, COUNT(*) AS n FROM trajectories WHERE {OPEN} AND status = 'buffered' GROUP BY policy"
         )
     }
 
@@ -132,21 +169,34 @@ def buffered_groups_by_policy(store: Store) -> dict[str, int]:
     return {
         r["policy"]: int(r["n"])
         for r in store.query(
-            "SELECT policy, COUNT(DISTINCT task_id) AS n FROM trajectories WHERE status = 'buffered' GROUP BY policy"
+            f"SELECT policy, COUNT(DISTINCT task_id) AS n FROM trajectories WHERE {OPEN} AND status = 'buffered' "
+            "GROUP BY policy"
         )
     }
 
 
+RANGES_AT_MOST = 64
+"""A set of ids in at most this many runs is read as id ranges (`role_rewards`), more as a list."""
+
+
 def role_rewards(store: Store, ids: list[int]) -> list[tuple[str, float, int]]:
     """(role, mean reward, sequences) per workflow role among these trajectories (unnamed roles left out)."""
-    if not ids:
-        return []
+    if not ids or not _may_have_roles(store):
+        return []  # a run whose workflows name no role (the usual case) reads no rows for it
+    runs = id_runs(sorted(set(ids)))
+    if len(runs) <= RANGES_AT_MOST:
+        # a batch's ids are a few runs: a range each instead of an ephemeral table of 512 ids; either
+        # way SQLite reads the rows in id order, so the means are the same to the float
+        where = " OR ".join(["id BETWEEN ? AND ?"] * len(runs))
+        params: tuple[int, ...] = tuple(x for first, n in runs for x in (first, first + n - 1))
+    else:
+        where, params = f"id IN ({_marks(len(ids))})", tuple(ids)
     return [
         (r["role"], float(r["reward"]), int(r["n"]))
         for r in store.query(
-            f"SELECT role, AVG(reward) AS reward, COUNT(*) AS n FROM trajectories WHERE id IN ({_marks(len(ids))}) "
+            f"SELECT role, AVG(reward) AS reward, COUNT(*) AS n FROM trajectories WHERE ({where}) "
             "AND role != '' GROUP BY role",
-            tuple(ids),
+            params,
         )
     ]
 
@@ -183,7 +233,7 @@ def buffered_items(store: Store, policy: str) -> list[sqlite3.Row]:
     with store.write() as c:
         return c.execute(
             "SELECT id, task_id, min_version, arrival, reward, advantage, length FROM trajectories "
-            "WHERE policy = ? AND status = 'buffered'",
+            f"WHERE {OPEN} AND status = 'buffered' AND policy = ?",
             (policy,),
         ).fetchall()
 
@@ -197,17 +247,24 @@ def expire(store: Store, ids: list[int]) -> None:
         )
 
 
-def newest_consumed(store: Store, policy: str, n: int) -> list[int]:
-    """Ids of the `n` most recently consumed trajectories of `policy` (replay candidates)."""
+_NEWEST = (
+    "SELECT id, consumed_step FROM trajectories WHERE id >= ? AND policy = ? AND status = 'consumed' "
+    "ORDER BY consumed_step DESC, arrival DESC LIMIT ?"
+)
+
+
+def newest_consumed(store: Store, policy: str, n: int, since: tuple[int, int] | None = None) -> list[int]:
+    """Ids of the `n` most recently consumed trajectories of `policy` (replay candidates). `since`,
+    (first id, step), says that every trajectory consumed at that step or later has an id >= first
+    id (batches.consumed_since): the rows from that id on are read first, and the whole table only
+    when what they hold may not be the newest n (the consumed rows have no index)."""
     with store.write() as c:
-        return [
-            r["id"]
-            for r in c.execute(
-                "SELECT id FROM trajectories WHERE policy = ? AND status = 'consumed' "
-                "ORDER BY consumed_step DESC, arrival DESC LIMIT ?",
-                (policy, n),
-            ).fetchall()
-        ]
+        if since is not None:
+            rows = c.execute(_NEWEST, (since[0], policy, n)).fetchall()
+            # a row left out (id < first id) was consumed before the step: it ranks below the n-th
+            if len(rows) == n and int(rows[-1][1]) >= since[1]:
+                return [r[0] for r in rows]
+        return [r[0] for r in c.execute(_NEWEST, (0, policy, n)).fetchall()]
 
 
 def mark_consumed(store: Store, step: int, ids: list[int]) -> None:
