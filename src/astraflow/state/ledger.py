@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
+import msgspec
+
 from astraflow.state import tasks
 from astraflow.state.store import Store
 
@@ -50,13 +52,27 @@ class TaskRow:
     @cached_property
     def sample(self) -> dict[str, Any]:
         """The task's sample (parsed from `sample_json` once)."""
-        parsed: dict[str, Any] = json.loads(self.sample_json)
-        return parsed
+        return sample_of(self.sample_json)
 
     @property
     def policies(self) -> list[str]:
         """Distinct policies this task produces sequences for, in role order."""
         return list(dict.fromkeys(self.roles.values()))
+
+
+_decode_json = msgspec.json.Decoder().decode
+
+
+def sample_of(text: str) -> dict[str, Any]:
+    """A sample as `json.loads` parses the stored text, parsed by msgspec (several times faster);
+    text msgspec refuses (NaN and Infinity, which json.dumps writes, or a lone surrogate) is parsed
+    by `json.loads` itself. On every text both accept they give equal values: the same types, key
+    order and floats (tests/unit/test_ledger_rows.py)."""
+    try:
+        parsed: dict[str, Any] = _decode_json(text)
+    except msgspec.DecodeError:
+        parsed = json.loads(text)
+    return parsed
 
 
 _parsed: dict[str, Any] = {}
@@ -88,6 +104,13 @@ def _row(r: Any) -> TaskRow:
         attempts=r["attempts"],
         read_only=_json(r["read_only"] or "[]"),
     )
+
+
+_QUEUED_PAGE = (
+    "SELECT id, prompt_key, sample, roles, group_size, owner, epoch, lease_expiry, attempts, read_only "
+    "FROM tasks WHERE status = 'queued' AND id > ? ORDER BY id LIMIT ?"
+)
+"""A page of the queue, oldest first, as the columns of a TaskRow (in its fields' order)."""
 
 
 def _chunks(ids: Sequence[int]) -> Iterable[Sequence[int]]:
@@ -200,26 +223,30 @@ class Ledger:
         if n <= 0:
             return []
         t = self.clock() if now is None else now
+        expiry = t + self.lease_timeout_s
         out: list[TaskRow] = []
         after = 0
         with self.store.write() as c:
             # Read the queue a page at a time (oldest first): a request for n tasks parses about n
             # rows, not the whole queue. The leases are written after the last page (a later page
-            # starts past the ids already taken, so it cannot see them queued again).
+            # starts past the ids already taken, so it cannot see them queued again). Rows come as
+            # tuples of the columns a TaskRow holds (no sqlite3.Row, no column looked up by name).
+            cur = c.cursor()
+            cur.row_factory = None
             while len(out) < n:
-                page = c.execute(
-                    "SELECT * FROM tasks WHERE status = 'queued' AND id > ? ORDER BY id LIMIT ?",
-                    (after, max(n, LEASE_PAGE)),
-                ).fetchall()
+                page = cur.execute(_QUEUED_PAGE, (after, max(n, LEASE_PAGE))).fetchall()
                 if not page:
                     break
-                after = int(page[-1]["id"])
-                for r in page:
-                    task = _row(r)
+                after = int(page[-1][0])
+                for tid, key, sample, roles, size, owner, epoch, expires, attempts, ro in page:
+                    task = TaskRow(
+                        tid, key, sample, _json(roles), size, "queued", owner, epoch, expires, attempts,
+                        _json(ro or "[]"),
+                    )  # fmt: skip
                     if accept is not None and not accept(task):
                         continue
                     task.epoch += 1
-                    task.status, task.owner, task.lease_expiry = "leased", member_id, t + self.lease_timeout_s
+                    task.status, task.owner, task.lease_expiry = "leased", member_id, expiry
                     out.append(task)
                     if len(out) >= n:
                         break
@@ -228,7 +255,7 @@ class Ledger:
                 c.execute(
                     "UPDATE tasks SET status = 'leased', owner = ?, epoch = epoch + 1, lease_expiry = ?, "
                     f"updated = ?, leased_at = ? WHERE id IN ({','.join('?' * len(part))})",
-                    (member_id, t + self.lease_timeout_s, t, t, *part),
+                    (member_id, expiry, t, t, *part),
                 )
         return out
 

@@ -161,11 +161,12 @@ def _admission_filter(
     """Whether a queued task may go to a worker serving `serves` and holding `loaded`, for one lease
     call; and whether a task shape (role map, read-only policies) may, for a task not of an eval round."""
     refused: set[tuple[Any, ...]] = set()
-    fixed: dict[tuple[Any, ...], tuple[list[str], dict[str, int]] | None] = {}
-    """Per task shape (role map, read-only policies): what does not change within the call (the
-    policies it feeds and its sequences, or None when the member, the operator's pauses or the
-    budgets refuse it)."""
+    bounds: dict[tuple[Any, ...], list[tuple[str, int]] | None] = {}
+    """Per task shape (role map, read-only policies): the lease rule as bounds on the work ahead of
+    each policy it feeds (`Admission.lease_bounds`), or None when the member, the operator's pauses,
+    the budgets or the versions the member holds refuse it whatever is ahead. Found once a call."""
     evals, admission = ctx.evals, ctx.admission
+    ahead = admission.ahead
 
     def admits_shape(roles: dict[str, str], read_only: list[str]) -> bool:
         # Within one lease call every lease only adds work ahead, so a task shape (its role map and
@@ -174,7 +175,9 @@ def _admission_filter(
         key = (tuple(roles.items()), tuple(read_only))
         if key in refused:
             return False
-        if key not in fixed:
+        if key in bounds:
+            got = bounds[key]
+        else:
             pols = list(dict.fromkeys(roles.values()))
             feeds = [p for p in pols if p not in read_only]
             # a task that feeds no policy still training would be run only to be thrown away
@@ -183,9 +186,12 @@ def _admission_filter(
                 and ctx.control.may_lease(feeds)
                 and bool(admission.active(feeds))
             )
-            fixed[key] = (feeds, admission.task_sequences(roles, ctx.group_sizes)) if static else None
-        got = fixed[key]
-        ok = got is not None and admission.may_lease(loaded, got[0], got[1])
+            got = bounds[key] = (
+                admission.lease_bounds(loaded, feeds, admission.task_sequences(roles, ctx.group_sizes))
+                if static
+                else None
+            )
+        ok = got is not None and all(ahead(p) <= most for p, most in got)
         if not ok:
             refused.add(key)
         return ok
