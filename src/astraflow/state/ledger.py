@@ -23,6 +23,7 @@ from typing import Any
 import msgspec
 
 from astraflow.state import tasks
+from astraflow.state.open_shapes import OpenShapes
 from astraflow.state.store import Store
 
 LEASE_PAGE = 64
@@ -140,6 +141,8 @@ class Ledger:
         rollback, so the next `counts` reads the store. Counting them each step scanned every done
         task of the run."""
         store.on_rollback.append(self._forget_done)
+        self.shapes = OpenShapes(store)
+        """Open tasks per shape, kept by this ledger's writes within a lease call (state/open_shapes.py)."""
 
     def _forget_done(self) -> None:
         self._done = None
@@ -154,20 +157,14 @@ class Ledger:
     ) -> int:
         """Queue one task (not feeding the `read_only` policies); returns its id."""
         now = self.clock()
+        roles_json, ro = json.dumps(roles), json.dumps(sorted(set(read_only)))
         with self.store.write() as c:
             cur = c.execute(
                 "INSERT INTO tasks (prompt_key, sample, roles, group_size, status, owner, epoch, lease_expiry, "
                 "attempts, error, created, updated, read_only) VALUES (?, ?, ?, ?, 'queued', '', 0, 0, 0, '', ?, ?, ?)",
-                (
-                    prompt_key,
-                    json.dumps(sample, sort_keys=True),
-                    json.dumps(roles),
-                    group_size,
-                    now,
-                    now,
-                    json.dumps(sorted(set(read_only))),
-                ),
+                (prompt_key, json.dumps(sample, sort_keys=True), roles_json, group_size, now, now, ro),
             )
+            self.shapes.add(("queued", roles_json, group_size, ro), 1)
             return int(cur.lastrowid or 0)
 
     def enqueue_many(
@@ -183,12 +180,14 @@ class Ledger:
         now = self.clock()
         roles_json = json.dumps(roles)
         skips: dict[tuple[str, ...], str] = {}
+        per: dict[str, int] = {}
         rows = []
         for key, sample, read_only in tasks:
             skip = tuple(sorted(set(read_only)))
             ro = skips.get(skip)
             if ro is None:
                 ro = skips[skip] = json.dumps(list(skip))
+            per[ro] = per.get(ro, 0) + 1
             rows.append((key, json.dumps(sample, sort_keys=True), roles_json, group_size, now, now, ro))
         with self.store.write() as c:
             c.executemany(
@@ -196,6 +195,8 @@ class Ledger:
                 "attempts, error, created, updated, read_only) VALUES (?, ?, ?, ?, 'queued', '', 0, 0, 0, '', ?, ?, ?)",
                 rows,
             )
+            for ro, k in per.items():
+                self.shapes.add(("queued", roles_json, group_size, ro), k)
 
     def get(self, task_id: int) -> TaskRow | None:
         """One task, or None."""
@@ -225,6 +226,8 @@ class Ledger:
         t = self.clock() if now is None else now
         expiry = t + self.lease_timeout_s
         out: list[TaskRow] = []
+        shapes: dict[tuple[str, int, str], int] = {}
+        """(role map, group size, read-only policies) as stored -> tasks of that shape leased."""
         after = 0
         with self.store.write() as c:
             # Read the queue a page at a time (oldest first): a request for n tasks parses about n
@@ -248,6 +251,8 @@ class Ledger:
                     task.epoch += 1
                     task.status, task.owner, task.lease_expiry = "leased", member_id, expiry
                     out.append(task)
+                    shape = (roles, size, ro or "[]")
+                    shapes[shape] = shapes.get(shape, 0) + 1
                     if len(out) >= n:
                         break
             for part in _chunks([task.id for task in out]):
@@ -257,17 +262,22 @@ class Ledger:
                     f"updated = ?, leased_at = ? WHERE id IN ({','.join('?' * len(part))})",
                     (member_id, expiry, t, t, *part),
                 )
+            for (roles, size, ro), k in shapes.items():
+                self.shapes.add(("queued", roles, size, ro), -k)
+                self.shapes.add(("leased", roles, size, ro), k)
         return out
 
     def set_read_only(self, task: TaskRow, read_only: Iterable[str]) -> None:
         """Record the policies a leased task no longer feeds (their budget was taken since it was queued)."""
         task.read_only = sorted(set(read_only))
+        self.shapes.forget()  # a leased task's shape changes: the kept counts do not follow it
         with self.store.write() as c:
             c.execute("UPDATE tasks SET read_only = ? WHERE id = ?", (json.dumps(task.read_only), task.id))
 
     def complete(self, task_id: int, epoch: int, owner: str) -> str:
         """Validate a result's lease and mark the task done: accepted | duplicate | stale_epoch | unknown_task."""
         now = self.clock()
+        self.shapes.forget()  # a status changes: the kept counts do not follow it
         with self.store.write() as c:
             r = c.execute("SELECT status, epoch, owner FROM tasks WHERE id = ?", (task_id,)).fetchone()
             if r is None:
@@ -293,6 +303,7 @@ class Ledger:
         and one UPDATE: a task named twice is accepted at most once (a later one is a duplicate)."""
         now = self.clock()
         out: list[str] = []
+        self.shapes.forget()  # a status changes: the kept counts do not follow it
         with self.store.write() as c:
             rows: dict[int, tuple[str, int, str]] = {}
             for part in _chunks(sorted({tid for tid, _ in results})):
@@ -327,6 +338,7 @@ class Ledger:
     def fail(self, task_id: int, epoch: int, owner: str | None = None, error: str = "") -> str:
         """A lease ended in an error: requeued | failed (after max_attempts) | duplicate | stale_epoch | unknown_task."""
         now = self.clock()
+        self.shapes.forget()  # a status changes: the kept counts do not follow it
         with self.store.write() as c:
             r = c.execute(
                 "SELECT status, epoch, owner, attempts FROM tasks WHERE id = ?", (task_id,)
@@ -350,6 +362,7 @@ class Ledger:
 
     def give_back(self, task_id: int, epoch: int, owner: str) -> bool:
         """Requeue one leased attempt without counting it (its failure was its worker's, not the task's)."""
+        self.shapes.forget()  # a status changes: the kept counts do not follow it
         with self.store.write() as c:
             cur = c.execute(
                 "UPDATE tasks SET status = 'queued', lease_expiry = 0, updated = ? "
@@ -360,6 +373,7 @@ class Ledger:
 
     def give_back_lapsed(self, member_id: str, now: float) -> int:
         """Requeue a member's leases past their expiry without counting an attempt; returns how many."""
+        self.shapes.forget()  # a status changes: the kept counts do not follow it
         with self.store.write() as c:
             cur = c.execute(
                 "UPDATE tasks SET status = 'queued', lease_expiry = 0, updated = ? "
@@ -371,6 +385,7 @@ class Ledger:
     def release_member(self, member_id: str) -> int:
         """Return every task leased to a member (dead or left) to the queue at once; returns how many."""
         now = self.clock()
+        self.shapes.forget()  # a status changes: the kept counts do not follow it
         with self.store.write() as c:
             cur = c.execute(
                 "UPDATE tasks SET status = 'queued', lease_expiry = 0, updated = ? WHERE status = 'leased' AND owner = ?",
@@ -381,6 +396,7 @@ class Ledger:
     def expire(self, now: float | None = None) -> int:
         """Requeue (or fail, after max_attempts) every lease past its expiry; returns how many ended."""
         t = self.clock() if now is None else now
+        self.shapes.forget()  # a status changes: the kept counts do not follow it
         with self.store.write() as c:
             rows = c.execute(
                 "SELECT id, attempts FROM tasks WHERE status = 'leased' AND lease_expiry < ?", (t,)
