@@ -144,3 +144,44 @@ def test_samples_parse_as_json_loads_parses_them(tmp_path: Path) -> None:
     (task,) = ledger.lease("w", 1)
     assert repr(task.sample) == repr(json.loads(json.dumps(sample, sort_keys=True)))
     store.close()
+
+
+def test_a_refill_stores_samples_as_json_dumps_writes_them(tmp_path: Path) -> None:
+    rng = random.Random(5)
+    odd = [
+        math.nan,
+        math.inf,
+        -0.0,
+        2**70,
+        "\ud800",
+        "é",
+        "😀",
+        None,
+        True,
+        (1, 2),
+        {"b": 1, "a": [2.5]},
+        {3: "k"},
+    ]
+    samples = [
+        {
+            "key": f"k{i}",
+            "z": rng.choice(odd),
+            "a": {"y": rng.random(), "x": rng.choice(odd)},
+            "m": [rng.choice(odd)],
+        }
+        for i in range(300)
+    ]
+    store = Store.open(tmp_path / "state.db")
+    ledger = Ledger(store)
+    ledger.enqueue_many([(s["key"], s, []) for s in samples], {"actor": "main"}, 4)
+    stored = [r[0] for r in store.conn.execute("SELECT sample FROM tasks ORDER BY id")]
+    assert stored == [json.dumps(s, sort_keys=True) for s in samples]
+    circular: dict[str, Any] = {"key": "c"}
+    circular["self"] = circular
+    try:
+        ledger.enqueue_many([("ok", {"key": "ok"}, []), ("c", circular, [])], {"actor": "main"}, 4)
+    except ValueError as exc:
+        assert "Circular reference" in str(exc)
+    else:
+        raise AssertionError("a circular sample was stored")
+    store.close()

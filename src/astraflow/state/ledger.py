@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from json.encoder import c_make_encoder, encode_basestring_ascii  # type: ignore[attr-defined]
 from typing import Any
 
 import msgspec
@@ -107,6 +108,30 @@ def _row(r: Any) -> TaskRow:
     )
 
 
+def _sorted_dumps() -> Callable[[Any], str]:
+    """`json.dumps(obj, sort_keys=True)` for the samples of one call: the C encoder json.dumps
+    builds for every call (its circular-reference check included), built once for them all."""
+    enc = json.JSONEncoder(sort_keys=True)
+    if c_make_encoder is None:
+        return enc.encode
+    once = c_make_encoder(
+        {},
+        enc.default,
+        encode_basestring_ascii,
+        None,
+        enc.key_separator,
+        enc.item_separator,
+        True,
+        False,
+        True,
+    )
+
+    def dumps(obj: Any) -> str:
+        return "".join(once(obj, 0)) if isinstance(obj, dict) else enc.encode(obj)
+
+    return dumps
+
+
 _QUEUED_PAGE = (
     "SELECT id, prompt_key, sample, roles, group_size, owner, epoch, lease_expiry, attempts, read_only "
     "FROM tasks WHERE status = 'queued' AND id > ? ORDER BY id LIMIT ?"
@@ -179,6 +204,7 @@ class Ledger:
             return
         now = self.clock()
         roles_json = json.dumps(roles)
+        dumps = _sorted_dumps()
         skips: dict[tuple[str, ...], str] = {}
         per: dict[str, int] = {}
         rows = []
@@ -188,7 +214,7 @@ class Ledger:
             if ro is None:
                 ro = skips[skip] = json.dumps(list(skip))
             per[ro] = per.get(ro, 0) + 1
-            rows.append((key, json.dumps(sample, sort_keys=True), roles_json, group_size, now, now, ro))
+            rows.append((key, dumps(sample), roles_json, group_size, now, now, ro))
         with self.store.write() as c:
             c.executemany(
                 "INSERT INTO tasks (prompt_key, sample, roles, group_size, status, owner, epoch, lease_expiry, "
