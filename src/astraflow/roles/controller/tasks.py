@@ -79,33 +79,33 @@ def _lease(ctx: Leasing, member: dict[str, Any], msg: m.TaskRequest) -> m.Msg:
         return ok
 
     # the open tasks per shape are read once for the refill, the queue check and the work ahead,
-    # then kept by the ledger's writes (state/open_shapes.py); the tasks the refill queues commit
-    # with the leases (one commit, not two)
-    with ctx.ledger.shapes.kept(), ctx.store.write():
+    # then kept by the ledger's writes (state/open_shapes.py)
+    with ctx.ledger.shapes.kept():
         ctx.queue.refill()
         ctx.members.touch(member["id"], now, loaded or None)
-        quota = authz.task_quota(
-            ctx.store,
-            member,
-            msg.n,
-            default_slots=ctx.default_slots,
-            max_slots=ctx.max_member_slots,
-        )
-        n = ctx.accounting.quota(member, quota)
-        with ctx.admission.leasing():
-            # a request that would lease nothing (the common answer to a held one) reads no queued task
-            leased = []
-            if not _none_admitted(ctx, admits_shape):
-                leased = ctx.ledger.lease(member["id"], n, now, accept)
-            finished: dict[tuple[str, ...], list[str]] = {}
-            for t in leased:
-                # what the worker is told not to keep is what its result is stored by (results.py)
-                pols = tuple(dict.fromkeys(t.roles.values()))
-                done = finished.get(pols)
-                if done is None:
-                    done = finished[pols] = ctx.admission.read_only(pols)
-                if done and not set(done) <= set(t.read_only):
-                    ctx.ledger.set_read_only(t, set(t.read_only) | set(done))
+        with ctx.store.write():
+            quota = authz.task_quota(
+                ctx.store,
+                member,
+                msg.n,
+                default_slots=ctx.default_slots,
+                max_slots=ctx.max_member_slots,
+            )
+            n = ctx.accounting.quota(member, quota)
+            with ctx.admission.leasing():
+                # a request that would lease nothing (the common answer to a held one) reads no queued task
+                leased = []
+                if not _none_admitted(ctx, admits_shape):
+                    leased = ctx.ledger.lease(member["id"], n, now, accept)
+                finished: dict[tuple[str, ...], list[str]] = {}
+                for t in leased:
+                    # what the worker is told not to keep is what its result is stored by (results.py)
+                    pols = tuple(dict.fromkeys(t.roles.values()))
+                    done = finished.get(pols)
+                    if done is None:
+                        done = finished[pols] = ctx.admission.read_only(pols)
+                    if done and not set(done) <= set(t.read_only):
+                        ctx.ledger.set_read_only(t, set(t.read_only) | set(done))
     if leased:  # it beats at once, and at the recipe's interval while it holds them
         ctx.members.pace(member["id"], 1.0)
     tasks = [
