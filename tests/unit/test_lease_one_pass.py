@@ -15,8 +15,9 @@ from astraflow.bench import control_inproc as inproc
 from astraflow.dataflow.admission import Admission, PolicyLimits
 from astraflow.protocol import messages as m
 from astraflow.state import open_shapes
-from astraflow.state.ledger import Ledger, sample_of
+from astraflow.state.ledger import Ledger
 from astraflow.state.store import Store
+from astraflow.state.task_json import sample_of
 
 
 def _stored_shapes(store: Store) -> dict[tuple[str, str, int, str], int]:

@@ -18,14 +18,13 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from json.encoder import c_make_encoder, encode_basestring_ascii  # type: ignore[attr-defined]
 from typing import Any
-
-import msgspec
 
 from astraflow.state import tasks
 from astraflow.state.open_shapes import OpenShapes
 from astraflow.state.store import Store
+from astraflow.state.task_json import parsed as _json
+from astraflow.state.task_json import sample_of, sorted_dumps
 
 LEASE_PAGE = 64
 """Queued tasks a lease reads per query (at least the n asked for)."""
@@ -62,37 +61,6 @@ class TaskRow:
         return list(dict.fromkeys(self.roles.values()))
 
 
-_decode_json = msgspec.json.Decoder().decode
-
-
-def sample_of(text: str) -> dict[str, Any]:
-    """A sample as `json.loads` parses the stored text, parsed by msgspec (several times faster);
-    text msgspec refuses (NaN and Infinity, which json.dumps writes, or a lone surrogate) is parsed
-    by `json.loads` itself. Both give the same values, types, key order and floats on the texts
-    tests/unit/test_lease_one_pass.py tries (random floats over the whole range, integers past 64
-    bits, nested values, the odd ones)."""
-    try:
-        parsed: dict[str, Any] = _decode_json(text)
-    except (msgspec.DecodeError, RecursionError):
-        parsed = json.loads(text)
-    return parsed
-
-
-_parsed: dict[str, Any] = {}
-"""Role maps and read-only lists as stored -> parsed: a run has a handful of distinct ones, and every
-task row carries one of them."""
-
-
-def _json(text: str) -> Any:
-    """A role map or read-only list parsed (a fresh copy: a task's own is never shared)."""
-    value = _parsed.get(text)
-    if value is None:
-        value = json.loads(text)
-        if len(_parsed) < 1024:
-            _parsed[text] = value
-    return value.copy()
-
-
 def _row(r: Any) -> TaskRow:
     return TaskRow(
         id=r["id"],
@@ -107,30 +75,6 @@ def _row(r: Any) -> TaskRow:
         attempts=r["attempts"],
         read_only=_json(r["read_only"] or "[]"),
     )
-
-
-def _sorted_dumps() -> Callable[[Any], str]:
-    """`json.dumps(obj, sort_keys=True)` for the samples of one call: the C encoder json.dumps
-    builds for every call (its circular-reference check included), built once for them all."""
-    enc = json.JSONEncoder(sort_keys=True)
-    if c_make_encoder is None:
-        return enc.encode
-    once = c_make_encoder(
-        {},
-        enc.default,
-        encode_basestring_ascii,
-        None,
-        enc.key_separator,
-        enc.item_separator,
-        True,
-        False,
-        True,
-    )
-
-    def dumps(obj: Any) -> str:
-        return "".join(once(obj, 0)) if isinstance(obj, dict) else enc.encode(obj)
-
-    return dumps
 
 
 _QUEUED_PAGE = (
@@ -205,7 +149,7 @@ class Ledger:
             return
         now = self.clock()
         roles_json = json.dumps(roles)
-        dumps = _sorted_dumps()
+        dumps = sorted_dumps()
         skips: dict[tuple[str, ...], str] = {}
         per: dict[str, int] = {}
         rows = []

@@ -15,12 +15,11 @@ span would not be seen; the controller writes tasks only through the ledger (sta
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
 from astraflow.state.store import Store
+from astraflow.state.task_json import parsed
 
 OPEN = ("queued", "leased")
 """The statuses counted."""
@@ -30,19 +29,6 @@ Key = tuple[str, str, int, str]
 
 _kept: dict[int, OpenShapes] = {}
 """id(store) -> its counts, while a kept span is open."""
-
-_texts: dict[str, Any] = {}
-"""Stored role maps and read-only lists -> parsed: a run has a handful of distinct ones."""
-
-
-def parsed(text: str) -> Any:
-    """A stored role map or read-only list, parsed (a fresh copy: the caller may keep it)."""
-    value = _texts.get(text)
-    if value is None:
-        value = json.loads(text)
-        if len(_texts) < 1024:
-            _texts[text] = value
-    return value.copy()
 
 
 class OpenShapes:
