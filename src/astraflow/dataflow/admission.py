@@ -387,6 +387,29 @@ class Admission:
                 return False
         return True
 
+    def lease_bounds(
+        self, loaded: dict[str, int], policies: Iterable[str], task_sequences: dict[str, int] | None = None
+    ) -> list[tuple[str, int]] | None:
+        """`may_lease` for every task of one shape within one lease call (`leasing()`: the targets,
+        the active policies and the loaded versions do not change in it; only `ahead` grows): per
+        active policy, the most sequences ahead of the task for which it may be leased, since
+        floor((ahead + k - 1) / B) <= v - target + S  <=>  ahead <= (v - target + S + 1) * B - k.
+        A task of the shape may be leased while `ahead(p) <= bound` for every (p, bound); None when
+        none may be in this call (sync mode: the worker lacks a newest version)."""
+        out: list[tuple[str, int]] = []
+        for pol in self.active(policies):
+            lim = self.limits[pol]
+            v = loaded.get(pol, 0)
+            if self.mode == "sync":
+                if v < self.target_version(pol):
+                    return None
+                continue
+            if lim.batch_size <= 0:
+                raise ZeroDivisionError(f"policy {pol!r}: a batch of {lim.batch_size} fresh sequences")
+            k = max(1, (task_sequences or {}).get(pol, 1))
+            out.append((pol, (v - self.target_version(pol) + lim.max_staleness + 1) * lim.batch_size - k))
+        return out
+
 
 @dataclass(frozen=True)
 class AdmissionSections:

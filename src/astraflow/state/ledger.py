@@ -21,7 +21,10 @@ from functools import cached_property
 from typing import Any
 
 from astraflow.state import tasks
+from astraflow.state.open_shapes import OpenShapes
 from astraflow.state.store import Store
+from astraflow.state.task_json import parsed as _json
+from astraflow.state.task_json import sample_of, sorted_dumps
 
 LEASE_PAGE = 64
 """Queued tasks a lease reads per query (at least the n asked for)."""
@@ -50,28 +53,12 @@ class TaskRow:
     @cached_property
     def sample(self) -> dict[str, Any]:
         """The task's sample (parsed from `sample_json` once)."""
-        parsed: dict[str, Any] = json.loads(self.sample_json)
-        return parsed
+        return sample_of(self.sample_json)
 
     @property
     def policies(self) -> list[str]:
         """Distinct policies this task produces sequences for, in role order."""
         return list(dict.fromkeys(self.roles.values()))
-
-
-_parsed: dict[str, Any] = {}
-"""Role maps and read-only lists as stored -> parsed: a run has a handful of distinct ones, and every
-task row carries one of them."""
-
-
-def _json(text: str) -> Any:
-    """A role map or read-only list parsed (a fresh copy: a task's own is never shared)."""
-    value = _parsed.get(text)
-    if value is None:
-        value = json.loads(text)
-        if len(_parsed) < 1024:
-            _parsed[text] = value
-    return value.copy()
 
 
 def _row(r: Any) -> TaskRow:
@@ -88,6 +75,13 @@ def _row(r: Any) -> TaskRow:
         attempts=r["attempts"],
         read_only=_json(r["read_only"] or "[]"),
     )
+
+
+_QUEUED_PAGE = (
+    "SELECT id, prompt_key, sample, roles, group_size, owner, epoch, lease_expiry, attempts, read_only "
+    "FROM tasks WHERE status = 'queued' AND id > ? ORDER BY id LIMIT ?"
+)
+"""A page of the queue, oldest first, as the columns of a TaskRow (in its fields' order)."""
 
 
 def _chunks(ids: Sequence[int]) -> Iterable[Sequence[int]]:
@@ -117,6 +111,8 @@ class Ledger:
         rollback, so the next `counts` reads the store. Counting them each step scanned every done
         task of the run."""
         store.on_rollback.append(self._forget_done)
+        self.shapes = OpenShapes(store)
+        """Open tasks per shape, kept by this ledger's writes within a lease call (state/open_shapes.py)."""
 
     def _forget_done(self) -> None:
         self._done = None
@@ -131,20 +127,14 @@ class Ledger:
     ) -> int:
         """Queue one task (not feeding the `read_only` policies); returns its id."""
         now = self.clock()
+        roles_json, ro = json.dumps(roles), json.dumps(sorted(set(read_only)))
         with self.store.write() as c:
             cur = c.execute(
                 "INSERT INTO tasks (prompt_key, sample, roles, group_size, status, owner, epoch, lease_expiry, "
                 "attempts, error, created, updated, read_only) VALUES (?, ?, ?, ?, 'queued', '', 0, 0, 0, '', ?, ?, ?)",
-                (
-                    prompt_key,
-                    json.dumps(sample, sort_keys=True),
-                    json.dumps(roles),
-                    group_size,
-                    now,
-                    now,
-                    json.dumps(sorted(set(read_only))),
-                ),
+                (prompt_key, json.dumps(sample, sort_keys=True), roles_json, group_size, now, now, ro),
             )
+            self.shapes.add(("queued", roles_json, group_size, ro), 1)
             return int(cur.lastrowid or 0)
 
     def enqueue_many(
@@ -159,20 +149,25 @@ class Ledger:
             return
         now = self.clock()
         roles_json = json.dumps(roles)
+        dumps = sorted_dumps()
         skips: dict[tuple[str, ...], str] = {}
+        per: dict[str, int] = {}
         rows = []
         for key, sample, read_only in tasks:
             skip = tuple(sorted(set(read_only)))
             ro = skips.get(skip)
             if ro is None:
                 ro = skips[skip] = json.dumps(list(skip))
-            rows.append((key, json.dumps(sample, sort_keys=True), roles_json, group_size, now, now, ro))
+            per[ro] = per.get(ro, 0) + 1
+            rows.append((key, dumps(sample), roles_json, group_size, now, now, ro))
         with self.store.write() as c:
             c.executemany(
                 "INSERT INTO tasks (prompt_key, sample, roles, group_size, status, owner, epoch, lease_expiry, "
                 "attempts, error, created, updated, read_only) VALUES (?, ?, ?, ?, 'queued', '', 0, 0, 0, '', ?, ?, ?)",
                 rows,
             )
+            for ro, k in per.items():
+                self.shapes.add(("queued", roles_json, group_size, ro), k)
 
     def get(self, task_id: int) -> TaskRow | None:
         """One task, or None."""
@@ -200,27 +195,35 @@ class Ledger:
         if n <= 0:
             return []
         t = self.clock() if now is None else now
+        expiry = t + self.lease_timeout_s
         out: list[TaskRow] = []
+        shapes: dict[tuple[str, int, str], int] = {}
+        """(role map, group size, read-only policies) as stored -> tasks of that shape leased."""
         after = 0
         with self.store.write() as c:
             # Read the queue a page at a time (oldest first): a request for n tasks parses about n
             # rows, not the whole queue. The leases are written after the last page (a later page
-            # starts past the ids already taken, so it cannot see them queued again).
+            # starts past the ids already taken, so it cannot see them queued again). Rows come as
+            # tuples of the columns a TaskRow holds (no sqlite3.Row, no column looked up by name).
+            cur = c.cursor()
+            cur.row_factory = None
             while len(out) < n:
-                page = c.execute(
-                    "SELECT * FROM tasks WHERE status = 'queued' AND id > ? ORDER BY id LIMIT ?",
-                    (after, max(n, LEASE_PAGE)),
-                ).fetchall()
+                page = cur.execute(_QUEUED_PAGE, (after, max(n, LEASE_PAGE))).fetchall()
                 if not page:
                     break
-                after = int(page[-1]["id"])
-                for r in page:
-                    task = _row(r)
+                after = int(page[-1][0])
+                for tid, key, sample, roles, size, owner, epoch, expires, attempts, ro in page:
+                    task = TaskRow(
+                        tid, key, sample, _json(roles), size, "queued", owner, epoch, expires, attempts,
+                        _json(ro or "[]"),
+                    )  # fmt: skip
                     if accept is not None and not accept(task):
                         continue
                     task.epoch += 1
-                    task.status, task.owner, task.lease_expiry = "leased", member_id, t + self.lease_timeout_s
+                    task.status, task.owner, task.lease_expiry = "leased", member_id, expiry
                     out.append(task)
+                    shape = (roles, size, ro or "[]")
+                    shapes[shape] = shapes.get(shape, 0) + 1
                     if len(out) >= n:
                         break
             for part in _chunks([task.id for task in out]):
@@ -228,19 +231,24 @@ class Ledger:
                 c.execute(
                     "UPDATE tasks SET status = 'leased', owner = ?, epoch = epoch + 1, lease_expiry = ?, "
                     f"updated = ?, leased_at = ? WHERE id IN ({','.join('?' * len(part))})",
-                    (member_id, t + self.lease_timeout_s, t, t, *part),
+                    (member_id, expiry, t, t, *part),
                 )
+            for (roles, size, ro), k in shapes.items():
+                self.shapes.add(("queued", roles, size, ro), -k)
+                self.shapes.add(("leased", roles, size, ro), k)
         return out
 
     def set_read_only(self, task: TaskRow, read_only: Iterable[str]) -> None:
         """Record the policies a leased task no longer feeds (their budget was taken since it was queued)."""
         task.read_only = sorted(set(read_only))
+        self.shapes.forget()  # a leased task's shape changes: the kept counts do not follow it
         with self.store.write() as c:
             c.execute("UPDATE tasks SET read_only = ? WHERE id = ?", (json.dumps(task.read_only), task.id))
 
     def complete(self, task_id: int, epoch: int, owner: str) -> str:
         """Validate a result's lease and mark the task done: accepted | duplicate | stale_epoch | unknown_task."""
         now = self.clock()
+        self.shapes.forget()  # a status changes: the kept counts do not follow it
         with self.store.write() as c:
             r = c.execute("SELECT status, epoch, owner FROM tasks WHERE id = ?", (task_id,)).fetchone()
             if r is None:
@@ -266,6 +274,7 @@ class Ledger:
         and one UPDATE: a task named twice is accepted at most once (a later one is a duplicate)."""
         now = self.clock()
         out: list[str] = []
+        self.shapes.forget()  # a status changes: the kept counts do not follow it
         with self.store.write() as c:
             rows: dict[int, tuple[str, int, str]] = {}
             for part in _chunks(sorted({tid for tid, _ in results})):
@@ -300,6 +309,7 @@ class Ledger:
     def fail(self, task_id: int, epoch: int, owner: str | None = None, error: str = "") -> str:
         """A lease ended in an error: requeued | failed (after max_attempts) | duplicate | stale_epoch | unknown_task."""
         now = self.clock()
+        self.shapes.forget()  # a status changes: the kept counts do not follow it
         with self.store.write() as c:
             r = c.execute(
                 "SELECT status, epoch, owner, attempts FROM tasks WHERE id = ?", (task_id,)
@@ -323,6 +333,7 @@ class Ledger:
 
     def give_back(self, task_id: int, epoch: int, owner: str) -> bool:
         """Requeue one leased attempt without counting it (its failure was its worker's, not the task's)."""
+        self.shapes.forget()  # a status changes: the kept counts do not follow it
         with self.store.write() as c:
             cur = c.execute(
                 "UPDATE tasks SET status = 'queued', lease_expiry = 0, updated = ? "
@@ -333,6 +344,7 @@ class Ledger:
 
     def give_back_lapsed(self, member_id: str, now: float) -> int:
         """Requeue a member's leases past their expiry without counting an attempt; returns how many."""
+        self.shapes.forget()  # a status changes: the kept counts do not follow it
         with self.store.write() as c:
             cur = c.execute(
                 "UPDATE tasks SET status = 'queued', lease_expiry = 0, updated = ? "
@@ -344,6 +356,7 @@ class Ledger:
     def release_member(self, member_id: str) -> int:
         """Return every task leased to a member (dead or left) to the queue at once; returns how many."""
         now = self.clock()
+        self.shapes.forget()  # a status changes: the kept counts do not follow it
         with self.store.write() as c:
             cur = c.execute(
                 "UPDATE tasks SET status = 'queued', lease_expiry = 0, updated = ? WHERE status = 'leased' AND owner = ?",
@@ -354,6 +367,7 @@ class Ledger:
     def expire(self, now: float | None = None) -> int:
         """Requeue (or fail, after max_attempts) every lease past its expiry; returns how many ended."""
         t = self.clock() if now is None else now
+        self.shapes.forget()  # a status changes: the kept counts do not follow it
         with self.store.write() as c:
             rows = c.execute(
                 "SELECT id, attempts FROM tasks WHERE status = 'leased' AND lease_expiry < ?", (t,)

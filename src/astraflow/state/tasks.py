@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from astraflow.state import open_shapes
 from astraflow.state.store import Store
 
 OPEN = ("queued", "leased")
@@ -23,7 +24,11 @@ def open_task_count(store: Store) -> int:
 
 
 def task_shapes(store: Store, statuses: tuple[str, ...]) -> list[tuple[dict[str, str], int, list[str], int]]:
-    """(roles, group_size, read-only policies, tasks) per task shape among tasks in these statuses."""
+    """(roles, group_size, read-only policies, tasks) per task shape among tasks in these statuses
+    (from the counts a lease call keeps, state/open_shapes.py, inside one)."""
+    kept = open_shapes.kept_for(store, statuses)
+    if kept is not None:
+        return open_shapes.task_shapes(kept, statuses)
     marks = ",".join("?" for _ in statuses)
     return [
         (json.loads(r["roles"]), int(r["group_size"]), json.loads(r["read_only"] or "[]"), int(r["n"]))
@@ -36,7 +41,11 @@ def task_shapes(store: Store, statuses: tuple[str, ...]) -> list[tuple[dict[str,
 
 
 def open_task_roles(store: Store) -> list[tuple[dict[str, str], list[str], int]]:
-    """(roles, read-only policies, tasks) per role map among tasks queued or leased."""
+    """(roles, read-only policies, tasks) per role map among tasks queued or leased (from the counts
+    a lease call keeps, state/open_shapes.py, inside one)."""
+    kept = open_shapes.kept_for(store, open_shapes.OPEN)
+    if kept is not None:
+        return open_shapes.open_task_roles(kept)
     return [
         (json.loads(r["roles"]), json.loads(r["read_only"] or "[]"), int(r["n"]))
         for r in store.query(

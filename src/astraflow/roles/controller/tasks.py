@@ -78,31 +78,34 @@ def _lease(ctx: Leasing, member: dict[str, Any], msg: m.TaskRequest) -> m.Msg:
             add()
         return ok
 
-    ctx.queue.refill()
-    ctx.members.touch(member["id"], now, loaded or None)
-    with ctx.store.write():
-        quota = authz.task_quota(
-            ctx.store,
-            member,
-            msg.n,
-            default_slots=ctx.default_slots,
-            max_slots=ctx.max_member_slots,
-        )
-        n = ctx.accounting.quota(member, quota)
-        with ctx.admission.leasing():
-            # a request that would lease nothing (the common answer to a held one) reads no queued task
-            leased = []
-            if not _none_admitted(ctx, admits_shape):
-                leased = ctx.ledger.lease(member["id"], n, now, accept)
-            finished: dict[tuple[str, ...], list[str]] = {}
-            for t in leased:
-                # what the worker is told not to keep is what its result is stored by (results.py)
-                pols = tuple(dict.fromkeys(t.roles.values()))
-                done = finished.get(pols)
-                if done is None:
-                    done = finished[pols] = ctx.admission.read_only(pols)
-                if done and not set(done) <= set(t.read_only):
-                    ctx.ledger.set_read_only(t, set(t.read_only) | set(done))
+    # the open tasks per shape are read once for the refill, the queue check and the work ahead,
+    # then kept by the ledger's writes (state/open_shapes.py)
+    with ctx.ledger.shapes.kept():
+        ctx.queue.refill()
+        ctx.members.touch(member["id"], now, loaded or None)
+        with ctx.store.write():
+            quota = authz.task_quota(
+                ctx.store,
+                member,
+                msg.n,
+                default_slots=ctx.default_slots,
+                max_slots=ctx.max_member_slots,
+            )
+            n = ctx.accounting.quota(member, quota)
+            with ctx.admission.leasing():
+                # a request that would lease nothing (the common answer to a held one) reads no queued task
+                leased = []
+                if not _none_admitted(ctx, admits_shape):
+                    leased = ctx.ledger.lease(member["id"], n, now, accept)
+                finished: dict[tuple[str, ...], list[str]] = {}
+                for t in leased:
+                    # what the worker is told not to keep is what its result is stored by (results.py)
+                    pols = tuple(dict.fromkeys(t.roles.values()))
+                    done = finished.get(pols)
+                    if done is None:
+                        done = finished[pols] = ctx.admission.read_only(pols)
+                    if done and not set(done) <= set(t.read_only):
+                        ctx.ledger.set_read_only(t, set(t.read_only) | set(done))
     if leased:  # it beats at once, and at the recipe's interval while it holds them
         ctx.members.pace(member["id"], 1.0)
     tasks = [
@@ -161,11 +164,12 @@ def _admission_filter(
     """Whether a queued task may go to a worker serving `serves` and holding `loaded`, for one lease
     call; and whether a task shape (role map, read-only policies) may, for a task not of an eval round."""
     refused: set[tuple[Any, ...]] = set()
-    fixed: dict[tuple[Any, ...], tuple[list[str], dict[str, int]] | None] = {}
-    """Per task shape (role map, read-only policies): what does not change within the call (the
-    policies it feeds and its sequences, or None when the member, the operator's pauses or the
-    budgets refuse it)."""
+    bounds: dict[tuple[Any, ...], list[tuple[str, int]] | None] = {}
+    """Per task shape (role map, read-only policies): the lease rule as bounds on the work ahead of
+    each policy it feeds (`Admission.lease_bounds`), or None when the member, the operator's pauses,
+    the budgets or the versions the member holds refuse it whatever is ahead. Found once a call."""
     evals, admission = ctx.evals, ctx.admission
+    ahead = admission.ahead
 
     def admits_shape(roles: dict[str, str], read_only: list[str]) -> bool:
         # Within one lease call every lease only adds work ahead, so a task shape (its role map and
@@ -174,7 +178,9 @@ def _admission_filter(
         key = (tuple(roles.items()), tuple(read_only))
         if key in refused:
             return False
-        if key not in fixed:
+        if key in bounds:
+            got = bounds[key]
+        else:
             pols = list(dict.fromkeys(roles.values()))
             feeds = [p for p in pols if p not in read_only]
             # a task that feeds no policy still training would be run only to be thrown away
@@ -183,9 +189,12 @@ def _admission_filter(
                 and ctx.control.may_lease(feeds)
                 and bool(admission.active(feeds))
             )
-            fixed[key] = (feeds, admission.task_sequences(roles, ctx.group_sizes)) if static else None
-        got = fixed[key]
-        ok = got is not None and admission.may_lease(loaded, got[0], got[1])
+            got = bounds[key] = (
+                admission.lease_bounds(loaded, feeds, admission.task_sequences(roles, ctx.group_sizes))
+                if static
+                else None
+            )
+        ok = got is not None and all(ahead(p) <= most for p, most in got)
         if not ok:
             refused.add(key)
         return ok

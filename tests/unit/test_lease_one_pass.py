@@ -1,0 +1,188 @@
+"""A lease call's per-task work done once: the open tasks per shape read with one GROUP BY and kept
+by the ledger's writes (state/open_shapes.py), the lease rule as bounds per task shape
+(`Admission.lease_bounds`), samples parsed by msgspec as json.loads parses them (`sample_of`);
+checked against what they replace, on a real Controller and state.db driven without sockets."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+from typing import Any
+
+from astraflow.bench import control_inproc as inproc
+from astraflow.dataflow.admission import Admission, PolicyLimits
+from astraflow.protocol import messages as m
+from astraflow.state import open_shapes
+from astraflow.state.ledger import Ledger
+from astraflow.state.store import Store
+from astraflow.state.task_json import sample_of
+
+
+def _stored_shapes(store: Store) -> dict[tuple[str, str, int, str], int]:
+    rows = store.conn.execute(
+        "SELECT status, roles, group_size, read_only, COUNT(*) FROM tasks AS checked "
+        "WHERE status IN ('queued', 'leased') GROUP BY status, roles, group_size, read_only"
+    ).fetchall()
+    return {(r[0], r[1], int(r[2]), r[3]): int(r[4]) for r in rows}
+
+
+class _Checked(inproc._Driver):
+    """The bench's driver: inside every lease call, after each write of the ledger, the kept counts
+    equal what state.db counts; the statements of each task request are recorded."""
+
+    def __init__(self, run_dir: Path) -> None:
+        super().__init__(run_dir)
+        self.checks = 0
+        self.statements: list[list[str]] = []
+        ledger = self.ctl.ledger
+        for name in ("lease", "enqueue_many"):
+            setattr(ledger, name, self._checking(getattr(ledger, name)))
+
+    def _checking(self, write: Any) -> Any:
+        def checked(*args: Any, **kwargs: Any) -> Any:
+            out = write(*args, **kwargs)
+            shapes = self.ctl.ledger.shapes
+            if shapes.active and shapes.counts is not None:
+                assert shapes.counts == _stored_shapes(self.ctl.store)
+                self.checks += 1
+            return out
+
+        return checked
+
+    def send(self, ident: str, msg: m.Msg) -> list[m.Msg]:
+        seen: list[str] = []
+        self.ctl.store.conn.set_trace_callback(seen.append)
+        try:
+            replies = super().send(ident, msg)
+        finally:
+            self.ctl.store.conn.set_trace_callback(None)
+        if isinstance(msg, m.TaskRequest):
+            self.statements.append(seen)
+        assert open_shapes.kept_for(self.ctl.store, open_shapes.OPEN) is None  # no span outlives its call
+        return replies
+
+
+def test_kept_shapes_match_the_store_and_are_read_once_a_request(tmp_path: Path) -> None:
+    d = _Checked(tmp_path)
+    inproc._hello(d, inproc.TRAINER, "trainer")
+    for ident in inproc.WORKERS:
+        inproc._hello(d, ident, "raas")
+    rng = random.Random(0)
+    for step in range(1, 5):
+        inproc._step(d, step, rng, 3)
+    assert d.checks > 10  # refills and leases, each compared
+    leasing = [s for s in d.statements if any("status = 'queued' AND id >" in q for q in s)]
+    refilling = [s for s in leasing if any(q.startswith("INSERT INTO tasks") for q in s)]
+    assert refilling  # requests that queued tasks, then leased them
+    for statements in leasing:
+        # the production cap, the queue's shapes and the work ahead: one GROUP BY of the open tasks
+        assert sum("GROUP BY" in q and "FROM tasks WHERE" in q for q in statements) == 1, statements
+    d.ctl.store.close()
+
+
+class _Fixed(Admission):
+    """Admission with its targets and the work ahead given."""
+
+    def __init__(self, limits: dict[str, PolicyLimits], mode: str, target: dict[str, int]) -> None:
+        super().__init__(None, limits, mode=mode)  # type: ignore[arg-type]
+        self.target = target
+        self.now_ahead: dict[str, int] = {}
+
+    def taken(self, policy: str) -> int:
+        return self.target[policy]
+
+    def published(self, policy: str) -> int:
+        return self.target[policy]
+
+    def ahead(self, policy: str) -> int:
+        return self.now_ahead.get(policy, 0)
+
+
+def test_lease_bounds_decide_as_may_lease() -> None:
+    rng = random.Random(7)
+    checked = 0
+    for _ in range(3000):
+        pols = ["a", "b", "c"][: rng.randint(1, 3)]
+        limits = {
+            p: PolicyLimits(
+                rng.randint(1, 40), rng.randint(0, 3), rng.choice([None, 0, 5, 50]), rng.random() > 0.1
+            )
+            for p in pols
+        }
+        adm = _Fixed(limits, rng.choice(["async", "sync"]), {p: rng.randint(0, 6) for p in pols})
+        loaded = {p: rng.randint(0, 8) for p in pols if rng.random() > 0.2}
+        feeds = rng.sample(pols, rng.randint(1, len(pols)))
+        seqs = {p: rng.randint(0, 20) for p in feeds} if rng.random() > 0.2 else None
+        bounds = adm.lease_bounds(loaded, feeds, seqs)
+        for _ in range(5):
+            adm.now_ahead = {p: rng.randint(0, 200) for p in pols}
+            by_bounds = bounds is not None and all(adm.ahead(p) <= most for p, most in bounds)
+            assert by_bounds == adm.may_lease(loaded, feeds, seqs), (limits, adm.mode, loaded, feeds, seqs)
+            checked += by_bounds
+    assert checked > 1000  # both answers seen often
+
+
+def test_samples_parse_as_json_loads_parses_them(tmp_path: Path) -> None:
+    rng = random.Random(3)
+    odd = [math.nan, math.inf, -math.inf, -0.0, 1e308, 5e-324, 2**70, -(2**80), "\ud800", "é\u2028\x00", "😀"]
+    for i in range(2000):
+        sample: dict[str, Any] = {
+            "id": f"t-{i}",
+            "x": rng.uniform(-1e6, 1e6) * 10 ** rng.randint(-300, 300),
+            "n": rng.randint(-(2**70), 2**70),
+            "odd": rng.choice(odd),
+            "nested": {"b": [rng.random(), None, True, "s"], "a": {"z": rng.choice(odd)}},
+        }
+        text = json.dumps(sample, sort_keys=True)
+        assert repr(sample_of(text)) == repr(json.loads(text))
+    # through the ledger: a leased task's sample is the stored one parsed
+    store = Store.open(tmp_path / "state.db")
+    ledger = Ledger(store)
+    sample = {"key": "k", "prompt": "2 + 2 =", "v": [1.5, math.nan, "\ud83d"]}
+    ledger.enqueue_many([("k", sample, [])], {"actor": "main"}, 4)
+    (task,) = ledger.lease("w", 1)
+    assert repr(task.sample) == repr(json.loads(json.dumps(sample, sort_keys=True)))
+    store.close()
+
+
+def test_a_refill_stores_samples_as_json_dumps_writes_them(tmp_path: Path) -> None:
+    rng = random.Random(5)
+    odd = [
+        math.nan,
+        math.inf,
+        -0.0,
+        2**70,
+        "\ud800",
+        "é",
+        "😀",
+        None,
+        True,
+        (1, 2),
+        {"b": 1, "a": [2.5]},
+        {3: "k"},
+    ]
+    samples = [
+        {
+            "key": f"k{i}",
+            "z": rng.choice(odd),
+            "a": {"y": rng.random(), "x": rng.choice(odd)},
+            "m": [rng.choice(odd)],
+        }
+        for i in range(300)
+    ]
+    store = Store.open(tmp_path / "state.db")
+    ledger = Ledger(store)
+    ledger.enqueue_many([(s["key"], s, []) for s in samples], {"actor": "main"}, 4)
+    stored = [r[0] for r in store.conn.execute("SELECT sample FROM tasks ORDER BY id")]
+    assert stored == [json.dumps(s, sort_keys=True) for s in samples]
+    circular: dict[str, Any] = {"key": "c"}
+    circular["self"] = circular
+    try:
+        ledger.enqueue_many([("ok", {"key": "ok"}, []), ("c", circular, [])], {"actor": "main"}, 4)
+    except ValueError as exc:
+        assert "Circular reference" in str(exc)
+    else:
+        raise AssertionError("a circular sample was stored")
+    store.close()
