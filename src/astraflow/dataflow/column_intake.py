@@ -12,6 +12,7 @@ through `Pipeline.ingest`, so both paths store the same rows.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from collections.abc import Set as AbstractSet
 
 import numpy as np
 
@@ -21,19 +22,20 @@ from astraflow.dataflow.pipeline import GroupOutcome, Pipeline
 from astraflow.protocol.columns import ResultColumns
 
 
-def _one_group(pipeline: Pipeline, view: ResultColumns, i: int, skip: set[str]) -> str | None:
+def _one_group(pipeline: Pipeline, view: ResultColumns, i: int, skip: AbstractSet[str]) -> str | None:
     """The policy of result i's sequences when they form one group `ingest_columns` can store itself."""
-    a, b = view.span(i)
-    if b <= a:
+    pol = view.group_policy[i]
+    if pol is None:
         return None
-    pol = view.cols.names[int(view.policy[a])]
     ps = pipeline.policies.get(pol)
-    if ps is None or pol in skip or ps.filters:
+    if ps is None or ps.filters or pol in skip:
         return None
-    for name in ("policy", "key", "role") if pol in pipeline.split_roles else ("policy", "key"):
-        if not view.uniform(name)[i]:
-            return None
+    if pol in pipeline.split_roles and not view.uniform("role")[i]:
+        return None
     return pol
+
+
+_NONE: frozenset[str] = frozenset()
 
 
 def ingest_columns(
@@ -46,12 +48,12 @@ def ingest_columns(
     read_only: Iterable[str] = (),
 ) -> list[GroupOutcome]:
     """`Pipeline.ingest` of result i of a message read through its columns."""
-    skip = set(read_only)
-    a, b = view.span(i)
+    skip = set(read_only) if read_only else _NONE
     pol = _one_group(pipeline, view, i, skip)
     if pol is None:
         return pipeline.ingest(buffer, task_id, prompt_key, view.outcome(i).episodes, read_only=skip)
     ps = pipeline.policies[pol]
+    a, b = view.starts[i], view.starts[i + 1]
     rewards = view.reward_list[a:b]
     advantages = checked_advantages(ps.estimator, pol, view.cols.keys[int(view.key[a])], rewards)
     head = view.heads[i]

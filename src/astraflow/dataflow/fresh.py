@@ -65,13 +65,12 @@ class FreshSamples:
         """`remember` of the stored sequences a..b-1 of a message's columns: the group's arrays are one
         slice of each of the message's joined columns."""
         tokens, mask, logprobs, versions = view.joined(a, b)
-        tok = view.tok[a : b + 1].tolist()
-        base = tok[0]
+        tok = view.tok[a : b + 1]
         if self._samplings is not view.cols.samplings:  # a message's settings as stored, once a message
             self._samplings = view.cols.samplings
             self._table = [_stored(sp) for sp in self._samplings]
         block = Block(
-            tok=[t - base for t in tok] if base else tok,
+            tok=(tok - tok[0]).tolist(),
             lengths=view.lengths[a:b],
             tokens=tokens,
             loss_mask=mask,

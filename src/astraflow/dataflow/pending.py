@@ -100,7 +100,7 @@ class Pending:
                 continue
             view, a, b = g.cols
             f = facts.get(id(view)) or facts.setdefault(id(view), _Facts.of(view))
-            rows += _column_rows(g, view, f, a, b)
+            rows.extend(_column_rows(g, view, f, a, b))
             tokens.append(
                 token_groups.joined_row(g.first_id, b - a, view.lengths[a:b].tobytes(), view.joined(a, b))
             )
@@ -193,7 +193,8 @@ def _seq_rows(g: Group, oldest: Iterator[int]) -> list[tuple[Any, ...]]:
 
 @dataclass
 class _Facts:
-    """What the rows of a message's column groups need per sequence, found once per message."""
+    """What the rows of a message's column groups need per sequence, found once per message: a
+    group's rows are then slices of these lists zipped together."""
 
     masked: list[int]
     """Tokens with a nonzero mask."""
@@ -203,55 +204,75 @@ class _Facts:
     """`masked` as int64."""
     oldest_a: np.ndarray[Any, Any]
     """`oldest` as int64."""
+    roles: list[str]
+    """Each sequence's role name."""
+    keys: list[str]
+    """Each sequence's group key."""
+    temperature: list[float]
+    top_p: list[float]
+    top_k: list[int]
 
     @classmethod
     def of(cls, view: ResultColumns) -> _Facts:
-        """Both lists for every sequence of the message, in one numpy pass each."""
+        """Every list for every sequence of the message, in one numpy pass each."""
         c = view.cols
         mask = np.frombuffer(c.loss_mask, np.uint8) != 0
         versions = np.frombuffer(c.versions, packed.INT32)
         starts, lengths = view.tok[:-1], view.lengths
         if not len(lengths):
             none = np.zeros(0, np.int64)
-            return cls([], [], none, none)
+            return cls([], [], none, none, [], [], [], [], [])
         # a sentinel after the last token: reduceat needs every start inside the array; a sequence
         # of no tokens reads its neighbour's first, so it is zeroed
         masked = np.add.reduceat(np.append(mask, False).astype(np.int64), starts)
         masked[lengths == 0] = 0
         oldest = _oldest(versions, mask, starts, lengths)
-        return cls(masked.tolist(), oldest.tolist(), masked, oldest)
+        # object tables: indexing hands back the very Python values a per-sequence lookup would
+        sps = c.samplings
+        return cls(
+            masked.tolist(),
+            oldest.tolist(),
+            masked,
+            oldest,
+            _table(c.names)[view.role].tolist(),
+            _table(c.keys)[view.key].tolist(),
+            _table([float(sp.temperature) for sp in sps])[view.sampling].tolist(),
+            _table([float(sp.top_p) for sp in sps])[view.sampling].tolist(),
+            _table([int(sp.top_k) for sp in sps])[view.sampling].tolist(),
+        )
 
 
-def _column_rows(g: Group, view: ResultColumns, f: _Facts, a: int, b: int) -> list[tuple[Any, ...]]:
-    """The trajectory rows of the column group a..b-1: built as columns (a value repeated for the
-    group's fields that are one for all of it) and zipped into row tuples in C."""
-    c = view.cols
-    names, keys = c.names, c.keys
+def _table(values: list[Any]) -> np.ndarray[Any, Any]:
+    """A small table as a numpy object array (indexed by a column of int32 indices)."""
+    out = np.empty(len(values), object)
+    out[:] = values
+    return out
+
+
+def _column_rows(g: Group, view: ResultColumns, f: _Facts, a: int, b: int) -> Iterator[tuple[Any, ...]]:
+    """The trajectory rows of the column group a..b-1: slices of the message's per-sequence lists
+    (a value repeated for the group's fields that are one for all of it) zipped into row tuples in C."""
     n = b - a
     if n <= 0:
-        return []
-    sps = [(float(sp.temperature), float(sp.top_p), int(sp.top_k)) for sp in c.samplings]
-    temperature, top_p, top_k = zip(*[sps[i] for i in view.sampling[a:b].tolist()], strict=True)
+        return iter(())
     if len(g.advantages) != n:
         raise ValueError(f"{len(g.advantages)} advantages for a group of {n} sequences")
-    return list(
-        zip(
-            repeat(g.task_id, n),
-            repeat(names[int(view.policy[a])], n),
-            repeat(g.prompt_key, n),
-            view.reward_list[a:b],
-            map(float, g.advantages),
-            f.masked[a:b],
-            f.oldest[a:b],
-            range(g.first_id, g.first_id + n),
-            repeat(g.status, n),
-            [names[i] for i in view.role[a:b].tolist()],
-            [keys[i] for i in view.key[a:b].tolist()],
-            temperature,
-            top_p,
-            top_k,
-            strict=True,
-        )
+    return zip(
+        repeat(g.task_id, n),
+        repeat(view.cols.names[int(view.policy[a])], n),
+        repeat(g.prompt_key, n),
+        view.reward_list[a:b],
+        map(float, g.advantages),
+        f.masked[a:b],
+        f.oldest[a:b],
+        range(g.first_id, g.first_id + n),
+        repeat(g.status, n),
+        f.roles[a:b],
+        f.keys[a:b],
+        f.temperature[a:b],
+        f.top_p[a:b],
+        f.top_k[a:b],
+        strict=True,
     )
 
 
