@@ -13,7 +13,7 @@ from astraflow import log
 from astraflow.dataflow import failures
 from astraflow.dataflow.admission import Admission
 from astraflow.dataflow.buffer import Buffer
-from astraflow.dataflow.column_intake import ingest_columns
+from astraflow.dataflow.column_intake import ingest_columns, plan_advantages
 from astraflow.dataflow.evaluation import Evaluator
 from astraflow.dataflow.limits import RefusedResult
 from astraflow.dataflow.pipeline import Pipeline
@@ -137,8 +137,10 @@ def _store_group(
         fed: dict[str, None] = {}
         # every lease of the message completed by one read and one UPDATE (state/ledger.py)
         statuses = ctx.ledger.complete_many([(h.task_id, h.epoch) for _, h, _ in good], member["id"])
+        # every one-group result's advantages in one pass over the message (the same values)
+        planned = plan_advantages(ctx.pipeline, view)
         for (i, h, task), status in zip(good, statuses, strict=True):
-            _take(ctx, member, (view, i), task, status)
+            _take(ctx, member, (view, i), task, status, planned)
             acks[i] = m.OutcomeAck(task_id=h.task_id, status=status)
             if status == "accepted" and task is not None:
                 fed.update(dict.fromkeys(task.policies))
@@ -292,9 +294,11 @@ def _take(
     res: m.TaskResult | m.Outcome | tuple[ResultColumns, int],
     task: TaskRow | None,
     status: str,
+    planned: dict[int, list[float]] | None = None,
 ) -> None:
     """Store what a result (or result i of a message's columns) whose lease completed with `status`
-    brings (inside the caller's transaction): an accepted one's sequences, or its eval round's record."""
+    brings (inside the caller's transaction): an accepted one's sequences, or its eval round's record
+    (`planned`: the advantages `plan_advantages` found for the message's results)."""
     if status != "accepted":
         return
     ctx.accounting.succeeded(member["id"])
@@ -307,7 +311,15 @@ def _take(
         # decided when the task was leased: a done task keeps a full group of every policy it fed,
         # even when that policy's budget was taken while the task ran
         if isinstance(res, tuple):
-            ingest_columns(ctx.pipeline, ctx.buffer, task.id, task.prompt_key, *res, read_only=task.read_only)
+            ingest_columns(
+                ctx.pipeline,
+                ctx.buffer,
+                task.id,
+                task.prompt_key,
+                *res,
+                read_only=task.read_only,
+                planned=planned,
+            )
         else:
             ctx.pipeline.ingest(ctx.buffer, task.id, task.prompt_key, res.episodes, read_only=task.read_only)
     made_progress(ctx.store, ctx.progress)
