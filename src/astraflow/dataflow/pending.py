@@ -234,19 +234,22 @@ class _Facts:
             oldest.tolist(),
             masked,
             oldest,
-            _table(c.names)[view.role].tolist(),
-            _table(c.keys)[view.key].tolist(),
-            _table([float(sp.temperature) for sp in sps])[view.sampling].tolist(),
-            _table([float(sp.top_p) for sp in sps])[view.sampling].tolist(),
-            _table([int(sp.top_k) for sp in sps])[view.sampling].tolist(),
+            _looked_up(c.names, view.role),
+            _looked_up(c.keys, view.key),
+            _looked_up([float(sp.temperature) for sp in sps], view.sampling),
+            _looked_up([float(sp.top_p) for sp in sps], view.sampling),
+            _looked_up([int(sp.top_k) for sp in sps], view.sampling),
         )
 
 
-def _table(values: list[Any]) -> np.ndarray[Any, Any]:
-    """A small table as a numpy object array (indexed by a column of int32 indices)."""
-    out = np.empty(len(values), object)
-    out[:] = values
-    return out
+def _looked_up(table: list[Any], idx: np.ndarray[Any, Any]) -> list[Any]:
+    """table[i] for every index of a column, the very Python values (a table of one value, the usual
+    sampling settings, is that value repeated; others index a numpy object array)."""
+    if len(table) == 1:
+        return table * len(idx)
+    out = np.empty(len(table), object)
+    out[:] = table
+    return list(out[idx].tolist())
 
 
 def _column_rows(g: Group, view: ResultColumns, f: _Facts, a: int, b: int) -> Iterator[tuple[Any, ...]]:
