@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from itertools import repeat
+from itertools import chain, repeat
 from typing import Any
 
 import numpy as np
@@ -101,8 +101,11 @@ class Pending:
             view, a, b = g.cols
             f = facts.get(id(view)) or facts.setdefault(id(view), _Facts.of(view))
             rows.extend(_column_rows(g, view, f, a, b))
+            # the lengths column's bytes are the group's int32 token counts as they came
             tokens.append(
-                token_groups.joined_row(g.first_id, b - a, view.lengths[a:b].tobytes(), view.joined(a, b))
+                token_groups.joined_row(
+                    g.first_id, b - a, view.cols.lengths[4 * a : 4 * b], view.joined(a, b)
+                )
             )
             if g.status == "buffered":
                 kept.columns(g, view, f)
@@ -112,13 +115,12 @@ class Pending:
 
 class _Kept:
     """The buffered trajectories of one write, gathered per policy as the buffer keeps them: a
-    message's column groups as index lists into its columns (one numpy gather per field at the
-    end), groups of sequences from their rows."""
+    message's column groups as (first id, task id, a, b, advantages) each, turned into arrays by a
+    few numpy passes at the end; groups of sequences from their rows."""
 
     def __init__(self) -> None:
-        self._views: dict[tuple[str, int], tuple[ResultColumns, _Facts, list[list[Any]]]] = {}
-        """(policy, message) -> its columns, their facts, and the ids, task ids, advantages and
-        sequence indices of its buffered groups."""
+        self._views: dict[tuple[str, int], tuple[ResultColumns, _Facts, list[tuple[Any, ...]]]] = {}
+        """(policy, message) -> its columns, their facts, and its buffered groups."""
         self._rows: dict[str, list[list[Any]]] = {}
 
     def columns(self, g: Group, view: ResultColumns, f: _Facts) -> None:
@@ -128,12 +130,8 @@ class _Kept:
         pol = view.cols.names[int(view.policy[a])]
         got = self._views.get((pol, id(view)))
         if got is None:
-            got = self._views[(pol, id(view))] = (view, f, [[], [], [], []])
-        ids, tasks, advantages, at = got[2]
-        ids.extend(range(g.first_id, g.first_id + b - a))
-        tasks.extend([g.task_id] * (b - a))
-        advantages.extend(g.advantages)
-        at.extend(range(a, b))
+            got = self._views[(pol, id(view))] = (view, f, [])
+        got[2].append((g.first_id, g.task_id, a, b, g.advantages))
 
     def rows(self, rows: list[tuple[Any, ...]]) -> None:
         """Keep the buffered trajectory rows of a group of sequences (trajectories.insert_groups' layout)."""
@@ -146,17 +144,24 @@ class _Kept:
     def parts(self) -> dict[str, Part]:
         """Policy -> its kept trajectories as BufferItem's fields, one array each."""
         pieces: dict[str, list[Part]] = {}
-        for (pol, _), (view, f, (ids, tasks, advantages, at)) in self._views.items():
-            idx = np.asarray(at, np.int64)
-            ids_a = np.asarray(ids, np.int64)
+        for (pol, _), (view, f, groups) in self._views.items():
+            firsts, tasks, starts, ends, advantages = zip(*groups, strict=True)
+            begin = np.asarray(starts, np.int64)
+            sizes = np.asarray(ends, np.int64) - begin
+            total = int(sizes.sum())
+            # sequence k of the joined groups is the offset-th of its group: a run of consecutive
+            # indices per group, both into the message's columns and among the ids
+            offset = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+            idx = np.repeat(begin, sizes) + offset
+            ids_a = np.repeat(np.asarray(firsts, np.int64), sizes) + offset
             pieces.setdefault(pol, []).append(
                 (
                     ids_a,
-                    np.asarray(tasks, np.int64),
+                    np.repeat(np.asarray(tasks, np.int64), sizes),
                     f.oldest_a[idx],
                     ids_a,
                     view.rewards[idx],
-                    np.asarray(advantages, np.float64),
+                    np.fromiter(chain.from_iterable(advantages), np.float64, total),
                     f.masked_a[idx],
                 )
             )
