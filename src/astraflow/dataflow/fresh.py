@@ -88,10 +88,11 @@ class FreshSamples:
     def _keep(self, ids: list[int], block: Block) -> None:
         if not ids:
             return
-        assert ids[-1] - ids[0] == len(ids) - 1 == len(block) - 1, "a stored group's ids are consecutive"
+        tok = block.tok  # read directly: `len(block)` and `token_count` are Python calls a group
+        assert ids[-1] - ids[0] == len(ids) - 1 == len(tok) - 2, "a stored group's ids are consecutive"
         self._at.update(dict.fromkeys(ids, block))
         self._blocks[block.first] = block
-        self.tokens += block.token_count
+        self.tokens += tok[-1]
         while self.tokens > FRESH_TOKENS and self._blocks:
             self._drop(self._blocks[next(iter(self._blocks))])
 
