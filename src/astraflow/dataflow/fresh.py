@@ -65,13 +65,12 @@ class FreshSamples:
         """`remember` of the stored sequences a..b-1 of a message's columns: the group's arrays are one
         slice of each of the message's joined columns."""
         tokens, mask, logprobs, versions = view.joined(a, b)
-        tok = view.tok[a : b + 1].tolist()
-        base = tok[0]
+        tok = view.tok[a : b + 1]
         if self._samplings is not view.cols.samplings:  # a message's settings as stored, once a message
             self._samplings = view.cols.samplings
             self._table = [_stored(sp) for sp in self._samplings]
         block = Block(
-            tok=[t - base for t in tok] if base else tok,
+            tok=(tok - tok[0]).tolist(),
             lengths=view.lengths[a:b],
             tokens=tokens,
             loss_mask=mask,
@@ -89,10 +88,11 @@ class FreshSamples:
     def _keep(self, ids: list[int], block: Block) -> None:
         if not ids:
             return
-        assert ids[-1] - ids[0] == len(ids) - 1 == len(block) - 1, "a stored group's ids are consecutive"
+        tok = block.tok  # read directly: `len(block)` and `token_count` are Python calls a group
+        assert ids[-1] - ids[0] == len(ids) - 1 == len(tok) - 2, "a stored group's ids are consecutive"
         self._at.update(dict.fromkeys(ids, block))
         self._blocks[block.first] = block
-        self.tokens += block.token_count
+        self.tokens += tok[-1]
         while self.tokens > FRESH_TOKENS and self._blocks:
             self._drop(self._blocks[next(iter(self._blocks))])
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from itertools import repeat
+from itertools import chain, repeat
 from typing import Any
 
 import numpy as np
@@ -100,9 +100,12 @@ class Pending:
                 continue
             view, a, b = g.cols
             f = facts.get(id(view)) or facts.setdefault(id(view), _Facts.of(view))
-            rows += _column_rows(g, view, f, a, b)
+            rows.extend(_column_rows(g, view, f, a, b))
+            # the lengths column's bytes are the group's int32 token counts as they came
             tokens.append(
-                token_groups.joined_row(g.first_id, b - a, view.lengths[a:b].tobytes(), view.joined(a, b))
+                token_groups.joined_row(
+                    g.first_id, b - a, view.cols.lengths[4 * a : 4 * b], view.joined(a, b)
+                )
             )
             if g.status == "buffered":
                 kept.columns(g, view, f)
@@ -112,13 +115,12 @@ class Pending:
 
 class _Kept:
     """The buffered trajectories of one write, gathered per policy as the buffer keeps them: a
-    message's column groups as index lists into its columns (one numpy gather per field at the
-    end), groups of sequences from their rows."""
+    message's column groups as (first id, task id, a, b, advantages) each, turned into arrays by a
+    few numpy passes at the end; groups of sequences from their rows."""
 
     def __init__(self) -> None:
-        self._views: dict[tuple[str, int], tuple[ResultColumns, _Facts, list[list[Any]]]] = {}
-        """(policy, message) -> its columns, their facts, and the ids, task ids, advantages and
-        sequence indices of its buffered groups."""
+        self._views: dict[tuple[str, int], tuple[ResultColumns, _Facts, list[tuple[Any, ...]]]] = {}
+        """(policy, message) -> its columns, their facts, and its buffered groups."""
         self._rows: dict[str, list[list[Any]]] = {}
 
     def columns(self, g: Group, view: ResultColumns, f: _Facts) -> None:
@@ -128,12 +130,8 @@ class _Kept:
         pol = view.cols.names[int(view.policy[a])]
         got = self._views.get((pol, id(view)))
         if got is None:
-            got = self._views[(pol, id(view))] = (view, f, [[], [], [], []])
-        ids, tasks, advantages, at = got[2]
-        ids.extend(range(g.first_id, g.first_id + b - a))
-        tasks.extend([g.task_id] * (b - a))
-        advantages.extend(g.advantages)
-        at.extend(range(a, b))
+            got = self._views[(pol, id(view))] = (view, f, [])
+        got[2].append((g.first_id, g.task_id, a, b, g.advantages))
 
     def rows(self, rows: list[tuple[Any, ...]]) -> None:
         """Keep the buffered trajectory rows of a group of sequences (trajectories.insert_groups' layout)."""
@@ -146,17 +144,24 @@ class _Kept:
     def parts(self) -> dict[str, Part]:
         """Policy -> its kept trajectories as BufferItem's fields, one array each."""
         pieces: dict[str, list[Part]] = {}
-        for (pol, _), (view, f, (ids, tasks, advantages, at)) in self._views.items():
-            idx = np.asarray(at, np.int64)
-            ids_a = np.asarray(ids, np.int64)
+        for (pol, _), (view, f, groups) in self._views.items():
+            firsts, tasks, starts, ends, advantages = zip(*groups, strict=True)
+            begin = np.asarray(starts, np.int64)
+            sizes = np.asarray(ends, np.int64) - begin
+            total = int(sizes.sum())
+            # sequence k of the joined groups is the offset-th of its group: a run of consecutive
+            # indices per group, both into the message's columns and among the ids
+            offset = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+            idx = np.repeat(begin, sizes) + offset
+            ids_a = np.repeat(np.asarray(firsts, np.int64), sizes) + offset
             pieces.setdefault(pol, []).append(
                 (
                     ids_a,
-                    np.asarray(tasks, np.int64),
+                    np.repeat(np.asarray(tasks, np.int64), sizes),
                     f.oldest_a[idx],
                     ids_a,
                     view.rewards[idx],
-                    np.asarray(advantages, np.float64),
+                    np.fromiter(chain.from_iterable(advantages), np.float64, total),
                     f.masked_a[idx],
                 )
             )
@@ -193,7 +198,8 @@ def _seq_rows(g: Group, oldest: Iterator[int]) -> list[tuple[Any, ...]]:
 
 @dataclass
 class _Facts:
-    """What the rows of a message's column groups need per sequence, found once per message."""
+    """What the rows of a message's column groups need per sequence, found once per message: a
+    group's rows are then slices of these lists zipped together."""
 
     masked: list[int]
     """Tokens with a nonzero mask."""
@@ -203,55 +209,78 @@ class _Facts:
     """`masked` as int64."""
     oldest_a: np.ndarray[Any, Any]
     """`oldest` as int64."""
+    roles: list[str]
+    """Each sequence's role name."""
+    keys: list[str]
+    """Each sequence's group key."""
+    temperature: list[float]
+    top_p: list[float]
+    top_k: list[int]
 
     @classmethod
     def of(cls, view: ResultColumns) -> _Facts:
-        """Both lists for every sequence of the message, in one numpy pass each."""
+        """Every list for every sequence of the message, in one numpy pass each."""
         c = view.cols
         mask = np.frombuffer(c.loss_mask, np.uint8) != 0
         versions = np.frombuffer(c.versions, packed.INT32)
         starts, lengths = view.tok[:-1], view.lengths
         if not len(lengths):
             none = np.zeros(0, np.int64)
-            return cls([], [], none, none)
+            return cls([], [], none, none, [], [], [], [], [])
         # a sentinel after the last token: reduceat needs every start inside the array; a sequence
         # of no tokens reads its neighbour's first, so it is zeroed
         masked = np.add.reduceat(np.append(mask, False).astype(np.int64), starts)
         masked[lengths == 0] = 0
         oldest = _oldest(versions, mask, starts, lengths)
-        return cls(masked.tolist(), oldest.tolist(), masked, oldest)
+        # object tables: indexing hands back the very Python values a per-sequence lookup would
+        sps = c.samplings
+        return cls(
+            masked.tolist(),
+            oldest.tolist(),
+            masked,
+            oldest,
+            _looked_up(c.names, view.role),
+            _looked_up(c.keys, view.key),
+            _looked_up([float(sp.temperature) for sp in sps], view.sampling),
+            _looked_up([float(sp.top_p) for sp in sps], view.sampling),
+            _looked_up([int(sp.top_k) for sp in sps], view.sampling),
+        )
 
 
-def _column_rows(g: Group, view: ResultColumns, f: _Facts, a: int, b: int) -> list[tuple[Any, ...]]:
-    """The trajectory rows of the column group a..b-1: built as columns (a value repeated for the
-    group's fields that are one for all of it) and zipped into row tuples in C."""
-    c = view.cols
-    names, keys = c.names, c.keys
+def _looked_up(table: list[Any], idx: np.ndarray[Any, Any]) -> list[Any]:
+    """table[i] for every index of a column, the very Python values (a table of one value, the usual
+    sampling settings, is that value repeated; others index a numpy object array)."""
+    if len(table) == 1:
+        return table * len(idx)
+    out = np.empty(len(table), object)
+    out[:] = table
+    return list(out[idx].tolist())
+
+
+def _column_rows(g: Group, view: ResultColumns, f: _Facts, a: int, b: int) -> Iterator[tuple[Any, ...]]:
+    """The trajectory rows of the column group a..b-1: slices of the message's per-sequence lists
+    (a value repeated for the group's fields that are one for all of it) zipped into row tuples in C."""
     n = b - a
     if n <= 0:
-        return []
-    sps = [(float(sp.temperature), float(sp.top_p), int(sp.top_k)) for sp in c.samplings]
-    temperature, top_p, top_k = zip(*[sps[i] for i in view.sampling[a:b].tolist()], strict=True)
+        return iter(())
     if len(g.advantages) != n:
         raise ValueError(f"{len(g.advantages)} advantages for a group of {n} sequences")
-    return list(
-        zip(
-            repeat(g.task_id, n),
-            repeat(names[int(view.policy[a])], n),
-            repeat(g.prompt_key, n),
-            view.reward_list[a:b],
-            map(float, g.advantages),
-            f.masked[a:b],
-            f.oldest[a:b],
-            range(g.first_id, g.first_id + n),
-            repeat(g.status, n),
-            [names[i] for i in view.role[a:b].tolist()],
-            [keys[i] for i in view.key[a:b].tolist()],
-            temperature,
-            top_p,
-            top_k,
-            strict=True,
-        )
+    return zip(
+        repeat(g.task_id, n),
+        repeat(view.cols.names[int(view.policy[a])], n),
+        repeat(g.prompt_key, n),
+        view.reward_list[a:b],
+        map(float, g.advantages),
+        f.masked[a:b],
+        f.oldest[a:b],
+        range(g.first_id, g.first_id + n),
+        repeat(g.status, n),
+        f.roles[a:b],
+        f.keys[a:b],
+        f.temperature[a:b],
+        f.top_p[a:b],
+        f.top_k[a:b],
+        strict=True,
     )
 
 

@@ -129,6 +129,7 @@ class ResultColumns:
         self.tok = np.zeros(1, np.int64)
         """Index of each sequence's first token (and the total after the last)."""
         self._uniform: dict[str, list[bool]] = {}
+        self._joined: dict[tuple[int, int], tuple[bytes, bytes, bytes, bytes]] = {}
         why = self._read()
         self.problem = f"TaskResults columns: {why}" if why else ""
 
@@ -196,20 +197,35 @@ class ResultColumns:
             got = self._uniform[name] = (inside <= before).tolist()
         return got
 
+    @cached_property
+    def group_policy(self) -> list[str | None]:
+        """Per result: the name of its sequences' one policy when it has sequences and they all hold
+        one policy and one group key (None otherwise), found for every result at once."""
+        names, policy, starts = self.cols.names, self.policy, self.starts
+        one = [p and k for p, k in zip(self.uniform("policy"), self.uniform("key"), strict=True)]
+        return [
+            names[int(policy[a])] if ok and b > a else None
+            for ok, a, b in zip(one, starts, starts[1:], strict=False)
+        ]
+
     def span(self, i: int) -> tuple[int, int]:
         """The sequence indices [a, b) of result i."""
         return self.starts[i], self.starts[i + 1]
 
     def joined(self, a: int, b: int) -> tuple[bytes, bytes, bytes, bytes]:
-        """The packed (tokens, loss_mask, logprobs, versions) of sequences a..b-1, joined."""
-        c = self.cols
-        t0, t1 = int(self.tok[a]), int(self.tok[b])
-        return (
-            c.tokens[4 * t0 : 4 * t1],
-            c.loss_mask[t0:t1],
-            c.logprobs[4 * t0 : 4 * t1],
-            c.versions[4 * t0 : 4 * t1],
-        )
+        """The packed (tokens, loss_mask, logprobs, versions) of sequences a..b-1, joined: cut once
+        and kept (a stored group's row and the buffer's block share the same bytes)."""
+        got = self._joined.get((a, b))
+        if got is None:
+            c = self.cols
+            t0, t1 = int(self.tok[a]), int(self.tok[b])
+            got = self._joined[(a, b)] = (
+                c.tokens[4 * t0 : 4 * t1],
+                c.loss_mask[t0:t1],
+                c.logprobs[4 * t0 : 4 * t1],
+                c.versions[4 * t0 : 4 * t1],
+            )
+        return got
 
     def arrays(self, a: int, b: int) -> list[tuple[bytes, bytes, bytes, bytes]]:
         """Each sequence's packed arrays, for sequences a..b-1."""

@@ -13,7 +13,7 @@ from astraflow import log
 from astraflow.dataflow import failures
 from astraflow.dataflow.admission import Admission
 from astraflow.dataflow.buffer import Buffer
-from astraflow.dataflow.column_intake import ingest_columns
+from astraflow.dataflow.column_intake import ingest_columns, plan_advantages
 from astraflow.dataflow.evaluation import Evaluator
 from astraflow.dataflow.limits import RefusedResult
 from astraflow.dataflow.pipeline import Pipeline
@@ -101,13 +101,14 @@ def on_task_results(ctx: Intake, member: dict[str, Any], msg: m.TaskResults) -> 
     latest: dict[str, int] = {}
     cleared = _cleared(ctx, member, view, tasks, latest)
     expected: dict[tuple[Any, ...], dict[str, int]] = {}
+    verdicts: dict[tuple[Any, ...], str] = {}
     for i, h in enumerate(msg.results):
         if h.error:
             failed = m.TaskResult(task_id=h.task_id, epoch=h.epoch, error=h.error)
             acks[i] = _outcome_ack(h.task_id, _task_result(ctx, member, failed))
             continue
         task = tasks.get(h.task_id)
-        bad = _invalid_in(ctx, member, view, i, task, latest, cleared.get(i, False), expected)
+        bad = _invalid_in(ctx, member, view, i, task, latest, cleared.get(i, False), expected, verdicts)
         if bad is not None:
             acks[i] = m.OutcomeAck(task_id=h.task_id, status="invalid", code="bad_result", message=bad)
         else:
@@ -134,12 +135,17 @@ def _store_group(
     # the groups of every result are written together when the block ends (dataflow/pending.py)
     with ctx.store.write(), ctx.buffer.grouped():
         fed: dict[str, None] = {}
+        maps: dict[int, dict[str, str]] = {}
         # every lease of the message completed by one read and one UPDATE (state/ledger.py)
         statuses = ctx.ledger.complete_many([(h.task_id, h.epoch) for _, h, _ in good], member["id"])
+        # every one-group result's advantages in one pass over the message (the same values)
+        planned = plan_advantages(ctx.pipeline, view)
         for (i, h, task), status in zip(good, statuses, strict=True):
-            _take(ctx, member, (view, i), task, status)
+            _take(ctx, member, (view, i), task, status, planned)
             acks[i] = m.OutcomeAck(task_id=h.task_id, status=status)
-            if status == "accepted" and task is not None:
+            if status == "accepted" and task is not None and id(task.roles) not in maps:
+                # a role map is one object for every task of its text (state/ledger.py)
+                maps[id(task.roles)] = task.roles
                 fed.update(dict.fromkeys(task.policies))
         for pol in fed:
             ctx.pipeline.save(pol)
@@ -188,16 +194,18 @@ def _invalid_in(
     latest: dict[str, int],
     cleared: bool,
     expected: dict[tuple[Any, ...], dict[str, int]],
+    verdicts: dict[tuple[Any, ...], str],
 ) -> str | None:
     """`_invalid` of result i of a message read through its columns: a cleared one's shape is read
     from the columns; one not cleared is turned back into an Outcome and walked, which names its
-    fault. `expected` keeps the sequences per policy of each task shape over the message's results."""
+    fault. `expected` keeps the sequences per policy of each task shape over the message's results,
+    `verdicts` the check of each shape of a cleared training result without infos."""
     if task is None or not _checked(task, member):
         return None
     if not cleared:
         return _invalid(ctx, member, view.outcome(i), task, latest)
     h = view.heads[i]
-    a, b = view.span(i)
+    a, b = view.starts[i], view.starts[i + 1]
     names = view.cols.names
     got: dict[str, int] = {}
     if b > a and view.uniform("policy")[i]:
@@ -206,17 +214,29 @@ def _invalid_in(
         for idx, n in enumerate(np.bincount(view.policy[a:b], minlength=len(names)).tolist()):
             if n:
                 got[names[idx]] = got.get(names[idx], 0) + n
-    bad = ctx.checker.check_cleared(
-        h.episodes,
-        h.infos,
-        got,
-        expected=_expected(ctx, task, expected),
-        roles=task.roles,
-    )
+    # the verdict is a function of the shape alone: results of one shape (the usual message) ask once
+    shape = None if h.infos or ctx.shapes.is_eval(task.id) else _shape_of(task, h.episodes, got)
+    bad = None if shape is None else verdicts.get(shape)
+    if bad is None:
+        bad = ctx.checker.check_cleared(
+            h.episodes,
+            h.infos,
+            got,
+            expected=_expected(ctx, task, expected),
+            roles=task.roles,
+        )
+        if shape is not None:
+            verdicts[shape] = bad
     if not bad:
         return None
     status = member_failed(ctx, member, h.task_id, h.epoch, f"invalid result: {bad}", "invalid")
     return f"task {h.task_id}: {bad} ({status})"
+
+
+def _shape_of(task: TaskRow, episodes: list[int], got: dict[str, int]) -> tuple[Any, ...]:
+    """What `check_cleared` reads of a training result without infos: its role map, group size,
+    episodes' sequence counts and sequences per policy."""
+    return (tuple(task.roles.items()), task.group_size, tuple(episodes), tuple(got.items()))
 
 
 def _expected(ctx: Intake, task: TaskRow, seen: dict[tuple[Any, ...], dict[str, int]]) -> dict[str, int]:
@@ -277,9 +297,11 @@ def _take(
     res: m.TaskResult | m.Outcome | tuple[ResultColumns, int],
     task: TaskRow | None,
     status: str,
+    planned: dict[int, list[float]] | None = None,
 ) -> None:
     """Store what a result (or result i of a message's columns) whose lease completed with `status`
-    brings (inside the caller's transaction): an accepted one's sequences, or its eval round's record."""
+    brings (inside the caller's transaction): an accepted one's sequences, or its eval round's record
+    (`planned`: the advantages `plan_advantages` found for the message's results)."""
     if status != "accepted":
         return
     ctx.accounting.succeeded(member["id"])
@@ -292,7 +314,15 @@ def _take(
         # decided when the task was leased: a done task keeps a full group of every policy it fed,
         # even when that policy's budget was taken while the task ran
         if isinstance(res, tuple):
-            ingest_columns(ctx.pipeline, ctx.buffer, task.id, task.prompt_key, *res, read_only=task.read_only)
+            ingest_columns(
+                ctx.pipeline,
+                ctx.buffer,
+                task.id,
+                task.prompt_key,
+                *res,
+                read_only=task.read_only,
+                planned=planned,
+            )
         else:
             ctx.pipeline.ingest(ctx.buffer, task.id, task.prompt_key, res.episodes, read_only=task.read_only)
     made_progress(ctx.store, ctx.progress)
