@@ -36,6 +36,7 @@ from astraflow.protocol.messages import (
     SampleColumns,
     pack_episodes,
 )
+from astraflow.state.stage_rows import StageRows
 from astraflow.state.store import Store
 
 log = get("pipeline")
@@ -101,6 +102,8 @@ class Pipeline:
         """(policy, task id) -> info key -> (sum, count) of the task's episodes; the newest INFO_TASKS
         tasks are kept, so a step's metrics carry the info of the tasks its batch drew from."""
         self._loader = loader
+        self._rows = StageRows(store) if store is not None else None
+        """The stage_state rows as last written: a save that changes nothing writes nothing."""
         for pol in policies:
             self.policies[pol.name] = self._build(pol)
         self.load()
@@ -160,16 +163,20 @@ class Pipeline:
         self.load()
 
     def save(self, policy: str | None = None) -> None:
-        """Write every stage's state_dict (of one policy, or all) and the counters to the store."""
-        if self.store is None:
+        """Write every stage's state_dict (of one policy, or all) and the counters to the store
+        (the rows whose state changed since this writer last wrote them)."""
+        rows = self._rows
+        if rows is None:
             return
         names = list(self.policies) if policy is None else [policy]
-        with self.store.write():
-            for name in names:
-                ps = self.policies[name]
-                for i, stage in enumerate(ps.stages):
-                    self.store.save_stage_state(name, i, type(stage).__name__, stage.state_dict())
-                self.store.save_stage_state(name, COUNTERS_STAGE, "pipeline", dict(ps.counters))
+        states: list[tuple[str, int, str, dict[str, Any]]] = []
+        for name in names:
+            ps = self.policies[name]
+            states.extend(
+                (name, i, type(stage).__name__, stage.state_dict()) for i, stage in enumerate(ps.stages)
+            )
+            states.append((name, COUNTERS_STAGE, "pipeline", dict(ps.counters)))
+        rows.save(states)
 
     # ----- before rollout -----------------------------------------------------------------------
 

@@ -4,18 +4,78 @@ A batch's trajectory ids are stored as runs of consecutive ids, `[[first, count]
 sequences get consecutive ids and a batch is served in task order, so 512 ids are a few dozen runs),
 and its replay flags as runs of replayed positions, `[[index, count], ...]`. Rows written before that
 hold plain JSON lists (`[id, ...]`, `[false, true, ...]`); both are read.
+
+Which steps of a policy have a recorded batch is asked by every task request (the steps taken, for
+admission and the refill), every batch request and every version published. The controller's store
+keeps them (`keep_steps`): read once per policy, then changed by `record_batch` and `forget_batch`,
+the only statements that write the table, and dropped when a transaction rolls back. A store that
+does not keep them (a reader, a test's own store) asks state.db every time.
 """
 
 from __future__ import annotations
 
 import json
+import weakref
 
 from astraflow.state import trajectories
 from astraflow.state.store import Store
 
 
+class KeptSteps:
+    """One writer's recorded steps per policy, read from state.db when first asked for a policy."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.steps: dict[str, set[int]] = {}
+        """Policy -> the steps whose batch is recorded (read at the first question of that policy)."""
+        self.last: dict[str, int] = {}
+        """Policy -> the highest of those steps (0 when none)."""
+        store.on_rollback.append(self.forget)
+
+    def of(self, policy: str) -> set[int]:
+        """The recorded steps of a policy."""
+        got = self.steps.get(policy)
+        if got is None:
+            rows = self.store.conn.execute("SELECT step FROM batches WHERE policy = ?", (policy,))
+            got = self.steps[policy] = {int(r[0]) for r in rows}
+            self.last[policy] = max(got, default=0)
+        return got
+
+    def recorded(self, policy: str, step: int) -> None:
+        """A batch of (policy, step) was written in the open transaction."""
+        if policy in self.steps:
+            self.steps[policy].add(step)
+            self.last[policy] = max(self.last[policy], step)
+
+    def forgotten(self, policy: str, step: int) -> None:
+        """The batch of (policy, step) was deleted in the open transaction."""
+        if policy in self.steps:
+            got = self.steps[policy]
+            got.discard(step)
+            self.last[policy] = max(got, default=0)
+
+    def forget(self) -> None:
+        """A transaction rolled back: read every policy's steps again when next asked."""
+        self.steps.clear()
+        self.last.clear()
+
+
+_kept: weakref.WeakKeyDictionary[Store, KeptSteps] = weakref.WeakKeyDictionary()
+"""The stores that keep their recorded steps (the controller's)."""
+
+
+def keep_steps(store: Store) -> None:
+    """Keep the recorded steps of `store` in memory from now on: only for the one writer, whose
+    statements are the only ones that change the batches table."""
+    if store not in _kept:
+        _kept[store] = KeptSteps(store)
+
+
 def batch_recorded(store: Store, policy: str, step: int) -> bool:
     """Whether the batch of (policy, step) was taken (recorded)."""
+    kept = _kept.get(store)
+    if kept is not None:
+        return step in kept.of(policy)
     return bool(store.scalar("SELECT 1 FROM batches WHERE policy = ? AND step = ?", (policy, step)))
 
 
@@ -90,6 +150,10 @@ def consumed_since(store: Store, policy: str, n: int) -> tuple[int, int] | None:
 
 def last_batch_step(store: Store, policy: str) -> int:
     """The highest step of `policy` whose batch was taken (0 when none)."""
+    kept = _kept.get(store)
+    if kept is not None:
+        kept.of(policy)
+        return kept.last[policy]
     return int(store.scalar("SELECT COALESCE(MAX(step), 0) FROM batches WHERE policy = ?", (policy,)))
 
 
@@ -102,6 +166,9 @@ def record_batch(
             "INSERT INTO batches (policy, step, traj_ids, replay, version, created) VALUES (?, ?, ?, ?, ?, ?)",
             (policy, step, encode_ids(ids), encode_flags(flags), version, now),
         )
+        kept = _kept.get(store)
+        if kept is not None:
+            kept.recorded(policy, step)
 
 
 def _replayed(text: str) -> int:
@@ -132,6 +199,9 @@ def forget_batch(store: Store, policy: str, step: int, rebuffer: list[int]) -> N
     consumed, so the step is composed anew."""
     with store.write() as c:
         c.execute("DELETE FROM batches WHERE policy = ? AND step = ?", (policy, step))
+        kept = _kept.get(store)
+        if kept is not None:
+            kept.forgotten(policy, step)
         c.executemany(
             "UPDATE trajectories SET status = 'buffered', consumed_step = NULL "
             "WHERE id = ? AND consumed_step = ? AND status = 'consumed'",

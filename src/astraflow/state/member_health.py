@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Literal
 
+from astraflow.state import open_shapes
+
 if TYPE_CHECKING:
     from astraflow.state.store import Store
 
@@ -61,7 +63,13 @@ def healthy_peer(store: Store, role: str, member_id: str) -> bool:
 
 
 def held_and_open(store: Store, member_id: str) -> tuple[int, int]:
-    """(leases the member holds, tasks queued or leased in all)."""
+    """(leases the member holds, tasks queued or leased in all). Inside a lease call the open tasks
+    are the kept counts per shape (state/open_shapes.py, read once a call) and the held ones a
+    search of the (owner, status) index, instead of a read of every open task."""
+    shapes = open_shapes.kept_for(store, open_shapes.OPEN)
+    if shapes is not None:
+        held = store.scalar("SELECT COUNT(*) FROM tasks WHERE status = 'leased' AND owner = ?", (member_id,))
+        return int(held or 0), sum(shapes.read().values())
     r = store.query(
         "SELECT SUM(status = 'leased' AND owner = ?) AS held, COUNT(*) AS open FROM tasks "
         "WHERE status IN ('queued', 'leased')",

@@ -37,6 +37,7 @@ from astraflow.roles.controller.task_queue import TaskQueue, TaskShapes
 from astraflow.roles.member_accounting import MemberAccounting
 from astraflow.roles.member_sections import WelcomeSections
 from astraflow.roles.member_table import MemberTable
+from astraflow.state import batches
 from astraflow.state.ledger import Ledger
 from astraflow.state.store import Store
 
@@ -55,6 +56,8 @@ class ControllerCore:
         self.allow_recipe_change = allow_recipe_change
         self.run_dir = run_dir
         self.store = store
+        # the one writer keeps which steps took their batch (every task, batch and version message asks)
+        batches.keep_steps(store)
         rc = recipe.rollout
         self.ledger = Ledger(store, lease_timeout_s=rc.lease_timeout_s, max_attempts=rc.max_attempts)
         self.pipeline = Pipeline(recipe.policy, store, seed=recipe.run.seed)
