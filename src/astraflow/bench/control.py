@@ -15,6 +15,7 @@ SQLite rows/s in WAL mode.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -25,7 +26,7 @@ from typing import Any
 
 import zmq
 
-from astraflow.bench.control_sim import SimSpec
+from astraflow.bench.control_sim import SLOT_S, SimSpec
 from astraflow.bench.wire import pin, rss_mb, start_controller
 from astraflow.protocol import messages as m
 from astraflow.protocol.codec import decode, encode
@@ -214,13 +215,34 @@ def run_one(
         "task_ms_p99": _pct_ms(task_lat, 0.99),
         "batch_ms_p50": _pct_ms(batch_lat, 0.5),
         "batch_ms_p99": _pct_ms(batch_lat, 0.99),
-        "heartbeats_per_s": round(
-            sum(r["heartbeats"] / max(1e-9, r["ended"] - r["started"]) for r in results), 1
-        ),
-        "acks_per_s": round(sum(r["acks"] / max(1e-9, r["ended"] - r["started"]) for r in results), 1),
+        **_beat_rates(results, t0, t1),
         "alive_after": alive_end,
         "controller_rss_mb": round(rss, 1),
         **state,
+    }
+
+
+def _beat_rates(results: list[dict[str, Any]], t0: float, t1: float) -> dict[str, Any]:
+    """Heartbeats and acks a second in the measured window [t0, t1] (the simulators count them per
+    SLOT_S), the same over each simulator's whole life (joins and the idle interval's ramp included),
+    what the idle members' intervals at the stop add up to, and how many idle members beat at which."""
+    first, last = math.ceil(t0 / SLOT_S), math.floor(t1 / SLOT_S)  # the whole slots inside the window
+    span = max(1e-9, (last - first) * SLOT_S)
+    beats = acks = 0
+    intervals: dict[str, int] = {}
+    for r in results:
+        for k, (b, a) in r["beats_by_slot"].items():
+            if first <= int(k) < last:
+                beats, acks = beats + b, acks + a
+        for gap, n in r["idle_intervals"].items():
+            intervals[gap] = intervals.get(gap, 0) + n
+    life = sum(r["heartbeats"] / max(1e-9, r["ended"] - r["started"]) for r in results)
+    return {
+        "heartbeats_per_s": round(beats / span, 1),
+        "acks_per_s": round(acks / span, 1),
+        "heartbeats_per_s_life": round(life, 1),
+        "idle_beats_per_s_told": round(sum(n / float(g) for g, n in intervals.items()), 1),
+        "idle_intervals": dict(sorted(intervals.items(), key=lambda kv: float(kv[0]))),
     }
 
 

@@ -41,6 +41,8 @@ BATCH_WAIT_S = 1.0
 """Long-poll wait of a batch request that is not ready yet."""
 JOIN_RATE = 250.0
 """Members one simulator process connects and says Hello for per second."""
+SLOT_S = 0.25
+"""Width of the time slots heartbeats and acks are counted in (`SimResult.beats_by_slot`)."""
 
 
 @dataclass
@@ -87,7 +89,12 @@ class SimResult:
     errors: list[str] = field(default_factory=list)
     started: float = 0.0
     ended: float = 0.0
-    """time.time() of the first Hello and of the stop: heartbeats/s is heartbeats over that span."""
+    """time.time() of the first Hello and of the stop."""
+    beats_by_slot: dict[int, list[int]] = field(default_factory=dict)
+    """Slot (int(time.time() / SLOT_S)) -> [heartbeats sent, HeartbeatAcks received] in it: the bench
+    counts the beats of its measured window, not those of the joins and of the intervals' ramp."""
+    idle_intervals: dict[str, int] = field(default_factory=dict)
+    """At the stop: the interval each welcomed idle member beats at (seconds, as text) -> how many."""
 
 
 class _Member:
@@ -172,9 +179,10 @@ def simulate(spec: SimSpec) -> SimResult:
     stop = Path(spec.stop_file)
     now = res.started = time.time()
     # members join at JOIN_RATE a second (thousands of connects at once overflow the listen backlog
-    # and the kernel then retries them seconds apart), and beat spread evenly over one interval, as
-    # members that started at different times would; a heap of due times, so a process of thousands
-    # of members does work per beat, not per member
+    # and the kernel then retries them seconds apart) and beat from their join on, so their beats
+    # bunch in the part of each idle interval the joins took (2,000 members in two processes: 4 s of
+    # every 10): a window of a few intervals counts one bunch more or less; a heap of due times, so a
+    # process of thousands of members does work per beat, not per member
     due = [(now + i / JOIN_RATE, i) for i in range(len(members))]
     heapq.heapify(due)
     # idle members get nothing but replies to their own Hello and beats: each one's socket is read
@@ -215,6 +223,10 @@ def simulate(spec: SimSpec) -> SimResult:
     finally:
         res.ended = time.time()
         for mem in members:
+            if mem.role == "idle" and mem.welcomed:
+                key = str(max(spec.heartbeat_s, mem.idle_s))
+                res.idle_intervals[key] = res.idle_intervals.get(key, 0) + 1
+        for mem in members:
             mem.sock.close(0)
         ctx.term()
     return res
@@ -241,6 +253,7 @@ def _beat(mem: _Member, spec: SimSpec, res: SimResult, idle_beats: dict[float, b
             )
         )
     res.heartbeats += 1
+    res.beats_by_slot.setdefault(int(time.time() / SLOT_S), [0, 0])[0] += 1
     return gap
 
 
@@ -285,6 +298,7 @@ def _on_reply(mem: _Member, msg: m.Msg, spec: SimSpec, res: SimResult, rng: rand
     took = time.perf_counter() - sent[1] if sent is not None else 0.0
     if isinstance(msg, m.HeartbeatAck):
         res.acks += 1
+        res.beats_by_slot.setdefault(int(time.time() / SLOT_S), [0, 0])[1] += 1
         if msg.idle_interval_s > 0:
             mem.idle_s = msg.idle_interval_s
     elif isinstance(msg, m.Error):

@@ -22,6 +22,7 @@ def render(res: dict[str, Any]) -> str:
         ("batch_ms_p99", "batch p99 ms"),
         ("heartbeats_per_s", "beats/s"),
         ("acks_per_s", "acks/s"),
+        ("idle_beats_per_s_told", "idle told/s"),
         ("alive_after", "alive"),
         ("members_declared_dead", "died"),
         ("controller_rss_mb", "RSS MB"),
