@@ -13,7 +13,7 @@ import json
 import time
 from typing import Any
 
-from astraflow.state.store import Store
+from astraflow.state.store import STAGE_UPSERT, Store
 
 
 class StageRows:
@@ -39,12 +39,7 @@ class StageRows:
         now = time.time()
         with self.store.write() as c:
             for (policy, stage), (name, text) in changed:
-                c.execute(
-                    "INSERT INTO stage_state (policy, stage, name, state, updated) VALUES (?, ?, ?, ?, ?) "
-                    "ON CONFLICT(policy, stage) DO UPDATE SET name = excluded.name, state = excluded.state, "
-                    "updated = excluded.updated",
-                    (policy, stage, name, text, now),
-                )
+                c.execute(STAGE_UPSERT, (policy, stage, name, text, now))
                 self.texts[(policy, stage)] = (name, text)
         return len(changed)
 

@@ -47,6 +47,14 @@ def _sqlite_utils() -> Any:
     return sqlite_utils
 
 
+STAGE_UPSERT = (
+    "INSERT INTO stage_state (policy, stage, name, state, updated) VALUES (?, ?, ?, ?, ?) "
+    "ON CONFLICT(policy, stage) DO UPDATE SET name = excluded.name, state = excluded.state, "
+    "updated = excluded.updated"
+)
+"""Write one data stage's saved state (policy, stage, name, JSON text, time)."""
+
+
 class Store:
     """Typed access to a run's state.db; the controller is its only writer."""
 
@@ -318,12 +326,7 @@ class Store:
     def save_stage_state(self, policy: str, stage: int, name: str, state: dict[str, Any]) -> None:
         """Store one stage's state_dict (JSON)."""
         with self.write() as c:
-            c.execute(
-                "INSERT INTO stage_state (policy, stage, name, state, updated) VALUES (?, ?, ?, ?, ?) "
-                "ON CONFLICT(policy, stage) DO UPDATE SET name = excluded.name, state = excluded.state, "
-                "updated = excluded.updated",
-                (policy, stage, name, json.dumps(state, sort_keys=True), time.time()),
-            )
+            c.execute(STAGE_UPSERT, (policy, stage, name, json.dumps(state, sort_keys=True), time.time()))
 
     def load_stage_state(self, policy: str) -> dict[int, tuple[str, dict[str, Any]]]:
         """Stage index -> (name, state) saved for a policy."""
