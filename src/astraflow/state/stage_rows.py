@@ -13,7 +13,15 @@ import json
 import time
 from typing import Any
 
-from astraflow.state.store import STAGE_UPSERT, Store
+from astraflow.state.store import Store
+
+STAGE_UPSERT = (
+    "INSERT INTO stage_state (policy, stage, name, state, updated) VALUES (?, ?, ?, ?, ?) "
+    "ON CONFLICT(policy, stage) DO UPDATE SET name = excluded.name, state = excluded.state, "
+    "updated = excluded.updated"
+)
+"""Write one data stage's saved state (policy, stage, name, JSON text, time); `Store.save_stage_state`
+uses it too."""
 
 
 class StageRows:

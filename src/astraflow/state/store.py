@@ -47,14 +47,6 @@ def _sqlite_utils() -> Any:
     return sqlite_utils
 
 
-STAGE_UPSERT = (
-    "INSERT INTO stage_state (policy, stage, name, state, updated) VALUES (?, ?, ?, ?, ?) "
-    "ON CONFLICT(policy, stage) DO UPDATE SET name = excluded.name, state = excluded.state, "
-    "updated = excluded.updated"
-)
-"""Write one data stage's saved state (policy, stage, name, JSON text, time)."""
-
-
 class Store:
     """Typed access to a run's state.db; the controller is its only writer."""
 
@@ -325,6 +317,8 @@ class Store:
 
     def save_stage_state(self, policy: str, stage: int, name: str, state: dict[str, Any]) -> None:
         """Store one stage's state_dict (JSON)."""
+        from astraflow.state.stage_rows import STAGE_UPSERT  # stage_rows builds on Store
+
         with self.write() as c:
             c.execute(STAGE_UPSERT, (policy, stage, name, json.dumps(state, sort_keys=True), time.time()))
 
