@@ -41,11 +41,7 @@ class _Checked(control_inproc._Driver):
 
 def test_kept_buffered_counts_match_the_store(tmp_path: Path) -> None:
     d = _Checked(tmp_path)
-    control_inproc._hello(d, control_inproc.TRAINER, "trainer")
-    for ident in control_inproc.WORKERS:
-        control_inproc._hello(d, ident, "raas")
-    rng = random.Random(0)
-    for step in range(1, 4):
-        control_inproc._step(d, step, rng, 3)
+    control_inproc.join(d)
+    control_inproc.run_steps(d, 1, 3, random.Random(0), 3)
     assert d.checks > 5  # results stored and batches taken while kept, each compared
     d.ctl.store.close()

@@ -57,14 +57,11 @@ def test_a_controller_reads_the_batches_table_once_a_policy(tmp_path: Path) -> N
     d = inproc._Driver(tmp_path)
     seen: list[str] = []
     d.ctl.store.conn.set_trace_callback(seen.append)
-    inproc._hello(d, inproc.TRAINER, "trainer")
-    for ident in inproc.WORKERS:
-        inproc._hello(d, ident, "raas")
+    inproc.join(d)
     rng = random.Random(0)
-    inproc._step(d, 1, rng, 3)
+    inproc.run_steps(d, 1, 1, rng, 3)
     seen.clear()
-    for step in range(2, 6):
-        inproc._step(d, step, rng, 3)
+    inproc.run_steps(d, 2, 4, rng, 3)
     questions = [q for q in seen if "FROM batches WHERE policy" in q and "traj_ids" not in q]
     assert not questions, questions[:3]  # steps taken and steps recorded come from memory
     assert sum(q.startswith("INSERT INTO batches") for q in seen) == 4

@@ -18,6 +18,7 @@ from astraflow.state import open_shapes
 from astraflow.state.ledger import Ledger
 from astraflow.state.store import Store
 from astraflow.state.task_json import sample_of
+from tests.dispatch_controller import traced
 
 
 def _stored_shapes(store: Store) -> dict[tuple[str, str, int, str], int]:
@@ -52,12 +53,8 @@ class _Checked(inproc._Driver):
         return checked
 
     def send(self, ident: str, msg: m.Msg) -> list[m.Msg]:
-        seen: list[str] = []
-        self.ctl.store.conn.set_trace_callback(seen.append)
-        try:
+        with traced(self.ctl.store) as seen:
             replies = super().send(ident, msg)
-        finally:
-            self.ctl.store.conn.set_trace_callback(None)
         if isinstance(msg, m.TaskRequest):
             self.statements.append(seen)
         assert open_shapes.kept_for(self.ctl.store, open_shapes.OPEN) is None  # no span outlives its call
@@ -66,12 +63,8 @@ class _Checked(inproc._Driver):
 
 def test_kept_shapes_match_the_store_and_are_read_once_a_request(tmp_path: Path) -> None:
     d = _Checked(tmp_path)
-    inproc._hello(d, inproc.TRAINER, "trainer")
-    for ident in inproc.WORKERS:
-        inproc._hello(d, ident, "raas")
-    rng = random.Random(0)
-    for step in range(1, 5):
-        inproc._step(d, step, rng, 3)
+    inproc.join(d)
+    inproc.run_steps(d, 1, 4, random.Random(0), 3)
     assert d.checks > 10  # refills and leases, each compared
     leasing = [s for s in d.statements if any("status = 'queued' AND id >" in q for q in s)]
     refilling = [s for s in leasing if any(q.startswith("INSERT INTO tasks") for q in s)]

@@ -41,13 +41,9 @@ def test_quota_counts_match_the_store(tmp_path: Path, monkeypatch: pytest.Monkey
 
     monkeypatch.setattr(member_health, "held_and_open", checked)
     d = inproc._Driver(tmp_path)
-    inproc._hello(d, inproc.TRAINER, "trainer")
-    for ident in inproc.WORKERS:
-        inproc._hello(d, ident, "raas")
-    rng = random.Random(1)
+    inproc.join(d)
     d.ctl.store.conn.set_trace_callback(statements.append)
-    for step in range(1, 5):
-        inproc._step(d, step, rng, 3)
+    inproc.run_steps(d, 1, 4, random.Random(1), 3)
     # a member that holds leases and asks again before answering: held > 0
     grant = d.send(inproc.WORKERS[0], m.TaskRequest(n=4, loaded={inproc.POLICY: 4}, wait_s=0.0))[0]
     more = d.send(inproc.WORKERS[0], m.TaskRequest(n=4, loaded={inproc.POLICY: 4}, wait_s=0.0))[0]

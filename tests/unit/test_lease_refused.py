@@ -15,12 +15,8 @@ WORKER = inproc.WORKERS[0]
 
 def test_a_refused_request_reads_no_queued_task(tmp_path: Path) -> None:
     d = inproc._Driver(tmp_path)
-    inproc._hello(d, inproc.TRAINER, "trainer")
-    for ident in inproc.WORKERS:
-        inproc._hello(d, ident, "raas")
-    rng = random.Random(0)
-    for step in range(1, 4):
-        inproc._step(d, step, rng, 3)
+    inproc.join(d)
+    inproc.run_steps(d, 1, 3, random.Random(0), 3)
     # a worker still on version 0 takes what admission lets it (nothing more is answered)
     while (grant := d.send(WORKER, m.TaskRequest(n=4, loaded={"main": 0}, wait_s=0.0))[0]).tasks:
         assert isinstance(grant, m.TaskGrant)

@@ -12,40 +12,16 @@ from typing import Any
 
 import pytest
 
-from astraflow.config.recipe import Recipe
 from astraflow.protocol import messages as m
 from astraflow.roles.controller import Controller
-from astraflow.state.store import Store
+from tests.dispatch_controller import started_controller
 
 GROUP = 16
 
 
 def _controller(model: Path, run_dir: Path, advantage: str) -> Controller:
     run_dir.mkdir()
-    recipe = Recipe.model_validate(
-        {
-            "run": {"name": "planned", "steps": 3, "seed": 0},
-            "policy": [
-                {
-                    "name": "main",
-                    "model": str(model),
-                    "group_size": GROUP,
-                    "batch_prompts": 4,
-                    "max_staleness": 4,
-                    "advantage": advantage,
-                }
-            ],
-            "workflow": {"name": "quickstart", "options": {"size": 50}},
-            "rollout": {"slots": 8},
-        }
-    )
-    c = Controller(recipe, run_dir, Store.open(run_dir / "state.db"))
-    c.start()
-    hello = m.Hello(
-        member_id="w", role="raas", protocol=m.PROTOCOL_VERSION, policies=["main"], pid=1, host="h"
-    )
-    assert isinstance(c.dispatch(b"w", hello)[0][1], m.Welcome)
-    return c
+    return started_controller(model, run_dir, name="planned", group=GROUP, advantage=advantage)
 
 
 def _episodes(rewards: list[float]) -> list[m.Episode]:

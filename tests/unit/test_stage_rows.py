@@ -15,6 +15,7 @@ from astraflow.bench import control_inproc as inproc
 from astraflow.dataflow.pipeline import COUNTERS_STAGE
 from astraflow.protocol import messages as m
 from astraflow.state.store import Store
+from tests.dispatch_controller import traced
 
 
 def _rows(store: Store) -> dict[tuple[str, int], tuple[str, str]]:
@@ -39,12 +40,8 @@ class _Checked(inproc._Driver):
         self.writes: dict[str, list[int]] = {}
 
     def send(self, ident: str, msg: m.Msg) -> list[m.Msg]:
-        seen: list[str] = []
-        self.ctl.store.conn.set_trace_callback(seen.append)
-        try:
+        with traced(self.ctl.store) as seen:
             replies = super().send(ident, msg)
-        finally:
-            self.ctl.store.conn.set_trace_callback(None)
         assert _rows(self.ctl.store) == _current(self), type(msg).__name__
         n = sum(q.startswith("INSERT INTO stage_state") and "'pipeline'" in q for q in seen)
         self.writes.setdefault(type(msg).__name__, []).append(n)
@@ -53,12 +50,8 @@ class _Checked(inproc._Driver):
 
 def test_rows_hold_the_current_state_and_unchanged_saves_write_nothing(tmp_path: Path) -> None:
     d = _Checked(tmp_path)
-    inproc._hello(d, inproc.TRAINER, "trainer")
-    for ident in inproc.WORKERS:
-        inproc._hello(d, ident, "raas")
-    rng = random.Random(2)
-    for step in range(1, 5):
-        inproc._step(d, step, rng, 3)
+    inproc.join(d)
+    inproc.run_steps(d, 1, 4, random.Random(2), 3)
     assert sum(d.writes["TaskResults"]) >= 8  # the results change the counters: written each time
     assert sum(d.writes["BatchRequest"]) == 0 and sum(d.writes["VersionPublished"]) == 0
     assert len(d.writes["VersionPublished"]) == 4

@@ -116,6 +116,18 @@ def _step(d: _Driver, step: int, rng: random.Random, tokens: int) -> int:
     return reply.columns.count
 
 
+def join(d: _Driver) -> None:
+    """The trainer and the workers say Hello."""
+    _hello(d, TRAINER, "trainer")
+    for ident in WORKERS:
+        _hello(d, ident, "raas")
+
+
+def run_steps(d: _Driver, first: int, n: int, rng: random.Random, tokens: int) -> int:
+    """Steps first .. first + n - 1; the sequences their batches carried."""
+    return sum(_step(d, s, rng, tokens) for s in range(first, first + n))
+
+
 def run(
     *, steps: int = 20, warmup_steps: int = 3, tokens: int = 3, profile: bool = False, top: int = 25
 ) -> dict[str, Any]:
@@ -124,17 +136,12 @@ def run(
     with tempfile.TemporaryDirectory(prefix="astraflow-ctl-inproc-") as tmp:
         try:
             d = _Driver(Path(tmp))
-            _hello(d, TRAINER, "trainer")
-            for ident in WORKERS:
-                _hello(d, ident, "raas")
-            for s in range(1, warmup_steps + 1):
-                _step(d, s, rng, tokens)
+            join(d)
+            run_steps(d, 1, warmup_steps, rng, tokens)
             d.cpu, d.messages, d.by_type = 0.0, 0, {}
             # process CPU time, as the figures: wall time on a shared machine counts the waits for a core
             prof = d.prof = cProfile.Profile(time.process_time) if profile else None
-            seqs = 0
-            for s in range(warmup_steps + 1, warmup_steps + steps + 1):
-                seqs += _step(d, s, rng, tokens)
+            seqs = run_steps(d, warmup_steps + 1, steps, rng, tokens)
             d.prof = None
             d.ctl.store.close()
         finally:
