@@ -93,6 +93,20 @@ class _Fixed(Admission):
         return self.now_ahead.get(policy, 0)
 
 
+def _rule(adm: Admission, loaded: dict[str, int], feeds: list[str], seqs: dict[str, int] | None) -> bool:
+    """The lease rule written out: v >= target + floor((ahead + k - 1) / B) - S for every active
+    policy (sync mode: v >= target)."""
+    for pol in adm.active(feeds):
+        lim = adm.limits[pol]
+        need = adm.target_version(pol)
+        if adm.mode != "sync":
+            k = max(1, (seqs or {}).get(pol, 1))
+            need += (adm.ahead(pol) + k - 1) // lim.batch_size - lim.max_staleness
+        if loaded.get(pol, 0) < need:
+            return False
+    return True
+
+
 def test_lease_bounds_decide_as_may_lease() -> None:
     rng = random.Random(7)
     checked = 0
@@ -112,7 +126,14 @@ def test_lease_bounds_decide_as_may_lease() -> None:
         for _ in range(5):
             adm.now_ahead = {p: rng.randint(0, 200) for p in pols}
             by_bounds = bounds is not None and all(adm.ahead(p) <= most for p, most in bounds)
-            assert by_bounds == adm.may_lease(loaded, feeds, seqs), (limits, adm.mode, loaded, feeds, seqs)
+            want = _rule(adm, loaded, feeds, seqs)
+            assert by_bounds == want == adm.may_lease(loaded, feeds, seqs), (
+                limits,
+                adm.mode,
+                loaded,
+                feeds,
+                seqs,
+            )
             checked += by_bounds
     assert checked > 1000  # both answers seen often
 

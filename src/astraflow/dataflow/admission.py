@@ -373,19 +373,10 @@ class Admission:
         v >= target + floor((ahead + k - 1) / B) - S, with k the sequences this task adds (unknown
         loaded counts as 0): the task's last sequence is still consumed within the bound. Counting k
         matters when B is not a multiple of the group size (replay makes a batch's fresh part odd).
-        In sync mode: v >= target (the newest weights of every active policy)."""
-        for pol in self.active(policies):
-            lim = self.limits[pol]
-            if self.mode == "sync":
-                need = self.target_version(pol)
-            else:
-                k = max(1, (task_sequences or {}).get(pol, 1))
-                need = (
-                    self.target_version(pol) + (self.ahead(pol) + k - 1) // lim.batch_size - lim.max_staleness
-                )
-            if loaded.get(pol, 0) < need:
-                return False
-        return True
+        In sync mode: v >= target (the newest weights of every active policy). The rule is kept once,
+        as `lease_bounds` (what a lease call checks per task)."""
+        bounds = self.lease_bounds(loaded, policies, task_sequences)
+        return bounds is not None and all(self.ahead(pol) <= most for pol, most in bounds)
 
     def lease_bounds(
         self, loaded: dict[str, int], policies: Iterable[str], task_sequences: dict[str, int] | None = None

@@ -210,13 +210,8 @@ class ResultChecker:
         checked alone by `check` (which names its fault), never refused for this."""
         out = [False] * len(results)
         together: dict[tuple[Any, ...], list[int]] = {}
-        # a role map is one object for every task of its text (state/ledger.py): sorted once a call
-        allowed: dict[int, tuple[str, ...]] = {}
         for k, (_i, roles, sampling) in enumerate(results):
-            policies = allowed.get(id(roles))
-            if policies is None:
-                policies = allowed[id(roles)] = tuple(sorted(set(roles.values())))
-            key = (policies, tuple(sorted(sampling.items())) if sampling else ())
+            key = (tuple(sorted(set(roles.values()))), tuple(sorted(sampling.items())) if sampling else ())
             together.setdefault(key, []).append(k)
         for key, ks in together.items():
             sel = np.zeros(view.count, np.bool_)

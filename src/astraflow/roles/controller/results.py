@@ -135,7 +135,6 @@ def _store_group(
     # the groups of every result are written together when the block ends (dataflow/pending.py)
     with ctx.store.write(), ctx.buffer.grouped():
         fed: dict[str, None] = {}
-        maps: dict[int, dict[str, str]] = {}
         # every lease of the message completed by one read and one UPDATE (state/ledger.py)
         statuses = ctx.ledger.complete_many([(h.task_id, h.epoch) for _, h, _ in good], member["id"])
         # every one-group result's advantages in one pass over the message (the same values)
@@ -143,9 +142,7 @@ def _store_group(
         for (i, h, task), status in zip(good, statuses, strict=True):
             _take(ctx, member, (view, i), task, status, planned)
             acks[i] = m.OutcomeAck(task_id=h.task_id, status=status)
-            if status == "accepted" and task is not None and id(task.roles) not in maps:
-                # a role map is one object for every task of its text (state/ledger.py)
-                maps[id(task.roles)] = task.roles
+            if status == "accepted" and task is not None:
                 fed.update(dict.fromkeys(task.policies))
         for pol in fed:
             ctx.pipeline.save(pol)
