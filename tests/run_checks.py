@@ -9,6 +9,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from contextlib import closing
 from pathlib import Path
@@ -74,28 +75,46 @@ def demand(run_dir: Path, env: dict[str, str] | None = None) -> dict[str, Any]:
 
 
 def stop_while_holding(
-    run_dir: Path, wait: Wait, member: str = "raas-0", env: dict[str, str] | None = None
+    run_dir: Path,
+    wait: Wait,
+    member: str = "raas-0",
+    env: dict[str, str] | None = None,
+    pid_of: Callable[[], int] | None = None,
+    ask: Callable[[], dict[str, Any]] | None = None,
 ) -> int:
-    """SIGSTOP `member` at a moment the live controller sees it holding a lease while tasks wait (its
-    own state.db rows first, then the controller's demand, retried until both agree); returns its pid.
-    The run cannot move on without another worker from then on."""
-    holding = (
-        "SELECT (SELECT COUNT(*) FROM tasks WHERE status='leased' AND owner=?),"
-        " (SELECT COUNT(*) FROM tasks WHERE status='queued')"
-    )
+    """SIGSTOP `member` at a moment the live controller sees it holding a lease while tasks wait;
+    returns its pid. The run cannot move on without another worker from then on.
 
-    def seen() -> bool:
-        got = rows(run_dir, holding, member)
-        return bool(got and got[0][0] and got[0][1])
+    It is stopped as soon as its state.db rows show a lease (a worker of 2 slots holds one nearly all
+    the time), then the controller's demand is asked until it shows tasks waiting: the trainer's
+    batch polls keep refilling the queue while the stopped worker holds its leases, so waiting for the
+    queue cannot race the run's end. Only a worker caught between its results and its next lease is
+    let go again. `pid_of` (the member's pid; default its members row) and `ask` (the demand; default
+    `demand(run_dir, env)`) let a launcher whose roles live elsewhere supply their own."""
+    leased = "SELECT COUNT(*) FROM tasks WHERE status='leased' AND owner=?"
+
+    def holds() -> bool:
+        got = rows(run_dir, leased, member)
+        return bool(got and got[0][0])
+
+    def default_pid() -> int:
+        return int(rows(run_dir, "SELECT pid FROM members WHERE id=?", member)[0][0])
 
     for _ in range(30):
-        wait(f"{member} to hold a lease while tasks wait", seen)
-        (pid,) = rows(run_dir, "SELECT pid FROM members WHERE id=?", member)[0]
-        os.kill(int(pid), signal.SIGSTOP)
-        now = demand(run_dir, env)
-        if {w["id"]: w["leased"] for w in now["workers"]}.get(member) and now["waiting"]:
-            return int(pid)
-        os.kill(int(pid), signal.SIGCONT)
+        wait(f"{member} to hold a lease", holds)
+        pid = (pid_of or default_pid)()
+        os.kill(pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 30
+        while True:
+            now = ask() if ask is not None else demand(run_dir, env)
+            if not {w["id"]: w["leased"] for w in now["workers"]}.get(member):
+                break  # caught between its results and its next lease
+            if now["waiting"]:
+                return pid
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.3)
+        os.kill(pid, signal.SIGCONT)
     pytest.fail(f"{member} was never stopped holding a lease while tasks waited")
 
 

@@ -24,7 +24,7 @@ import pytest
 
 from tests.chaos.cluster import free_port
 from tests.integration.ray_local import GPU_RESOURCE, LocalRay, skip_reason
-from tests.run_checks import assert_run_intact, autoscale_sets, rows
+from tests.run_checks import assert_run_intact, autoscale_sets, rows, stop_while_holding
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 40
@@ -69,10 +69,6 @@ def _leased_by(run_dir: Path, member: str) -> list[int]:
     return [int(str(r[0])) for r in rows(run_dir, sql, member)]
 
 
-def _queued(run_dir: Path) -> int:
-    return len(rows(run_dir, "SELECT id FROM tasks WHERE status='queued'"))
-
-
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -101,28 +97,6 @@ def _demand(cluster: LocalRay, run_dir: Path) -> dict[str, Any]:
     return dict(json.loads(_astraflow(cluster, *args))["demand"])
 
 
-def _stop_while_holding(
-    cluster: LocalRay, run_dir: Path, proc: subprocess.Popen[bytes], out: Path
-) -> list[int]:
-    """SIGSTOP raas-0's role at a moment the live controller sees it holding a lease while tasks
-    wait (retried until it does); returns the tasks it holds."""
-    for _ in range(30):
-        _wait(
-            "raas-0 to hold a lease while tasks wait",
-            lambda: _info(run_dir, "raas-0") and _leased_by(run_dir, "raas-0") and _queued(run_dir),
-            proc,
-            out,
-        )
-        pid = int(_info(run_dir, "raas-0")["pid"])
-        os.kill(pid, signal.SIGSTOP)
-        demand = _demand(cluster, run_dir)
-        held = {w["id"]: w["leased"] for w in demand["workers"]}.get("raas-0", 0)
-        if held and demand["queued"]:
-            return _leased_by(run_dir, "raas-0")
-        os.kill(pid, signal.SIGCONT)
-    pytest.fail(f"raas-0 was never stopped holding a lease while tasks waited:\n{out.read_text()[-4000:]}")
-
-
 # a Ray cluster and five role processes on two loaded cores: well past the suite's 300 s default
 @pytest.mark.timeout(900)
 def test_quickstart_through_launch_ray_replaces_and_autoscales(
@@ -142,7 +116,13 @@ def test_quickstart_through_launch_ray_replaces_and_autoscales(
         )
     try:
         # the only worker hangs holding a lease while tasks wait: the run is held until a worker is added
-        held = _stop_while_holding(ray_cluster, run_dir, proc, out)
+        stop_while_holding(
+            run_dir,
+            lambda what, cond: _wait(what, lambda: _info(run_dir, "raas-0") and cond(), proc, out),
+            pid_of=lambda: int(_info(run_dir, "raas-0")["pid"]),
+            ask=lambda: _demand(ray_cluster, run_dir),
+        )
+        held = _leased_by(run_dir, "raas-0")
         _wait("the autoscaler to add raas-1", lambda: "autoscale: added raas-1" in out.read_text(), proc, out)
         # admission is held from here until the drain is seen, so the run cannot end before it
         _astraflow(ray_cluster, "ctl", "pause", "--run-dir", str(run_dir))
