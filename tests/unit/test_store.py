@@ -81,6 +81,37 @@ def test_store_wal_and_write_rollback(tmp_path: Path) -> None:
     s.close()
 
 
+def test_latest_versions_are_each_policys_newest_read_by_key_seeks(tmp_path: Path) -> None:
+    s = Store.open(tmp_path / "state.db")
+    assert s.latest_versions() == []
+    for name in ("zeta", "alpha", "mid"):
+        s.ensure_policy(name, 1)
+    for v in (1, 3, 2):  # out of order: the newest is the largest version, not the last recorded
+        s.record_version("zeta", v, v, f"tcp://z{v}", f"z{v}", v)
+        s.record_version("alpha", 10 * v, v, f"tcp://a{v}")
+    want = [
+        {"policy": "alpha", "version": 30, "step": 3, "weights_addr": "tcp://a3", "sha256": "", "nbytes": 0},
+        {"policy": "zeta", "version": 3, "step": 3, "weights_addr": "tcp://z3", "sha256": "z3", "nbytes": 3},
+    ]
+    assert s.latest_versions() == want  # "mid" has no version: left out
+    # what the GROUP BY it replaced gave, on the same rows
+    rows = s.query(
+        "SELECT v.policy, v.version, v.step, v.weights_addr, v.sha256, v.nbytes FROM versions v "
+        "JOIN (SELECT policy, MAX(version) AS mv FROM versions GROUP BY policy) m "
+        "ON v.policy = m.policy AND v.version = m.mv ORDER BY v.policy"
+    )
+    assert [dict(r) for r in rows] == want
+    # every statement it runs is a seek in the (policy, version) key, none a scan of the table
+    plans: list[str] = []
+    s.conn.set_trace_callback(plans.append)
+    s.latest_versions()
+    s.conn.set_trace_callback(None)
+    for sql in plans:
+        for row in s.conn.execute("EXPLAIN QUERY PLAN " + sql):
+            assert "SEARCH" in row[3] and "SCAN" not in row[3], (sql, row[3])
+    s.close()
+
+
 def test_store_run_members_stage_metrics_persist(tmp_path: Path) -> None:
     s = Store.open(tmp_path / "state.db")
     assert s.init_run("r", {"run": {"steps": 3}}, "sha") is True

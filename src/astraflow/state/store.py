@@ -217,13 +217,22 @@ class Store:
             return cur.rowcount > 0
 
     def latest_versions(self) -> list[dict[str, Any]]:
-        """Per policy the newest recorded version row (policies without one are omitted)."""
-        rows = self.query(
-            "SELECT v.policy, v.version, v.step, v.weights_addr, v.sha256, v.nbytes FROM versions v "
-            "JOIN (SELECT policy, MAX(version) AS mv FROM versions GROUP BY policy) m "
-            "ON v.policy = m.policy AND v.version = m.mv ORDER BY v.policy"
-        )
-        return [dict(r) for r in rows]
+        """Per policy the newest recorded version row (policies without one are omitted).
+
+        Each policy found and its newest row read through the (policy, version) key, a few index
+        seeks: a GROUP BY over the table read every version row, once a step (a version changes the
+        answer), so a run's later steps cost more than its first."""
+        out: list[dict[str, Any]] = []
+        policy = self.scalar("SELECT MIN(policy) FROM versions")
+        while policy is not None:
+            row = self.query(
+                "SELECT policy, version, step, weights_addr, sha256, nbytes FROM versions "
+                "WHERE policy = ? ORDER BY version DESC LIMIT 1",
+                (policy,),
+            )[0]
+            out.append(dict(row))
+            policy = self.scalar("SELECT MIN(policy) FROM versions WHERE policy > ?", (policy,))
+        return out
 
     # ----- members ------------------------------------------------------------------------------
 
