@@ -96,7 +96,7 @@ def test_an_existing_state_db_keeps_its_counts_and_its_index_leaves_the_consumed
     # marking consumed takes rows out of the index: they are counted as consumed, not as buffered
     buffered = [int(r[0]) for r in trajectories.buffered_items(store, "main")][:5]
     counts = trajectories.status_counts(store, "main")
-    trajectories.mark_consumed(store, 99, buffered)
+    trajectories.mark_consumed(store, "main", 99, buffered)
     after = trajectories.status_counts(store, "main")
     assert after["buffered"] == counts["buffered"] - 5 and after["consumed"] == counts["consumed"] + 5
     assert store.scalar("PRAGMA integrity_check") == "ok"

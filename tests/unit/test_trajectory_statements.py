@@ -78,7 +78,7 @@ def test_id_runs_and_a_batch_marked_consumed_by_ranges(tmp_path: Path) -> None:
     trajectories.expire(store, [5])
     batch = [17, 18, 19, 20, 3, 4, 5, 6, 33, 2]
     with store.write():
-        trajectories.mark_consumed(store, 9, batch)
+        trajectories.mark_consumed(store, "main", 9, batch)
     rows = {
         r["id"]: (r["status"], r["consumed_step"])
         for r in store.query("SELECT id, status, consumed_step FROM trajectories")

@@ -316,7 +316,7 @@ class Buffer:
             ids = fresh + replay_ids
             flags = [False] * len(fresh) + [True] * len(replay_ids)
             batches.record_batch(self.store, policy, step, ids, flags, ref, time.time())
-            trajectories.mark_consumed(self.store, step, fresh)
+            trajectories.mark_consumed(self.store, policy, step, fresh)
             left = np.ones(len(mine), bool)
             left[picked] = False
             mine.keep(left)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from astraflow.errors import AstraflowError
-from astraflow.state import token_groups
+from astraflow.state import token_groups, trajectories
 from astraflow.state.store import Store
 
 COLUMNS = (
@@ -95,6 +95,7 @@ def retire(store: Store, run_dir: Path, policy: str, step: int, keep_steps: int,
             "INSERT INTO archived (file, policy, status, rows, first_id, last_id, created) VALUES (?, ?, ?, ?, ?, ?, ?)",
             [(name, policy, s, n, first, last, now) for s, n in sorted(counts.items())],
         )
+        trajectories.consumed_removed(store, policy, counts.get("consumed", 0))
     return len(rows)
 
 

@@ -202,6 +202,7 @@ def forget_batch(store: Store, policy: str, step: int, rebuffer: list[int]) -> N
         kept = _kept.get(store)
         if kept is not None:
             kept.forgotten(policy, step)
+        trajectories.forget_consumed(store)
         c.executemany(
             "UPDATE trajectories SET status = 'buffered', consumed_step = NULL "
             "WHERE id = ? AND consumed_step = ? AND status = 'consumed'",

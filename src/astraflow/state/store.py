@@ -217,20 +217,13 @@ class Store:
             return cur.rowcount > 0
 
     def latest_versions(self) -> list[dict[str, Any]]:
-        """Per policy the newest recorded version row (policies without one are omitted).
-
-        Each policy found and its newest row read through the (policy, version) key, a few index
-        seeks: a GROUP BY over the table read every version row, once a step (a version changes the
-        answer), so a run's later steps cost more than its first."""
+        """Per policy the newest recorded version row (policies without one are omitted), by seeks in
+        the (policy, version) key: asked once a step, a read of every version row grew with the run."""
         out: list[dict[str, Any]] = []
         policy = self.scalar("SELECT MIN(policy) FROM versions")
         while policy is not None:
-            row = self.query(
-                "SELECT policy, version, step, weights_addr, sha256, nbytes FROM versions "
-                "WHERE policy = ? ORDER BY version DESC LIMIT 1",
-                (policy,),
-            )[0]
-            out.append(dict(row))
+            sql = "SELECT policy, version, step, weights_addr, sha256, nbytes FROM versions WHERE policy = ?"
+            out.append(dict(self.query(sql + " ORDER BY version DESC LIMIT 1", (policy,))[0]))
             policy = self.scalar("SELECT MIN(policy) FROM versions WHERE policy > ?", (policy,))
         return out
 

@@ -134,11 +134,51 @@ def count(store: Store, policy: str, status: str | None = None) -> int:
     )
 
 
+_CONSUMED: weakref.WeakKeyDictionary[Store, dict[str, int]] = weakref.WeakKeyDictionary()
+"""The writer's store -> consumed trajectories per policy, counted once and then kept by the statements
+that change them: `mark_consumed` adds what it marked, a retention pass (state/archive.py) takes
+away what it deleted; `forget_batch`, `mark_dropped` and a rollback forget them (counted again when
+next asked). The consumed rows have no index (OPEN), so a count reads the table: about a second at
+ten million rows, and every status request asks for it."""
+
+
+def _kept_consumed(store: Store) -> dict[str, int] | None:
+    """The writer's kept counts (None for a read-only store: another process writes)."""
+    if store.readonly:
+        return None
+    kept = _CONSUMED.get(store)
+    if kept is None:
+        kept = _CONSUMED[store] = {}
+        store.on_rollback.append(kept.clear)
+    return kept
+
+
+def forget_consumed(store: Store) -> None:
+    """Count the consumed trajectories again when next asked (a change the kept counts do not follow)."""
+    kept = _CONSUMED.get(store)
+    if kept is not None:
+        kept.clear()
+
+
+def consumed_removed(store: Store, policy: str, n: int) -> None:
+    """`n` consumed trajectories of `policy` left the table (a retention pass deleted them)."""
+    kept = _CONSUMED.get(store)
+    if kept is not None and policy in kept:
+        kept[policy] -= n
+
+
 def _consumed_count(store: Store, policy: str) -> int:
-    """Consumed trajectories of `policy` (a read of the table: the status index leaves them out)."""
-    return int(
+    """Consumed trajectories of `policy`: kept by the writer (_CONSUMED), else a read of the table
+    (the status index leaves them out)."""
+    kept = _kept_consumed(store)
+    if kept is not None and policy in kept:
+        return kept[policy]
+    n = int(
         store.scalar("SELECT COUNT(*) FROM trajectories WHERE status = 'consumed' AND policy = ?", (policy,))
     )
+    if kept is not None:
+        kept[policy] = n
+    return n
 
 
 def status_counts(store: Store, policy: str) -> dict[str, int]:
@@ -239,10 +279,12 @@ def buffered_items(store: Store, policy: str) -> list[sqlite3.Row]:
 
 
 def expire(store: Store, ids: list[int]) -> None:
-    """Mark these trajectories expired (too stale to train on)."""
+    """Mark these buffered trajectories expired (too stale to train on); others are left as they are."""
     with store.write() as c:
+        # `+status`: by the ids, not by walking the status index (as mark_consumed)
         c.execute(
-            "UPDATE trajectories SET status = 'expired' WHERE id IN (SELECT value FROM json_each(?))",
+            "UPDATE trajectories SET status = 'expired' "
+            "WHERE id IN (SELECT value FROM json_each(?)) AND +status = 'buffered'",
             (_ids_json(ids),),
         )
 
@@ -267,16 +309,19 @@ def newest_consumed(store: Store, policy: str, n: int, since: tuple[int, int] | 
         return [r[0] for r in c.execute(_NEWEST, (0, policy, n)).fetchall()]
 
 
-def mark_consumed(store: Store, step: int, ids: list[int]) -> None:
-    """Mark buffered trajectories consumed by `step`."""
+def mark_consumed(store: Store, policy: str, step: int, ids: list[int]) -> None:
+    """Mark buffered trajectories of `policy` consumed by `step` (ids of another policy are left as they are)."""
     with store.write() as c:
         # by id ranges: `+status` keeps SQLite from walking every buffered row through the status
         # index to test each against the ids (the plan it chose for `id IN (...) AND status = ?`)
-        c.executemany(
+        cur = c.executemany(
             "UPDATE trajectories SET status = 'consumed', consumed_step = ? "
-            "WHERE id BETWEEN ? AND ? AND +status = 'buffered'",
-            [(step, first, first + n - 1) for first, n in id_runs(ids)],
+            "WHERE id BETWEEN ? AND ? AND +status = 'buffered' AND policy = ?",
+            [(step, first, first + n - 1, policy) for first, n in id_runs(ids)],
         )
+        kept = _CONSUMED.get(store)
+        if kept is not None and policy in kept:
+            kept[policy] += cur.rowcount  # the rows changed by every execution together
 
 
 def sample_rows(store: Store, ids: list[int]) -> dict[int, dict[str, Any]]:
@@ -326,6 +371,7 @@ def null_float_ids(store: Store) -> set[int]:
 
 def mark_dropped(store: Store, ids: list[int]) -> None:
     """Mark these trajectories dropped (never to be trained on)."""
+    forget_consumed(store)  # consumed ones among them too (a poisoned batch's)
     with store.write() as c:
         c.executemany("UPDATE trajectories SET status = 'dropped' WHERE id = ?", [(i,) for i in ids])
 

@@ -1,0 +1,104 @@
+"""The consumed trajectories per policy, kept by the writer (state/trajectories.py, _CONSUMED): counted
+once, then equal to a count of the table after every statement that moves rows in or out of
+'consumed' (a batch, a forgotten batch, dropped rows, a retention pass, a rolled-back write), and never
+counted by reading the table again while the kept counts hold, which is what a status request of a
+long run costs otherwise (the consumed rows have no index)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from astraflow.dataflow.buffer import Buffer
+from astraflow.protocol.messages import PackedSequence, SamplingParams, Sequence
+from astraflow.state import archive, batches, trajectories
+from astraflow.state.store import Store
+
+SCAN = "status = 'consumed' AND policy"
+"""What the statement that counts consumed rows by reading the table says."""
+
+
+def _seq(policy: str, k: int) -> PackedSequence:
+    return PackedSequence.of(
+        Sequence(
+            policy=policy,
+            tokens=[k, k + 1, k + 2],
+            loss_mask=[0, 1, 1],
+            logprobs=[0.0, -0.5, -0.25],
+            versions=[-1, 0, 0],
+            reward=float(k % 2),
+            sampling=SamplingParams(),
+        )
+    )
+
+
+def _scanned(store: Store, policy: str) -> int:
+    return int(
+        store.scalar("SELECT COUNT(*) FROM trajectories WHERE status = 'consumed' AND policy = ?", (policy,))
+    )
+
+
+def _counted(store: Store, policy: str) -> tuple[int, list[str]]:
+    """The consumed count status reports, and the statements that read the table for it."""
+    traced: list[str] = []
+    store.conn.set_trace_callback(traced.append)
+    try:
+        n = trajectories.status_counts(store, policy)["consumed"]
+    finally:
+        store.conn.set_trace_callback(None)
+    return n, [q for q in traced if SCAN in q]
+
+
+def test_the_writer_keeps_consumed_counts_equal_to_the_table_without_reading_it(tmp_path: Path) -> None:
+    store = Store.open(tmp_path / "state.db")
+    for policy in ("main", "other"):
+        store.ensure_policy(policy, 4)
+    buf = Buffer(store)
+    main = [buf.insert(t, f"p{t}", [_seq("main", 4 * t + k) for k in range(4)], [0.0] * 4) for t in range(6)]
+    other = buf.insert(99, "q", [_seq("other", k) for k in range(4)], [0.0] * 4)
+
+    def agrees(policy: str = "main", scans: int = 0) -> int:
+        n, scanned = _counted(store, policy)
+        assert n == _scanned(store, policy), policy
+        assert len(scanned) == scans, scanned
+        return n
+
+    assert agrees(scans=1) == 0  # counted once by reading the table
+    assert agrees() == 0  # then kept
+    # a batch: its own policy's rows only (the other policy's ids in the list are left buffered)
+    with store.write():
+        trajectories.mark_consumed(store, "main", 1, main[0] + main[1] + other)
+    assert agrees() == 8
+    assert agrees("other", scans=1) == 0
+    # a write rolled back: forgotten, counted again
+    with pytest.raises(RuntimeError), store.write():
+        trajectories.mark_consumed(store, "main", 2, main[2])
+        raise RuntimeError("abort")
+    assert agrees(scans=1) == 8
+    # a batch forgotten and composed again: its rows buffered again
+    with store.write():
+        batches.record_batch(store, "main", 2, main[2], [False] * 4, 1, 0.0)
+        trajectories.mark_consumed(store, "main", 2, main[2])
+    assert agrees() == 12
+    batches.forget_batch(store, "main", 2, main[2][:2])
+    assert agrees(scans=1) == 10
+    # dropped rows (a poisoned batch's consumed ones among them)
+    trajectories.mark_dropped(store, main[2][2:] + main[0][:1])
+    assert agrees(scans=1) == 7
+    # an expiry touches only buffered rows: a consumed id in the list stays consumed, nothing recounted
+    trajectories.expire(store, main[3] + main[1][:1])
+    assert agrees() == 7
+    # a retention pass takes away what it deleted, without reading the table again
+    with store.write():
+        trajectories.mark_consumed(store, "main", 3, main[4])
+    assert agrees() == 11
+    left = archive.retire(store, tmp_path, "main", 4, keep_steps=2, action="drop")
+    assert left > 0
+    assert agrees() == 4  # main[4], consumed at step 3, is kept
+    # a reader in another process counts by reading the table
+    reader = Store.open_readonly(tmp_path / "state.db")
+    n, scanned = _counted(reader, "main")
+    assert n == 4 and len(scanned) == 1
+    reader.close()
+    store.close()
