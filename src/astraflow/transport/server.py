@@ -123,11 +123,11 @@ class RouterServer:
         self._poller.register(self._sock, zmq.POLLIN)
         self._closed = False
         self.refused = 0
+        """Frames refused by the transport itself (unknown or revoked key, wrong identity or role)."""
         self.drained = True
         """Whether the last poll read everything that was readable (False: it stopped at _MAX_DRAIN)."""
         self._routes: dict[bytes, bytes] = {}
         """Member name -> routing id of the connection its key last spoke on (one entry per key)."""
-        """Frames refused by the transport itself (unknown or revoked key, wrong identity or role)."""
 
     def poll(self, timeout_ms: int) -> list[Polled]:
         """Wait up to timeout_ms for input, then drain what is readable without blocking.
