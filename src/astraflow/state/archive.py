@@ -95,7 +95,7 @@ def retire(store: Store, run_dir: Path, policy: str, step: int, keep_steps: int,
             "INSERT INTO archived (file, policy, status, rows, first_id, last_id, created) VALUES (?, ?, ?, ?, ?, ?, ?)",
             [(name, policy, s, n, first, last, now) for s, n in sorted(counts.items())],
         )
-        trajectories.consumed_removed(store, policy, counts.get("consumed", 0))
+        trajectories.consumed_changed(store, policy, -counts.get("consumed", 0))
     return len(rows)
 
 

@@ -136,9 +136,9 @@ def count(store: Store, policy: str, status: str | None = None) -> int:
 
 _CONSUMED: weakref.WeakKeyDictionary[Store, dict[str, int]] = weakref.WeakKeyDictionary()
 """The writer's store -> consumed trajectories per policy, counted once and then kept by the statements
-that change them: `mark_consumed` adds what it marked, a retention pass (state/archive.py) takes
-away what it deleted; `forget_batch`, `mark_dropped` and a rollback forget them (counted again when
-next asked). The consumed rows have no index (OPEN), so a count reads the table: about a second at
+that change them (`consumed_changed`): `mark_consumed` adds what it marked, a retention pass
+(state/archive.py) takes away what it deleted; `forget_batch`, `mark_dropped` and a rollback forget
+them (counted again when next asked). The consumed rows have no index (OPEN), so a count reads the table: about a second at
 ten million rows, and every status request asks for it."""
 
 
@@ -160,11 +160,11 @@ def forget_consumed(store: Store) -> None:
         kept.clear()
 
 
-def consumed_removed(store: Store, policy: str, n: int) -> None:
-    """`n` consumed trajectories of `policy` left the table (a retention pass deleted them)."""
+def consumed_changed(store: Store, policy: str, n: int) -> None:
+    """`policy` has `n` more consumed trajectories (fewer when negative: a retention pass deleted them)."""
     kept = _CONSUMED.get(store)
     if kept is not None and policy in kept:
-        kept[policy] -= n
+        kept[policy] += n
 
 
 def _consumed_count(store: Store, policy: str) -> int:
@@ -319,9 +319,7 @@ def mark_consumed(store: Store, policy: str, step: int, ids: list[int]) -> None:
             "WHERE id BETWEEN ? AND ? AND +status = 'buffered' AND policy = ?",
             [(step, first, first + n - 1, policy) for first, n in id_runs(ids)],
         )
-        kept = _CONSUMED.get(store)
-        if kept is not None and policy in kept:
-            kept[policy] += cur.rowcount  # the rows changed by every execution together
+        consumed_changed(store, policy, cur.rowcount)  # the rows changed by every execution together
 
 
 def sample_rows(store: Store, ids: list[int]) -> dict[int, dict[str, Any]]:
