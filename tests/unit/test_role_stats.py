@@ -66,6 +66,14 @@ def test_engine_counts_busy_time_and_weight_applications(model_dir: Path, tmp_pa
         after = _settled(engine, 4 + 2)
         assert after["n_applied"] == 1 and after["applies"][0][0] == 7
         assert after["busy_s"] > first["busy_s"] and after["decode_steps"] == 4 + 2
+        # idle between the two calls with nothing queued: that wait is counted as starved, not busy
+        time.sleep(0.3)
+        # a wait under way is counted up to the snapshot: snapshots' differences fall in their window
+        assert engine.stats()["starved_s"] - after["starved_s"] >= 0.25
+        _generate(engine, 1, 2)
+        idle = _settled(engine, 4 + 2 + 1)
+        assert idle["starved_s"] - after["starved_s"] >= 0.25
+        assert idle["busy_s"] - after["busy_s"] < 0.25
 
         pulls = PullStats()
         pulls.add("main", 0.25, 0.05, 1000)

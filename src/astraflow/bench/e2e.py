@@ -228,6 +228,8 @@ def read_workers(
                 if grown("admitted_rows") > 0
                 else None,
                 "weight_share": grown("weight_s") / dt if dt > 0 else None,
+                # waiting for requests with nothing to decode (absent in stats files of older engines)
+                "starved_share": grown("starved_s") / dt if dt > 0 and "starved_s" in eb else None,
                 "decode_rows_per_s": grown("row_steps") / dt if dt > 0 else None,
                 "mean_batch": grown("row_steps") / grown("decode_steps")
                 if grown("decode_steps") > 0
@@ -329,7 +331,8 @@ def format_report(rep: dict[str, Any]) -> str:
                 continue
             lines.append(
                 f"  engine {ename}: busy {f(e['busy'], '.0%')} (decode {f(e['decode_share'], '.0%')}, prefill "
-                f"{f(e['prefill_share'], '.0%')} at {f(e.get('prefill_per_row'), '.3f')} forwards/row, weights {f(e['weight_share'], '.0%')}), "
+                f"{f(e['prefill_share'], '.0%')} at {f(e.get('prefill_per_row'), '.3f')} forwards/row, weights {f(e['weight_share'], '.0%')}; "
+                f"starved {f(e.get('starved_share'), '.0%')}), "
                 f"{f(e['decode_rows_per_s'], '.0f')} tokens/s in decode, mean batch {f(e['mean_batch'], '.0f')}, "
                 f"{e['pulls']} pulls of {f(e['mb_per_pull'], '.0f')} MB, {e['applied']} versions applied"
             )

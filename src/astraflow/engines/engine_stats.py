@@ -14,7 +14,9 @@ class EngineStats:
     queued and the one before it read, so the device keeps running across the phase boundary).
 
     busy_s = weight_s + prefill_s + decode_s: the time the engine kept its device working (kernels plus
-    the host work between them); over a worker's wall time it is the engine's busy fraction. Written by
+    the host work between them); over a worker's wall time it is the engine's busy fraction. starved_s:
+    the time the decode thread waited with no row to decode and nothing queued (waiting for requests:
+    the rest of the wall time, neither busy nor starved, is host work between passes). Written by
     the decode thread, read by others: plain float updates under the GIL, snapshots may be a step old."""
 
     def __init__(self) -> None:
@@ -22,6 +24,9 @@ class EngineStats:
         self.weight_s = 0.0
         self.prefill_s = 0.0
         self.decode_s = 0.0
+        self.starved_s = 0.0
+        self._starved_since: float | None = None
+        """perf_counter() when the wait for requests now under way began (None: not waiting)."""
         self.decode_steps = 0
         self.row_steps = 0
         self.applies: deque[tuple[int, float, float, float]] = deque(maxlen=256)
@@ -46,6 +51,16 @@ class EngineStats:
             self.decode_steps += 1
             self.row_steps += rows
 
+    def starving(self) -> None:
+        """The decode thread begins to wait for requests, with no row to decode."""
+        self._starved_since = time.perf_counter()
+
+    def fed(self) -> None:
+        """That wait ended."""
+        since, self._starved_since = self._starved_since, None
+        if since is not None:
+            self.starved_s += time.perf_counter() - since
+
     def admitted(self, rows: int, forwards: int, prompts: int) -> None:
         """One admission: `rows` requests, prefilled by `forwards` forwards over `prompts` prompts."""
         self.admissions += 1
@@ -66,6 +81,9 @@ class EngineStats:
             "weight_s": self.weight_s,
             "prefill_s": self.prefill_s,
             "decode_s": self.decode_s,
+            # a wait under way counts up to now, so two snapshots' difference is the wait between them
+            "starved_s": self.starved_s
+            + (time.perf_counter() - since if (since := self._starved_since) is not None else 0.0),
             "decode_steps": self.decode_steps,
             "row_steps": self.row_steps,
             "n_applied": self.n_applied,
