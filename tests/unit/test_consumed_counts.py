@@ -68,6 +68,7 @@ def test_the_writer_keeps_consumed_counts_equal_to_the_table_without_reading_it(
     assert agrees() == 0  # then kept
     # a batch: its own policy's rows only (the other policy's ids in the list are left buffered)
     with store.write():
+        batches.record_batch(store, "main", 1, main[0] + main[1], [False] * 8, 0, 0.0)
         trajectories.mark_consumed(store, "main", 1, main[0] + main[1] + other)
     assert agrees() == 8
     assert agrees("other", scans=1) == 0
@@ -91,6 +92,7 @@ def test_the_writer_keeps_consumed_counts_equal_to_the_table_without_reading_it(
     assert agrees() == 7
     # a retention pass takes away what it deleted, without reading the table again
     with store.write():
+        batches.record_batch(store, "main", 3, main[4], [False] * 4, 2, 0.0)
         trajectories.mark_consumed(store, "main", 3, main[4])
     assert agrees() == 11
     left = archive.retire(store, tmp_path, "main", 4, keep_steps=2, action="drop")

@@ -13,7 +13,7 @@ from sqlite_utils import Database
 
 from astraflow.dataflow.buffer import Buffer
 from astraflow.protocol.messages import PackedSequence, SamplingParams, Sequence
-from astraflow.state import archive, migrations, token_groups, trajectories, views
+from astraflow.state import archive, batches, migrations, token_groups, trajectories, views
 from astraflow.state.store import StateError, Store
 
 BEFORE = migrations.MIGRATIONS[
@@ -113,6 +113,8 @@ def test_a_retention_pass_deletes_a_group_row_only_when_it_is_empty(tmp_path: Pa
     a = buf.insert(1, "a", [_seq(k) for k in range(4)], [0.0] * 4)
     b = buf.insert(2, "b", [_seq(k) for k in range(4, 8)], [0.0] * 4)
     c = buf.insert(3, "c", [_seq(8)], [0.0])  # the table's newest row stays: ids are never reused
+    # as a batch is taken (dataflow/buffer.py): recorded, then its rows marked consumed
+    batches.record_batch(store, "main", 1, a + b[:2], [False] * 6, 0, 0.0)
     trajectories.mark_consumed(store, "main", 1, a + b[:2])  # b's other half is still buffered
     assert archive.retire(store, tmp_path, "main", 5, keep_steps=2, action="drop") == 6
     assert [r[0] for r in store.query("SELECT first_id FROM token_groups ORDER BY first_id")] == [b[0], c[0]]

@@ -14,12 +14,17 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from astraflow.errors import AstraflowError
-from astraflow.state import token_groups, trajectories
+from astraflow.protocol import packed
+from astraflow.state import batches, token_groups, trajectories
 from astraflow.state.store import Store
 
 COLUMNS = (
@@ -29,7 +34,8 @@ COLUMNS = (
 """The columns an archive file keeps, one row per trajectory: every column of its trajectory row and
 its per-token arrays (packed bytes, from state/token_groups.py)."""
 _COLUMN_NAMES = [c.strip() for c in COLUMNS.split(",")]
-_ROW_COLUMNS = ", ".join(c for c in _COLUMN_NAMES if c not in ("tokens", "loss_mask", "logprobs", "versions"))
+_ROW_NAMES = tuple(c for c in _COLUMN_NAMES if c not in ("tokens", "loss_mask", "logprobs", "versions"))
+_ROW_COLUMNS = ", ".join(_ROW_NAMES)
 ARCHIVE_DIR = "archive"
 
 
@@ -57,52 +63,130 @@ def run_dir_of(store: Store) -> Path:
 
 
 def retire(store: Store, run_dir: Path, policy: str, step: int, keep_steps: int, action: str) -> int:
-    """One retention pass for a policy at `step`; returns how many trajectories left state.db."""
+    """One retention pass for a policy at `step`; returns how many trajectories left state.db.
+
+    The rows that leave are those of `policy` with id below the table's newest and either consumed
+    at a step <= step - keep_steps, or expired or dropped with an id no larger than the newest such
+    consumed row's. One scan finds them (ordered by id, so those are a prefix of the candidates);
+    their arrays are cut from their groups' rows with numpy and written as Parquet columns without a
+    per-row Python object; the DELETE names their id runs. `drop` reads no arrays and writes no file."""
     cut = step - keep_steps
     if cut < 1:
         return 0
-    newest_consumed = store.scalar(
-        "SELECT MAX(id) FROM trajectories WHERE policy = ? AND status = 'consumed' AND consumed_step <= ?",
-        (policy, cut),
-    )
-    if newest_consumed is None:
+    high = _consumed_bound(store, policy, cut)
+    if high is None:
         return 0
     top = int(store.scalar("SELECT MAX(id) FROM trajectories") or 0)
-    where = (
-        "WHERE policy = ? AND id < ? AND ("
-        "(status = 'consumed' AND consumed_step <= ?) OR (status IN ('expired', 'dropped') AND id <= ?))"
-    )
-    params = (policy, top, cut, int(newest_consumed))
-    small = store.query(f"SELECT {_ROW_COLUMNS} FROM trajectories {where} ORDER BY id", params)
-    if not small:
+    columns = _ROW_COLUMNS if action == "archive" else "id, status"
+    cur = store.conn.cursor()
+    cur.row_factory = None  # plain tuples: the rows are only transposed into columns
+    cand = cur.execute(
+        f"SELECT {columns} FROM trajectories WHERE id <= ? AND policy = ? AND "
+        "((status = 'consumed' AND consumed_step <= ?) OR status IN ('expired', 'dropped')) ORDER BY id",
+        (high, policy, cut),
+    ).fetchall()
+    if not cand:
         return 0
-    found = token_groups.arrays(store, [int(r["id"]) for r in small])
-    rows = [{c: r[c] for c in _COLUMN_NAMES} for r in token_groups.with_arrays(small, found)]
-    first, last = int(rows[0]["id"]), int(rows[-1]["id"])
+    cols = list(zip(*cand, strict=True))
+    names = _ROW_NAMES if action == "archive" else ("id", "status")
+    ids = np.asarray(cols[names.index("id")], np.int64)
+    statuses = cols[names.index("status")]
+    consumed = np.flatnonzero(np.asarray([st == "consumed" for st in statuses], bool))
+    if not len(consumed):
+        return 0
+    bound = min(int(ids[consumed[-1]]), top - 1)  # the newest consumed row's id; the newest row stays
+    n = int(np.searchsorted(ids, bound, side="right"))
+    if n == 0:
+        return 0
+    ids = ids[:n]
+    kept = [c[:n] for c in cols]
+    groups = _group_first_ids(store, int(ids[0]), int(ids[-1]))
     name = ""
     if action == "archive":
-        name = f"{ARCHIVE_DIR}/{policy}-{first:012d}-{last:012d}.parquet"
-        _write(run_dir / name, rows)
-    counts: dict[str, int] = {}
-    for r in rows:
-        counts[r["status"]] = counts.get(r["status"], 0) + 1
+        name = f"{ARCHIVE_DIR}/{policy}-{int(ids[0]):012d}-{int(ids[-1]):012d}.parquet"
+        _write(run_dir / name, dict(zip(names, kept, strict=True)), _arrays_of(store, groups, ids))
+    counts = Counter(kept[names.index("status")])
+    runs = trajectories.id_runs(ids.tolist())
     now = time.time()
     with store.write() as c:
-        # the controller is the only writer and runs the pass in one go: the same rows as selected
-        c.execute(f"DELETE FROM trajectories {where}", params)
-        token_groups.delete_emptied(store, token_groups.groups_of(store, found))
+        # the controller is the only writer and runs the pass in one go: the rows selected above
+        c.executemany("DELETE FROM trajectories WHERE id >= ? AND id < ?", [(a, a + k) for a, k in runs])
+        token_groups.delete_emptied(store, groups)
         c.executemany(
             "INSERT INTO archived (file, policy, status, rows, first_id, last_id, created) VALUES (?, ?, ?, ?, ?, ?, ?)",
-            [(name, policy, s, n, first, last, now) for s, n in sorted(counts.items())],
+            [(name, policy, st, k, int(ids[0]), int(ids[-1]), now) for st, k in sorted(counts.items())],
         )
         trajectories.consumed_changed(store, policy, -counts.get("consumed", 0))
-    return len(rows)
+    return n
 
 
-def _write(path: Path, rows: list[Any]) -> None:
+_BOUNDS: weakref.WeakKeyDictionary[Store, dict[str, tuple[int, int]]] = weakref.WeakKeyDictionary()
+"""The writer's store -> policy -> (cut, the highest trajectory id in its batches of steps <= cut),
+from its last retention pass: the next pass reads only the batches recorded since."""
+
+
+def _consumed_bound(store: Store, policy: str, cut: int) -> int | None:
+    """The highest trajectory id in the recorded batches of `policy` at steps <= cut (None: none).
+    A trajectory consumed at step s is in the batch of s (state/batches.py), so no row consumed by
+    then has a higher id: the pass's scan stops there instead of reading the rows of the kept steps.
+    The bound only narrows a scan: one too high (a batch forgotten since) reads more rows, never others."""
+    kept = _BOUNDS.setdefault(store, {})
+    since, high = kept.get(policy, (0, 0))
+    if since > cut:
+        since, high = 0, 0
+    for (text,) in store.conn.execute(
+        "SELECT traj_ids FROM batches WHERE policy = ? AND step > ? AND step <= ?", (policy, since, cut)
+    ):
+        high = max(high, batches.max_id(text))
+    kept[policy] = (cut, high)
+    return high or None
+
+
+def _group_first_ids(store: Store, lo: int, hi: int) -> list[int]:
+    """The first ids of the token_groups rows that may hold trajectories lo..hi: from the group of lo
+    (the largest first_id <= lo) to hi, by the key."""
+    return [
+        int(r[0])
+        for r in store.conn.execute(
+            "SELECT first_id FROM token_groups WHERE first_id <= ? AND first_id >= COALESCE("
+            "(SELECT first_id FROM token_groups WHERE first_id <= ? ORDER BY first_id DESC LIMIT 1), ?)",
+            (hi, lo, lo),
+        )
+    ]
+
+
+def _arrays_of(store: Store, groups: list[int], ids: np.ndarray) -> dict[str, Any]:
+    """The four per-token columns of trajectories `ids` (ascending) as pyarrow binary arrays in id
+    order, cut from their groups' joined bytes by offsets (each value the bytes it was stored with)."""
+    pa = _pyarrow()
+    rows = store.conn.execute(
+        "SELECT first_id, rows, lengths, tokens, loss_mask, logprobs, versions FROM token_groups "
+        "WHERE first_id IN (SELECT value FROM json_each(?)) ORDER BY first_id",
+        ("[" + ",".join(map(str, groups)) + "]",),
+    ).fetchall()
+    if not rows:
+        raise RuntimeError(f"trajectories {int(ids[0])}..{int(ids[-1])}: no stored arrays")
+    first, count, lengths, *joined = (list(c) for c in zip(*rows, strict=True))
+    seq_ids = np.concatenate([f + np.arange(k, dtype=np.int64) for f, k in zip(first, count, strict=True)])
+    tokens = np.concatenate([np.frombuffer(b, packed.INT32) for b in lengths]).astype(np.int64)
+    where = np.searchsorted(seq_ids, ids)
+    if (where >= len(seq_ids)).any() or not np.array_equal(seq_ids[np.minimum(where, len(seq_ids) - 1)], ids):
+        raise RuntimeError(f"trajectories {int(ids[0])}..{int(ids[-1])}: some have no stored arrays")
+    take = pa.array(where)
+    out: dict[str, Any] = {}
+    for col, blobs in zip(("tokens", "loss_mask", "logprobs", "versions"), joined, strict=True):
+        width = packed.ITEM_BYTES[col]
+        offsets = np.concatenate(([0], np.cumsum(tokens * width))).astype(np.int64)
+        data = pa.py_buffer(b"".join(blobs))
+        every = pa.Array.from_buffers(pa.large_binary(), len(tokens), [None, pa.py_buffer(offsets), data])
+        out[col] = every.take(take).cast(pa.binary())
+    return out
+
+
+def _write(path: Path, small: dict[str, Any], arrays: dict[str, Any]) -> None:
     pa = _pyarrow()
     path.parent.mkdir(parents=True, exist_ok=True)
-    table = pa.table({c: [r[c] for r in rows] for c in _COLUMN_NAMES})
+    table = pa.table({c: arrays[c] if c in arrays else pa.array(small[c]) for c in _COLUMN_NAMES})
     tmp = path.with_suffix(".parquet.tmp")
     pa.parquet.write_table(table, tmp)
     with open(tmp, "rb") as f:

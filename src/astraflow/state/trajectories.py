@@ -310,7 +310,10 @@ def newest_consumed(store: Store, policy: str, n: int, since: tuple[int, int] | 
 
 
 def mark_consumed(store: Store, policy: str, step: int, ids: list[int]) -> None:
-    """Mark buffered trajectories of `policy` consumed by `step` (ids of another policy are left as they are)."""
+    """Mark buffered trajectories of `policy` consumed by `step` (ids of another policy are left as they are).
+    They are a batch's: its caller records that batch (state/batches.py) in the same transaction, and a
+    retention pass finds the consumed rows through those records (state/archive.py); rows marked
+    without one stay in state.db until a recorded batch holds a higher id."""
     with store.write() as c:
         # by id ranges: `+status` keeps SQLite from walking every buffered row through the status
         # index to test each against the ids (the plan it chose for `id IN (...) AND status = ?`)
