@@ -94,3 +94,12 @@ def test_run_controller_settles_the_heap_after_start_and_before_serving(
     monkeypatch.setattr(signal, "signal", lambda *_a: None)  # the test process keeps its handlers
     assert service.run_controller(Recipe.model_validate(recipe(0.5, 1)), tmp_path) == 0
     assert steps == ["start", "settle", "bind", "serve"]
+
+
+def test_in_process_retention_keeps_state_small_and_costs_its_passes() -> None:
+    kept = control_inproc.run(steps=24, warmup_steps=0, tokens=3, keep_steps=5)
+    every = control_inproc.run(steps=24, warmup_steps=0, tokens=3)
+    assert every["trajectories_in_db"] >= 24 * 32 * 16  # every batch's, and those buffered for the next
+    # the passes at steps 10 and 20 took those consumed 5 or more steps before: steps 1 to 15
+    assert kept["trajectories_in_db"] <= every["trajectories_in_db"] - 15 * 32 * 16
+    assert "retention keeping 5 steps" in control_inproc.render(kept)

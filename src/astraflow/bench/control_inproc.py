@@ -28,6 +28,7 @@ from astraflow.bench.control_sim import _episodes
 from astraflow.config.recipe import Recipe
 from astraflow.protocol import messages as m
 from astraflow.protocol.codec import decode, encode
+from astraflow.state import trajectories
 
 WORKERS = ("sim-00000", "sim-00001")
 TRAINER = "trainer-main"
@@ -37,12 +38,12 @@ SLOTS = 32
 class _Driver:
     """The controller and the timed path every message takes through it."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, keep_steps: int = 0) -> None:
         from astraflow.roles.controller import Controller
         from astraflow.roles.controller.service import settle_heap
         from astraflow.state.store import Store
 
-        rec = Recipe.model_validate(recipe(0.5, len(WORKERS)))
+        rec = Recipe.model_validate(recipe(0.5, len(WORKERS), keep_steps))
         self.ctl = Controller(rec, run_dir, Store.open(run_dir / "state.db"))
         self.ctl.start()
         settle_heap()  # as run_controller does: this process is the controller's for the bench's run
@@ -129,13 +130,20 @@ def run_steps(d: _Driver, first: int, n: int, rng: random.Random, tokens: int) -
 
 
 def run(
-    *, steps: int = 20, warmup_steps: int = 3, tokens: int = 3, profile: bool = False, top: int = 25
+    *,
+    steps: int = 20,
+    warmup_steps: int = 3,
+    tokens: int = 3,
+    keep_steps: int = 0,
+    profile: bool = False,
+    top: int = 25,
 ) -> dict[str, Any]:
-    """Drive one controller through `warmup_steps` + `steps` steps; CPU per sequence over `steps`."""
+    """Drive one controller through `warmup_steps` + `steps` steps; CPU per sequence over `steps`.
+    `keep_steps` > 0 turns retention on (an archiving pass every 10 steps, in `VersionPublished`)."""
     rng = random.Random(0)
     with tempfile.TemporaryDirectory(prefix="astraflow-ctl-inproc-") as tmp:
         try:
-            d = _Driver(Path(tmp))
+            d = _Driver(Path(tmp), keep_steps)
             join(d)
             run_steps(d, 1, warmup_steps, rng, tokens)
             d.cpu, d.messages, d.by_type = 0.0, 0, {}
@@ -143,12 +151,15 @@ def run(
             prof = d.prof = cProfile.Profile(time.process_time) if profile else None
             seqs = run_steps(d, warmup_steps + 1, steps, rng, tokens)
             d.prof = None
+            in_db = trajectories.count(d.ctl.store, POLICY)
             d.ctl.store.close()
         finally:
             gc.unfreeze()  # what settle_heap froze: this process may go on (a test), the controller's is done
     out: dict[str, Any] = {
         "steps": steps,
         "tokens": tokens,
+        "keep_steps": keep_steps,
+        "trajectories_in_db": in_db,
         "sequences": seqs,
         "messages": d.messages,
         "controller_cpu_s": round(d.cpu, 4),
@@ -170,7 +181,8 @@ def render(r: dict[str, Any]) -> str:
     """The result as lines for a terminal (profile, when taken, after the figures)."""
     lines = [
         f"in-process controller, {r['steps']} steps of {r['sequences'] // max(1, r['steps'])} sequences, "
-        f"{r['tokens']} generated tokens each, {r['messages']} messages",
+        f"{r['tokens']} generated tokens each, {r['messages']} messages"
+        + (f", retention keeping {r['keep_steps']} steps" if r.get("keep_steps") else ""),
         f"controller CPU: {r['us_per_sequence']:.1f} us/sequence, {r['ms_per_step']:.1f} ms/step, "
         f"{r['sequences_per_cpu_s']:.0f} sequences per CPU second",
         "  by message: "

@@ -58,6 +58,7 @@ def _control_in_process(
     steps: int,
     warmup_steps: int,
     *,
+    keep_steps: int,
     profile: bool,
     as_json: bool,
 ) -> None:
@@ -75,9 +76,13 @@ def _control_in_process(
         return
     from astraflow.bench import control_inproc
 
-    if tokens < 1 or steps < 1 or warmup_steps < 0:
-        raise typer.BadParameter("--tokens and --steps take numbers >= 1, --warmup-steps >= 0")
-    r = control_inproc.run(steps=steps, warmup_steps=warmup_steps, tokens=tokens, profile=profile)
+    if tokens < 1 or steps < 1 or warmup_steps < 0 or keep_steps < 0:
+        raise typer.BadParameter(
+            "--tokens and --steps take numbers >= 1, --warmup-steps and --keep-steps >= 0"
+        )
+    r = control_inproc.run(
+        steps=steps, warmup_steps=warmup_steps, tokens=tokens, keep_steps=keep_steps, profile=profile
+    )
     typer.echo(_json.dumps(r, indent=2) if as_json else control_inproc.render(r))
 
 
@@ -112,7 +117,7 @@ def control(
         False,
         "--in-process",
         help="No sockets: drive Controller.dispatch with the 2 workers' and the trainer's messages and "
-        "report its CPU per sequence (only --tokens, --warmup-steps, --steps, --profile, --json apply).",
+        "report its CPU per sequence (only --tokens, --warmup-steps, --steps, --keep-steps, --profile, --json apply).",
     ),
     steps: int = typer.Option(20, help="--in-process: measured steps (after the warm-up steps)."),
     profile: bool = typer.Option(
@@ -135,7 +140,16 @@ def control(
     import tempfile
 
     if in_process:
-        _control_in_process(beats, heartbeat_s, tokens, steps, warmup_steps, profile=profile, as_json=as_json)
+        _control_in_process(
+            beats,
+            heartbeat_s,
+            tokens,
+            steps,
+            warmup_steps,
+            keep_steps=keep_steps,
+            profile=profile,
+            as_json=as_json,
+        )
         return
 
     from astraflow.bench.control import run
