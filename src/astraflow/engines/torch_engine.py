@@ -257,12 +257,14 @@ class TorchEngine(RolloutEngine):
 
     def _next_work(self) -> list[_Pending] | None:
         """Wait for something to do; the requests to admit now (None once closed)."""
+
+        def ready() -> bool:
+            return bool(self._closed or self._queue or self._staged is not None or self._decode.rows)
+
         with self._cond:
-            if not (self._closed or self._queue or self._staged is not None or self._decode.rows):
+            if not ready():
                 self._stats.starving()
-                self._cond.wait_for(
-                    lambda: self._closed or self._queue or self._staged is not None or self._decode.rows
-                )
+                self._cond.wait_for(ready)
                 self._stats.fed()
             if self._queue and not self._decode.rows and not self._closed:
                 # Concurrent callers enqueue within a moment of each other; gather them into one batch.

@@ -100,7 +100,7 @@ def retire(store: Store, run_dir: Path, policy: str, step: int, keep_steps: int,
         return 0
     ids = ids[:n]
     kept = [c[:n] for c in cols]
-    groups = _group_first_ids(store, int(ids[0]), int(ids[-1]))
+    groups = token_groups.groups_between(store, int(ids[0]), int(ids[-1]))
     name = ""
     if action == "archive":
         name = f"{ARCHIVE_DIR}/{policy}-{int(ids[0]):012d}-{int(ids[-1]):012d}.parquet"
@@ -137,22 +137,9 @@ def _consumed_bound(store: Store, policy: str, cut: int) -> int | None:
     for (text,) in store.conn.execute(
         "SELECT traj_ids FROM batches WHERE policy = ? AND step > ? AND step <= ?", (policy, since, cut)
     ):
-        high = max(high, batches.max_id(text))
+        high = max([high, *batches.decode_ids(text)])
     kept[policy] = (cut, high)
     return high or None
-
-
-def _group_first_ids(store: Store, lo: int, hi: int) -> list[int]:
-    """The first ids of the token_groups rows that may hold trajectories lo..hi: from the group of lo
-    (the largest first_id <= lo) to hi, by the key."""
-    return [
-        int(r[0])
-        for r in store.conn.execute(
-            "SELECT first_id FROM token_groups WHERE first_id <= ? AND first_id >= COALESCE("
-            "(SELECT first_id FROM token_groups WHERE first_id <= ? ORDER BY first_id DESC LIMIT 1), ?)",
-            (hi, lo, lo),
-        )
-    ]
 
 
 def _arrays_of(store: Store, groups: list[int], ids: np.ndarray) -> dict[str, Any]:

@@ -103,14 +103,6 @@ def decode_ids(text: str) -> list[int]:
     return [int(i) for i in data]
 
 
-def max_id(text: str) -> int:
-    """The highest trajectory id of a stored batch (0 for an empty one), without listing its ids."""
-    data = json.loads(text)
-    if data and isinstance(data[0], list):
-        return max(int(first) + int(n) - 1 for first, n in data)
-    return max((int(i) for i in data), default=0)
-
-
 def encode_flags(flags: list[bool]) -> str:
     """Replay flags as JSON runs of replayed positions: [[index, count], ...] ("[]": none replayed)."""
     runs: list[list[int]] = []

@@ -66,9 +66,17 @@ _GROUPS_OF = (
 """The first_id of the group of each trajectory id in a JSON array (one index probe per id)."""
 
 
-def groups_of(store: Store, ids: Iterable[int]) -> list[int]:
-    """The first ids of the groups holding these trajectories (those with no group left out)."""
-    return [int(r[0]) for r in store.query(_GROUPS_OF, (_ids_json(ids),)) if r[0] is not None]
+def groups_between(store: Store, lo: int, hi: int) -> list[int]:
+    """The first ids of the groups that may hold trajectories lo..hi: from the group of lo (the
+    largest first_id <= lo) to hi, by the key."""
+    return [
+        int(r[0])
+        for r in store.conn.execute(
+            "SELECT first_id FROM token_groups WHERE first_id <= ? AND first_id >= COALESCE("
+            "(SELECT first_id FROM token_groups WHERE first_id <= ? ORDER BY first_id DESC LIMIT 1), ?)",
+            (hi, lo, lo),
+        )
+    ]
 
 
 def arrays(store: Store, ids: Iterable[int]) -> dict[int, Arrays]:
