@@ -45,6 +45,11 @@ def _layout(s: PackedSequence) -> str:
     return ""
 
 
+def columnable(s: PackedSequence) -> bool:
+    """Whether the sequence's arrays can be a slice of the columns."""
+    return not _layout(s)
+
+
 def _columnable(o: Outcome) -> Outcome:
     """The outcome itself, or (a sequence whose arrays disagree in length cannot be a slice of the
     columns) the error naming that sequence, which the controller charges as a failed attempt."""

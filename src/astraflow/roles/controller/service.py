@@ -1,10 +1,10 @@
 """The controller's IO: route each message to its handler, hold long polls, and run the loop.
 
-It is the only writer of state.db. Each message is handled in its own transaction, and a reply is
-sent only after that transaction committed, so whatever a member was told is on disk. A handler
-returns an `Outcome` (outcome.py): `dispatch` sends its reply (or holds the request) and hands its
-events to the long polls, whose answers it sends too. Periodic work (liveness, lease expiry,
-refilling the task queue) runs between polls (lifecycle.py).
+It is the only writer of state.db. Each message is handled in its own transaction (a member's
+TaskResults read in one poll share one, coalesce.py), and a reply is sent only after it committed, so
+whatever a member was told is on disk. A handler returns an `Outcome` (outcome.py): `dispatch` sends
+its reply (or holds the request) and hands its events to the long polls, whose answers it sends too.
+Periodic work (liveness, lease expiry, refilling the queue) runs between polls (lifecycle.py).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from astraflow.protocol.codec import DecodeError
 from astraflow.roles import authz
 from astraflow.roles.controller import batches, beats, lifecycle, members, results, tasks, versions
 from astraflow.roles.controller.beat_pace import BeatPace
+from astraflow.roles.controller.coalesce import Coalescer
 from astraflow.roles.controller.core import ControllerCore, settle_heap
 from astraflow.roles.controller.outcome import Event, Outcome
 from astraflow.roles.controller.parked import Parked, immediate
@@ -39,8 +40,7 @@ TICK_S = 0.1
 
 
 class Controller(ControllerCore):
-    """The controller's state (core.py) with its message routing; `serve` runs the loop until stopped
-    or the run ends."""
+    """The controller's state (core.py) with its message routing; `serve` runs the loop to the end."""
 
     def __init__(
         self, recipe: Recipe, run_dir: Path, store: Store, *, allow_recipe_change: bool = False
@@ -49,6 +49,8 @@ class Controller(ControllerCore):
         self.loop = lifecycle.LoopState()
         """Whether to stop (a signal, a stall) and with which exit code; when the loop last ticked."""
         self._hand_over(recipe, run_dir, store)
+        self.coalescer = Coalescer(self.dispatch, self._handle_safely, self._deliver)
+        """A poll's messages dispatched in order, a member's TaskResult messages taken as one (coalesce.py)."""
 
     def _hand_over(self, recipe: Recipe, run_dir: Path, store: Store) -> None:
         """Give each member message's handler the parts of the state it reads, once (a flood of
@@ -88,8 +90,7 @@ class Controller(ControllerCore):
             pace=self.pace,
             held=self.parked.held_rids,
         )
-        """Heartbeats (beats.py): the rate limit, an idle beat from memory, the rest through
-        members.on_heartbeat (the rids of the member's held requests added per message)."""
+        """Heartbeats (beats.py): the rate limit, an idle beat from memory, the rest through on_heartbeat."""
         policies: dict[str, PolicyConfig] = {}
         for p in recipe.policy:
             policies.setdefault(p.name, p)
@@ -163,8 +164,7 @@ class Controller(ControllerCore):
                 m.VersionPublished: partial(versions.on_version, publishing),
             },
         )
-        """The member messages' handlers (but Heartbeat's), each taking the message type it is keyed by
-        and only the parts of the state it reads (built once: a flood must not rebuild them per message)."""
+        """The member messages' handlers (but Heartbeat's): each takes its message type and the parts it reads."""
         self._starting = lifecycle.Starting(
             recipe=recipe,
             allow_recipe_change=self.allow_recipe_change,
@@ -316,12 +316,14 @@ class Controller(ControllerCore):
         if done.void is not None:
             self.parked.drop(done.void)
             self.beats.forget(done.void)
-        now = time.time()
-        reply = self.polls.hold(ident, principal, msg, done.reply, now)
-        out = [(ident, reply)] if reply is not None else []
+        reply = self.polls.hold(ident, principal, msg, done.reply, time.time())
+        return ([(ident, reply)] if reply is not None else []) + self._deliver(done)
+
+    def _deliver(self, done: Outcome) -> list[tuple[bytes, m.Msg]]:
+        """The replies of held requests that a handled message's events answer."""
         if not done.events:
-            return out
-        return out + self.polls.deliver(done.events, now, self._answer, self._may_be_ready)
+            return []
+        return self.polls.deliver(done.events, time.time(), self._answer, self._may_be_ready)
 
     def wake(
         self, kinds: tuple[str, ...], now: float, *, expired_only: bool = False, answer_all: bool = False
@@ -343,9 +345,8 @@ class Controller(ControllerCore):
     def serve(self, server: Any) -> int:
         """Poll, dispatch, do periodic work; returns 0 on a signal or at the run's end, 1 if the run failed."""
         while not self.loop.stop_requested:
-            for ident, principal, msg in server.poll(int(TICK_S * 1000)):
-                for to, reply in self.dispatch(ident, msg, principal):
-                    server.send(to, reply)
+            for to, reply in self.coalescer.replies(server.poll(int(TICK_S * 1000))):
+                server.send(to, reply)
             self.loop.backlogged = not getattr(server, "drained", True)
             now = time.time()
             if now - self.loop.last_tick >= TICK_S:

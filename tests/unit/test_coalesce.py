@@ -1,0 +1,161 @@
+"""A member's TaskResult messages read in one poll are taken as one TaskResults
+(roles/controller/coalesce.py), driven through `Controller.coalescer` on a real state.db (no sockets;
+`bench control --results single` measures it live): every message gets the reply it gets alone, the
+same rows are stored, and the run of messages costs one transaction."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from astraflow.protocol import messages as m
+from astraflow.roles.controller import Controller
+from tests.dispatch_controller import started_controller, traced
+
+GROUP = 2
+
+
+def _episodes(task_id: int, first_token: int = 5, logprob: float = -0.5) -> list[m.Episode]:
+    return [
+        m.Episode(
+            sequences=[
+                m.Sequence(
+                    policy="main",
+                    tokens=[first_token, 6, 7, 8 + i],
+                    loss_mask=[0, 1, 1, 1],
+                    logprobs=[0.0, logprob, -0.25, -0.125],
+                    versions=[-1, 0, 0, 0],
+                    reward=float((task_id + i) % 2),
+                    sampling=m.SamplingParams(),
+                )
+            ]
+        )
+        for i in range(GROUP)
+    ]
+
+
+def _pair(tiny_model: Path, tmp_path: Path) -> tuple[Controller, Controller]:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    return (
+        started_controller(tiny_model, tmp_path / "a", name="coalesce", group=GROUP),
+        started_controller(tiny_model, tmp_path / "b", name="coalesce", group=GROUP),
+    )
+
+
+def _grant(c: Controller, n: int) -> list[m.Task]:
+    reply = c.dispatch(b"w", m.TaskRequest(n=n, loaded={"main": 0}))[0][1]
+    assert isinstance(reply, m.TaskGrant) and len(reply.tasks) == n, reply
+    return list(reply.tasks)
+
+
+def _stored(c: Controller) -> list[tuple[Any, ...]]:
+    rows = c.store.query(
+        "SELECT id, task_id, reward, advantage, status, length, min_version FROM trajectories ORDER BY id"
+    )
+    return [tuple(r) for r in rows]
+
+
+def _reply_fields(reply: m.Msg) -> tuple[Any, ...]:
+    if isinstance(reply, m.ResultAck):
+        return ("ack", reply.rid, reply.task_id, reply.status)
+    assert isinstance(reply, m.Error), reply
+    return ("error", reply.rid, reply.code, reply.message)
+
+
+def _messages(tasks: list[m.Task]) -> list[m.TaskResult]:
+    """Six results of five leases: accepted, a negative token id (invalid), a positive log-probability (invalid), a wrong epoch, accepted, and the first one again (a duplicate)."""
+    t = tasks
+    msgs = [
+        m.TaskResult(task_id=t[0].task_id, epoch=t[0].epoch, episodes=_episodes(t[0].task_id)),
+        m.TaskResult(
+            task_id=t[1].task_id, epoch=t[1].epoch, episodes=_episodes(t[1].task_id, first_token=-3)
+        ),
+        m.TaskResult(task_id=t[2].task_id, epoch=t[2].epoch, episodes=_episodes(t[2].task_id, logprob=0.75)),
+        m.TaskResult(task_id=t[3].task_id, epoch=t[3].epoch + 7, episodes=_episodes(t[3].task_id)),
+        m.TaskResult(task_id=t[4].task_id, epoch=t[4].epoch, episodes=_episodes(t[4].task_id)),
+        m.TaskResult(task_id=t[0].task_id, epoch=t[0].epoch, episodes=_episodes(t[0].task_id)),
+    ]
+    for rid, msg in enumerate(msgs, start=100):
+        msg.rid = rid
+    return msgs
+
+
+def test_a_run_of_results_gets_the_replies_and_rows_each_gets_alone(tiny_model: Path, tmp_path: Path) -> None:
+    alone, merged = _pair(tiny_model, tmp_path)
+    ta, tm = _grant(alone, 5), _grant(merged, 5)
+    assert [t.task_id for t in ta] == [t.task_id for t in tm]
+    with traced(alone.store) as sql_alone:
+        one_by_one = [alone.dispatch(b"w", msg)[0][1] for msg in _messages(ta)]
+    with traced(merged.store) as sql:
+        replies = list(merged.coalescer.replies([(b"w", None, msg) for msg in _messages(tm)]))
+    assert [to for to, _ in replies] == [b"w"] * 6
+    got = [_reply_fields(r) for _, r in replies]
+    assert got == [_reply_fields(r) for r in one_by_one]
+    assert [g[0] for g in got] == ["ack", "error", "error", "ack", "ack", "ack"]
+    assert [g[-1] for g in got if g[0] == "ack"] == ["accepted", "stale_epoch", "accepted", "duplicate"]
+    assert got[1][2] == got[2][2] == "bad_result"
+    assert _stored(merged) == _stored(alone) and len(_stored(alone)) == 2 * GROUP
+    assert merged.store.load_stage_state("main") == alone.store.load_stage_state("main")
+    tasks = "SELECT id, status, epoch, owner FROM tasks ORDER BY id"
+    assert [tuple(r) for r in merged.store.query(tasks)] == [tuple(r) for r in alone.store.query(tasks)]
+    # the valid results were stored in one transaction (the invalid ones are charged on their own)
+    commits = sum(s == "COMMIT" for s in sql)
+    assert commits <= sum(s == "COMMIT" for s in sql_alone) - 2, (sql, sql_alone)
+
+
+def test_another_message_of_the_member_ends_its_run_and_other_members_keep_theirs(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    c = started_controller(tiny_model, tmp_path, name="coalesce", group=GROUP)
+    t = _grant(c, 4)
+    hello = m.Hello(
+        member_id="v", role="raas", protocol=m.PROTOCOL_VERSION, policies=["main"], pid=2, host="h"
+    )
+    assert isinstance(c.dispatch(b"v", hello)[0][1], m.Welcome)
+    res = [
+        m.TaskResult(rid=i + 1, task_id=x.task_id, epoch=x.epoch, episodes=_episodes(x.task_id))
+        for i, x in enumerate(t)
+    ]
+    polled = [
+        (b"w", None, res[0]),
+        (b"v", None, m.TaskResult(rid=50, task_id=t[2].task_id, epoch=t[2].epoch, episodes=_episodes(0))),
+        (b"w", None, res[1]),
+        (b"w", None, m.TaskRequest(rid=9, n=8, loaded={"main": 0})),
+        (b"w", None, res[2]),
+        (b"w", None, res[3]),
+        (b"x", None, res[3]),  # never joined
+    ]
+    with traced(c.store) as sql:
+        replies = list(c.coalescer.replies(polled))
+    order = [(to, r.rid) for to, r in replies]
+    # w's first two results are answered before its task request, which then finds their slots free
+    assert order.index((b"w", 1)) < order.index((b"w", 9)) and order.index((b"w", 2)) < order.index((b"w", 9))
+    grant = next(r for to, r in replies if r.rid == 9)
+    # 8 slots: 2 of its 4 leases still held (4 tasks free had its results come after it)
+    assert isinstance(grant, m.TaskGrant) and len(grant.tasks) == 6, grant
+    statuses = {r.rid: r.status for _, r in replies if isinstance(r, m.ResultAck)}
+    assert statuses == {1: "accepted", 2: "accepted", 3: "accepted", 4: "accepted", 50: "stale_epoch"}
+    unknown = next(r for to, r in replies if to == b"x")
+    assert isinstance(unknown, m.Error) and unknown.code == "unknown_member"
+    assert {r[1] for r in _stored(c)} == {x.task_id for x in t}
+    # two runs of two results, each one transaction: fewer commits than the six result messages
+    assert sum(s == "COMMIT" for s in sql) < 6, sql
+
+
+def test_a_run_refused_whole_is_answered_message_by_message(tiny_model: Path, tmp_path: Path) -> None:
+    c = started_controller(tiny_model, tmp_path, name="coalesce", group=GROUP)
+    t = _grant(c, 2)
+    res = [
+        m.TaskResult(rid=i + 1, task_id=x.task_id, epoch=x.epoch, episodes=_episodes(x.task_id))
+        for i, x in enumerate(t)
+    ]
+    # a trainer's key may not send results: the merged message is refused, then each message is
+    trainer = m.Hello(
+        member_id="tr", role="trainer", protocol=m.PROTOCOL_VERSION, policies=["main"], pid=3, host="h"
+    )
+    assert isinstance(c.dispatch(b"tr", trainer)[0][1], m.Welcome)
+    replies = list(c.coalescer.replies([(b"tr", None, r) for r in res]))
+    assert [(to, r.rid) for to, r in replies] == [(b"tr", 1), (b"tr", 2)]
+    assert all(isinstance(r, m.Error) and r.code == "not_authorized" for _, r in replies)
+    assert _stored(c) == []
