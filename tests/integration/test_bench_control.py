@@ -53,3 +53,24 @@ def test_bench_control_moves_steps_through_a_live_controller_with_every_member_j
         assert row["controller_rss_mb"] > 0 and row["task_ms_p50"] is not None
     assert res["rows"][1]["heartbeats_per_s"] > res["rows"][0]["heartbeats_per_s"]
     assert res["limits"]["zmq_msgpack_msgs_per_s"] > 0 and res["limits"]["rows_per_s_batched"] > 0
+
+
+@pytest.mark.timeout(300)
+def test_every_way_of_sending_results_is_accepted_whole_through_live_sockets(tmp_path: Path) -> None:
+    """Results grouped, a TaskResult a task and a TaskResults a task, sent back to back under CURVE
+    keys: a member's messages read in one poll are taken together (roles/controller/coalesce.py) and
+    every result is acknowledged accepted, to the message that carried it."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "astraflow", "bench", "control", "--members", "2", "--curve", "on"]
+        + ["--seconds", "2", "--warmup-steps", "1", "--procs", "1", "--results", "all", "--json"]
+        + ["--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout)["rows"]
+    assert [r["results"] for r in rows] == ["grouped", "single", "tasks"]
+    for row in rows:
+        assert row["refused"] == 0 and row["errors"] == [], row
+        assert row["warmup_steps"] >= 1 and row["sequences_per_s"] > 0, row

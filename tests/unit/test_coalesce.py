@@ -159,3 +159,45 @@ def test_a_run_refused_whole_is_answered_message_by_message(tiny_model: Path, tm
     assert [(to, r.rid) for to, r in replies] == [(b"tr", 1), (b"tr", 2)]
     assert all(isinstance(r, m.Error) and r.code == "not_authorized" for _, r in replies)
     assert _stored(c) == []
+
+
+def _results_reply(reply: m.Msg) -> tuple[Any, ...]:
+    if isinstance(reply, m.ResultsAck):
+        return ("acks", reply.rid, [(a.task_id, a.status, a.code, a.message) for a in reply.acks])
+    return _reply_fields(reply)
+
+
+def test_small_task_results_are_merged_and_one_whose_columns_do_not_fit_is_answered_alone(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    alone, merged = _pair(tiny_model, tmp_path)
+
+    def messages(t: list[m.Task]) -> list[m.Msg]:
+        def out(x: m.Task, **kw: Any) -> m.Outcome:
+            return m.Outcome(task_id=x.task_id, epoch=x.epoch, **({"episodes": _episodes(x.task_id)} | kw))
+
+        broken = m.TaskResults.of([out(t[4])], rid=3)
+        broken.columns.tokens = broken.columns.tokens[:-4]  # one token short: refused whole
+        return [
+            m.TaskResults.of([out(t[0]), out(t[1], episodes=[], error="Traceback: boom")], rid=1),
+            m.TaskResult(rid=2, task_id=t[2].task_id, epoch=t[2].epoch, episodes=_episodes(t[2].task_id)),
+            broken,
+            m.TaskResults.of([out(t[3], episodes=_episodes(t[3].task_id, logprob=0.5)), out(t[5])], rid=4),
+            m.TaskResults.of([out(x) for x in t[6:8]] + [out(t[0])] * 3, rid=5),  # 5 results: not merged
+        ]
+
+    ta, tm = _grant(alone, 8), _grant(merged, 8)
+    with traced(alone.store) as sql_alone:
+        one_by_one = [_results_reply(alone.dispatch(b"w", msg)[0][1]) for msg in messages(ta)]
+    with traced(merged.store) as sql:
+        got = [
+            _results_reply(r) for _, r in merged.coalescer.replies([(b"w", None, x) for x in messages(tm)])
+        ]
+    assert got == one_by_one
+    assert [g[0] for g in got] == ["acks", "ack", "error", "acks", "acks"]
+    assert [a[1] for a in got[0][2]] == ["accepted", "failed"] and got[2][2] == "bad_result"
+    assert [a[1] for a in got[3][2]] == ["invalid", "accepted"]
+    assert [a[1] for a in got[4][2]] == ["accepted", "accepted", "duplicate", "duplicate", "duplicate"]
+    assert _stored(merged) == _stored(alone) and len(_stored(alone)) == 5 * GROUP
+    assert merged.store.load_stage_state("main") == alone.store.load_stage_state("main")
+    assert sum(s == "COMMIT" for s in sql) < sum(s == "COMMIT" for s in sql_alone)

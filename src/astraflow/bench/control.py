@@ -108,7 +108,7 @@ def run_one(
     heartbeat_s: float,
     procs: int,
     work: Path,
-    grouped: bool = True,
+    results_mode: str = "grouped",
     keep_steps: int = 0,
     tokens: int = 3,
     idle_beats_per_s: float | None = None,
@@ -154,7 +154,7 @@ def run_one(
                 out=str(work / f"sim{i}.json"),
                 keys_dir=str(keys_dir) if keys_dir else "",
                 seed=i,
-                grouped=grouped,
+                results=results_mode,
                 tokens=tokens,
             )
             (work / f"sim{i}.spec.json").write_text(json.dumps(asdict(spec)))
@@ -197,7 +197,7 @@ def run_one(
         "members": len(names),
         "workers": workers,
         "curve": curve,
-        "results": "grouped" if grouped else "single",
+        "results": results_mode,
         "tokens": tokens,
         "joined": joined,
         "refused": sum(len(r["refused"]) for r in results),
@@ -340,7 +340,7 @@ def run(
     procs: int,
     work: Path,
     progress: Any = None,
-    results: tuple[bool, ...] = (True,),
+    results: tuple[str, ...] = ("grouped",),
     keep_steps: int = 0,
     tokens: int = 3,
     idle_beats_per_s: float | None = None,
@@ -353,16 +353,15 @@ def run(
     opts["procs"] = procs
     opts |= {"keep_steps": keep_steps, "tokens": tokens, "idle_beats_per_s": idle_beats_per_s}
     opts["controller_cpu"] = controller_cpu
-    for grouped in results:
+    for mode in results:
         for c in curve:
             for n in member_counts:
-                mode = "grouped" if grouped else "single"
                 if progress is not None:
                     progress(
                         f"controller with {n} simulated workers, CURVE {'on' if c else 'off'}, {mode} results ..."
                     )
                 work_n = work / f"{'curve' if c else 'plain'}-{mode}-{n}"
-                rows.append(run_one(n, curve=c, work=work_n, grouped=grouped, **opts))
+                rows.append(run_one(n, curve=c, work=work_n, results_mode=mode, **opts))
     for key in {(r["results"], r["curve"]) for r in rows}:
         base = next(r for r in rows if (r["results"], r["curve"]) == key)
         for r in rows:

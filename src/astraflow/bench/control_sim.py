@@ -63,8 +63,8 @@ class SimSpec:
     keys_dir: str = ""
     """Directory of NAME.key_secret files (one per member) and controller.key; "" = no CURVE."""
     seed: int = 0
-    grouped: bool = True
-    """Answer a grant's tasks in one TaskResults (group commit); False: one TaskResult each."""
+    results: str = "grouped"
+    """How a grant's tasks are answered, back to back: grouped (one TaskResults), single or tasks."""
     tokens: int = 3
     """Generated tokens of each simulated sequence (after 3 prompt tokens)."""
 
@@ -310,6 +310,8 @@ def _on_reply(mem: _Member, msg: m.Msg, spec: SimSpec, res: SimResult, rng: rand
         _on_grant(mem, msg, spec, res, rng, took)
     elif isinstance(msg, m.ResultAck):
         mem.held.discard(msg.task_id)
+        if msg.status != "accepted" and len(res.errors) < 20:
+            res.errors.append(f"{mem.ident}: task {msg.task_id}: {msg.status}")
     elif isinstance(msg, m.ResultsAck):
         for ack in msg.acks:
             mem.held.discard(ack.task_id)
@@ -344,7 +346,7 @@ def _on_welcome(mem: _Member, spec: SimSpec, res: SimResult) -> None:
 def _on_grant(
     mem: _Member, msg: m.TaskGrant, spec: SimSpec, res: SimResult, rng: random.Random, took: float
 ) -> None:
-    """Answer every granted task at once (grouped or one result each), then ask for more."""
+    """Answer every granted task at once (one message, or one each: spec.results), then ask for more."""
     for v in msg.versions:
         if v.policy == spec.policy:
             mem.version = max(mem.version, v.version)
@@ -359,10 +361,13 @@ def _on_grant(
         outcomes.append(m.Outcome(task_id=task.task_id, epoch=task.epoch, episodes=eps))
         res.results_sent += 1
         res.sequences_sent += len(eps)
-    if spec.grouped and outcomes:
+    if spec.results == "grouped" and outcomes:
         mem.send(m.TaskResults.of(outcomes))
-    for o in outcomes if not spec.grouped else []:
-        mem.send(m.TaskResult(task_id=o.task_id, epoch=o.epoch, episodes=o.episodes))
+    for o in outcomes if spec.results != "grouped" else []:
+        if spec.results == "tasks":
+            mem.send(m.TaskResults.of([o]))
+        else:
+            mem.send(m.TaskResult(task_id=o.task_id, epoch=o.epoch, episodes=o.episodes))
     mem.send(m.TaskRequest(n=spec.slots, loaded={spec.policy: mem.version}, wait_s=TASK_WAIT_S), "task")
 
 

@@ -108,7 +108,8 @@ def control(
     ),
     results: str = typer.Option(
         "grouped",
-        help="How workers send results: grouped (a grant's in one TaskResults), single (a TaskResult each), or both.",
+        help="How workers send results: grouped (a grant's in one TaskResults), single (a TaskResult each), "
+        "tasks (a TaskResults each), both (grouped, single) or all three.",
     ),
     tokens: int = typer.Option(
         3, help="Generated tokens of each simulated sequence (after 3 prompt tokens)."
@@ -159,7 +160,13 @@ def control(
     modes = {"off": [False], "on": [True], "off,on": [False, True], "on,off": [True, False]}.get(
         curve.replace(" ", "")
     )
-    grouping = {"grouped": (True,), "single": (False,), "both": (True, False)}.get(results.strip())
+    grouping = {
+        "grouped": ("grouped",),
+        "single": ("single",),
+        "tasks": ("tasks",),
+        "both": ("grouped", "single"),
+        "all": ("grouped", "single", "tasks"),
+    }.get(results.strip())
     cpus = sorted(os.sched_getaffinity(0))
     if controller_cpu is not None and (controller_cpu not in cpus or len(cpus) < 2):
         raise typer.BadParameter(
@@ -167,7 +174,7 @@ def control(
         )
     if not counts or min(counts) < 1 or modes is None or grouping is None or tokens < 1:
         raise typer.BadParameter(
-            "--members takes counts >= 1 (e.g. 2,100,1000); --curve off, on or off,on; --results grouped, single or both; "
+            "--members takes counts >= 1 (e.g. 2,100,1000); --curve off, on or off,on; --results grouped, single, tasks, both or all; "
             "--tokens >= 1"
         )
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,13 +1,14 @@
-"""Results of one member read in one poll are taken together: the TaskResult messages (one task each)
-that a member sent back to back are stored as one TaskResults would be, in one transaction and one
-pass of the checks, the advantages and the writes; each message is still answered on its own
-(docs/architecture.md, "Group commit").
+"""Results of one member read in one poll are taken together: the results messages that a member sent
+back to back (TaskResult messages, and TaskResults of a few tasks) are stored as one TaskResults would
+be, in one transaction and one pass of the checks, the advantages and the writes; each message is still
+answered on its own (docs/architecture.md, "Group commit").
 
 A message of one task costs the controller about as much as a TaskResults of dozens (its commit, its
 reads of the leases and the policies, its stage-state save), so a member that answers each task in its
 own message would otherwise get a fraction of the throughput of one that groups them. Only what the
-single-result path would answer the same way is merged: a member's consecutive TaskResults, without
-another message of the same member between them, whose sequences fit the columns. Anything the merged
+message-by-message path would answer the same way is merged: a member's consecutive results messages,
+without another message of the same member between them, whose sequences fit the columns (a
+TaskResults whose columns do not fit together is answered alone, refused whole). Anything the merged
 handling refuses as a whole (an unknown member, a refused key, an internal error) is handled again one
 message at a time, so every message gets exactly the answer it would have got alone.
 """
@@ -15,22 +16,29 @@ message at a time, so every message gets exactly the answer it would have got al
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from typing import cast
 
 from astraflow.protocol import messages as m
 from astraflow.protocol.codec import DecodeError
-from astraflow.protocol.columns import columnable
+from astraflow.protocol.columns import ResultColumns, columnable
 from astraflow.roles.controller.outcome import Outcome
 from astraflow.transport.principal import Principal
 
 MAX_MERGED = 256
-"""Most TaskResult messages taken as one (a member's longer run is taken in several)."""
+"""Most results taken as one (a member's longer run is taken in several)."""
+
+SMALL = 4
+"""Most results of a TaskResults that is merged with others: a larger one is already a group, and
+turning its columns back into sequences would cost more than its own transaction."""
+
+Results = m.TaskResult | m.TaskResults
 
 Polled = tuple[bytes, Principal | None, m.Msg | DecodeError]
 Replies = list[tuple[bytes, m.Msg]]
 
 
 class Coalescer:
-    """Walks one poll's messages in order: a member's TaskResult messages wait in its run until
+    """Walks one poll's messages in order: a member's mergeable results messages wait in its run until
     another of its messages, a full run or the poll's end; every other message is dispatched at once."""
 
     def __init__(
@@ -48,44 +56,74 @@ class Coalescer:
 
     def replies(self, polled: Iterable[Polled]) -> Iterator[tuple[bytes, m.Msg]]:
         """The replies to one poll's messages, in the order they can be sent."""
-        runs: dict[bytes, tuple[Principal | None, list[m.TaskResult]]] = {}
+        runs: dict[bytes, _Run] = {}
         for ident, principal, msg in polled:
             run = runs.get(ident)
-            if type(msg) is m.TaskResult and not msg.error and _fits(msg):
-                if run is not None and run[0] != principal:
-                    yield from self._flush(ident, *runs.pop(ident))
+            outcomes = _outcomes(msg)
+            if outcomes is not None:
+                if run is not None and run.principal != principal:
+                    yield from self._flush(ident, runs.pop(ident))
                     run = None
                 if run is None:
-                    runs[ident] = run = (principal, [])
-                run[1].append(msg)
-                if len(run[1]) >= MAX_MERGED:
-                    yield from self._flush(ident, *runs.pop(ident))
+                    runs[ident] = run = _Run(principal)
+                run.add(cast("Results", msg), outcomes)
+                if len(run.outcomes) >= MAX_MERGED:
+                    yield from self._flush(ident, runs.pop(ident))
                 continue
             if run is not None:  # what the member sent before this is answered before it
-                yield from self._flush(ident, *runs.pop(ident))
+                yield from self._flush(ident, runs.pop(ident))
             yield from self._dispatch(ident, msg, principal)
         for ident, run in runs.items():
-            yield from self._flush(ident, *run)
+            yield from self._flush(ident, run)
 
-    def _flush(
-        self, ident: bytes, principal: Principal | None, run: list[m.TaskResult]
-    ) -> Iterator[tuple[bytes, m.Msg]]:
-        if len(run) == 1:
-            yield from self._dispatch(ident, run[0], principal)
+    def _flush(self, ident: bytes, run: _Run) -> Iterator[tuple[bytes, m.Msg]]:
+        if len(run.msgs) == 1:
+            yield from self._dispatch(ident, run.msgs[0], run.principal)
             return
-        merged = m.TaskResults.of(
-            [m.Outcome(task_id=r.task_id, epoch=r.epoch, episodes=r.episodes) for r in run]
-        )
-        done = self._handle(ident, merged, principal)
+        done = self._handle(ident, m.TaskResults.of(run.outcomes), run.principal)
         reply = done.reply
-        if not isinstance(reply, m.ResultsAck) or len(reply.acks) != len(run):
+        if not isinstance(reply, m.ResultsAck) or len(reply.acks) != len(run.outcomes):
             # refused whole (nothing was stored): each message gets the answer it gets alone
-            for msg in run:
-                yield from self._dispatch(ident, msg, principal)
+            for msg in run.msgs:
+                yield from self._dispatch(ident, msg, run.principal)
             return
-        for msg, ack in zip(run, reply.acks, strict=True):
-            yield ident, _answer(msg, ack)
+        k = 0
+        for msg in run.msgs:
+            if isinstance(msg, m.TaskResult):
+                yield ident, _answer(msg, reply.acks[k])
+                k += 1
+            else:
+                yield ident, m.ResultsAck(rid=msg.rid, acks=reply.acks[k : k + len(msg.results)])
+                k += len(msg.results)
         yield from self._deliver(done)
+
+
+class _Run:
+    """A member's results messages waiting to be taken together, and their results in order."""
+
+    __slots__ = ("msgs", "outcomes", "principal")
+
+    def __init__(self, principal: Principal | None) -> None:
+        self.principal = principal
+        self.msgs: list[Results] = []
+        self.outcomes: list[m.Outcome] = []
+
+    def add(self, msg: Results, outcomes: list[m.Outcome]) -> None:
+        self.msgs.append(msg)
+        self.outcomes += outcomes
+
+
+def _outcomes(msg: m.Msg | DecodeError) -> list[m.Outcome] | None:
+    """A results message's results, if it may be merged: a TaskResult whose sequences fit the columns
+    (not an error: nothing to store), or a TaskResults of up to SMALL results whose columns fit."""
+    if type(msg) is m.TaskResult:
+        if msg.error or not _fits(msg):
+            return None
+        return [m.Outcome(task_id=msg.task_id, epoch=msg.epoch, episodes=msg.episodes)]
+    if type(msg) is m.TaskResults and 0 < len(msg.results) <= SMALL:
+        view = ResultColumns(msg)
+        return None if view.problem else [view.outcome(i) for i in range(len(msg.results))]
+    return None
 
 
 def _fits(msg: m.TaskResult) -> bool:
