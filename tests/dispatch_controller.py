@@ -44,6 +44,21 @@ def started_controller(model: Path, run_dir: Path, *, name: str, group: int, **p
     return c
 
 
+def grant(c: Controller, n: int) -> list[m.Task]:
+    """Lease n tasks to "w" (all n must be granted)."""
+    reply = c.dispatch(b"w", m.TaskRequest(n=n, loaded={"main": 0}))[0][1]
+    assert isinstance(reply, m.TaskGrant) and len(reply.tasks) == n, reply
+    return list(reply.tasks)
+
+
+def stored(c: Controller) -> list[tuple[Any, ...]]:
+    """Every trajectory row's id, task, reward, advantage, status, length and min_version, by id."""
+    rows = c.store.query(
+        "SELECT id, task_id, reward, advantage, status, length, min_version FROM trajectories ORDER BY id"
+    )
+    return [tuple(r) for r in rows]
+
+
 @contextmanager
 def traced(store: Store) -> Iterator[list[str]]:
     """The SQL statements the store's connection runs inside the block, in order."""

@@ -10,7 +10,7 @@ from typing import Any
 
 from astraflow.protocol import messages as m
 from astraflow.roles.controller import Controller
-from tests.dispatch_controller import started_controller, traced
+from tests.dispatch_controller import grant, started_controller, stored, traced
 
 GROUP = 2
 
@@ -43,19 +43,6 @@ def _pair(tiny_model: Path, tmp_path: Path) -> tuple[Controller, Controller]:
     )
 
 
-def _grant(c: Controller, n: int) -> list[m.Task]:
-    reply = c.dispatch(b"w", m.TaskRequest(n=n, loaded={"main": 0}))[0][1]
-    assert isinstance(reply, m.TaskGrant) and len(reply.tasks) == n, reply
-    return list(reply.tasks)
-
-
-def _stored(c: Controller) -> list[tuple[Any, ...]]:
-    rows = c.store.query(
-        "SELECT id, task_id, reward, advantage, status, length, min_version FROM trajectories ORDER BY id"
-    )
-    return [tuple(r) for r in rows]
-
-
 def _reply_fields(reply: m.Msg) -> tuple[Any, ...]:
     if isinstance(reply, m.ResultAck):
         return ("ack", reply.rid, reply.task_id, reply.status)
@@ -83,7 +70,7 @@ def _messages(tasks: list[m.Task]) -> list[m.TaskResult]:
 
 def test_a_run_of_results_gets_the_replies_and_rows_each_gets_alone(tiny_model: Path, tmp_path: Path) -> None:
     alone, merged = _pair(tiny_model, tmp_path)
-    ta, tm = _grant(alone, 5), _grant(merged, 5)
+    ta, tm = grant(alone, 5), grant(merged, 5)
     assert [t.task_id for t in ta] == [t.task_id for t in tm]
     with traced(alone.store) as sql_alone:
         one_by_one = [alone.dispatch(b"w", msg)[0][1] for msg in _messages(ta)]
@@ -95,7 +82,7 @@ def test_a_run_of_results_gets_the_replies_and_rows_each_gets_alone(tiny_model: 
     assert [g[0] for g in got] == ["ack", "error", "error", "ack", "ack", "ack"]
     assert [g[-1] for g in got if g[0] == "ack"] == ["accepted", "stale_epoch", "accepted", "duplicate"]
     assert got[1][2] == got[2][2] == "bad_result"
-    assert _stored(merged) == _stored(alone) and len(_stored(alone)) == 2 * GROUP
+    assert stored(merged) == stored(alone) and len(stored(alone)) == 2 * GROUP
     assert merged.store.load_stage_state("main") == alone.store.load_stage_state("main")
     tasks = "SELECT id, status, epoch, owner FROM tasks ORDER BY id"
     assert [tuple(r) for r in merged.store.query(tasks)] == [tuple(r) for r in alone.store.query(tasks)]
@@ -108,7 +95,7 @@ def test_another_message_of_the_member_ends_its_run_and_other_members_keep_their
     tiny_model: Path, tmp_path: Path
 ) -> None:
     c = started_controller(tiny_model, tmp_path, name="coalesce", group=GROUP)
-    t = _grant(c, 4)
+    t = grant(c, 4)
     hello = m.Hello(
         member_id="v", role="raas", protocol=m.PROTOCOL_VERSION, policies=["main"], pid=2, host="h"
     )
@@ -131,21 +118,21 @@ def test_another_message_of_the_member_ends_its_run_and_other_members_keep_their
     order = [(to, r.rid) for to, r in replies]
     # w's first two results are answered before its task request, which then finds their slots free
     assert order.index((b"w", 1)) < order.index((b"w", 9)) and order.index((b"w", 2)) < order.index((b"w", 9))
-    grant = next(r for to, r in replies if r.rid == 9)
+    granted = next(r for to, r in replies if r.rid == 9)
     # 8 slots: 2 of its 4 leases still held (4 tasks free had its results come after it)
-    assert isinstance(grant, m.TaskGrant) and len(grant.tasks) == 6, grant
+    assert isinstance(granted, m.TaskGrant) and len(granted.tasks) == 6, granted
     statuses = {r.rid: r.status for _, r in replies if isinstance(r, m.ResultAck)}
     assert statuses == {1: "accepted", 2: "accepted", 3: "accepted", 4: "accepted", 50: "stale_epoch"}
     unknown = next(r for to, r in replies if to == b"x")
     assert isinstance(unknown, m.Error) and unknown.code == "unknown_member"
-    assert {r[1] for r in _stored(c)} == {x.task_id for x in t}
+    assert {r[1] for r in stored(c)} == {x.task_id for x in t}
     # two runs of two results, each one transaction: fewer commits than the six result messages
     assert sum(s == "COMMIT" for s in sql) < 6, sql
 
 
 def test_a_run_refused_whole_is_answered_message_by_message(tiny_model: Path, tmp_path: Path) -> None:
     c = started_controller(tiny_model, tmp_path, name="coalesce", group=GROUP)
-    t = _grant(c, 2)
+    t = grant(c, 2)
     res = [
         m.TaskResult(rid=i + 1, task_id=x.task_id, epoch=x.epoch, episodes=_episodes(x.task_id))
         for i, x in enumerate(t)
@@ -158,7 +145,7 @@ def test_a_run_refused_whole_is_answered_message_by_message(tiny_model: Path, tm
     replies = list(c.coalescer.replies([(b"tr", None, r) for r in res]))
     assert [(to, r.rid) for to, r in replies] == [(b"tr", 1), (b"tr", 2)]
     assert all(isinstance(r, m.Error) and r.code == "not_authorized" for _, r in replies)
-    assert _stored(c) == []
+    assert stored(c) == []
 
 
 def _results_reply(reply: m.Msg) -> tuple[Any, ...]:
@@ -186,7 +173,7 @@ def test_small_task_results_are_merged_and_one_whose_columns_do_not_fit_is_answe
             m.TaskResults.of([out(x) for x in t[6:8]] + [out(t[0])] * 3, rid=5),  # 5 results: not merged
         ]
 
-    ta, tm = _grant(alone, 8), _grant(merged, 8)
+    ta, tm = grant(alone, 8), grant(merged, 8)
     with traced(alone.store) as sql_alone:
         one_by_one = [_results_reply(alone.dispatch(b"w", msg)[0][1]) for msg in messages(ta)]
     with traced(merged.store) as sql:
@@ -198,6 +185,6 @@ def test_small_task_results_are_merged_and_one_whose_columns_do_not_fit_is_answe
     assert [a[1] for a in got[0][2]] == ["accepted", "failed"] and got[2][2] == "bad_result"
     assert [a[1] for a in got[3][2]] == ["invalid", "accepted"]
     assert [a[1] for a in got[4][2]] == ["accepted", "accepted", "duplicate", "duplicate", "duplicate"]
-    assert _stored(merged) == _stored(alone) and len(_stored(alone)) == 5 * GROUP
+    assert stored(merged) == stored(alone) and len(stored(alone)) == 5 * GROUP
     assert merged.store.load_stage_state("main") == alone.store.load_stage_state("main")
     assert sum(s == "COMMIT" for s in sql) < sum(s == "COMMIT" for s in sql_alone)

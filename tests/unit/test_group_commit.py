@@ -12,7 +12,7 @@ import pytest
 from astraflow.dataflow.limits import RefusedResult
 from astraflow.protocol import messages as m
 from astraflow.roles.controller import Controller
-from tests.dispatch_controller import started_controller
+from tests.dispatch_controller import grant, started_controller, stored
 
 GROUP = 2
 
@@ -40,24 +40,11 @@ def _episodes(task_id: int, first_token: int = 5) -> list[m.Episode]:
     ]
 
 
-def _grant(c: Controller, n: int) -> list[m.Task]:
-    reply = c.dispatch(b"w", m.TaskRequest(n=n, loaded={"main": 0}))[0][1]
-    assert isinstance(reply, m.TaskGrant) and len(reply.tasks) == n, reply
-    return list(reply.tasks)
-
-
-def _stored(c: Controller) -> list[tuple[Any, ...]]:
-    rows = c.store.query(
-        "SELECT task_id, reward, advantage, status, length, min_version FROM trajectories ORDER BY id"
-    )
-    return [tuple(r) for r in rows]
-
-
 def test_one_message_stores_what_single_results_store(tiny_model: Path, tmp_path: Path) -> None:
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     single, grouped = _controller(tiny_model, tmp_path / "a"), _controller(tiny_model, tmp_path / "b")
-    ts, tg = _grant(single, 4), _grant(grouped, 4)
+    ts, tg = grant(single, 4), grant(grouped, 4)
     assert [t.task_id for t in ts] == [t.task_id for t in tg]
     for t in ts:
         ack = single.dispatch(
@@ -68,17 +55,17 @@ def test_one_message_stores_what_single_results_store(tiny_model: Path, tmp_path
     reply = grouped.dispatch(b"w", m.TaskResults.of(results))[0][1]
     assert isinstance(reply, m.ResultsAck)
     assert [(a.task_id, a.status) for a in reply.acks] == [(t.task_id, "accepted") for t in tg]
-    assert _stored(grouped) == _stored(single) and len(_stored(single)) == 4 * GROUP
+    assert stored(grouped) == stored(single) and len(stored(single)) == 4 * GROUP
     assert grouped.store.load_stage_state("main") == single.store.load_stage_state("main")
     # the same message again: every result is a duplicate, nothing more is stored
     again = grouped.dispatch(b"w", m.TaskResults.of(results))[0][1]
     assert isinstance(again, m.ResultsAck) and {a.status for a in again.acks} == {"duplicate"}
-    assert len(_stored(grouped)) == 4 * GROUP
+    assert len(stored(grouped)) == 4 * GROUP
 
 
 def test_each_result_gets_its_own_status(tiny_model: Path, tmp_path: Path) -> None:
     c = _controller(tiny_model, tmp_path)
-    t = _grant(c, 4)
+    t = grant(c, 4)
     results = [
         m.Outcome(task_id=t[0].task_id, epoch=t[0].epoch, episodes=_episodes(t[0].task_id)),
         m.Outcome(
@@ -95,8 +82,8 @@ def test_each_result_gets_its_own_status(tiny_model: Path, tmp_path: Path) -> No
     assert isinstance(acks, m.ResultsAck)
     assert [a.status for a in acks.acks] == ["accepted", "invalid", "failed", "stale_epoch", "unknown_task"]
     assert acks.acks[1].code == "bad_result" and "task" in acks.acks[1].message
-    stored = {r[0] for r in _stored(c)}
-    assert stored == {t[0].task_id}
+    kept = {r[1] for r in stored(c)}
+    assert kept == {t[0].task_id}
     # the invalid and the failed one went back to the queue for another attempt
     status = {int(r["id"]): r["status"] for r in c.store.query("SELECT id, status FROM tasks")}
     assert status[t[1].task_id] == "queued" and status[t[2].task_id] == "queued"
@@ -107,7 +94,7 @@ def test_a_result_refused_while_stored_costs_the_others_nothing(
     tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     c = _controller(tiny_model, tmp_path)
-    t = _grant(c, 3)
+    t = grant(c, 3)
     poisoned = t[1].task_id
 
     def poison(real: Any) -> Any:
@@ -127,8 +114,8 @@ def test_a_result_refused_while_stored_costs_the_others_nothing(
     assert isinstance(acks, m.ResultsAck)
     assert [a.status for a in acks.acks] == ["accepted", "invalid", "accepted"]
     assert "injected" in acks.acks[1].message
-    assert sorted({r[0] for r in _stored(c)}) == [t[0].task_id, t[2].task_id]
-    assert len(_stored(c)) == 2 * GROUP
+    assert sorted({r[1] for r in stored(c)}) == [t[0].task_id, t[2].task_id]
+    assert len(stored(c)) == 2 * GROUP
 
 
 def test_results_per_message_are_capped() -> None:
