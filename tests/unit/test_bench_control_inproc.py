@@ -24,7 +24,7 @@ def test_in_process_steps_move_whole_batches() -> None:
 
 
 def test_the_bench_settles_the_heap_as_run_controller_does(monkeypatch: pytest.MonkeyPatch) -> None:
-    from astraflow.roles.controller import service
+    from astraflow.roles.controller import process
 
     calls: list[int] = []
 
@@ -32,14 +32,14 @@ def test_the_bench_settles_the_heap_as_run_controller_does(monkeypatch: pytest.M
         calls.append(1)
         real()
 
-    real = service.settle_heap
-    monkeypatch.setattr(service, "settle_heap", settle)
+    real = process.settle_heap
+    monkeypatch.setattr(process, "settle_heap", settle)
     control_inproc.run(steps=1, warmup_steps=0, tokens=3)
     assert calls == [1] and gc.get_freeze_count() == 0  # frozen while the controller ran, thawed after
 
 
 def test_settle_heap_takes_what_lives_now_out_of_full_collections() -> None:
-    from astraflow.roles.controller.service import settle_heap
+    from astraflow.roles.controller.core import settle_heap
 
     class Node:
         me: object = None
@@ -63,7 +63,7 @@ def test_run_controller_settles_the_heap_after_start_and_before_serving(
 
     from astraflow.bench.control import recipe
     from astraflow.config.recipe import Recipe
-    from astraflow.roles.controller import service
+    from astraflow.roles.controller import process, service
     from astraflow.transport import server as transport
 
     steps: list[str] = []
@@ -90,9 +90,9 @@ def test_run_controller_settles_the_heap_after_start_and_before_serving(
     monkeypatch.setattr(transport, "RouterServer", Served)
     monkeypatch.setattr(service.Controller, "start", start)
     monkeypatch.setattr(service.Controller, "serve", serve)
-    monkeypatch.setattr(service, "settle_heap", lambda: steps.append("settle"))
+    monkeypatch.setattr(process, "settle_heap", lambda: steps.append("settle"))
     monkeypatch.setattr(signal, "signal", lambda *_a: None)  # the test process keeps its handlers
-    assert service.run_controller(Recipe.model_validate(recipe(0.5, 1)), tmp_path) == 0
+    assert process.run_controller(Recipe.model_validate(recipe(0.5, 1)), tmp_path) == 0
     assert steps == ["start", "settle", "bind", "serve"]
 
 

@@ -1,12 +1,15 @@
-"""A member's TaskResult messages read in one poll are taken as one TaskResults
+"""The results messages read in one poll, of one member or several, are taken as one TaskResults
 (roles/controller/coalesce.py), driven through `Controller.coalescer` on a real state.db (no sockets;
-`bench control --results single` measures it live): every message gets the reply it gets alone, the
-same rows are stored, and the run of messages costs one transaction."""
+tests/integration/test_bench_control.py runs it live, `bench control --results single` measures it):
+every message gets the reply it gets alone, the same rows are stored, each result is charged to its own
+member, and the run costs one transaction."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from astraflow.protocol import messages as m
 from astraflow.roles.controller import Controller
@@ -91,7 +94,7 @@ def test_a_run_of_results_gets_the_replies_and_rows_each_gets_alone(tiny_model: 
     assert commits <= sum(s == "COMMIT" for s in sql_alone) - 2, (sql, sql_alone)
 
 
-def test_another_message_of_the_member_ends_its_run_and_other_members_keep_theirs(
+def test_another_message_of_a_member_ends_the_run_before_it_is_answered(
     tiny_model: Path, tmp_path: Path
 ) -> None:
     c = started_controller(tiny_model, tmp_path, name="coalesce", group=GROUP)
@@ -188,3 +191,80 @@ def test_small_task_results_are_merged_and_one_whose_columns_do_not_fit_is_answe
     assert stored(merged) == stored(alone) and len(stored(alone)) == 5 * GROUP
     assert merged.store.load_stage_state("main") == alone.store.load_stage_state("main")
     assert sum(s == "COMMIT" for s in sql) < sum(s == "COMMIT" for s in sql_alone)
+
+
+def _join(c: Controller, ident: str) -> None:
+    hello = m.Hello(
+        member_id=ident, role="raas", protocol=m.PROTOCOL_VERSION, policies=["main"], pid=2, host="h"
+    )
+    assert isinstance(c.dispatch(ident.encode(), hello)[0][1], m.Welcome)
+
+
+def test_results_of_several_members_are_one_transaction_each_charged_to_its_own(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    alone, merged = _pair(tiny_model, tmp_path)
+
+    def polled(c: Controller) -> list[tuple[bytes, None, m.Msg]]:
+        _join(c, "v")
+        tw = grant(c, 2)
+        reply = c.dispatch(b"v", m.TaskRequest(n=2, loaded={"main": 0}))[0][1]
+        assert isinstance(reply, m.TaskGrant) and len(reply.tasks) == 2
+        tv = list(reply.tasks)
+
+        def res(rid: int, t: m.Task, **kw: Any) -> m.TaskResult:
+            return m.TaskResult(
+                rid=rid, task_id=t.task_id, epoch=t.epoch, episodes=_episodes(t.task_id, **kw)
+            )
+
+        return [
+            (b"w", None, res(1, tw[0])),
+            (b"v", None, res(2, tv[0], first_token=-3)),  # invalid: charged to v
+            (b"w", None, res(3, tw[1])),
+            (
+                b"v",
+                None,
+                m.TaskResults.of(
+                    [m.Outcome(task_id=tv[1].task_id, epoch=tv[1].epoch, episodes=_episodes(0))], rid=4
+                ),
+            ),
+            (b"v", None, res(5, tw[0])),  # w's lease: not v's to complete
+        ]
+
+    with traced(alone.store) as sql_alone:
+        one_by_one = [_results_reply(alone.dispatch(ident, msg)[0][1]) for ident, _, msg in polled(alone)]
+    batch = polled(merged)
+    with traced(merged.store) as sql:
+        replies = list(merged.coalescer.replies(batch))
+    assert [to for to, _ in replies] == [b"w", b"v", b"w", b"v", b"v"]
+    got = [_results_reply(r) for _, r in replies]
+    assert got == one_by_one
+    assert [g[-1] for g in got if g[0] == "ack"] == ["accepted", "accepted", "duplicate"]
+    assert got[1][2] == "bad_result" and got[3][2][0][1] == "accepted"
+    assert stored(merged) == stored(alone) and len(stored(alone)) == 3 * GROUP
+    charges = "SELECT id, failures, invalid FROM members ORDER BY id"
+    assert [tuple(r) for r in merged.store.query(charges)] == [tuple(r) for r in alone.store.query(charges)]
+    assert {r["id"]: r["invalid"] for r in merged.store.query(charges)} == {"w": 0, "v": 1}
+    assert sum(s == "COMMIT" for s in sql) < sum(s == "COMMIT" for s in sql_alone)
+
+
+def test_a_run_whose_handling_raises_stores_nothing_and_answers_each_message(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    c = started_controller(tiny_model, tmp_path, name="coalesce", group=GROUP)
+    t = grant(c, 3)
+    res = [
+        m.TaskResult(rid=i + 1, task_id=x.task_id, epoch=x.epoch, episodes=_episodes(x.task_id))
+        for i, x in enumerate(t)
+    ]
+
+    def broken(*_a: Any, **_k: Any) -> Any:
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(c.pipeline, "save", broken)  # fails inside the group's transaction
+    replies = list(c.coalescer.replies([(b"w", None, r) for r in res]))
+    assert [(to, r.rid) for to, r in replies] == [(b"w", 1), (b"w", 2), (b"w", 3)]
+    assert all(isinstance(r, m.Error) and r.code == "internal" for _, r in replies)
+    assert stored(c) == []
+    status = {int(r["id"]): r["status"] for r in c.store.query("SELECT id, status FROM tasks")}
+    assert {status[x.task_id] for x in t} == {"leased"}  # rolled back: the leases stand

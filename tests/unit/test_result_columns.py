@@ -13,7 +13,8 @@ import pytest
 from astraflow.protocol import messages as m
 from astraflow.protocol.codec import DecodeError, decode, encode
 from astraflow.protocol.columns import ResultColumns
-from tests.unit.test_group_commit import _controller, _episodes, _grant, _stored
+from tests.dispatch_controller import grant, stored
+from tests.unit.test_group_commit import _controller, _episodes
 
 
 def _seq(policy: str, tokens: list[int], **kw: object) -> m.Sequence:
@@ -86,7 +87,7 @@ def test_uniform_says_per_result_whether_a_column_holds_one_value() -> None:
 
 def test_bad_columns_are_refused_whole_and_lose_nothing(tiny_model: Path, tmp_path: Path) -> None:
     c = _controller(tiny_model, tmp_path)
-    tasks = _grant(c, 2)
+    tasks = grant(c, 2)
     good = m.TaskResults.of(
         [m.Outcome(task_id=t.task_id, epoch=t.epoch, episodes=_episodes(t.task_id)) for t in tasks]
     )
@@ -100,7 +101,7 @@ def test_bad_columns_are_refused_whole_and_lose_nothing(tiny_model: Path, tmp_pa
         reply = c.dispatch(b"w", decode(encode(msgspec.structs.replace(good, columns=bad))))[0][1]
         assert isinstance(reply, m.Error) and reply.code == "bad_result", reply
         assert reply.message.startswith("TaskResults columns: ") and "nothing stored" in reply.message
-        assert _stored(c) == []
+        assert stored(c) == []
         assert [
             r["status"]
             for r in c.store.query(
@@ -109,12 +110,12 @@ def test_bad_columns_are_refused_whole_and_lose_nothing(tiny_model: Path, tmp_pa
         ] == ["leased", "leased"]
     acks = c.dispatch(b"w", decode(encode(good)))[0][1]
     assert isinstance(acks, m.ResultsAck) and [a.status for a in acks.acks] == ["accepted", "accepted"]
-    assert len(_stored(c)) == 2 * len(_episodes(0))
+    assert len(stored(c)) == 2 * len(_episodes(0))
 
 
 def test_a_faulty_sequence_is_still_named_exactly(tiny_model: Path, tmp_path: Path) -> None:
     c = _controller(tiny_model, tmp_path)
-    tasks = _grant(c, 3)
+    tasks = grant(c, 3)
     results = [m.Outcome(task_id=t.task_id, epoch=t.epoch, episodes=_episodes(t.task_id)) for t in tasks]
     results[1] = m.Outcome(
         task_id=tasks[1].task_id,
@@ -125,7 +126,7 @@ def test_a_faulty_sequence_is_still_named_exactly(tiny_model: Path, tmp_path: Pa
     assert isinstance(acks, m.ResultsAck)
     assert [a.status for a in acks.acks] == ["accepted", "invalid", "accepted"]
     assert "episode 1 sequence 0: token id 1000000 outside the vocabulary" in acks.acks[1].message
-    assert {row[0] for row in _stored(c)} == {tasks[0].task_id, tasks[2].task_id}
+    assert {row[1] for row in stored(c)} == {tasks[0].task_id, tasks[2].task_id}
 
 
 def test_arrays_of_different_lengths_travel_as_the_error_naming_them() -> None:

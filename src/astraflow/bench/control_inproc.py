@@ -40,7 +40,7 @@ class _Driver:
 
     def __init__(self, run_dir: Path, keep_steps: int = 0) -> None:
         from astraflow.roles.controller import Controller
-        from astraflow.roles.controller.service import settle_heap
+        from astraflow.roles.controller.process import settle_heap
         from astraflow.state.store import Store
 
         rec = Recipe.model_validate(recipe(0.5, len(WORKERS), keep_steps))

@@ -269,9 +269,10 @@ class Ledger:
                 self._done += 1
             return "accepted"
 
-    def complete_many(self, results: Sequence[tuple[int, int]], owner: str) -> list[str]:
-        """`complete` for the (task id, epoch) results of one owner's message, in order, with one read
-        and one UPDATE: a task named twice is accepted at most once (a later one is a duplicate)."""
+    def complete_many(self, results: Sequence[tuple[int, int]], owner: str | Sequence[str]) -> list[str]:
+        """`complete` for the (task id, epoch) results of one owner's message (or each result's own
+        owner, in a list), in order, with one read and one UPDATE: a task named twice is accepted at
+        most once (a later one is a duplicate)."""
         now = self.clock()
         out: list[str] = []
         self.shapes.forget()  # a status changes: the kept counts do not follow it
@@ -284,13 +285,14 @@ class Ledger:
                 ):
                     rows[int(r[0])] = (r[1], r[2], r[3])
             done: list[int] = []
-            for tid, epoch in results:
+            owners = [owner] * len(results) if isinstance(owner, str) else owner
+            for (tid, epoch), who in zip(results, owners, strict=True):
                 row = rows.get(tid)
                 if row is None:
                     out.append("unknown_task")
                 elif row[0] == "done":
                     out.append("duplicate")
-                elif row[0] not in ("leased", "queued") or row[1] != epoch or row[2] != owner or epoch == 0:
+                elif row[0] not in ("leased", "queued") or row[1] != epoch or row[2] != who or epoch == 0:
                     out.append("stale_epoch")
                 else:
                     out.append("accepted")

@@ -9,7 +9,8 @@ TaskResult, TaskResults; `batches.py`: BatchRequest; `versions.py`: VersionPubli
 Control is roles/run_control.py), `long_polls.py` (held requests answered by the events of the
 handlers' outcomes), `metrics_row.py` (a step's metrics row and the sinks), `lifecycle.py` (start,
 periodic work, stalls, exit) and `service.py` (the parts handed to each handler, message routing, the
-poll loop, `run_controller`).
+poll loop), `coalesce.py` (results messages read in one poll taken as one) and `process.py`
+(`run_controller`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 from astraflow.roles.controller.core import RETRY_S
 from astraflow.roles.controller.lifecycle import PRUNE_EVERY_S
 from astraflow.roles.controller.metrics_row import with_trainer_metrics
-from astraflow.roles.controller.service import TICK_S, Controller, run_controller
+from astraflow.roles.controller.process import run_controller
+from astraflow.roles.controller.service import TICK_S, Controller
 
 __all__ = ["PRUNE_EVERY_S", "RETRY_S", "TICK_S", "Controller", "run_controller", "with_trainer_metrics"]

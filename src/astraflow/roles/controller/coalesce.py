@@ -1,22 +1,24 @@
-"""Results of one member read in one poll are taken together: the results messages that a member sent
-back to back (TaskResult messages, and TaskResults of a few tasks) are stored as one TaskResults would
-be, in one transaction and one pass of the checks, the advantages and the writes; each message is still
-answered on its own (docs/architecture.md, "Group commit").
+"""Results read in one poll are taken together: the results messages of one poll (TaskResult messages,
+and TaskResults of a few tasks), from one member or many, are stored as one TaskResults would be, in
+one transaction and one pass of the checks, the advantages and the writes; each result is still
+checked against its own member's lease and charged to that member, and each message is answered on its
+own (docs/architecture.md, "Group commit").
 
 A message of one task costs the controller about as much as a TaskResults of dozens (its commit, its
-reads of the leases and the policies, its stage-state save), so a member that answers each task in its
-own message would otherwise get a fraction of the throughput of one that groups them. Only what the
-message-by-message path would answer the same way is merged: a member's consecutive results messages,
-without another message of the same member between them, whose sequences fit the columns (a
-TaskResults whose columns do not fit together is answered alone, refused whole). Anything the merged
-handling refuses as a whole (an unknown member, a refused key, an internal error) is handled again one
-message at a time, so every message gets exactly the answer it would have got alone.
+reads of the leases and the policies, its stage-state save), so members that answer each task in its
+own message would otherwise get a fraction of the throughput of members that group them. Only what the
+message-by-message path would answer the same way is merged: results messages of joined, alive
+members whose keys may send them, whose sequences fit the columns (a TaskResults whose columns do not
+fit together is answered alone, refused whole); a member's other message ends the run, so what it sent
+before is answered before it. A run that the merged handling refuses as a whole is handled again
+message by message; one whose handling raised is rolled back and each of its messages answered
+`internal`, as a failed handler's message is.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from typing import cast
+from typing import Any, cast
 
 from astraflow.protocol import messages as m
 from astraflow.protocol.codec import DecodeError
@@ -25,7 +27,7 @@ from astraflow.roles.controller.outcome import Outcome
 from astraflow.transport.principal import Principal
 
 MAX_MERGED = 256
-"""Most results taken as one (a member's longer run is taken in several)."""
+"""Most results taken as one (a longer run is taken in several)."""
 
 SMALL = 4
 """Most results of a TaskResults that is merged with others: a larger one is already a group, and
@@ -38,57 +40,63 @@ Replies = list[tuple[bytes, m.Msg]]
 
 
 class Coalescer:
-    """Walks one poll's messages in order: a member's mergeable results messages wait in its run until
-    another of its messages, a full run or the poll's end; every other message is dispatched at once."""
+    """Walks one poll's messages in order: results messages of joined members that may send them wait
+    in the run until a message of one of their members that is not mergeable, a full run or the
+    poll's end; every other message is dispatched at once."""
 
     def __init__(
         self,
         dispatch: Callable[[bytes, m.Msg | DecodeError, Principal | None], Replies],
-        handle: Callable[[bytes, m.Msg, Principal | None], Outcome],
+        sender: Callable[[bytes, m.Msg, Principal | None], dict[str, Any] | None],
+        take: Callable[[list[dict[str, Any]], m.TaskResults], Outcome | None],
         deliver: Callable[[Outcome], Replies],
     ) -> None:
         self._dispatch = dispatch
         """One message's replies (the controller's `dispatch`)."""
-        self._handle = handle
-        """One message's Outcome, nothing sent (the controller's `_handle_safely`)."""
+        self._sender = sender
+        """The member row a results message is handled for, or None where the controller answers it
+        before its results are read (not joined, not alive, a key that may not send it)."""
+        self._take = take
+        """A merged TaskResults' Outcome, result i charged to member i (None: handling it raised)."""
         self._deliver = deliver
         """The replies of held requests that an Outcome's events answer."""
 
     def replies(self, polled: Iterable[Polled]) -> Iterator[tuple[bytes, m.Msg]]:
         """The replies to one poll's messages, in the order they can be sent."""
-        runs: dict[bytes, _Run] = {}
+        run = _Run()
         for ident, principal, msg in polled:
-            run = runs.get(ident)
             outcomes = _outcomes(msg)
-            if outcomes is not None:
-                if run is not None and run.principal != principal:
-                    yield from self._flush(ident, runs.pop(ident))
-                    run = None
-                if run is None:
-                    runs[ident] = run = _Run(principal)
-                run.add(cast("Results", msg), outcomes)
+            member = None if outcomes is None else self._sender(ident, cast("m.Msg", msg), principal)
+            if member is not None and outcomes is not None:
+                run.add(ident, principal, cast("Results", msg), member, outcomes)
                 if len(run.outcomes) >= MAX_MERGED:
-                    yield from self._flush(ident, runs.pop(ident))
+                    yield from self._flush(run)
+                    run = _Run()
                 continue
-            if run is not None:  # what the member sent before this is answered before it
-                yield from self._flush(ident, runs.pop(ident))
+            if ident in run.idents:  # what the member sent before this is answered before it
+                yield from self._flush(run)
+                run = _Run()
             yield from self._dispatch(ident, msg, principal)
-        for ident, run in runs.items():
-            yield from self._flush(ident, run)
+        yield from self._flush(run)
 
-    def _flush(self, ident: bytes, run: _Run) -> Iterator[tuple[bytes, m.Msg]]:
-        if len(run.msgs) == 1:
-            yield from self._dispatch(ident, run.msgs[0], run.principal)
+    def _flush(self, run: _Run) -> Iterator[tuple[bytes, m.Msg]]:
+        if len(run.msgs) <= 1:
+            for ident, principal, msg in run.msgs:
+                yield from self._dispatch(ident, msg, principal)
             return
-        done = self._handle(ident, m.TaskResults.of(run.outcomes), run.principal)
+        done = self._take(run.members, m.TaskResults.of(run.outcomes))
+        if done is None:  # rolled back; each message gets the answer a failed handler gives
+            for ident, _principal, msg in run.msgs:
+                yield ident, m.Error(rid=msg.rid, code="internal", message="handling the result failed")
+            return
         reply = done.reply
         if not isinstance(reply, m.ResultsAck) or len(reply.acks) != len(run.outcomes):
             # refused whole (nothing was stored): each message gets the answer it gets alone
-            for msg in run.msgs:
-                yield from self._dispatch(ident, msg, run.principal)
+            for ident, principal, msg in run.msgs:
+                yield from self._dispatch(ident, msg, principal)
             return
         k = 0
-        for msg in run.msgs:
+        for ident, _principal, msg in run.msgs:
             if isinstance(msg, m.TaskResult):
                 yield ident, _answer(msg, reply.acks[k])
                 k += 1
@@ -99,18 +107,29 @@ class Coalescer:
 
 
 class _Run:
-    """A member's results messages waiting to be taken together, and their results in order."""
+    """Results messages waiting to be taken together, and their results in order with each one's
+    member."""
 
-    __slots__ = ("msgs", "outcomes", "principal")
+    __slots__ = ("idents", "members", "msgs", "outcomes")
 
-    def __init__(self, principal: Principal | None) -> None:
-        self.principal = principal
-        self.msgs: list[Results] = []
+    def __init__(self) -> None:
+        self.idents: set[bytes] = set()
+        self.msgs: list[tuple[bytes, Principal | None, Results]] = []
         self.outcomes: list[m.Outcome] = []
+        self.members: list[dict[str, Any]] = []
 
-    def add(self, msg: Results, outcomes: list[m.Outcome]) -> None:
-        self.msgs.append(msg)
+    def add(
+        self,
+        ident: bytes,
+        principal: Principal | None,
+        msg: Results,
+        member: dict[str, Any],
+        outcomes: list[m.Outcome],
+    ) -> None:
+        self.idents.add(ident)
+        self.msgs.append((ident, principal, msg))
         self.outcomes += outcomes
+        self.members += [member] * len(outcomes)
 
 
 def _outcomes(msg: m.Msg | DecodeError) -> list[m.Outcome] | None:

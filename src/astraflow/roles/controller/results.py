@@ -92,6 +92,13 @@ def on_task_results(ctx: Intake, member: dict[str, Any], msg: m.TaskResults) -> 
     whose columns do not fit together is refused whole (nothing stored, the leases lapse). A result
     refused while stored rolls the group back, and each result is then handled alone, as a
     TaskResult would be."""
+    return take_results(ctx, [member] * len(msg.results), msg)
+
+
+def take_results(ctx: Intake, members: list[dict[str, Any]], msg: m.TaskResults) -> Outcome:
+    """`on_task_results` of a message whose result i came from members[i] (several members' results
+    read in one poll are taken as one message: coalesce.py); each result is checked against its own
+    member's lease and charged to that member, as it would be in that member's own message."""
     view = ResultColumns(msg)
     if view.problem:
         return Outcome(m.Error(rid=msg.rid, code="bad_result", message=f"{view.problem}; nothing stored"))
@@ -99,25 +106,25 @@ def on_task_results(ctx: Intake, member: dict[str, Any], msg: m.TaskResults) -> 
     good: list[tuple[int, m.ResultHead, TaskRow | None]] = []
     tasks = ctx.ledger.get_many(h.task_id for h in msg.results if not h.error)
     latest: dict[str, int] = {}
-    cleared = _cleared(ctx, member, view, tasks, latest)
+    cleared = _cleared(ctx, members, view, tasks, latest)
     expected: dict[tuple[Any, ...], dict[str, int]] = {}
     verdicts: dict[tuple[Any, ...], str] = {}
     for i, h in enumerate(msg.results):
         if h.error:
             failed = m.TaskResult(task_id=h.task_id, epoch=h.epoch, error=h.error)
-            acks[i] = _outcome_ack(h.task_id, _task_result(ctx, member, failed))
+            acks[i] = _outcome_ack(h.task_id, _task_result(ctx, members[i], failed))
             continue
         task = tasks.get(h.task_id)
-        bad = _invalid_in(ctx, member, view, i, task, latest, cleared.get(i, False), expected, verdicts)
+        bad = _invalid_in(ctx, members[i], view, i, task, latest, cleared.get(i, False), expected, verdicts)
         if bad is not None:
             acks[i] = m.OutcomeAck(task_id=h.task_id, status="invalid", code="bad_result", message=bad)
         else:
             good.append((i, h, task))
     try:
-        acks.update(_store_group(ctx, member, view, good))
+        acks.update(_store_group(ctx, members, view, good))
     except RefusedResult:
         for i, h, _task in good:
-            acks[i] = _outcome_ack(h.task_id, _task_result(ctx, member, _single(view.outcome(i))))
+            acks[i] = _outcome_ack(h.task_id, _task_result(ctx, members[i], _single(view.outcome(i))))
     accepted = any(a.status == "accepted" for a in acks.values())
     reply = m.ResultsAck(rid=msg.rid, acks=[acks[i] for i in range(len(msg.results))])
     return Outcome(reply, (Event.RESULT_ACCEPTED,) if accepted else ())
@@ -125,7 +132,7 @@ def on_task_results(ctx: Intake, member: dict[str, Any], msg: m.TaskResults) -> 
 
 def _store_group(
     ctx: Intake,
-    member: dict[str, Any],
+    members: list[dict[str, Any]],
     view: ResultColumns,
     good: list[tuple[int, m.ResultHead, TaskRow | None]],
 ) -> dict[int, m.OutcomeAck]:
@@ -136,11 +143,12 @@ def _store_group(
     with ctx.store.write(), ctx.buffer.grouped():
         fed: dict[str, None] = {}
         # every lease of the message completed by one read and one UPDATE (state/ledger.py)
-        statuses = ctx.ledger.complete_many([(h.task_id, h.epoch) for _, h, _ in good], member["id"])
+        owners = [members[i]["id"] for i, _, _ in good]
+        statuses = ctx.ledger.complete_many([(h.task_id, h.epoch) for _, h, _ in good], owners)
         # every one-group result's advantages in one pass over the message (the same values)
         planned = plan_advantages(ctx.pipeline, view)
         for (i, h, task), status in zip(good, statuses, strict=True):
-            _take(ctx, member, (view, i), task, status, planned)
+            _take(ctx, members[i], (view, i), task, status, planned)
             acks[i] = m.OutcomeAck(task_id=h.task_id, status=status)
             if status == "accepted" and task is not None:
                 fed.update(dict.fromkeys(task.policies))
@@ -164,7 +172,7 @@ def _latest(ctx: Intake, latest: dict[str, int]) -> dict[str, int]:
 
 def _cleared(
     ctx: Intake,
-    member: dict[str, Any],
+    members: list[dict[str, Any]],
     view: ResultColumns,
     tasks: dict[int, TaskRow],
     latest: dict[str, int],
@@ -172,7 +180,7 @@ def _cleared(
     """Result index -> whether its sequences passed the per-token checks together with the rest of
     the message's (ResultChecker.clear_columns); results not checked are left out."""
     heads = view.heads
-    idx = [i for i, h in enumerate(heads) if not h.error and _checked(tasks.get(h.task_id), member)]
+    idx = [i for i, h in enumerate(heads) if not h.error and _checked(tasks.get(h.task_id), members[i])]
     if not idx:
         return {}
     picked = [(i, tasks[heads[i].task_id]) for i in idx]

@@ -9,7 +9,6 @@ Periodic work (liveness, lease expiry, refilling the queue) runs between polls (
 
 from __future__ import annotations
 
-import signal
 import time
 from collections.abc import Callable
 from functools import partial
@@ -24,7 +23,7 @@ from astraflow.roles import authz
 from astraflow.roles.controller import batches, beats, lifecycle, members, results, tasks, versions
 from astraflow.roles.controller.beat_pace import BeatPace
 from astraflow.roles.controller.coalesce import Coalescer
-from astraflow.roles.controller.core import ControllerCore, settle_heap
+from astraflow.roles.controller.core import ControllerCore
 from astraflow.roles.controller.outcome import Event, Outcome
 from astraflow.roles.controller.parked import Parked, immediate
 from astraflow.roles.controller.run_end import summary
@@ -49,8 +48,8 @@ class Controller(ControllerCore):
         self.loop = lifecycle.LoopState()
         """Whether to stop (a signal, a stall) and with which exit code; when the loop last ticked."""
         self._hand_over(recipe, run_dir, store)
-        self.coalescer = Coalescer(self.dispatch, self._handle_safely, self._deliver)
-        """A poll's messages dispatched in order, a member's TaskResult messages taken as one (coalesce.py)."""
+        self.coalescer = Coalescer(self.dispatch, self._results_sender, self._take_merged, self._deliver)
+        """A poll's messages dispatched in order, its results messages taken as one (coalesce.py)."""
 
     def _hand_over(self, recipe: Recipe, run_dir: Path, store: Store) -> None:
         """Give each member message's handler the parts of the state it reads, once (a flood of
@@ -122,7 +121,7 @@ class Controller(ControllerCore):
             default_slots=rc.slots,
             max_member_slots=cc.max_member_slots,
         )
-        intake = results.Intake(
+        self._intake = intake = results.Intake(
             store=store,
             ledger=self.ledger,
             checker=self.checker,
@@ -291,6 +290,23 @@ class Controller(ControllerCore):
         )
         return Outcome(reply, (Event.RUN_CHANGED,) if done else ())
 
+    def _results_sender(self, ident: bytes, msg: m.Msg, principal: Principal | None) -> dict[str, Any] | None:
+        """The member whose results message this is, if `outcome` would hand it to the results handler
+        (a joined, alive member whose key may send it); None: it is answered on its own."""
+        member = self.members.row(ident.decode("utf-8", "replace"))
+        if member is None or member["status"] != "alive" or authz.message_refusal(member, msg, principal):
+            return None
+        return member
+
+    def _take_merged(self, senders: list[dict[str, Any]], msg: m.TaskResults) -> Outcome | None:
+        """Several messages' results as one TaskResults, result i from senders[i] (coalesce.py); None
+        if handling it failed (rolled back: each message is then handled on its own)."""
+        try:
+            return results.take_results(self._intake, senders, msg)
+        except Exception:
+            _log.exception("taking %d merged results failed; handling them message by message", len(senders))
+            return None
+
     def _handle_safely(self, ident: bytes, msg: m.Msg | DecodeError, principal: Principal | None) -> Outcome:
         try:
             return self.outcome(ident, msg, principal)
@@ -363,38 +379,3 @@ class Controller(ControllerCore):
             _log.error("run failed: %s", summary(self.failed))
             return 1
         return self.loop.exit_code
-
-
-def run_controller(
-    recipe: Recipe, run_dir: Path, bind: str | None = None, *, allow_recipe_change: bool = False
-) -> int:
-    """Run the controller on `run_dir` (resuming its state.db) until SIGTERM/SIGINT or the run's end."""
-    from astraflow.transport.server import RouterServer
-
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    store = Store.open(run_dir / "state.db", synchronous=recipe.controller.synchronous)
-    server = None
-    try:
-        ctl = Controller(recipe, run_dir, store, allow_recipe_change=allow_recipe_change)
-        ctl.start()
-        settle_heap()
-        ctl.loop.settled_members = max(1, len(ctl.members.seen))  # and again as members join (lifecycle)
-        server = RouterServer(
-            bind or recipe.controller.bind, max_message_bytes=recipe.controller.max_message_bytes
-        )
-
-        def on_signal(signum: int, _frame: Any) -> None:
-            ctl.loop.stop_requested = True
-
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, on_signal)
-        tmp = run_dir / "controller.addr.tmp"
-        tmp.write_text(server.address + "\n")
-        tmp.replace(run_dir / "controller.addr")
-        _log.info("controller of run %s listening on %s", recipe.run.name, server.address)
-        return ctl.serve(server)
-    finally:
-        if server is not None:
-            server.close()
-        store.close()
