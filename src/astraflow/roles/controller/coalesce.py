@@ -11,8 +11,9 @@ message-by-message path would answer the same way is merged: results messages of
 members whose keys may send them, whose sequences fit the columns (a TaskResults whose columns do not
 fit together is answered alone, refused whole); a member's other message ends the run, so what it sent
 before is answered before it. A run that the merged handling refuses as a whole is handled again
-message by message; one whose handling raised is rolled back and each of its messages answered
-`internal`, as a failed handler's message is.
+message by message; one whose handling raised has its group's transaction rolled back and each of its
+messages answered `internal`, as a failed handler's message is (not handled again: charges already
+committed for its invalid results would be counted twice).
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ class Coalescer:
                 yield from self._dispatch(ident, msg, principal)
             return
         done = self._take(run.members, m.TaskResults.of(run.outcomes))
-        if done is None:  # rolled back; each message gets the answer a failed handler gives
+        if done is None:  # the group rolled back: each message gets the answer a failed handler gives
             for ident, _principal, msg in run.msgs:
                 yield ident, m.Error(rid=msg.rid, code="internal", message="handling the result failed")
             return

@@ -300,11 +300,13 @@ class Controller(ControllerCore):
 
     def _take_merged(self, senders: list[dict[str, Any]], msg: m.TaskResults) -> Outcome | None:
         """Several messages' results as one TaskResults, result i from senders[i] (coalesce.py); None
-        if handling it failed (rolled back: each message is then handled on its own)."""
+        if handling it failed (its group rolled back: each message is then answered `internal`)."""
         try:
             return results.take_results(self._intake, senders, msg)
         except Exception:
-            _log.exception("taking %d merged results failed; handling them message by message", len(senders))
+            _log.exception(
+                "taking %d merged results failed; each of their messages is answered internal", len(senders)
+            )
             return None
 
     def _handle_safely(self, ident: bytes, msg: m.Msg | DecodeError, principal: Principal | None) -> Outcome:
