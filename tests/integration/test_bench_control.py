@@ -62,7 +62,8 @@ def test_every_way_of_sending_results_is_accepted_whole_through_live_sockets(tmp
     every result is acknowledged accepted, to the message that carried it."""
     proc = subprocess.run(
         [sys.executable, "-m", "astraflow", "bench", "control", "--members", "2", "--curve", "on"]
-        + ["--seconds", "2", "--warmup-steps", "1", "--procs", "1", "--results", "all", "--json"]
+        + ["--seconds", "2", "--warmup-steps", "1", "--settle-s", "0.5", "--procs", "1", "--results", "all"]
+        + ["--json"]
         + ["--out", str(tmp_path)],
         capture_output=True,
         text=True,
@@ -73,4 +74,4 @@ def test_every_way_of_sending_results_is_accepted_whole_through_live_sockets(tmp
     assert [r["results"] for r in rows] == ["grouped", "single", "tasks"]
     for row in rows:
         assert row["refused"] == 0 and row["errors"] == [], row
-        assert row["warmup_steps"] >= 1 and row["sequences_per_s"] > 0, row
+        assert row["warmup_steps"] >= 1 and row["sequences_per_s"] > 0 and row["settle_s"] == 0.5, row

@@ -113,6 +113,7 @@ def run_one(
     tokens: int = 3,
     idle_beats_per_s: float | None = None,
     controller_cpu: int | None = None,
+    settle_s: float = 0.0,
 ) -> dict[str, Any]:
     """One controller with `members` simulated members (2 active RaaS + idle ones + 1 trainer), each
     sequence `tokens` generated tokens long; with `controller_cpu`, the controller alone on that CPU
@@ -170,6 +171,7 @@ def run_one(
             )
         joined = _wait_joined(addr, keys_dir, len(names), deadline=time.monotonic() + 60 + members * 0.02)
         steps0 = _wait_step(run_dir, warmup_steps, deadline=time.monotonic() + 120)
+        time.sleep(settle_s)  # the joins' aftermath (handshakes, first beats) out of the window
         t0, cpu0 = time.time(), _cpu_s(ctl.pid)
         time.sleep(seconds)
         t1, cpu1 = time.time(), _cpu_s(ctl.pid)
@@ -204,6 +206,7 @@ def run_one(
         "first_refusals": [x for r in results for x in r["refused"]][:3],
         "errors": [x for r in results for x in r["errors"]][:5],
         "warmup_steps": steps0,
+        "settle_s": settle_s,
         "window_s": round(window, 2),
         "steps": n_steps,
         "steps_per_s": round(n_steps / window, 2),
@@ -345,6 +348,7 @@ def run(
     tokens: int = 3,
     idle_beats_per_s: float | None = None,
     controller_cpu: int | None = None,
+    settle_s: float = 0.0,
 ) -> dict[str, Any]:
     """Every (results mode, curve, members) combination, then the physical limits; ratios against the
     first row of the same results mode and CURVE setting."""
@@ -352,7 +356,7 @@ def run(
     opts: dict[str, Any] = {"seconds": seconds, "warmup_steps": warmup_steps, "heartbeat_s": heartbeat_s}
     opts["procs"] = procs
     opts |= {"keep_steps": keep_steps, "tokens": tokens, "idle_beats_per_s": idle_beats_per_s}
-    opts["controller_cpu"] = controller_cpu
+    opts |= {"controller_cpu": controller_cpu, "settle_s": settle_s}
     for mode in results:
         for c in curve:
             for n in member_counts:

@@ -92,6 +92,11 @@ def control(
     curve: str = typer.Option("off,on", help="CURVE off, on, or both (off,on): every member its own key."),
     seconds: float = typer.Option(10.0, help="Measured window per run, after the warm-up steps."),
     warmup_steps: int = typer.Option(3, help="Steps the controller records before the window opens."),
+    settle_s: float = typer.Option(
+        0.0,
+        help="Seconds waited after the warm-up steps before the window opens (every row): the aftermath "
+        "of thousands of joins (their handshakes, their first beats) left out of a steady-state window.",
+    ),
     heartbeat_s: float = typer.Option(
         0.5, help="The recipe's heartbeat interval (every member beats this often)."
     ),
@@ -172,10 +177,10 @@ def control(
         raise typer.BadParameter(
             f"--controller-cpu takes one of this process's CPUs {cpus}, and needs another for the simulators"
         )
-    if not counts or min(counts) < 1 or modes is None or grouping is None or tokens < 1:
+    if not counts or min(counts) < 1 or modes is None or grouping is None or tokens < 1 or settle_s < 0:
         raise typer.BadParameter(
             "--members takes counts >= 1 (e.g. 2,100,1000); --curve off, on or off,on; --results grouped, single, tasks, both or all; "
-            "--tokens >= 1"
+            "--tokens >= 1; --settle-s >= 0"
         )
     with tempfile.TemporaryDirectory() as tmp:
         res = run(
@@ -192,5 +197,6 @@ def control(
             tokens=tokens,
             idle_beats_per_s=idle_beats_per_s,
             controller_cpu=controller_cpu,
+            settle_s=settle_s,
         )
     typer.echo(_json.dumps(res, indent=2) if as_json else render(res))
