@@ -1,7 +1,7 @@
 """The controller's IO: route each message to its handler, hold long polls, and run the loop.
 
-It is the only writer of state.db. Each message is handled in its own transaction (a member's
-TaskResults read in one poll share one, coalesce.py), and a reply is sent only after it committed, so
+It is the only writer of state.db. Each message is handled in its own transaction (the results
+messages read in one poll share one, coalesce.py), and a reply is sent only after it committed, so
 whatever a member was told is on disk. A handler returns an `Outcome` (outcome.py): `dispatch` sends
 its reply (or holds the request) and hands its events to the long polls, whose answers it sends too.
 Periodic work (liveness, lease expiry, refilling the queue) runs between polls (lifecycle.py).
@@ -39,7 +39,8 @@ TICK_S = 0.1
 
 
 class Controller(ControllerCore):
-    """The controller's state (core.py) with its message routing; `serve` runs the loop to the end."""
+    """The controller's state (core.py) with its message routing; `serve` runs the loop until stopped
+    or the run ends."""
 
     def __init__(
         self, recipe: Recipe, run_dir: Path, store: Store, *, allow_recipe_change: bool = False
@@ -89,7 +90,8 @@ class Controller(ControllerCore):
             pace=self.pace,
             held=self.parked.held_rids,
         )
-        """Heartbeats (beats.py): the rate limit, an idle beat from memory, the rest through on_heartbeat."""
+        """Heartbeats (beats.py): the rate limit, an idle beat from memory, the rest through
+        members.on_heartbeat (the rids of the member's held requests added per message)."""
         policies: dict[str, PolicyConfig] = {}
         for p in recipe.policy:
             policies.setdefault(p.name, p)
@@ -163,7 +165,8 @@ class Controller(ControllerCore):
                 m.VersionPublished: partial(versions.on_version, publishing),
             },
         )
-        """The member messages' handlers (but Heartbeat's): each takes its message type and the parts it reads."""
+        """The member messages' handlers (but Heartbeat's), each taking the message type it is keyed by
+        and only the parts of the state it reads (built once: a flood must not rebuild them per message)."""
         self._starting = lifecycle.Starting(
             recipe=recipe,
             allow_recipe_change=self.allow_recipe_change,
