@@ -45,11 +45,6 @@ def _layout(s: PackedSequence) -> str:
     return ""
 
 
-def columnable(s: PackedSequence) -> bool:
-    """Whether the sequence's arrays can be a slice of the columns."""
-    return not _layout(s)
-
-
 def _columnable(o: Outcome) -> Outcome:
     """The outcome itself, or (a sequence whose arrays disagree in length cannot be a slice of the
     columns) the error naming that sequence, which the controller charges as a failed attempt."""
@@ -63,11 +58,17 @@ def _columnable(o: Outcome) -> Outcome:
     return o
 
 
-def pack(outcomes: collections.abc.Sequence[Outcome], rid: int = 0) -> TaskResults:
-    """One TaskResults holding these results, their sequences in columns (an errored result carries none)."""
+def columnable(o: Outcome) -> bool:
+    """Whether every sequence of the result can be a slice of the columns."""
+    return _columnable(o) is o
+
+
+def pack(outcomes: collections.abc.Sequence[Outcome], rid: int = 0, *, checked: bool = False) -> TaskResults:
+    """One TaskResults holding these results, their sequences in columns (an errored result carries none);
+    `checked`: every result is known to be `columnable` already."""
     heads: list[ResultHead] = []
     seqs: list[PackedSequence] = []
-    for o in map(_columnable, outcomes):
+    for o in outcomes if checked else map(_columnable, outcomes):
         if o.error:
             heads.append(ResultHead(task_id=o.task_id, epoch=o.epoch, error=o.error))
             continue

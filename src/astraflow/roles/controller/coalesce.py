@@ -23,7 +23,7 @@ from typing import Any, cast
 
 from astraflow.protocol import messages as m
 from astraflow.protocol.codec import DecodeError
-from astraflow.protocol.columns import ResultColumns, columnable
+from astraflow.protocol.columns import ResultColumns, columnable, pack
 from astraflow.roles.controller.outcome import Outcome
 from astraflow.transport.principal import Principal
 
@@ -85,7 +85,7 @@ class Coalescer:
             for ident, principal, msg in run.msgs:
                 yield from self._dispatch(ident, msg, principal)
             return
-        done = self._take(run.members, m.TaskResults.of(run.outcomes))
+        done = self._take(run.members, pack(run.outcomes, checked=True))
         if done is None:  # the group rolled back: each message gets the answer a failed handler gives
             for ident, _principal, msg in run.msgs:
                 yield ident, m.Error(rid=msg.rid, code="internal", message="handling the result failed")
@@ -135,21 +135,17 @@ class _Run:
 
 def _outcomes(msg: m.Msg | DecodeError) -> list[m.Outcome] | None:
     """A results message's results, if it may be merged: a TaskResult whose sequences fit the columns
-    (not an error: nothing to store), or a TaskResults of up to SMALL results whose columns fit."""
+    (not an error: nothing to store; one that does not fit is answered by the single-result path,
+    which names its fault), or a TaskResults of up to SMALL results whose columns fit."""
     if type(msg) is m.TaskResult:
-        if msg.error or not _fits(msg):
+        if msg.error:
             return None
-        return [m.Outcome(task_id=msg.task_id, epoch=msg.epoch, episodes=msg.episodes)]
+        o = m.Outcome(task_id=msg.task_id, epoch=msg.epoch, episodes=msg.episodes)
+        return [o] if columnable(o) else None
     if type(msg) is m.TaskResults and 0 < len(msg.results) <= SMALL:
         view = ResultColumns(msg)
         return None if view.problem else [view.outcome(i) for i in range(len(msg.results))]
     return None
-
-
-def _fits(msg: m.TaskResult) -> bool:
-    """Whether every sequence of the result can be a slice of the columns (one that cannot is
-    answered by the single-result path, which names its fault)."""
-    return all(columnable(s) for ep in msg.episodes for s in ep.sequences)
 
 
 def _answer(msg: m.TaskResult, ack: m.OutcomeAck) -> m.Msg:

@@ -250,9 +250,8 @@ class Controller(ControllerCore):
             return members.on_leave(msg, principal, store=self.store, draining=self.draining)
         if isinstance(msg, m.Control):
             return self._on_control(msg, principal)
-        # the kept row (roles/member_table.py: dropped whenever a statement changes it)
-        member = self.members.row(member_id)
-        if member is None or member["status"] != "alive":
+        member = self._alive_row(member_id)
+        if member is None:
             return Outcome(
                 m.Error(rid=rid, code="unknown_member", message=f"{member_id!r} has not joined; send Hello")
             )
@@ -293,11 +292,17 @@ class Controller(ControllerCore):
         )
         return Outcome(reply, (Event.RUN_CHANGED,) if done else ())
 
+    def _alive_row(self, member_id: str) -> dict[str, Any] | None:
+        """The member's kept row if it joined and is alive (roles/member_table.py: the row is dropped
+        whenever a statement changes it)."""
+        member = self.members.row(member_id)
+        return member if member is not None and member["status"] == "alive" else None
+
     def _results_sender(self, ident: bytes, msg: m.Msg, principal: Principal | None) -> dict[str, Any] | None:
         """The member whose results message this is, if `outcome` would hand it to the results handler
         (a joined, alive member whose key may send it); None: it is answered on its own."""
-        member = self.members.row(ident.decode("utf-8", "replace"))
-        if member is None or member["status"] != "alive" or authz.message_refusal(member, msg, principal):
+        member = self._alive_row(ident.decode("utf-8", "replace"))
+        if member is None or authz.message_refusal(member, msg, principal):
             return None
         return member
 
