@@ -121,6 +121,20 @@ class LocalSlurm:
             time.sleep(0.5)
         raise TimeoutError(f"job {job} still {self.job_state(job)} after {timeout_s:.0f}s")
 
+    def report(self, job: str, run_dir: Path, tail: int = 3000) -> str:
+        """What a failed job leaves to read: its state, the tail of each of the run's logs (the job
+        script's own output among them) and of the daemons' logs (a step Slurm killed says so there)."""
+        parts = [f"job {job}: {self.job_state(job)}"]
+        logs = sorted((run_dir / "logs").glob("*.log*")) + sorted((run_dir / "logs").glob("*.out"))
+        for f in logs + sorted((self.root / "log").glob("*.log")):
+            if f.is_file():
+                parts.append(f"--- {f.name}\n" + f.read_text(errors="replace")[-tail:])
+        # a step that got SIGKILL from outside Slurm (the kernel's OOM killer) shows only here
+        kernel = subprocess.run(["dmesg"], capture_output=True, text=True).stdout.splitlines()
+        kills = [line for line in kernel if "killed process" in line.lower() or "out of memory" in line.lower()]
+        parts.append("--- kernel log, kills: " + ("\n".join(kills[-10:]) or "none (or dmesg not readable)"))
+        return "\n".join(parts)
+
     def stop(self, timeout_s: float = 30.0) -> None:
         """Stop the daemons this object started (by their pid files) and wait until they are gone."""
         pids = []

@@ -64,8 +64,9 @@ def test_quickstart_through_launch_slurm_resumes_after_cancel(
     # cancel the job once a checkpoint exists past step 2 (30 steps: it must still be running then)
     deadline = time.monotonic() + 300
     while max(_steps(run_dir), default=0) < 3:
-        assert slurm.job_state(job)[0] in ("PENDING", "RUNNING", "CONFIGURING"), slurm.job_state(job)
-        assert time.monotonic() < deadline, "the job made no progress"
+        if slurm.job_state(job)[0] not in ("PENDING", "RUNNING", "CONFIGURING"):
+            pytest.fail("the job ended before its third step:\n" + slurm.report(job, run_dir))
+        assert time.monotonic() < deadline, "the job made no progress:\n" + slurm.report(job, run_dir)
         time.sleep(0.1)
     subprocess.run(["scancel", job], check=True, env=slurm.env)
     assert slurm.wait_job(job, 120)[0] == "CANCELLED"
@@ -77,8 +78,7 @@ def test_quickstart_through_launch_slurm_resumes_after_cancel(
     )
     job2 = again.stdout.strip().split(";")[0]
     state, code = slurm.wait_job(job2, 600)
-    log = "\n".join(p.read_text() for p in sorted((run_dir / "logs").glob("*.log*")))
-    assert (state, code) == ("COMPLETED", "0:0"), log[-4000:]
+    assert (state, code) == ("COMPLETED", "0:0"), slurm.report(job2, run_dir)
     steps = _steps(run_dir)
     assert sorted(set(steps)) == list(range(1, 31)), steps
     # resumed, not restarted: the steps done before the cancel are not all trained again

@@ -41,8 +41,7 @@ def _wait(what: str, cond: Callable[[], object], slurm: LocalSlurm, job: str, ru
             asked = time.monotonic()
             state = slurm.job_state(job)[0]
             if state not in ("PENDING", "RUNNING", "CONFIGURING"):
-                logs = "\n".join(p.read_text()[-3000:] for p in sorted((run_dir / "logs").glob("*.log*")))
-                pytest.fail(f"job {job} is {state} while waiting for {what}:\n{logs}")
+                pytest.fail(f"job {job} is {state} while waiting for {what}:\n{slurm.report(job, run_dir)}")
         if time.monotonic() > deadline:
             pytest.fail(f"timed out waiting for {what}:\n{_pool_log(run_dir)[-4000:]}")
         time.sleep(0.05)
