@@ -4,7 +4,6 @@ workers and a trainer, each a real `astraflow` process with its own log; killed 
 from __future__ import annotations
 
 import os
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -12,14 +11,10 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+from tests.ports import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes/quickstart/recipe.toml"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def ro(run_dir: Path) -> sqlite3.Connection:

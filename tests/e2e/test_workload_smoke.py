@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.ports import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -220,16 +222,10 @@ def test_verifiers_environment_trains_through_up(bpe_model: Path, tmp_path: Path
     assert "task_timeout" not in logs and "failed" not in logs.lower()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(660)  # its subprocesses have their own, longer limits
 def test_env_server_smoke_starts_the_reference_server_as_a_service(bpe_model: Path, tmp_path: Path) -> None:
-    port = _free_port()  # the recipe's 8700 may be taken on a shared machine; same command otherwise
+    port = free_port()  # the recipe's 8700 may be taken on a shared machine; same command otherwise
     command = ["python", "-m", "astraflow.workflows.env_protocol.reference", "--port", str(port)]
     recs = _up(
         ROOT / "recipes/env_server/smoke.toml",

@@ -14,6 +14,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from tests.ports import free_port
+
 MUNGE_SOCKET = Path("/run/munge/munge.socket.2")
 
 
@@ -25,12 +27,6 @@ def skip_reason() -> str:
     if os.geteuid() != 0:
         return "a local slurmd must run as root to launch job steps"
     return ""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class LocalSlurm:
@@ -69,8 +65,8 @@ class LocalSlurm:
                     f"SlurmdPidFile={r}/slurmd.pid",
                     f"SlurmctldLogFile={r}/log/slurmctld.log",
                     f"SlurmdLogFile={r}/log/slurmd.log",
-                    f"SlurmctldPort={_free_port()}",
-                    f"SlurmdPort={_free_port()}",
+                    f"SlurmctldPort={free_port()}",
+                    f"SlurmdPort={free_port()}",
                     f"NodeName={host} CPUs={os.cpu_count() or 1} State=UNKNOWN",
                     "PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE",
                 ]
@@ -131,7 +127,9 @@ class LocalSlurm:
                 parts.append(f"--- {f.name}\n" + f.read_text(errors="replace")[-tail:])
         # a step that got SIGKILL from outside Slurm (the kernel's OOM killer) shows only here
         kernel = subprocess.run(["dmesg"], capture_output=True, text=True).stdout.splitlines()
-        kills = [line for line in kernel if "killed process" in line.lower() or "out of memory" in line.lower()]
+        kills = [
+            line for line in kernel if "killed process" in line.lower() or "out of memory" in line.lower()
+        ]
         parts.append("--- kernel log, kills: " + ("\n".join(kills[-10:]) or "none (or dmesg not readable)"))
         return "\n".join(parts)
 

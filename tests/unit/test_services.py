@@ -16,6 +16,7 @@ from astraflow.errors import AstraflowError
 from astraflow.launch.pool import LocalPool
 from astraflow.launch.services import start_services
 from astraflow.launch.supervisor import Supervisor
+from tests.ports import free_port
 
 # a tiny listener, then a grandchild of its own (as a shell script that starts a server would have)
 SERVER = """
@@ -44,7 +45,7 @@ def _server(tmp_path: Path) -> tuple[Path, Path, int]:
     """The SERVER script, the file it writes its child's pid to, and a free port for it."""
     script = tmp_path / "server.py"
     script.write_text(SERVER)
-    return script, tmp_path / "child.pid", _free_port()
+    return script, tmp_path / "child.pid", free_port()
 
 
 def _alive(pid: int) -> bool:
@@ -194,7 +195,7 @@ def test_a_service_with_restarts_left_is_started_again_and_the_run_goes_on(tmp_p
 
     from astraflow.launch.up import _watch
 
-    port = _free_port()
+    port = free_port()
     lives = tmp_path / "lives"
     flaky = f"""
 import socket, subprocess, sys, time
@@ -235,9 +236,3 @@ sys.exit(1)
         assert sup.children[-1].running and sup.children[-1].restarts == 1
     finally:
         sup.stop_all(grace_s=2)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
