@@ -13,8 +13,9 @@ import socket
 from pathlib import Path
 
 _RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
-_LOWEST = 10_000
-"""Below this lie ports that system services commonly use."""
+_LOWEST = 20_000
+"""Below this lie ports that system services commonly use, and Ray's worker ports (10002-19999 by
+default: a raylet refuses to start when one of its own ports falls in that range)."""
 _given: set[int] = set()
 
 
