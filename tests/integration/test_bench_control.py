@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -51,6 +52,15 @@ def test_bench_control_moves_steps_through_a_live_controller_with_every_member_j
         assert row["warmup_steps"] >= 1
         assert row["sequences_per_s"] > 0 and row["steps_per_s"] > 0
         assert row["controller_rss_mb"] > 0 and row["task_ms_p50"] is not None
+        # the controller's CPU split by thread: its Python thread handled the steps; libzmq's I/O
+        # thread (CURVE on) did some of the socket work; the parts are within the process's total
+        # (read a moment apart, each to a clock tick: three ticks of slack over the window)
+        assert row["main_ms_per_step"] > 0 and row["zmq_io_ms_per_step"] > 0, row
+        parts = row["main_ms_per_step"] + row["zmq_io_ms_per_step"] + row["other_ms_per_step"]
+        assert (
+            parts <= row["controller_cpu_ms_per_step"] + 3 * 1000 / os.sysconf("SC_CLK_TCK") / row["steps"]
+        ), row
+        assert row["main_preempted_per_s"] >= 0, row
     assert res["rows"][1]["heartbeats_per_s"] > res["rows"][0]["heartbeats_per_s"]
     assert res["limits"]["zmq_msgpack_msgs_per_s"] > 0 and res["limits"]["rows_per_s_batched"] > 0
 

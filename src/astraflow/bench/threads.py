@@ -1,0 +1,67 @@
+"""A process's CPU per kind of thread, read from /proc (Linux): which of its threads spend a bench's
+window. For the controller the kinds are its Python thread ("main", the one that handles every
+message), libzmq's I/O threads ("zmq_io": reading, writing, CURVE's encryption and the ZMTP pings of
+every connection) and the rest ("other": the CURVE handshake's ZAP thread, libzmq's reaper, threads a
+library starts)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def _kind(pid: int, tid: int, comm: str) -> str:
+    if tid == pid:
+        return "main"
+    if comm.startswith("ZMQbg/IO"):
+        return "zmq_io"
+    return "other"
+
+
+def sample(pid: int) -> dict[str, float]:
+    """CPU seconds so far per kind of thread, and the main thread's involuntary context switches
+    ("main_preempted": times the scheduler took the core from it, as another thread of the same core
+    wants it). Threads that ended before the call are not counted; {} when /proc cannot be read."""
+    out = {"main": 0.0, "zmq_io": 0.0, "other": 0.0, "main_preempted": 0.0}
+    tick = os.sysconf("SC_CLK_TCK")
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return {}
+    for name in tids:
+        base = Path(f"/proc/{pid}/task/{name}")
+        try:
+            stat = (base / "stat").read_text()
+            comm = (base / "comm").read_text().strip()
+        except OSError:
+            continue  # the thread ended between the listing and the read
+        fields = stat.rsplit(")", 1)[1].split()
+        kind = _kind(pid, int(name), comm)
+        out[kind] += (int(fields[11]) + int(fields[12])) / tick
+        if kind == "main":
+            for line in (base / "status").read_text().splitlines():
+                if line.startswith("nonvoluntary_ctxt_switches:"):
+                    out["main_preempted"] = float(line.split()[1])
+    return out
+
+
+def per_step(
+    before: dict[str, float], after: dict[str, float], steps: int, window_s: float
+) -> dict[str, float | None]:
+    """The window's CPU milliseconds per step of each kind, and the main thread's preemptions a
+    second (None where a sample was missing or no step was taken)."""
+    if not before or not after:
+        return {
+            "main_ms_per_step": None,
+            "zmq_io_ms_per_step": None,
+            "other_ms_per_step": None,
+            "main_preempted_per_s": None,
+        }
+    ms = {
+        f"{k}_ms_per_step": (round(1000 * (after[k] - before[k]) / steps, 2) if steps else None)
+        for k in ("main", "zmq_io", "other")
+    }
+    return {
+        **ms,
+        "main_preempted_per_s": round((after["main_preempted"] - before["main_preempted"]) / window_s, 1),
+    }
