@@ -1,0 +1,61 @@
+"""bench/threads.py: a process's CPU split by thread kind, read from /proc, on this very process."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+import pytest
+
+from astraflow.bench import threads
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+
+def _spin(seconds: float) -> None:
+    end = time.process_time() + seconds  # CPU time of the process: stops after that much work
+    while time.process_time() < end:
+        pass
+
+
+def test_cpu_lands_on_the_thread_that_spent_it() -> None:
+    before = threads.sample(os.getpid())
+    _spin(0.3)  # on the main thread
+    mid = threads.sample(os.getpid())
+    worker = threading.Thread(target=_spin, args=(0.3,))
+    worker.start()
+    worker.join()
+    after_worker = threads.sample(os.getpid())
+    assert mid["main"] - before["main"] >= 0.2, (before, mid)
+    # the worker ended before the last sample: its time is not in "other" and never in "main"
+    assert after_worker["main"] - mid["main"] < 0.1, (mid, after_worker)
+    assert after_worker["main_preempted"] >= before["main_preempted"]
+    row = threads.per_step(before, mid, steps=3, window_s=1.0)
+    assert row["main_ms_per_step"] is not None and row["main_ms_per_step"] >= 60, row
+
+
+def test_a_running_worker_thread_counts_as_other() -> None:
+    stop = threading.Event()
+
+    def burn() -> None:
+        while not stop.is_set():
+            pass
+
+    worker = threading.Thread(target=burn)
+    worker.start()
+    try:
+        before = threads.sample(os.getpid())
+        time.sleep(0.4)  # the main thread sleeps; the worker spins (GIL switches give it most of it)
+        after = threads.sample(os.getpid())
+    finally:
+        stop.set()
+        worker.join()
+    assert after["other"] - before["other"] >= 0.1, (before, after)
+    assert after["main"] - before["main"] < after["other"] - before["other"], (before, after)
+
+
+def test_a_gone_process_gives_nothing_and_no_split() -> None:
+    assert threads.sample(2**22 + 12345) == {}
+    assert threads.per_step({}, {"main": 1.0}, 3, 1.0)["main_ms_per_step"] is None
