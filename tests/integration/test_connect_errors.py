@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from astraflow.bench.wire import free_port, start_controller
+from astraflow.bench.wire import start_controller
 from astraflow.transport.keys import KeyStore, load_keypair, new_key_files
+from tests.ports import free_port
 
 CONNECT_TIMEOUT = "60"
 """--connect-timeout of each join: an error must come from the probe, long before this."""

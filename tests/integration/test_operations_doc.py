@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from astraflow.bench.wire import free_port
 from astraflow.cli.status import read_status
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "operations.md"

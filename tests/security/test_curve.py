@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import zmq
 
-from astraflow.bench.wire import free_port, start_controller
+from astraflow.bench.wire import start_controller
 from astraflow.cli.status import read_status
 from astraflow.errors import ConnectError
 from astraflow.protocol.codec import decode, encode
@@ -36,6 +36,7 @@ from astraflow.transport.keys import KeyPair, KeyStore, load_keypair, new_key_fi
 from astraflow.transport.security import MemberCredentials, curve_client
 from astraflow.weights.client import fetch_weights
 from astraflow.weights.server import WeightServer
+from tests.ports import free_port
 
 QUIET_S = 1.0
 """How long a refused peer waits to be sure nothing comes back."""

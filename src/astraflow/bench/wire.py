@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -111,13 +110,6 @@ def rss_mb(pid: int) -> float:
     return 0.0
 
 
-def free_port() -> int:
-    """A TCP port free on loopback right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def pin(cpus: set[int] | None) -> Callable[[], None] | None:
     """A `preexec_fn` that pins a child to `cpus` before it execs (so every thread it starts later,
     libzmq's I/O thread included, stays there); None when not pinning."""
@@ -136,12 +128,14 @@ def start_controller(
     cpus: set[int] | None = None,
 ) -> tuple[subprocess.Popen[bytes], str]:
     """A real `astraflow controller` process on a free loopback port (with a key store if given), running
-    `recipe_doc` (default: this bench's model-free RECIPE) in work/run; pinned to `cpus` if given."""
+    `recipe_doc` (default: this bench's model-free RECIPE) in work/run; pinned to `cpus` if given.
+    The controller binds port 0 and the address is read from its controller.addr: no port is picked
+    here that another process could take before the controller binds it."""
     work.mkdir(parents=True, exist_ok=True)
     recipe = work / "recipe.json"
     recipe.write_text(json.dumps(RECIPE if recipe_doc is None else recipe_doc))
-    addr = f"tcp://127.0.0.1:{free_port()}"
     run_dir = work / "run"
+    (run_dir / "controller.addr").unlink(missing_ok=True)  # an earlier run's, in a reused --out
     args = [
         sys.executable,
         "-m",
@@ -151,7 +145,7 @@ def start_controller(
         "--run-dir",
         str(run_dir),
         "--bind",
-        addr,
+        "tcp://127.0.0.1:0",
     ]
     if keys is not None:
         args += ["--keys", str(keys)]
@@ -164,7 +158,7 @@ def start_controller(
         preexec_fn=pin(cpus),
     )
     _wait_file(run_dir / "controller.addr", proc, work / "controller.log", timeout_s)
-    return proc, addr
+    return proc, (run_dir / "controller.addr").read_text().strip()
 
 
 _WEIGHTS_MAIN = (
