@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.chaos.cluster import free_port
+from tests.ports import free_port
 
 GPU_RESOURCE = "fake_gpu"
 """The custom resource the worker node declares in place of GPUs."""

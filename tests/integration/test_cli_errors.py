@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.ports import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -92,12 +94,9 @@ def test_member_without_the_model_directory(tmp_path: Path) -> None:
     """A controller elsewhere may name a model path this machine lacks: the joining member says so."""
     import os
     import signal
-    import socket
     import time
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     recipe = tmp_path / "r.toml"
     recipe.write_text('[[policy]]\nmodel = "/nonexistent/tiny-qwen3"\n')
     addr = f"tcp://127.0.0.1:{port}"

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.chaos.cluster import free_port
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes/quickstart/recipe.toml"

@@ -12,7 +12,6 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 import asyncio
 import json
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -30,6 +29,7 @@ from astraflow.models.init import init_model
 from astraflow.protocol.messages import SamplingParams
 from astraflow.workflows.env_protocol.reference import BACKLOG, LOOKUP_TOOL, make_server
 from astraflow.workflows.env_protocol.workflow import EnvServerConfig, EnvServerError, EnvServerWorkflow
+from tests.ports import free_port
 
 torch.set_num_threads(1)
 CALL = '<tool_call>{"name": "lookup", "arguments": {"key": "k0"}}</tool_call>'
@@ -214,9 +214,7 @@ def test_only_safe_calls_are_resent_and_errors_say_what_happened() -> None:
         srv.shutdown()
         srv.server_close()
     # nothing listens: every attempt is refused (safe to resend), then the hint
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     wf = EnvServerWorkflow(EnvServerConfig(url=f"http://127.0.0.1:{port}", retries=2, retry_backoff_s=0.0))
     with pytest.raises(EnvServerError, match=r"connection refused \(3 attempts\)") as err:
         asyncio.run(wf.call("reset", {"task": {}}))
@@ -225,9 +223,7 @@ def test_only_safe_calls_are_resent_and_errors_say_what_happened() -> None:
 
 def test_a_server_started_late_is_reached_by_retries(tokenizer: Any, tmp_path: Path) -> None:
     """Refused connections are resent: a reset sent before the server listens succeeds once it does."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     wf = EnvServerWorkflow(EnvServerConfig(url=f"http://127.0.0.1:{port}", retries=50, retry_backoff_s=0.05))
     first_refused = threading.Event()
     real = wf._post_once

@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 
-from tests.chaos.cluster import free_port
 from tests.integration.ray_local import GPU_RESOURCE, LocalRay, skip_reason
+from tests.ports import free_port
 from tests.run_checks import assert_run_intact, autoscale_sets, rows, stop_while_holding
 
 ROOT = Path(__file__).resolve().parents[2]

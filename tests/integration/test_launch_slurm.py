@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.chaos.cluster import free_port
 from tests.integration.slurm_local import LocalSlurm, skip_reason
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(bool(skip_reason()), reason=skip_reason() or "")

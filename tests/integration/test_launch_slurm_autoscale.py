@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.chaos.cluster import free_port
 from tests.integration.slurm_local import LocalSlurm, skip_reason
+from tests.ports import free_port
 from tests.run_checks import assert_run_intact, autoscale_sets, rows, stop_while_holding
 
 ROOT = Path(__file__).resolve().parents[2]

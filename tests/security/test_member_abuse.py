@@ -27,7 +27,8 @@ from zmq.utils import z85
 from astraflow.state.batches import decode_ids
 from astraflow.transport.keys import KeyStore, load_keypair, new_key_files
 from astraflow.weights.pull_limit import PER_KEY
-from tests.chaos.cluster import ROOT, Cluster, free_port, ro
+from tests.chaos.cluster import ROOT, Cluster, ro
+from tests.ports import free_port
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(600)]  # several processes on 2 shared cores
 

@@ -26,7 +26,7 @@ from astraflow.protocol import messages as m
 from astraflow.roles.controller import Controller
 from astraflow.state.failure_tail import FailureTail
 from astraflow.state.store import Store
-from tests.chaos.cluster import free_port
+from tests.ports import free_port
 
 RECIPE_TOML = """
 [run]

@@ -11,7 +11,7 @@ import pytest
 
 from astraflow.errors import AstraflowError
 from astraflow.metrics.prometheus import render, serve
-from tests.chaos.cluster import free_port
+from tests.ports import free_port
 
 DOC: dict[str, Any] = {
     "run": {"name": 'q"s'},
