@@ -21,7 +21,8 @@ def _kind(pid: int, tid: int, comm: str) -> str:
 def sample(pid: int) -> dict[str, float]:
     """CPU seconds so far per kind of thread, and the main thread's involuntary context switches
     ("main_preempted": times the scheduler took its core from it for another runnable thread; with
-    the controller pinned to one core, mostly its own other threads). Threads that ended before the call are not counted; {} when /proc cannot be read."""
+    the controller pinned to one core, mostly its own other threads). Threads that ended before the
+    call are not counted; {} when /proc cannot be read."""
     out = {"main": 0.0, "zmq_io": 0.0, "other": 0.0, "main_preempted": 0.0}
     tick = os.sysconf("SC_CLK_TCK")
     try:
@@ -29,16 +30,15 @@ def sample(pid: int) -> dict[str, float]:
     except OSError:
         return {}
     for name in tids:
-        base = Path(f"/proc/{pid}/task/{name}")
+        base, tid = Path(f"/proc/{pid}/task/{name}"), int(name)
         try:
             stat = (base / "stat").read_text()
             comm = (base / "comm").read_text().strip()
-            status = (base / "status").read_text() if int(name) == pid else ""
+            status = (base / "status").read_text() if tid == pid else ""
         except OSError:
             continue  # the thread ended between the listing and the read
         fields = stat.rsplit(")", 1)[1].split()
-        kind = _kind(pid, int(name), comm)
-        out[kind] += (int(fields[11]) + int(fields[12])) / tick
+        out[_kind(pid, tid, comm)] += (int(fields[11]) + int(fields[12])) / tick
         for line in status.splitlines():
             if line.startswith("nonvoluntary_ctxt_switches:"):
                 out["main_preempted"] = float(line.split()[1])
