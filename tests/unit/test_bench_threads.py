@@ -62,3 +62,18 @@ def test_a_running_worker_thread_counts_as_other() -> None:
 def test_a_gone_process_gives_nothing_and_no_split() -> None:
     assert threads.sample(2**22 + 12345) == {}
     assert threads.per_step({}, {"main": 1.0}, 3, 1.0)["main_ms_per_step"] is None
+
+
+@pytest.mark.skipif(
+    not os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/schedstat"), reason="no schedstat"
+)
+def test_main_thread_time_is_read_to_the_millisecond_where_schedstat_exists() -> None:
+    # the kernel's run time of this thread, the clock thread_time reads: a window of a few ms is read
+    # as it was, not in 10 ms clock ticks
+    before, t0 = threads.sample(os.getpid()), time.thread_time()
+    end = t0 + 0.004
+    while time.thread_time() < end:
+        pass
+    after, t1 = threads.sample(os.getpid()), time.thread_time()
+    spent = after["main"] - before["main"]
+    assert abs(spent - (t1 - t0)) < 0.002, (spent, t1 - t0)

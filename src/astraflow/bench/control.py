@@ -28,6 +28,7 @@ import zmq
 
 from astraflow.bench import threads
 from astraflow.bench.control_sim import SLOT_S, SimSpec
+from astraflow.bench.cpus import idle_siblings, simulator_cpus
 from astraflow.bench.wire import pin, rss_mb, start_controller
 from astraflow.protocol import messages as m
 from astraflow.protocol.codec import decode, encode
@@ -132,7 +133,7 @@ def run_one(
         recipe_doc=recipe(heartbeat_s, workers, keep_steps, idle_beats_per_s),
         cpus=None if controller_cpu is None else {controller_cpu},
     )
-    others = None if controller_cpu is None else set(os.sched_getaffinity(0)) - {controller_cpu}
+    others = None if controller_cpu is None else simulator_cpus(controller_cpu)
     sims: list[subprocess.Popen[bytes]] = []
     outs: list[Path] = []
     stop = work / "stop"
@@ -393,5 +394,6 @@ def run(
         "limits": limits,
         "cpus": os.cpu_count(),
         "controller_cpu": controller_cpu,
+        "idle_siblings": None if controller_cpu is None else idle_siblings(controller_cpu),
         "load_avg": os.getloadavg()[0],
     }

@@ -50,5 +50,8 @@ def render(res: dict[str, Any]) -> str:
     )
     pinned = res.get("controller_cpu")
     where = "" if pinned is None else f", the controller alone on CPU {pinned}, the simulators on the others"
+    idle = res.get("idle_siblings") or []
+    if idle:
+        where += f" but {', '.join(map(str, idle))} (its core's SMT siblings, left idle)"
     lines.append(f"machine: {res['cpus']} CPUs{where}, load average {res['load_avg']:.1f} at the end")
     return "\n".join(lines)

@@ -132,7 +132,7 @@ def control(
     controller_cpu: int = typer.Option(
         None,
         help="Pin the controller (every thread, libzmq's included) to this CPU and the simulators to "
-        "the others: the controller's rate on one core of its own.",
+        "the others, its core's SMT siblings left idle: the controller's rate on one core of its own.",
     ),
     beats: int = typer.Option(
         0,
