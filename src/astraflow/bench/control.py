@@ -27,6 +27,7 @@ from typing import Any
 import zmq
 
 from astraflow.bench import threads
+from astraflow.bench.control_rounds import compare, medians
 from astraflow.bench.control_sim import SLOT_S, SimSpec
 from astraflow.bench.cpus import idle_siblings, simulator_cpus
 from astraflow.bench.wire import pin, rss_mb, start_controller
@@ -352,9 +353,12 @@ def run(
     idle_beats_per_s: float | None = None,
     controller_cpu: int | None = None,
     settle_s: float = 0.0,
+    repeat: int = 1,
 ) -> dict[str, Any]:
     """Every (results mode, curve, members) combination, then the physical limits; ratios against the
-    first row of the same results mode and CURVE setting."""
+    first row of the same results mode, CURVE setting and round. With `repeat` > 1 the member counts
+    run that many rounds in turn (2, 10000, 2, 10000, ...: a host's drift falls on both counts alike)
+    and `medians` holds each count's median rate and median ratio to its own round's first row."""
     rows = []
     opts: dict[str, Any] = {"seconds": seconds, "warmup_steps": warmup_steps, "heartbeat_s": heartbeat_s}
     opts["procs"] = procs
@@ -362,28 +366,19 @@ def run(
     opts |= {"controller_cpu": controller_cpu, "settle_s": settle_s}
     for mode in results:
         for c in curve:
-            for n in member_counts:
-                if progress is not None:
-                    progress(
-                        f"controller with {n} simulated workers, CURVE {'on' if c else 'off'}, {mode} results ..."
+            for rnd in range(repeat):
+                for n in member_counts:
+                    if progress is not None:
+                        progress(
+                            f"controller with {n} simulated workers, CURVE {'on' if c else 'off'}, {mode} results"
+                            + (f", round {rnd + 1}/{repeat}" if repeat > 1 else "")
+                            + " ..."
+                        )
+                    work_n = work / (
+                        f"{'curve' if c else 'plain'}-{mode}-{n}" + (f"-r{rnd}" if repeat > 1 else "")
                     )
-                work_n = work / f"{'curve' if c else 'plain'}-{mode}-{n}"
-                rows.append(run_one(n, curve=c, work=work_n, results_mode=mode, **opts))
-    for key in {(r["results"], r["curve"]) for r in rows}:
-        base = next(r for r in rows if (r["results"], r["curve"]) == key)
-        for r in rows:
-            if (r["results"], r["curve"]) == key:
-                r["sequences_vs_first"] = (
-                    round(r["sequences_per_s"] / base["sequences_per_s"], 3)
-                    if base["sequences_per_s"]
-                    else None
-                )
-                extra = r["members"] - base["members"]
-                r["rss_kb_per_extra_member"] = (
-                    round(1024 * (r["controller_rss_mb"] - base["controller_rss_mb"]) / extra, 1)
-                    if extra
-                    else None
-                )
+                    rows.append({**run_one(n, curve=c, work=work_n, results_mode=mode, **opts), "round": rnd})
+    compare(rows)
     if progress is not None:
         progress("physical limits: raw ZeroMQ + msgpack, SQLite WAL ...")
     from astraflow.bench.control_limits import sqlite_rows_rate, zmq_msgpack_rate
@@ -391,6 +386,7 @@ def run(
     limits = {"zmq_msgpack_msgs_per_s": round(zmq_msgpack_rate()), **sqlite_rows_rate()}
     return {
         "rows": rows,
+        "medians": medians(rows) if repeat > 1 else [],
         "limits": limits,
         "cpus": os.cpu_count(),
         "controller_cpu": controller_cpu,

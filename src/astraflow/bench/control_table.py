@@ -11,6 +11,7 @@ def render(res: dict[str, Any]) -> str:
         ("members", "members"),
         ("curve", "curve"),
         ("results", "results"),
+        ("round", "round"),
         ("sequences_per_s", "seq/s"),
         ("sequences_vs_first", "vs first"),
         ("steps_per_s", "steps/s"),
@@ -43,6 +44,11 @@ def render(res: dict[str, Any]) -> str:
                 f"    joined {r['joined']}/{r['members']}, refused {r['refused']} {r['first_refusals']} "
                 f"errors {r['errors']}"
             )
+    for md in res.get("medians") or []:
+        lines.append(
+            f"median of {md['rounds']} rounds: {md['members']} members, CURVE {'on' if md['curve'] else 'off'}, "
+            f"{md['results']}: {md['sequences_per_s']:,.0f} seq/s, ratio {md['ratio_median']} (rounds {md['ratios']})"
+        )
     lim = res["limits"]
     lines.append(
         f"physical limits here: raw ZeroMQ + msgpack {lim['zmq_msgpack_msgs_per_s']:,} msgs/s; SQLite WAL "

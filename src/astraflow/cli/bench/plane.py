@@ -134,6 +134,11 @@ def control(
         help="Pin the controller (every thread, libzmq's included) to this CPU and the simulators to "
         "the others, its core's SMT siblings left idle: the controller's rate on one core of its own.",
     ),
+    repeat: int = typer.Option(
+        1,
+        help="Rounds of the member counts, run in turn (2, 10000, 2, 10000, ...); each row's ratio is "
+        "against its own round's first row, and the table ends with each count's medians.",
+    ),
     beats: int = typer.Option(
         0,
         help="--in-process: instead of steps, this many idle members joined and beating at "
@@ -177,10 +182,11 @@ def control(
         raise typer.BadParameter(
             f"--controller-cpu takes one of this process's CPUs {cpus}, and needs another for the simulators"
         )
-    if not counts or min(counts) < 1 or modes is None or grouping is None or tokens < 1 or settle_s < 0:
+    numbers_ok = min(counts, default=0) >= 1 and tokens >= 1 and settle_s >= 0 and repeat >= 1
+    if not numbers_ok or modes is None or grouping is None:
         raise typer.BadParameter(
             "--members takes counts >= 1 (e.g. 2,100,1000); --curve off, on or off,on; --results grouped, single, tasks, both or all; "
-            "--tokens >= 1; --settle-s >= 0"
+            "--tokens >= 1; --settle-s >= 0; --repeat >= 1"
         )
     with tempfile.TemporaryDirectory() as tmp:
         res = run(
@@ -198,5 +204,6 @@ def control(
             idle_beats_per_s=idle_beats_per_s,
             controller_cpu=controller_cpu,
             settle_s=settle_s,
+            repeat=repeat,
         )
     typer.echo(_json.dumps(res, indent=2) if as_json else render(res))
