@@ -3,6 +3,8 @@ physical core (its SMT siblings too), so its core is the controller's alone."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from astraflow.bench import cpus
@@ -34,3 +36,17 @@ def test_a_core_of_two_threads_alone_still_leaves_the_sibling(monkeypatch: pytes
     monkeypatch.setattr(cpus, "core_mates", lambda cpu: {0, 1})
     assert cpus.simulator_cpus(0) == {1}
     assert cpus.idle_siblings(0) == []
+
+
+def test_cpu_ticks_read_a_cpu_of_this_machine() -> None:
+    ticks = cpus.cpu_ticks(min(os.sched_getaffinity(0)))
+    assert set(ticks) >= {"user", "system", "idle", "steal"} and ticks["idle"] + ticks["user"] > 0
+    assert cpus.cpu_ticks(100_000) == {}
+
+
+def test_cpu_shares_are_of_the_window() -> None:
+    before = dict.fromkeys(("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal"), 0)
+    after = {**before, "user": 60, "idle": 20, "irq": 5, "softirq": 5, "steal": 10}
+    assert cpus.cpu_shares(before, after) == {"cpu_steal_pct": 10.0, "cpu_irq_pct": 10.0}
+    assert cpus.cpu_shares({}, after) == {"cpu_steal_pct": None, "cpu_irq_pct": None}
+    assert cpus.cpu_shares(before, before)["cpu_steal_pct"] is None

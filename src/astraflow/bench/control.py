@@ -29,7 +29,7 @@ import zmq
 from astraflow.bench import threads
 from astraflow.bench.control_rounds import compare, medians
 from astraflow.bench.control_sim import SLOT_S, SimSpec
-from astraflow.bench.cpus import idle_siblings, simulator_cpus
+from astraflow.bench.cpus import cpu_shares, cpu_ticks, idle_siblings, simulator_cpus
 from astraflow.bench.wire import pin, rss_mb, start_controller
 from astraflow.protocol import messages as m
 from astraflow.protocol.codec import decode, encode
@@ -175,9 +175,11 @@ def run_one(
         joined = _wait_joined(addr, keys_dir, len(names), deadline=time.monotonic() + 60 + members * 0.02)
         steps0 = _wait_step(run_dir, warmup_steps, deadline=time.monotonic() + 120)
         time.sleep(settle_s)  # the joins' aftermath (handshakes, first beats) out of the window
+        at0 = cpu_ticks(controller_cpu) if controller_cpu is not None else {}
         t0, cpu0, th0 = time.time(), _cpu_s(ctl.pid), threads.sample(ctl.pid)
         time.sleep(seconds)
         t1, cpu1, th1 = time.time(), _cpu_s(ctl.pid), threads.sample(ctl.pid)
+        at1 = cpu_ticks(controller_cpu) if controller_cpu is not None else {}
         rss = rss_mb(ctl.pid)
         alive_end = _wait_joined(addr, keys_dir, len(names), deadline=time.monotonic())
         stop.touch()
@@ -218,6 +220,7 @@ def run_one(
         "controller_cpu_ms_per_step": round(1000 * (cpu1 - cpu0) / n_steps, 1) if n_steps else None,
         "controller_cpu_us_per_sequence": round(1e6 * (cpu1 - cpu0) / seqs, 1) if seqs else None,
         **threads.per_step(th0, th1, n_steps, window),
+        **cpu_shares(at0, at1),
         "task_ms_p50": _pct_ms(task_lat, 0.5),
         "task_ms_p99": _pct_ms(task_lat, 0.99),
         "batch_ms_p50": _pct_ms(batch_lat, 0.5),

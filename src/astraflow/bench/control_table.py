@@ -20,6 +20,8 @@ def render(res: dict[str, Any]) -> str:
         ("main_ms_per_step", "main ms"),
         ("zmq_io_ms_per_step", "zmq I/O ms"),
         ("main_preempted_per_s", "preempted/s"),
+        ("cpu_steal_pct", "steal %"),
+        ("cpu_irq_pct", "irq %"),
         ("task_ms_p50", "task p50 ms"),
         ("task_ms_p99", "task p99 ms"),
         ("batch_ms_p50", "batch p50 ms"),

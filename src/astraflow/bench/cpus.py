@@ -39,3 +39,35 @@ def simulator_cpus(controller_cpu: int) -> set[int]:
 def idle_siblings(controller_cpu: int) -> list[int]:
     """The controller's SMT siblings that `simulator_cpus` leaves idle."""
     return sorted(core_mates(controller_cpu) - {controller_cpu} - simulator_cpus(controller_cpu))
+
+
+_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+
+
+def cpu_ticks(cpu: int) -> dict[str, int]:
+    """One CPU's time so far by kind, in clock ticks, from /proc/stat ({} where it cannot be read)."""
+    try:
+        lines = Path("/proc/stat").read_text().splitlines()
+    except OSError:
+        return {}
+    for line in lines:
+        parts = line.split()
+        if parts and parts[0] == f"cpu{cpu}":
+            return dict(zip(_FIELDS, map(int, parts[1:9]), strict=False))
+    return {}
+
+
+def cpu_shares(before: dict[str, int], after: dict[str, int]) -> dict[str, float | None]:
+    """The share of the CPU's time between two `cpu_ticks` readings that the hypervisor took
+    (`steal`, time the virtual CPU did not run at all) and that interrupts took (`irq`: hard and
+    soft), in percent; None where a reading is missing."""
+    if not before or not after:
+        return {"cpu_steal_pct": None, "cpu_irq_pct": None}
+    spent = {k: after.get(k, 0) - before.get(k, 0) for k in _FIELDS}
+    total = sum(spent.values())
+    if total <= 0:
+        return {"cpu_steal_pct": None, "cpu_irq_pct": None}
+    return {
+        "cpu_steal_pct": round(100 * spent["steal"] / total, 1),
+        "cpu_irq_pct": round(100 * (spent["irq"] + spent["softirq"]) / total, 1),
+    }
