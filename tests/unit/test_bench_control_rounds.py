@@ -3,6 +3,10 @@ are taken over the rounds (a host's drift between rounds falls on both member co
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 from astraflow.bench.control_rounds import compare, medians
 
 
@@ -36,3 +40,15 @@ def test_medians_over_rounds() -> None:
     assert med[10001]["ratios"] == [0.8, 1.2, 0.95]
     assert med[10001]["sequences_per_s"] == 95.0
     assert med[3]["rounds"] == 3 and med[3]["ratio_median"] == 1.0
+
+
+def test_zero_rounds_is_refused_before_anything_starts() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "astraflow", "bench", "control", "--members", "2", "--repeat", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+    assert out.returncode != 0
+    assert "--repeat >= 1" in out.stderr + out.stdout
