@@ -15,6 +15,13 @@ so the solver's baseline compares attempts at the same problem. With both roles 
 When the solver's output is not kept for a task (frozen, budget met, or no room), it makes only
 READ_ONLY_TRIES attempts per proposal, enough to score the proposer.
 
+With `solver_tokens_median` set, each problem's solver attempts may write a number of tokens drawn
+from a lognormal distribution (that median, `solver_tokens_sigma`), capped by the solver's
+max_new_tokens: a stand-in for the long-tailed answer lengths of reasoning models, which a randomly
+initialised model (it almost never writes its stop token) does not have. The draw depends only on
+the task and the proposal's place in it, so a sync and an async run of one recipe see the same
+lengths.
+
 An optional third role, "judge", is typically a frozen policy: it answers every problem once as a
 fixed reference; its success is reported as episode info `judge_solved` and changes no reward.
 """
@@ -22,6 +29,7 @@ fixed reference; its success is reported as episode info `judge_solved` and chan
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 from collections.abc import Iterator
 from typing import Any
@@ -46,6 +54,33 @@ class CollabConfig(BaseModel):
     """Tasks in the generated dataset (used when the recipe's dataset.size is 0)."""
     solver_weight: float = Field(0.5, ge=0, le=1)
     """Share of the proposer's reward that comes from the solver's success on its problem."""
+    solver_tokens_median: int = Field(0, ge=0)
+    """0: every solver attempt may write the solver's max_new_tokens. > 0: each problem's attempts
+    may write a lognormal draw of tokens with this median (at least 1, at most max_new_tokens)."""
+    solver_tokens_sigma: float = Field(1.0, gt=0, le=4)
+    """The spread (sigma of the log) of the draw that `solver_tokens_median` turns on."""
+
+
+def solver_budget(config: CollabConfig, fill_seed: int, index: int, cap: int) -> int | None:
+    """The tokens the solver may write on the task's `index`-th problem: None (the recipe's
+    max_new_tokens) unless `solver_tokens_median` is set, else a lognormal draw in [1, cap] seeded by
+    the task and the index alone."""
+    if not config.solver_tokens_median:
+        return None
+    rng = random.Random(f"{fill_seed}:{index}")
+    draw = rng.lognormvariate(math.log(config.solver_tokens_median), config.solver_tokens_sigma)
+    return max(1, min(cap, round(draw)))
+
+
+def _max_new_tokens(client: PolicyClient) -> int:
+    """The recipe's max_new_tokens of a client's policy (the cap of a drawn budget)."""
+    sampling = getattr(client, "sampling", None)
+    if sampling is None:
+        raise TypeError(
+            f"solver_tokens_median needs a policy client with the recipe's sampling settings "
+            f"(`.sampling`); {type(client).__name__} has none"
+        )
+    return int(sampling.max_new_tokens)
 
 
 def _words(client: PolicyClient, token_ids: list[int]) -> tuple[list[str], bool]:
@@ -109,10 +144,17 @@ class CollabWorkflow(Workflow):
         tries_each = group_sizes.get("solver", 1)
         if solver.read_only:
             tries_each = min(tries_each, READ_ONLY_TRIES)
+        fill_seed = int(sample.get("fill_seed", 0))
+        cap = _max_new_tokens(solver) if self.config.solver_tokens_median else 0
+        budgets = [solver_budget(self.config, fill_seed, i, cap) for i in range(len(problems))]
         attempts = await asyncio.gather(
             *(
-                solver.generate(list(solver.tokenizer.encode("copy " + " ".join(d) + " =")), n=tries_each)
-                for d, _ in problems
+                solver.generate(
+                    list(solver.tokenizer.encode("copy " + " ".join(d) + " =")),
+                    n=tries_each,
+                    **({} if b is None else {"max_new_tokens": b}),
+                )
+                for (d, _), b in zip(problems, budgets, strict=True)
             )
         )
         judge = policies.get("judge")
