@@ -125,4 +125,5 @@ def test_trainer_gradient_is_the_dapo_token_mean_over_the_batch(model_dir: Path)
     assert loss == pytest.approx(float(ref.detach()), abs=1e-6)
     for name, p in model.named_parameters():
         assert p.grad is not None
-        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-7, msg=name)
+        # atol: float32 sums in another order (the micro-batches go by length) differ by an ulp or so
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)

@@ -112,6 +112,22 @@ def test_token_balanced_plan() -> None:
     assert sorted(i for r in per_rank for g in r for i in g) == list(range(9))
 
 
+def test_count_plan_groups_sequences_of_like_length() -> None:
+    samples = _samples(3, 12)
+    lengths = [s.length for s in samples]
+    groups = packing.plan(samples, micro_batch=4, micro_batch_tokens=0)
+    assert [len(g) for g in groups] == [4, 4, 4]
+    assert sorted(i for g in groups for i in g) == list(range(12))
+    assert all(g == sorted(g) for g in groups)
+    # each micro-batch's lengths lie below the next one's: the shortest four, then the next four
+    spans = [(min(lengths[i] for i in g), max(lengths[i] for i in g)) for g in groups]
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))
+    # so padded rows waste less than in arrival order
+    padded = sum(len(g) * max(lengths[i] for i in g) for g in groups)
+    arrival = sum(4 * max(lengths[i : i + 4]) for i in range(0, 12, 4))
+    assert padded <= arrival and len(set(lengths)) > 3
+
+
 def test_packed_rows_have_no_padding_and_reset_positions() -> None:
     samples = _samples(1, 5)
     mb = packing.build(samples, pack=True, row_tokens=0, pad_id=0, device=torch.device("cpu"))

@@ -50,15 +50,18 @@ def plan(
 ) -> list[list[int]]:
     """This rank's micro-batches of one update, as lists of sample indices.
 
-    micro_batch_tokens 0 and one rank keeps the original order, `micro_batch` sequences at a time.
-    Otherwise the update's sequences are balanced by tokens into world x k groups, k the same on every
-    rank (so every rank runs the same number of forward/backward passes); a group may be empty.
+    micro_batch_tokens 0 and one rank: `micro_batch` sequences at a time in order of length (ties in
+    the original order), each micro-batch in index order. A padded row is as long as its micro-batch's
+    longest sequence, so with long-tailed lengths the arrival order would pad most short sequences to
+    a long one; the loss sums over micro-batches, so which sequences share one changes no gradient
+    beyond float rounding. Otherwise the update's sequences are balanced by tokens into world x k
+    groups, k the same on every rank (so every rank runs the same number of forward/backward passes);
+    a group may be empty.
     """
     lengths = [s.length for s in samples]
     if micro_batch_tokens <= 0 and world == 1:
-        return [
-            list(range(i, min(i + micro_batch, len(samples)))) for i in range(0, len(samples), micro_batch)
-        ]
+        by_length = sorted(range(len(samples)), key=lengths.__getitem__)  # stable: ties keep their order
+        return [sorted(by_length[i : i + micro_batch]) for i in range(0, len(samples), micro_batch)]
     if micro_batch_tokens > 0:
         k = max(1, -(-sum(lengths) // (world * micro_batch_tokens)))
     else:

@@ -20,7 +20,8 @@ class TorchTrainerConfig(BaseModel):
     compute_dtype: Literal["float32", "bfloat16"] | None = None
     """Forward/backward dtype; None = dtype. Autocast on one process, FSDP2 mixed precision on several."""
     micro_batch: int = Field(64, ge=1)
-    """Sequences per forward/backward pass (gradient accumulation inside one update)."""
+    """Sequences per forward/backward pass (gradient accumulation inside one update), taken in order of
+    length so that a padded row's sequences are of like length."""
     micro_batch_tokens: int = Field(0, ge=0)
     """Tokens per forward/backward pass instead of micro_batch: sequences balanced by tokens; 0 = off."""
     pack: bool = False
