@@ -23,6 +23,17 @@ def test_in_process_steps_move_whole_batches() -> None:
     assert "us/sequence" in control_inproc.render(r)
 
 
+def test_another_step_shape_moves_its_own_batches() -> None:
+    from astraflow.bench.control_recipe import Shape
+
+    r = control_inproc.run(steps=2, warmup_steps=1, tokens=3, shape=Shape(group_size=4, batch_prompts=8))
+    assert r["sequences"] == 2 * 8 * 4 and (r["group_size"], r["batch_prompts"]) == (4, 8)
+    assert r["messages"] == 2 * 6  # as at 32 x 16: two task requests, their results, the batch, the version
+    assert "(8 tasks x 4)" in control_inproc.render(r)
+    with pytest.raises(ValueError, match="group size and prompts >= 1"):
+        Shape(group_size=0).check()
+
+
 def test_the_bench_settles_the_heap_as_run_controller_does(monkeypatch: pytest.MonkeyPatch) -> None:
     from astraflow.roles.controller import process
 

@@ -22,7 +22,7 @@ def test_a_refused_request_reads_no_queued_task(tmp_path: Path) -> None:
         assert isinstance(grant, m.TaskGrant)
     store = d.ctl.store
     queued = status_count(store, "queued")
-    assert queued > 0 and leases_held(store, WORKER) < inproc.SLOTS  # refused by admission, not by quota
+    assert queued > 0 and leases_held(store, WORKER) < d.slots  # refused by admission, not by quota
     seen: list[str] = []
     store.conn.set_trace_callback(seen.append)
     grant = d.send(WORKER, m.TaskRequest(n=4, loaded={"main": 0}, wait_s=0.0))[0]

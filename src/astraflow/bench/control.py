@@ -1,8 +1,8 @@
 """`astraflow bench control`: how many sequences a second one live controller moves, and what each
 member costs it.
 
-A real `astraflow controller` process runs the quickstart's shape (32 prompts x 16 samples a step)
-with no model anywhere; simulated members in a few processes (bench/control_sim.py) speak the protocol
+A real `astraflow controller` process runs the quickstart's shape (32 prompts x 16 samples a step,
+or another: `Shape`) with no model anywhere; simulated members in a few processes (bench/control_sim.py) speak the protocol
 as real members do, each with its own socket, routing id, heartbeats and (with `--curve`) its own
 CURVE key: two RaaS members lease tasks and answer each at once with trivial episodes, one trainer
 takes each batch and announces the next version at once, and every further member is a RaaS that
@@ -27,6 +27,7 @@ from typing import Any
 import zmq
 
 from astraflow.bench import threads
+from astraflow.bench.control_recipe import POLICY, Shape, recipe  # recipe, POLICY: re-exported
 from astraflow.bench.control_rounds import compare, medians
 from astraflow.bench.control_sim import SLOT_S, SimSpec
 from astraflow.bench.cpus import cpu_shares, cpu_ticks, idle_siblings, simulator_cpus
@@ -34,40 +35,8 @@ from astraflow.bench.wire import pin, rss_mb, start_controller
 from astraflow.protocol import messages as m
 from astraflow.protocol.codec import decode, encode
 
-POLICY = "main"
 ACTIVE = 2
 """RaaS members that lease and answer tasks; every other simulated worker only heartbeats."""
-
-
-def recipe(
-    heartbeat_s: float, members: int, keep_steps: int = 0, idle_beats_per_s: float | None = None
-) -> dict[str, Any]:
-    """The quickstart's shape with no model: the controller reads no weights and checks ids >= 0;
-    `keep_steps` > 0 turns on retention (archive to Parquet every 10 steps); `idle_beats_per_s` sets
-    controller.idle_beats_per_s (None: the recipe's default)."""
-    retention = {"keep_steps": keep_steps, "every_steps": 10} if keep_steps else {}
-    idle = {} if idle_beats_per_s is None else {"idle_beats_per_s": idle_beats_per_s}
-    return {
-        "run": {"name": "control-bench", "seed": 0, "steps": 1_000_000},
-        "policy": [
-            {
-                "name": POLICY,
-                "model": "unused",
-                "group_size": 16,
-                "batch_prompts": 32,
-                "max_staleness": 1,
-            }
-        ],
-        "workflow": {"name": "quickstart", "options": {"task": "copy", "length": 2}},
-        "rollout": {"slots": 32},
-        "controller": {
-            "heartbeat_interval_s": heartbeat_s,
-            # a loaded machine delays simulators' beats and the reading of 10,000 connections: none dies
-            "member_timeout_s": max(120.0, 20 * heartbeat_s),
-            "retention": retention,
-            **idle,
-        },
-    }
 
 
 def _cpu_s(pid: int) -> float:
@@ -117,8 +86,9 @@ def run_one(
     idle_beats_per_s: float | None = None,
     controller_cpu: int | None = None,
     settle_s: float = 0.0,
+    shape: Shape = Shape(),
 ) -> dict[str, Any]:
-    """One controller with `members` simulated members (2 active RaaS + idle ones + 1 trainer), each
+    """One controller of the recipe's `shape` with `members` simulated members (2 active RaaS + idle ones + 1 trainer), each
     sequence `tokens` generated tokens long; with `controller_cpu`, the controller alone on that CPU
     and the simulators on the others."""
     work.mkdir(parents=True, exist_ok=True)
@@ -131,7 +101,7 @@ def run_one(
     ctl, addr = start_controller(
         work,
         keys=work / "keys" if curve else None,
-        recipe_doc=recipe(heartbeat_s, workers, keep_steps, idle_beats_per_s),
+        recipe_doc=recipe(heartbeat_s, workers, keep_steps, idle_beats_per_s, shape),
         cpus=None if controller_cpu is None else {controller_cpu},
     )
     others = None if controller_cpu is None else simulator_cpus(controller_cpu)
@@ -152,7 +122,7 @@ def run_one(
                 roles={n: roles[n] for n in group},
                 policy=POLICY,
                 heartbeat_s=heartbeat_s,
-                slots=32,
+                slots=shape.batch_prompts,
                 deadline=hard_deadline,
                 stop_file=str(stop),
                 out=str(work / f"sim{i}.json"),
@@ -357,6 +327,7 @@ def run(
     controller_cpu: int | None = None,
     settle_s: float = 0.0,
     repeat: int = 1,
+    shape: Shape = Shape(),
 ) -> dict[str, Any]:
     """Every (results mode, curve, members) combination, then the physical limits; ratios against the
     first row of the same results mode, CURVE setting and round. With `repeat` > 1 the member counts
@@ -366,7 +337,7 @@ def run(
     opts: dict[str, Any] = {"seconds": seconds, "warmup_steps": warmup_steps, "heartbeat_s": heartbeat_s}
     opts["procs"] = procs
     opts |= {"keep_steps": keep_steps, "tokens": tokens, "idle_beats_per_s": idle_beats_per_s}
-    opts |= {"controller_cpu": controller_cpu, "settle_s": settle_s}
+    opts |= {"controller_cpu": controller_cpu, "settle_s": settle_s, "shape": shape}
     for mode in results:
         for c in curve:
             for rnd in range(repeat):
@@ -389,6 +360,7 @@ def run(
     limits = {"zmq_msgpack_msgs_per_s": round(zmq_msgpack_rate()), **sqlite_rows_rate()}
     return {
         "rows": rows,
+        "shape": asdict(shape),
         "medians": medians(rows) if repeat > 1 else [],
         "limits": limits,
         "cpus": os.cpu_count(),

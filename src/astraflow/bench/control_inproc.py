@@ -1,7 +1,7 @@
 """`astraflow bench control --in-process`: the controller's CPU per sequence, with no sockets.
 
 One `Controller` on a real state.db is driven through `Controller.dispatch` with the messages the
-bench's simulated members send (bench/control_sim.py): two RaaS members ask for 32 tasks at a time and answer
+bench's simulated members send (bench/control_sim.py): two RaaS members ask for a step's tasks (32 in the default `Shape`) at a time and answer
 each grant in one TaskResults of trivial one-sequence episodes, one trainer takes each batch and
 announces the next version. Every message the controller receives is encoded and decoded as on the
 wire, and every reply it sends is encoded, so the timed part is the controller's own work per message
@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from astraflow.bench.control import POLICY, recipe
+from astraflow.bench.control_recipe import Shape
 from astraflow.bench.control_sim import _episodes
 from astraflow.config.recipe import Recipe
 from astraflow.protocol import messages as m
@@ -32,18 +33,19 @@ from astraflow.state import trajectories
 
 WORKERS = ("sim-00000", "sim-00001")
 TRAINER = "trainer-main"
-SLOTS = 32
 
 
 class _Driver:
     """The controller and the timed path every message takes through it."""
 
-    def __init__(self, run_dir: Path, keep_steps: int = 0) -> None:
+    def __init__(self, run_dir: Path, keep_steps: int = 0, shape: Shape = Shape()) -> None:
         from astraflow.roles.controller import Controller
         from astraflow.roles.controller.process import settle_heap
         from astraflow.state.store import Store
 
-        rec = Recipe.model_validate(recipe(0.5, len(WORKERS), keep_steps))
+        rec = Recipe.model_validate(recipe(0.5, len(WORKERS), keep_steps, shape=shape))
+        self.slots = shape.batch_prompts
+        """Tasks each worker asks for at a time."""
         self.ctl = Controller(rec, run_dir, Store.open(run_dir / "state.db"))
         self.ctl.start()
         settle_heap()  # as run_controller does: this process is the controller's for the bench's run
@@ -78,7 +80,7 @@ def _hello(d: _Driver, ident: str, role: str) -> None:
         role=role,
         protocol=m.PROTOCOL_VERSION,
         policies=[POLICY],
-        slots=SLOTS,
+        slots=d.slots,
         pid=1,
         host=f"sim-{ident}",
         hardware="simulated",
@@ -93,7 +95,7 @@ def _step(d: _Driver, step: int, rng: random.Random, tokens: int) -> int:
     version = step - 1
     while True:
         for ident in WORKERS:
-            replies = d.send(ident, m.TaskRequest(n=SLOTS, loaded={POLICY: version}, wait_s=0.0))
+            replies = d.send(ident, m.TaskRequest(n=d.slots, loaded={POLICY: version}, wait_s=0.0))
             grant = replies[0]
             if not isinstance(grant, m.TaskGrant) or not grant.tasks:
                 continue
@@ -137,13 +139,14 @@ def run(
     keep_steps: int = 0,
     profile: bool = False,
     top: int = 25,
+    shape: Shape = Shape(),
 ) -> dict[str, Any]:
     """Drive one controller through `warmup_steps` + `steps` steps; CPU per sequence over `steps`.
     `keep_steps` > 0 turns retention on (an archiving pass every 10 steps, in `VersionPublished`)."""
     rng = random.Random(0)
     with tempfile.TemporaryDirectory(prefix="astraflow-ctl-inproc-") as tmp:
         try:
-            d = _Driver(Path(tmp), keep_steps)
+            d = _Driver(Path(tmp), keep_steps, shape)
             join(d)
             run_steps(d, 1, warmup_steps, rng, tokens)
             d.cpu, d.messages, d.by_type = 0.0, 0, {}
@@ -157,6 +160,8 @@ def run(
             gc.unfreeze()  # what settle_heap froze: this process may go on (a test), the controller's is done
     out: dict[str, Any] = {
         "steps": steps,
+        "group_size": shape.group_size,
+        "batch_prompts": shape.batch_prompts,
         "tokens": tokens,
         "keep_steps": keep_steps,
         "trajectories_in_db": in_db,
@@ -180,7 +185,8 @@ def run(
 def render(r: dict[str, Any]) -> str:
     """The result as lines for a terminal (profile, when taken, after the figures)."""
     lines = [
-        f"in-process controller, {r['steps']} steps of {r['sequences'] // max(1, r['steps'])} sequences, "
+        f"in-process controller, {r['steps']} steps of {r['sequences'] // max(1, r['steps'])} sequences "
+        f"({r['batch_prompts']} tasks x {r['group_size']}), "
         f"{r['tokens']} generated tokens each, {r['messages']} messages"
         + (f", retention keeping {r['keep_steps']} steps" if r.get("keep_steps") else ""),
         f"controller CPU: {r['us_per_sequence']:.1f} us/sequence, {r['ms_per_step']:.1f} ms/step, "

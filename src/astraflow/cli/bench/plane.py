@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
+
+if TYPE_CHECKING:
+    from astraflow.bench.control_recipe import Shape
 
 from astraflow.cli.bench.common import app
 
@@ -61,6 +64,7 @@ def _control_in_process(
     keep_steps: int,
     profile: bool,
     as_json: bool,
+    shape: Shape,
 ) -> None:
     """`bench control --in-process`: the controller's CPU per sequence, or with `--beats N` per idle
     heartbeat of N members."""
@@ -81,9 +85,26 @@ def _control_in_process(
             "--tokens and --steps take numbers >= 1, --warmup-steps and --keep-steps >= 0"
         )
     r = control_inproc.run(
-        steps=steps, warmup_steps=warmup_steps, tokens=tokens, keep_steps=keep_steps, profile=profile
+        steps=steps,
+        warmup_steps=warmup_steps,
+        tokens=tokens,
+        keep_steps=keep_steps,
+        profile=profile,
+        shape=shape,
     )
     typer.echo(_json.dumps(r, indent=2) if as_json else control_inproc.render(r))
+
+
+def _shape(group_size: int, batch_prompts: int) -> Shape:
+    """The step shape of --group-size and --batch-prompts, or a usage error."""
+    from astraflow.bench.control_recipe import Shape
+
+    shape = Shape(group_size, batch_prompts)
+    try:
+        shape.check()
+    except ValueError as exc:
+        raise typer.BadParameter(f"--group-size and --batch-prompts: {exc}") from None
+    return shape
 
 
 @app.command("control")
@@ -123,7 +144,8 @@ def control(
         False,
         "--in-process",
         help="No sockets: drive Controller.dispatch with the 2 workers' and the trainer's messages and "
-        "report its CPU per sequence (only --tokens, --warmup-steps, --steps, --keep-steps, --profile, --json apply).",
+        "report its CPU per sequence (only --tokens, --warmup-steps, --steps, --keep-steps, --group-size, "
+        "--batch-prompts, --profile, --json apply).",
     ),
     steps: int = typer.Option(20, help="--in-process: measured steps (after the warm-up steps)."),
     profile: bool = typer.Option(
@@ -144,12 +166,17 @@ def control(
         help="--in-process: instead of steps, this many idle members joined and beating at "
         "--heartbeat-s: the controller's CPU per heartbeat (bench/control_beats.py).",
     ),
+    group_size: int = typer.Option(16, help="Sequences a task of the bench's policy (the quickstart's 16)."),
+    batch_prompts: int = typer.Option(
+        32, help="Tasks a step of the bench's policy (the quickstart's 32); each worker asks for this many."
+    ),
 ) -> None:
     """One live controller fed by simulated members: sequences/s, steps/s, CPU per step, request
     latency and RSS per member, for each member count; raw ZeroMQ and SQLite rates as the limits."""
     import json as _json
     import tempfile
 
+    shape = _shape(group_size, batch_prompts)
     if in_process:
         _control_in_process(
             beats,
@@ -160,6 +187,7 @@ def control(
             keep_steps=keep_steps,
             profile=profile,
             as_json=as_json,
+            shape=shape,
         )
         return
 
@@ -205,5 +233,6 @@ def control(
             controller_cpu=controller_cpu,
             settle_s=settle_s,
             repeat=repeat,
+            shape=shape,
         )
     typer.echo(_json.dumps(res, indent=2) if as_json else render(res))
