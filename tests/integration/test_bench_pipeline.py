@@ -60,6 +60,8 @@ def test_bench_pipeline_runs_sync_then_async_and_compares(tiny_model: Path, tmp_
     assert resolved["run"]["mode"] == "sync"
     assert summary["throughput_ratio"] > 0 and set(summary["per_policy_speedup"]) == {"solver", "verifier"}
     assert "async / sync throughput" in out.stderr
+    rates = [summary["e2e"][mode]["generated_per_s"] for mode in ("sync", "async")]
+    assert ("steady_samples_ratio" in summary) == all(r > 0 for r in rates)
     # each mode's end-to-end report (bench/e2e.py): throughput, busy fractions, weight sync
     for mode in ("sync", "async"):
         rep = summary["e2e"][mode]

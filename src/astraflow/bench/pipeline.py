@@ -124,6 +124,18 @@ def compare(results: list[ModeResult]) -> dict[str, Any]:
     return out
 
 
+def add_steady(summary: dict[str, Any]) -> None:
+    """With both runs' end-to-end reports (`summary["e2e"]`, bench/e2e.py), the ratio of their
+    steady windows' generated samples a second, async / sync: the pace once both are running, where
+    `throughput_ratio` also counts how each run got there (its first steps)."""
+    rates = {
+        mode: float((summary.get("e2e", {}).get(mode) or {}).get("generated_per_s") or 0.0) for mode in MODES
+    }
+    if all(rates.values()):
+        summary["steady_samples"] = rates
+        summary["steady_samples_ratio"] = rates["async"] / rates["sync"]
+
+
 def format_table(summary: dict[str, Any]) -> str:
     """A plain-text table of both runs and the ratios."""
 
@@ -149,4 +161,10 @@ def format_table(summary: dict[str, Any]) -> str:
     if "throughput_ratio" in summary:
         per = ", ".join(f"{k} {v:.2f}x" for k, v in summary["per_policy_speedup"].items())
         lines.append(f"async / sync throughput: {summary['throughput_ratio']:.2f}x  (time per step: {per})")
+    if "steady_samples_ratio" in summary:
+        rates = summary["steady_samples"]
+        lines.append(
+            f"steady windows, samples/s generated: sync {rates['sync']:.1f}, async {rates['async']:.1f}: "
+            f"{summary['steady_samples_ratio']:.2f}x"
+        )
     return "\n".join(lines)

@@ -139,7 +139,7 @@ def pipeline(
 
     from astraflow import log
     from astraflow.bench.e2e import GpuSampler, format_report, read_e2e
-    from astraflow.bench.pipeline import MODES, compare, format_table, run_mode
+    from astraflow.bench.pipeline import MODES, add_steady, compare, format_table, run_mode
     from astraflow.config.load import load_recipe, validate_plugins
 
     log.setup("bench")
@@ -177,6 +177,7 @@ def pipeline(
         rep["partial"] = not res.ok
         summary["e2e"][res.mode] = rep
         reports[label] = format_report(rep)
+    add_steady(summary)
     (base / "bench.json").write_text(json.dumps(summary, indent=2) + "\n")
     for mode, text in reports.items():
         typer.echo(f"\n{mode}:\n{text}", err=json_)
