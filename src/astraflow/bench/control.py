@@ -2,14 +2,14 @@
 member costs it.
 
 A real `astraflow controller` process runs the quickstart's shape (32 prompts x 16 samples a step,
-or another: `Shape`) with no model anywhere; simulated members in a few processes (bench/control_sim.py) speak the protocol
-as real members do, each with its own socket, routing id, heartbeats and (with `--curve`) its own
-CURVE key: two RaaS members lease tasks and answer each at once with trivial episodes, one trainer
-takes each batch and announces the next version at once, and every further member is a RaaS that
-only heartbeats. So the figures are the controller's own cost: sequences/s and steps/s through it,
-its CPU seconds per step, p50/p99 of task and batch requests, its RSS per member. The same run
-measures the physical limits on this machine: msgpack messages/s through a raw ZeroMQ ROUTER, and
-SQLite rows/s in WAL mode.
+or another: `Shape`) with no model anywhere; simulated members in a few processes
+(bench/control_sim.py) speak the protocol as real members do, each with its own socket, routing id,
+heartbeats and (with `--curve`) its own CURVE key: two RaaS members lease tasks and answer each at
+once with trivial episodes, one trainer takes each batch and announces the next version at once, and
+every further member is a RaaS that only heartbeats. So the figures are the controller's own cost:
+sequences/s and steps/s through it, its CPU seconds per step, p50/p99 of task and batch requests,
+its RSS per member. The same run measures the physical limits on this machine: msgpack messages/s
+through a raw ZeroMQ ROUTER, and SQLite rows/s in WAL mode.
 """
 
 from __future__ import annotations
@@ -88,8 +88,8 @@ def run_one(
     settle_s: float = 0.0,
     shape: Shape = Shape(),
 ) -> dict[str, Any]:
-    """One controller of the recipe's `shape` with `members` simulated members (2 active RaaS + idle ones + 1 trainer), each
-    sequence `tokens` generated tokens long; with `controller_cpu`, the controller alone on that CPU
+    """One controller of the recipe's `shape` with `members` simulated members (2 active RaaS + idle
+    ones + 1 trainer), each sequence `tokens` generated tokens long; with `controller_cpu`, the controller alone on that CPU
     and the simulators on the others."""
     work.mkdir(parents=True, exist_ok=True)
     workers = max(members, ACTIVE)
