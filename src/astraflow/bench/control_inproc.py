@@ -6,9 +6,10 @@ in the default `Shape`) at a time and answer each grant in one TaskResults of tr
 episodes, one trainer takes each batch and announces the next version. Every message the controller
 receives is encoded and decoded as on the wire, and every reply it sends is encoded, so the timed
 part is the controller's own work per message minus only ZeroMQ. The members' work (building and
-encoding their messages, decoding replies) runs outside the timed part. With `profile` the timed part (and only it: not the members' work) runs under
-cProfile and the top functions by own time are reported, so where a sequence's CPU goes can be compared between builds on a loaded
-machine (process CPU time, not wall time).
+encoding their messages, decoding replies) runs outside the timed part. With `profile` the timed
+part (and only it: not the members' work) runs under cProfile and the top functions by own time are
+reported, so where a sequence's CPU goes can be compared between builds on a loaded machine (process
+CPU time, not wall time).
 """
 
 from __future__ import annotations
