@@ -43,7 +43,12 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return init_model("qwen3", "tiny", tmp_path_factory.mktemp("collab") / "tiny", seed=0)
 
 
-def _solver_lengths(model_dir: Path, options: dict[str, object], fill_seed: int) -> list[list[int]]:
+def _solver_lengths(
+    model_dir: Path,
+    options: dict[str, object],
+    fill_seed: int,
+    task_defaults: dict[str, object] | None = None,
+) -> list[list[int]]:
     """Per problem, the lengths of the solver's attempts in one real run_group (no stop token)."""
     from transformers import AutoTokenizer
 
@@ -51,7 +56,10 @@ def _solver_lengths(model_dir: Path, options: dict[str, object], fill_seed: int)
     eng = TorchEngine(str(model_dir), seed=0)
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=CAP)
     base = EnginePolicyClient("p", tok, eng, sampling, [])
-    policies = {"proposer": TaskPolicyClient(base, 4), "solver": TaskPolicyClient(base, 3)}
+    policies = {
+        "proposer": TaskPolicyClient(base, 4),
+        "solver": TaskPolicyClient(base, 3, defaults=task_defaults),
+    }
     wf = CollabWorkflow(CollabConfig(**options))
     sample = {"prompt": "+ =", "fill_seed": fill_seed}
     try:
@@ -73,3 +81,6 @@ def test_the_engine_writes_each_problems_drawn_budget(model_dir: Path) -> None:
     assert len(set(budgets)) > 1  # the problems of one task differ
     # off: every attempt writes the recipe's max_new_tokens
     assert _solver_lengths(model_dir, {}, fill_seed=11) == [[CAP] * 3] * 4
+    # a task that sets its own max_new_tokens (an evaluation task's) caps the draw instead
+    capped = _solver_lengths(model_dir, options, fill_seed=11, task_defaults={"max_new_tokens": 3})
+    assert capped == [[min(3, b)] * 3 for b in budgets if b is not None] and max(budgets) > 3  # type: ignore[type-var]

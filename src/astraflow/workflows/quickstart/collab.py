@@ -73,7 +73,11 @@ def solver_budget(config: CollabConfig, fill_seed: int, index: int, cap: int) ->
 
 
 def _max_new_tokens(client: PolicyClient) -> int:
-    """The recipe's max_new_tokens of a client's policy (the cap of a drawn budget)."""
+    """The max_new_tokens a generate call of this client gets without an override of its own (the
+    cap of a drawn budget): the task's (an evaluation task may set one), else the recipe's."""
+    task = (getattr(client, "defaults", None) or {}).get("max_new_tokens")
+    if task is not None:
+        return int(task)
     sampling = getattr(client, "sampling", None)
     if sampling is None:
         raise TypeError(
