@@ -135,7 +135,8 @@ class CollabWorkflow(Workflow):
         n = self.config.length
         prompt = list(proposer.tokenizer.encode(str(sample.get("prompt", "+ ="))))
         proposals = await proposer.generate(prompt, n=group_sizes.get("proposer", 1))
-        rng = random.Random(int(sample.get("fill_seed", 0)))
+        fill_seed = int(sample.get("fill_seed", 0))
+        rng = random.Random(fill_seed)
         problems: list[tuple[list[str], float]] = []
         for c in proposals:
             words, stopped = _words(proposer, list(c.token_ids))
@@ -148,7 +149,6 @@ class CollabWorkflow(Workflow):
         tries_each = group_sizes.get("solver", 1)
         if solver.read_only:
             tries_each = min(tries_each, READ_ONLY_TRIES)
-        fill_seed = int(sample.get("fill_seed", 0))
         cap = _max_new_tokens(solver) if self.config.solver_tokens_median else 0
         budgets = [solver_budget(self.config, fill_seed, i, cap) for i in range(len(problems))]
         attempts = await asyncio.gather(
