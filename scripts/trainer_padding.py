@@ -4,13 +4,20 @@ length, trainers/packing.py), alternating. Prints each side's median step and pa
 step beside the real tokens.
 
     python scripts/trainer_padding.py [--model DIR] [--batch 128] [--micro-batch 32] [--median 24] [--sigma 1.0]
+        [--group-size 1] [--option KEY=VALUE ...] [--own-only]
 
-Without --model a random-init tiny Qwen3 is written to a temporary directory.
+Without --model a random-init tiny Qwen3 is written to a temporary directory. The trainer runs where
+its device resolves (a GPU when there is one). `--group-size G` draws one length for each G sequences
+in a row (as a group of attempts at one problem shares its budget in `collab`); `--option` sets a
+trainer option (a JSON value, else the text: `--option dtype=bfloat16 --option compile=true`);
+`--own-only` times the trainer's own plan alone (for options, such as packing, that the arrival-order
+baseline does not model).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import random
@@ -38,7 +45,19 @@ def main() -> None:
     ap.add_argument("--cap", type=int, default=256)
     ap.add_argument("--batches", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--group-size", type=int, default=1, help="sequences that share one drawn length")
+    ap.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="a trainer option")
+    ap.add_argument("--own-only", action="store_true", help="time the trainer's own plan alone")
     args = ap.parse_args()
+    options: dict[str, Any] = {"micro_batch": args.micro_batch}
+    for item in args.option:
+        key, sep, text = item.partition("=")
+        if not sep:
+            ap.error(f"--option takes KEY=VALUE, not {item!r}")
+        try:
+            options[key] = json.loads(text)
+        except ValueError:
+            options[key] = text
 
     import torch
 
@@ -54,8 +73,10 @@ def main() -> None:
 
     def batch() -> list[TrainSample]:
         out = []
+        g = 0
         for i in range(args.batch):
-            g = max(1, min(args.cap, round(rng.lognormvariate(math.log(args.median), args.sigma))))
+            if i % max(1, args.group_size) == 0:
+                g = max(1, min(args.cap, round(rng.lognormvariate(math.log(args.median), args.sigma))))
             prompt = [1, 5, 6, 7]
             out.append(
                 TrainSample(
@@ -71,26 +92,29 @@ def main() -> None:
             )
         return out
 
-    options = {"micro_batch": args.micro_batch}
     trainer = TorchTrainer(
         PolicyConfig(model=str(model), optimizer=OptimizerConfig(lr=1e-6), trainer_options=options)
     )
     batches = [batch() for _ in range(args.batches)]
     real = sum(s.length for b in batches for s in b) / len(batches)
     own = packing.plan
+    arms = [("arrival order (baseline)", arrival_plan), ("the trainer's own plan", own)]
+    tokens = int(options.get("micro_batch_tokens", 0))
+    print(f"device {trainer.device}, options {options}", flush=True)
     for rnd in range(args.rounds):
-        for name, plan in (("arrival order (baseline)", arrival_plan), ("in order of length", own)):
+        for name, plan in arms[1:] if args.own_only else arms:
             packing.plan = plan  # type: ignore[assignment]
             times, slots = [], 0
             for b in batches:
-                groups = plan(b, micro_batch=args.micro_batch, micro_batch_tokens=0)
+                groups = plan(b, micro_batch=args.micro_batch, micro_batch_tokens=tokens)
                 slots += sum(len(g) * max(b[i].length for i in g) for g in groups)
                 t = time.perf_counter()
                 trainer.step(b)
                 times.append(time.perf_counter() - t)
             print(
                 f"round {rnd + 1}  {name:<24}  median step {statistics.median(times):.3f} s  "
-                f"padded token slots a step {slots / len(batches):,.0f}  (real tokens {real:,.0f})"
+                f"padded token slots a step {slots / len(batches):,.0f}  (real tokens {real:,.0f})",
+                flush=True,
             )
     packing.plan = own
 
