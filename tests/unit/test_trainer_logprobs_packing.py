@@ -179,3 +179,24 @@ def test_sequences_do_not_attend_across_a_packed_boundary(model_dir: Path) -> No
         lp_both = trainer.policy_lm(both)[0][1]
     n = b.length - 1
     assert torch.allclose(lp_alone[:n], lp_both[:n], atol=1e-5)
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_rows_widened_to_a_multiple_give_the_same_logprobs(model_dir: Path, pack: bool) -> None:
+    # A compiled trainer widens its rows to a multiple of 8 (torch_trainer._COMPILED_WIDTH_MULTIPLE):
+    # the padding lies after each row's last sequence, so no real token's logprob moves.
+    samples = _samples(4, 5)
+    trainer = TorchTrainer(_policy(model_dir, pack=pack))
+    cpu = torch.device("cpu")
+    plain = packing.build(samples, pack=pack, row_tokens=0, pad_id=0, device=cpu)
+    wide = packing.build(samples, pack=pack, row_tokens=0, pad_id=0, device=cpu, width_multiple=8)
+    assert plain.input_ids.shape[1] % 8 != 0  # else this case tests nothing
+    assert wide.input_ids.shape[1] % 8 == 0 and wide.input_ids.shape[1] > plain.input_ids.shape[1]
+    assert wide.input_ids.shape[0] == plain.input_ids.shape[0]
+    assert torch.equal(wide.targets, plain.targets) and torch.equal(wide.dst, plain.dst)
+    with torch.no_grad():
+        lp_plain, ent_plain = trainer.policy_lm(plain)
+        lp_wide, ent_wide = trainer.policy_lm(wide)
+    assert torch.allclose(lp_plain, lp_wide, atol=1e-5)
+    assert torch.allclose(ent_plain, ent_wide, atol=1e-5)
+    assert float(lp_plain.abs().sum()) > 0

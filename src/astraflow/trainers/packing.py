@@ -138,9 +138,18 @@ def _rows(lengths: list[int], pack: bool, row_tokens: int) -> list[list[int]]:
 
 
 def build(
-    samples: list[TrainSample], *, pack: bool, row_tokens: int, pad_id: int, device: torch.device
+    samples: list[TrainSample],
+    *,
+    pack: bool,
+    row_tokens: int,
+    pad_id: int,
+    device: torch.device,
+    width_multiple: int = 1,
 ) -> MicroBatch:
-    """Tensors of one micro-batch of `samples` in the padded or packed layout."""
+    """Tensors of one micro-batch of `samples` in the padded or packed layout. `width_multiple` rounds
+    the rows' width up to a multiple of it (padding after the last sequence of each row): a compiled
+    model then sees widths that keep the alignment its kernels were specialised for, instead of
+    recompiling when a width breaks it."""
     if not samples:
         # A filler for a rank with nothing to do this pass: one pad token, nothing trained.
         one = torch.full((1, 1), pad_id, dtype=torch.long)
@@ -171,6 +180,7 @@ def build(
     lengths = [s.length for s in samples]
     rows = _rows(lengths, pack, row_tokens)
     width = max(sum(lengths[i] for i in row) for row in rows)
+    width = -(-width // max(1, width_multiple)) * max(1, width_multiple)
     b, view_len = len(samples), max(lengths) - 1
     span = max(view_len, 0)
     # Flat arrays filled by slices of each sample's packed bytes (one copy each), then one tensor each:

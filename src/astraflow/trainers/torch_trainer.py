@@ -51,6 +51,9 @@ _OPTIM_FILE = "optimizer.pt"
 _RNG_FILE = "rng.pt"
 _STATE_FILE = "trainer_state.json"
 _DCP_DIR = "dcp"
+_COMPILED_WIDTH_MULTIPLE = 8
+"""A compiled trainer pads its rows' width to a multiple of this: inductor specialises its kernels to
+an aligned width (a guard on width % 8), so an unaligned step would compile again."""
 _CRITIC_DIR = "critic"
 
 
@@ -122,11 +125,15 @@ class TorchTrainer(Trainer):
                 "compile_scope = 'model' does not run on several ranks yet",
                 hint="use compile_scope = 'layers' or one trainer process",
             )
+        # Compiled with dynamic shapes from the first step: a micro-batch's rows and width change from
+        # step to step, and a graph specialised to the first step's shape would compile again (10-15 s
+        # each for a 0.6B model on an H200) when the next step's differs (docs/benchmarks.md, "The
+        # trainer's padding on long-tailed lengths").
         if cfg.compile and cfg.compile_scope == "model":
-            getattr(model, model.base_model_prefix).compile()
+            getattr(model, model.base_model_prefix).compile(dynamic=True)
         elif cfg.compile:
             for layer in decoder_layers(model):
-                layer.compile()
+                layer.compile(dynamic=True)
         loss_cls = plugins.load("losses", policy.loss)
         self.loss: Loss = loss_cls(loss_cls.Config.model_validate(policy.loss_options))
         self._wants_prepare = type(self.loss).prepare is not Loss.prepare
@@ -229,6 +236,7 @@ class TorchTrainer(Trainer):
                 row_tokens=cfg.pack_row_tokens,
                 pad_id=self._pad_id,
                 device=self.device,
+                width_multiple=_COMPILED_WIDTH_MULTIPLE if cfg.compile else 1,
             )
             for g in groups
         ]
