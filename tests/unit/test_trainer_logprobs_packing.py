@@ -200,3 +200,15 @@ def test_rows_widened_to_a_multiple_give_the_same_logprobs(model_dir: Path, pack
     assert torch.allclose(lp_plain, lp_wide, atol=1e-5)
     assert torch.allclose(ent_plain, ent_wide, atol=1e-5)
     assert float(lp_plain.abs().sum()) > 0
+
+
+def test_a_compiled_trainer_builds_aligned_rows(model_dir: Path) -> None:
+    # Building micro-batches runs no layer, so nothing compiles here: only the rows' width is checked.
+    batch = _samples(5, 9)
+    compiled = TorchTrainer(_policy(model_dir, micro_batch=3, compile=True))
+    eager = TorchTrainer(_policy(model_dir, micro_batch=3))
+    widths = [m.input_ids.shape[1] for m in compiled._micro_batches(batch)]
+    plain = [m.input_ids.shape[1] for m in eager._micro_batches(batch)]
+    assert all(w % 8 == 0 for w in widths)
+    assert any(w % 8 for w in plain)
+    assert [-(-w // 8) * 8 for w in plain] == widths
