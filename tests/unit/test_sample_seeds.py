@@ -63,7 +63,11 @@ def test_a_task_samples_the_same_tokens_on_any_engine_beside_any_batch(model_dir
     a = run_task(model_dir, engine_seed=1, task_id=7, beside=0)
     b = run_task(model_dir, engine_seed=2, task_id=7, beside=24)
     assert tokens(a) == tokens(b)
-    assert [[c.logprobs for c in call] for call in a] == [[c.logprobs for c in call] for call in b]
+    # The same tokens under the same weights: the same logprobs but for the last bits, which CPU matmuls
+    # round differently with the number of rows decoded beside them (docs/engine.md).
+    lp_a = [lp for call in a for c in call for lp in c.logprobs]
+    lp_b = [lp for call in b for c in call for lp in c.logprobs]
+    assert len(lp_a) == len(lp_b) and lp_a == pytest.approx(lp_b, abs=1e-5, rel=0)
     group = tokens(a)[0]
     assert len({tuple(t) for t in group}) > 4  # sample i has its own seed: the group is not one sample
     assert tokens(a)[1] != group[:4]  # the second call of the task has a seed of its own
