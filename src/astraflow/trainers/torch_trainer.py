@@ -125,13 +125,13 @@ class TorchTrainer(Trainer):
                 "compile_scope = 'model' does not run on several ranks yet",
                 hint="use compile_scope = 'layers' or one trainer process",
             )
-        # Compiled with dynamic shapes from the first step: a micro-batch's rows and width change from
-        # step to step, and a graph specialised to the first step's shape would compile again (10-15 s
-        # each for a 0.6B model on an H200) when the next step's differs (docs/benchmarks.md, "The
-        # trainer's padding on long-tailed lengths").
         if cfg.compile and cfg.compile_scope == "model":
-            getattr(model, model.base_model_prefix).compile(dynamic=True)
+            getattr(model, model.base_model_prefix).compile()
         elif cfg.compile:
+            # Compiled with dynamic shapes from the first step: a micro-batch's rows and width change
+            # from step to step, and a layer specialised to the first step's shape would compile again
+            # (10-15 s each for a 0.6B model on an H200) when the next step's differs (docs/benchmarks.md,
+            # "The trainer's padding on long-tailed lengths"). Not for the whole backbone: not measured.
             for layer in decoder_layers(model):
                 layer.compile(dynamic=True)
         loss_cls = plugins.load("losses", policy.loss)
