@@ -179,8 +179,8 @@ def build(
             raise ValueError(f"sample {s.traj_id}: tokens, loss_mask, logprobs and versions differ in length")
     lengths = [s.length for s in samples]
     rows = _rows(lengths, pack, row_tokens)
-    width = max(sum(lengths[i] for i in row) for row in rows)
-    width = -(-width // max(1, width_multiple)) * max(1, width_multiple)
+    step = max(1, width_multiple)
+    width = -(-max(sum(lengths[i] for i in row) for row in rows) // step) * step
     b, view_len = len(samples), max(lengths) - 1
     span = max(view_len, 0)
     # Flat arrays filled by slices of each sample's packed bytes (one copy each), then one tensor each:
