@@ -79,6 +79,10 @@ def floats(data: bytes) -> list[float]:
 def layout_problem(tokens: bytes, loss_mask: bytes, logprobs: bytes, versions: bytes) -> str:
     """Why four packed fields are not one sequence's arrays ('' when their sizes fit): a size that is
     not a whole number of items, or arrays of different lengths."""
+    if type(tokens) is type(loss_mask) is type(logprobs) is type(versions) is bytes and not (
+        len(tokens) & 3 or len(logprobs) & 3 or len(versions) & 3
+    ):
+        return ""  # what a decoded message holds: checked without a dict and a loop a sequence
     sizes = {"tokens": tokens, "loss_mask": loss_mask, "logprobs": logprobs, "versions": versions}
     for name, data in sizes.items():
         if not isinstance(data, bytes | bytearray | memoryview):
