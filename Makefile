@@ -45,7 +45,8 @@ test-fast: $(VENV)/.installed
 check: $(VENV)/.installed
 	$(BIN)/ruff check src tests plugins scripts examples
 	$(BIN)/ruff format --check src tests plugins scripts examples
-	$(BIN)/mypy src/astraflow
+	# two worker processes: a fresh check (CI) in about 56 s instead of 76 on 2 cores
+	$(BIN)/mypy -n 2 src/astraflow
 	# SQL only in state/, no package cycles, long modules say why, imports resolve, no function over complexity 15 on cli/ launch/ roles/ (docs/architecture.md, "Rules the checks enforce")
 	$(BIN)/python scripts/check_layout.py
 
