@@ -35,12 +35,7 @@ FLOAT64 = "<f8"
 
 def _layout(s: PackedSequence) -> str:
     """Why one sequence's arrays cannot be a slice of the columns ('' when they can)."""
-    tokens, mask, logprobs, versions = s.tokens, s.loss_mask, s.logprobs, s.versions
-    if type(tokens) is type(mask) is type(logprobs) is type(versions) is bytes and (
-        len(tokens) == len(logprobs) == len(versions) == 4 * len(mask)
-    ):
-        return ""  # whole int32/float32 arrays of one length: what every decoded sequence brings
-    why = packed.layout_problem(tokens, mask, logprobs, versions)
+    why = packed.layout_problem(s.tokens, s.loss_mask, s.logprobs, s.versions)
     if why:
         return why
     n = len(s.loss_mask)
