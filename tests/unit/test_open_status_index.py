@@ -1,8 +1,10 @@
-"""The status index without the consumed rows (migration 0011, state/trajectories.py `OPEN`): an
-existing state.db is carried with every count unchanged, the queries of the other statuses use the
-index, marking a batch consumed takes its rows out of it, and replay candidates read from the newest
-batches' first id are the newest consumed trajectories, as a read of the whole table finds them.
-Real SQLite files."""
+"""The status index of the trajectories that left the buffer untrained and the buffer's floor
+(migrations 0011 and 0012, state/trajectories.py `LEFT` and `BUFFERED`): an existing state.db is
+carried with every count unchanged, the queries of the expired and dropped use the index and those of
+the buffered read from the floor by id, storing and consuming change no index entry, the floor holds
+under random batches, expiries, drops, batches forgotten and rows deleted, and replay candidates read
+from the newest batches' first id are the newest consumed trajectories, as a read of the whole table
+finds them. Real SQLite files."""
 
 from __future__ import annotations
 
@@ -62,49 +64,142 @@ def _counts(store: Store) -> list[object]:
     ]
 
 
-def test_an_existing_state_db_keeps_its_counts_and_its_index_leaves_the_consumed_out(tmp_path: Path) -> None:
+def test_an_existing_state_db_keeps_its_counts_and_its_index_holds_only_the_left(tmp_path: Path) -> None:
     path = tmp_path / "state.db"
     _old_run(path, 200)
     old = Store(sqlite3.connect(str(path), isolation_level=None), readonly=False)  # no migration applied
-    before = _counts(old)  # read through the full index, as before
+    before = _counts(old)  # read through the full index and without a floor, as before
     old.conn.close()
 
-    store = Store.open(path)  # the controller's opener applies 0011
-    assert migrations.OPEN_INDEX_MIGRATION in migrations.applied(store.db)
+    store = Store.open(path)  # the controller's opener applies 0011 and 0012
+    applied = migrations.applied(store.db)
+    assert migrations.OPEN_INDEX_MIGRATION in applied and migrations.BUFFER_FLOOR_MIGRATION in applied
     indexes = {i.name for i in store.db["trajectories"].indexes}
-    assert "idx_trajectories_status_policy_task_id" not in indexes and "idx_trajectories_open" in indexes
-    sql = store.scalar("SELECT sql FROM sqlite_master WHERE name = 'idx_trajectories_open'")
-    assert "WHERE status != 'consumed'" in sql
+    assert "idx_trajectories_open" not in indexes and "idx_trajectories_left" in indexes
+    sql = store.scalar("SELECT sql FROM sqlite_master WHERE name = 'idx_trajectories_left'")
+    assert "WHERE status IN ('expired', 'dropped')" in sql
+    oldest = store.scalar("SELECT MIN(id) FROM trajectories WHERE status = 'buffered'")
+    assert store.scalar("SELECT first_id FROM buffer_floor") == oldest
     assert _counts(store) == before
 
-    # every query of a status other than consumed is served by the index (it names its condition)
+    # the expired and dropped are read through the index, the buffered by id from the floor
     traced: list[str] = []
     store.conn.set_trace_callback(traced.append)
     _counts(store)
     store.conn.set_trace_callback(None)
-    open_queries = [
-        q
-        for q in traced
-        if q.startswith("SELECT") and "FROM trajectories" in q and ("status =" in q or "status IN" in q)
-        if "status = 'consumed'" not in q
-        and not (trajectories._ANY_STATUS in q and trajectories.OPEN not in q)
+    left = [
+        q for q in traced if q.startswith("SELECT") and "FROM trajectories" in q and trajectories.LEFT in q
     ]
-    assert len(open_queries) >= 7  # counts of each open status, per policy, the buffered items
-    for q in open_queries:
-        assert "idx_trajectories_open" in _plan(store, q, ()), q
+    buffered = [
+        q for q in traced if q.startswith("SELECT") and "FROM trajectories" in q and "buffer_floor" in q
+    ]
+    assert len(left) >= 4 and len(buffered) >= 5  # per policy and status; per policy, by policy, the items
+    for q in left:
+        assert "idx_trajectories_left" in _plan(store, q, ()), q
+    for q in buffered:
+        plan = _plan(store, q, ())
+        assert "INTEGER PRIMARY KEY (rowid>?)" in plan and "idx_trajectories" not in plan, (q, plan)
 
-    # marking consumed takes rows out of the index: they are counted as consumed, not as buffered
-    buffered = [int(r[0]) for r in trajectories.buffered_items(store, "main")][:5]
+    # marking consumed changes no index entry and raises the floor to the oldest row still buffered
+    entries = "SELECT COUNT(*) FROM trajectories INDEXED BY idx_trajectories_left WHERE " + trajectories.LEFT
+    n_left = store.scalar(entries)
+    buffered_ids = sorted(int(r[0]) for r in trajectories.buffered_items(store, "main"))
     counts = trajectories.status_counts(store, "main")
-    trajectories.mark_consumed(store, "main", 99, buffered)
+    other = sorted(int(r[0]) for r in trajectories.buffered_items(store, "other"))
+    trajectories.mark_consumed(store, "main", 99, buffered_ids[:5])
     after = trajectories.status_counts(store, "main")
     assert after["buffered"] == counts["buffered"] - 5 and after["consumed"] == counts["consumed"] + 5
+    assert store.scalar(entries) == n_left
+    assert store.scalar("SELECT first_id FROM buffer_floor") == min(buffered_ids[5:] + other)
     assert store.scalar("PRAGMA integrity_check") == "ok"
 
 
-def _seq(version: int, reward: float) -> Sequence:
+def _scan(store: Store) -> dict[tuple[str, str], int]:
+    """(policy, status) -> trajectories, read from every row (no index, no floor)."""
+    return {
+        (r[0], r[1]): int(r[2])
+        for r in store.query(
+            "SELECT policy, status, COUNT(*) FROM trajectories NOT INDEXED GROUP BY policy, status"
+        )
+    }
+
+
+def test_the_floor_holds_under_random_batches_expiries_drops_forgotten_batches_and_deletes(
+    tmp_path: Path,
+) -> None:
+    """Two policies, random groups stored, batches of random buffered rows consumed (oldest or any),
+    rows expired and dropped, batches forgotten (their rows buffered again), old rows deleted as a
+    retention pass does (the newest row stays): after every operation no buffered row is below the
+    floor and every count read through the floor and the index is the count of a plain scan."""
+    rng = random.Random(11)
+    store = Store.open(tmp_path / "state.db")
+    buf = Buffer(store)
+    task, step = 0, 0
+    steps: dict[str, list[int]] = {"a": [], "b": []}
+    for _ in range(300):
+        op = rng.random()
+        pol = rng.choice(("a", "b"))
+        if op < 0.45:
+            task += 1
+            size = rng.randint(1, 4)
+            seqs = [_seq(0, float(i), pol) for i in range(size)]
+            buf.insert(task, f"k{task}", seqs, [0.0] * size)
+        else:
+            ids = sorted(int(r[0]) for r in trajectories.buffered_items(store, pol))
+            if not ids:
+                continue
+            pick = (
+                ids[: rng.randint(1, len(ids))]
+                if op < 0.7
+                else sorted(rng.sample(ids, rng.randint(1, len(ids))))
+            )
+            if op < 0.8:
+                step += 1
+                with store.write():
+                    trajectories.mark_consumed(store, pol, step, pick)
+                    batches.record_batch(store, pol, step, pick, [False] * len(pick), 0, 0.0)
+                steps[pol].append(step)
+            elif op < 0.85:
+                trajectories.expire(store, pick)
+            elif op < 0.9:
+                trajectories.mark_dropped(store, pick)
+            elif op < 0.95 and steps[pol]:
+                s = steps[pol].pop(rng.randrange(len(steps[pol])))
+                got = batches.batch_ids(store, pol, s)
+                assert got is not None
+                batches.forget_batch(store, pol, s, got[0])
+            else:
+                top = store.scalar("SELECT MAX(id) FROM trajectories")
+                gone = [
+                    int(r[0])
+                    for r in store.query(
+                        "SELECT id FROM trajectories WHERE status != 'buffered' AND id < ?", (top,)
+                    )
+                ]
+                with store.write() as c:
+                    c.executemany(
+                        "DELETE FROM trajectories WHERE id = ?",
+                        [(i,) for i in rng.sample(gone, len(gone) // 2)],
+                    )
+                trajectories.forget_consumed(store)
+        floor = store.scalar("SELECT first_id FROM buffer_floor")
+        low = store.scalar("SELECT MIN(id) FROM trajectories WHERE status = 'buffered'")
+        assert low is None or low >= floor, (low, floor)
+        scan = _scan(store)
+        for p in ("a", "b"):
+            assert trajectories.status_counts(store, p) == {s: scan.get((p, s), 0) for s in STATUSES}
+            assert trajectories.count(store, p, "buffered") == scan.get((p, "buffered"), 0)
+        assert trajectories.buffered_by_policy(store) == {
+            p: n for (p, s), n in scan.items() if s == "buffered"
+        }
+    # the floor moved up with the batches: the buffered are read from near the table's end
+    assert store.scalar("SELECT first_id FROM buffer_floor") > 1
+    assert store.scalar("PRAGMA integrity_check") == "ok"
+
+
+def _seq(version: int, reward: float, policy: str = "main") -> Sequence:
     return Sequence(
-        policy="main",
+        policy=policy,
         tokens=[1, 1, 1],
         loss_mask=[0, 1, 1],
         logprobs=[0.0, -0.5, -0.5],

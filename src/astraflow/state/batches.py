@@ -203,6 +203,8 @@ def forget_batch(store: Store, policy: str, step: int, rebuffer: list[int]) -> N
         if kept is not None:
             kept.forgotten(policy, step)
         trajectories.forget_consumed(store)
+        if rebuffer:
+            trajectories.rebuffered(store, min(rebuffer))
         c.executemany(
             "UPDATE trajectories SET status = 'buffered', consumed_step = NULL "
             "WHERE id = ? AND consumed_step = ? AND status = 'consumed'",

@@ -3,6 +3,9 @@
 Each migration is a function that receives a sqlite-utils Database inside an open write
 transaction. The `migrations` table records the names of the applied ones; a migration, once
 released, is never edited: a schema change is a new function appended to MIGRATIONS.
+
+Over 400 lines because every schema change since the first stays here as it was applied (a state.db
+of any earlier version is carried forward by running the ones it lacks, in order).
 """
 
 from __future__ import annotations
@@ -308,12 +311,41 @@ def m0011_open_status_index(db: Database) -> None:
     partial index, `WHERE status != 'consumed'`): marking a batch consumed then removes 512 index
     entries instead of moving them to the consumed range, and the consumed rows, which grow with
     the run, no longer cost an index entry each. Queries of the other statuses name the index's
-    condition (state/trajectories.py, `OPEN`); those of the consumed rows read the table."""
+    condition (state/trajectories.py, `OPEN` then); those of the consumed rows read the table. Migration
+    0012 replaced it."""
     conn = db.conn
     conn.execute("DROP INDEX IF EXISTS idx_trajectories_status_policy_task_id")
     conn.execute(
         "CREATE INDEX idx_trajectories_open ON trajectories (status, policy, task_id) "
         "WHERE status != 'consumed'"
+    )
+
+
+BUFFER_FLOOR_MIGRATION = "0012_buffer_floor"
+"""The migration after which the status index holds only the expired and dropped trajectories and the
+buffered ones are read from the buffer's floor."""
+
+
+def m0012_buffer_floor(db: Database) -> None:
+    """Storing a sequence and marking it consumed change no index entry: the status index keeps only
+    the trajectories that left the buffer untrained (`WHERE status IN ('expired', 'dropped')`, few),
+    and the buffered ones, which every stored and every consumed sequence moved in and out of the
+    index before, are read by id from the buffer's floor (`buffer_floor`: one row, an id that no
+    buffered trajectory is below; state/trajectories.py `BUFFERED`). The floor starts at the oldest
+    buffered trajectory, or past the newest row when none is buffered."""
+    conn = db.conn
+    conn.execute("DROP INDEX IF EXISTS idx_trajectories_open")
+    conn.execute(
+        "CREATE INDEX idx_trajectories_left ON trajectories (status, policy, task_id) "
+        "WHERE status IN ('expired', 'dropped')"
+    )
+    conn.execute(
+        "CREATE TABLE buffer_floor (id INTEGER PRIMARY KEY CHECK (id = 0), first_id INTEGER NOT NULL)"
+    )
+    conn.execute(
+        "INSERT INTO buffer_floor (id, first_id) SELECT 0, COALESCE("
+        "(SELECT MIN(id) FROM trajectories WHERE status = 'buffered'), "
+        "(SELECT MAX(id) + 1 FROM trajectories), 0)"
     )
 
 
@@ -329,6 +361,7 @@ MIGRATIONS: list[tuple[str, Migration]] = [
     (PACKED_MIGRATION, m0009_packed_tokens),
     (TOKEN_GROUPS_MIGRATION, m0010_token_groups),
     (OPEN_INDEX_MIGRATION, m0011_open_status_index),
+    (BUFFER_FLOOR_MIGRATION, m0012_buffer_floor),
 ]
 """Every migration in the order applied; append only."""
 

@@ -1,4 +1,8 @@
-"""Trajectories in state.db: stored sequences of a policy, buffered until a batch consumes them."""
+"""Trajectories in state.db: stored sequences of a policy, buffered until a batch consumes them.
+
+Over 400 lines because every statement on the trajectories table is here, next to the invariants
+those statements keep together: ids only grow, the buffer's floor, the consumed counts the writer
+keeps."""
 
 from __future__ import annotations
 
@@ -17,11 +21,32 @@ STATUSES = ("buffered", "consumed", "expired", "dropped")
 _ANY_STATUS = "status IN ('buffered', 'consumed', 'expired', 'dropped')"
 """Every status (a query of every trajectory of a policy reads the table: no index starts with the
 policy, migration 0010 dropped it, one index less to keep up on every insert and status change)."""
-OPEN = "status != 'consumed'"
-"""The condition of the status index (migration 0011: `(status, policy, task_id) WHERE status !=
-'consumed'`). A query of a status other than consumed names it word for word, so that SQLite uses
-the index (it does not infer it from `status = ?`); marking a batch consumed then takes its rows out
-of the index instead of moving them within it. Queries of the consumed rows read the table."""
+LEFT = "status IN ('expired', 'dropped')"
+"""The condition of the status index (migration 0012: `(status, policy, task_id) WHERE status IN
+('expired', 'dropped')`): only the trajectories that left the buffer untrained are in it, so storing
+a sequence and marking it consumed change no index entry. A query of those statuses names it word for
+word, so that SQLite uses the index (it does not infer it from `status = ?`)."""
+BUFFERED = "id >= (SELECT COALESCE(MAX(first_id), 0) FROM buffer_floor) AND status = 'buffered'"
+"""The buffered trajectories, read from the buffer's floor on: every buffered row has an id at least
+the floor (`buffer_floor`, migration 0012), so a query of them reads the rows from there on in id
+order (a primary-key range: the newest rows, a few steps of them) instead of a status index that
+every stored and every consumed sequence would change. The writer raises the floor as batches
+consume (`mark_consumed`) and lowers it when rows are buffered again (`rebuffered`)."""
+_BUFFERED_ANY = "status = 'buffered'"
+"""The buffered trajectories of a state.db without the floor (a reader of a file an older controller
+writes: migration 0012 not applied yet)."""
+_HAS_FLOOR: weakref.WeakKeyDictionary[Store, bool] = weakref.WeakKeyDictionary()
+
+
+def _buffered(store: Store) -> str:
+    """The condition of the buffered rows for this store: from the floor, or every row without one."""
+    has = _HAS_FLOOR.get(store)
+    if has is None:
+        has = _HAS_FLOOR[store] = (
+            store.scalar("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'buffer_floor'")
+            is not None
+        )
+    return BUFFERED if has else _BUFFERED_ANY
 
 
 def _marks(n: int) -> str:
@@ -127,9 +152,15 @@ def count(store: Store, policy: str, status: str | None = None) -> int:
         )
     if status == "consumed":
         return _consumed_count(store, policy)
+    if status == "buffered":
+        return int(
+            store.scalar(
+                f"SELECT COUNT(*) FROM trajectories WHERE {_buffered(store)} AND policy = ?", (policy,)
+            )
+        )
     return int(
         store.scalar(
-            f"SELECT COUNT(*) FROM trajectories WHERE {OPEN} AND status = ? AND policy = ?", (status, policy)
+            f"SELECT COUNT(*) FROM trajectories WHERE {LEFT} AND status = ? AND policy = ?", (status, policy)
         )
     )
 
@@ -138,7 +169,7 @@ _CONSUMED: weakref.WeakKeyDictionary[Store, dict[str, int]] = weakref.WeakKeyDic
 """The writer's store -> consumed trajectories per policy, counted once and then kept by the statements
 that change them (`consumed_changed`): `mark_consumed` adds what it marked, a retention pass
 (state/archive.py) takes away what it deleted; `forget_batch`, `mark_dropped` and a rollback forget
-them (counted again when next asked). The consumed rows have no index (OPEN), so a count reads the table: about a second at
+them (counted again when next asked). The consumed rows have no index (LEFT), so a count reads the table: about a second at
 ten million rows, and every status request asks for it."""
 
 
@@ -185,11 +216,11 @@ def status_counts(store: Store, policy: str) -> dict[str, int]:
     """Trajectories of `policy` per status (every status, 0 when none)."""
     out = dict.fromkeys(STATUSES, 0)
     for r in store.query(
-        f"SELECT status, COUNT(*) AS n FROM trajectories WHERE {OPEN} AND {_ANY_STATUS} AND policy = ? "
-        "GROUP BY status",
+        f"SELECT status, COUNT(*) AS n FROM trajectories WHERE {LEFT} AND policy = ? GROUP BY status",
         (policy,),
     ):
         out[r["status"]] = int(r["n"])
+    out["buffered"] = count(store, policy, "buffered")
     out["consumed"] = _consumed_count(store, policy)
     return out
 
@@ -199,7 +230,7 @@ def buffered_by_policy(store: Store) -> dict[str, int]:
     return {
         r["policy"]: int(r["n"])
         for r in store.query(
-            f"SELECT policy, COUNT(*) AS n FROM trajectories WHERE {OPEN} AND status = 'buffered' GROUP BY policy"
+            f"SELECT policy, COUNT(*) AS n FROM trajectories WHERE {_buffered(store)} GROUP BY policy"
         )
     }
 
@@ -209,7 +240,7 @@ def buffered_groups_by_policy(store: Store) -> dict[str, int]:
     return {
         r["policy"]: int(r["n"])
         for r in store.query(
-            f"SELECT policy, COUNT(DISTINCT task_id) AS n FROM trajectories WHERE {OPEN} AND status = 'buffered' "
+            f"SELECT policy, COUNT(DISTINCT task_id) AS n FROM trajectories WHERE {_buffered(store)} "
             "GROUP BY policy"
         )
     }
@@ -273,7 +304,7 @@ def buffered_items(store: Store, policy: str) -> list[sqlite3.Row]:
     with store.write() as c:
         return c.execute(
             "SELECT id, task_id, min_version, arrival, reward, advantage, length FROM trajectories "
-            f"WHERE {OPEN} AND status = 'buffered' AND policy = ?",
+            f"WHERE {_buffered(store)} AND policy = ?",
             (policy,),
         ).fetchall()
 
@@ -323,6 +354,36 @@ def mark_consumed(store: Store, policy: str, step: int, ids: list[int]) -> None:
             [(step, first, first + n - 1, policy) for first, n in id_runs(ids)],
         )
         consumed_changed(store, policy, cur.rowcount)  # the rows changed by every execution together
+        _raise_floor(c)
+
+
+def _raise_floor(c: sqlite3.Connection) -> None:
+    """Move the buffer's floor up to the oldest buffered trajectory (of any policy), or past the newest
+    row when none is buffered: one read in id order from the floor to that row, so over a run each row
+    is passed once (inside the caller's transaction)."""
+    floor = int(c.execute("SELECT COALESCE(MAX(first_id), 0) FROM buffer_floor").fetchone()[0])
+    row = c.execute(
+        "SELECT id FROM trajectories WHERE id >= ? AND status = 'buffered' ORDER BY id LIMIT 1", (floor,)
+    ).fetchone()
+    # none buffered: the next row's id (ids are never reused: a retention pass keeps the newest row)
+    new = (
+        int(row[0])
+        if row
+        else int(c.execute("SELECT COALESCE(MAX(id), 0) + 1 FROM trajectories").fetchone()[0])
+    )
+    if new != floor:
+        c.execute("INSERT OR REPLACE INTO buffer_floor (id, first_id) VALUES (0, ?)", (new,))
+
+
+def rebuffered(store: Store, first: int) -> None:
+    """Trajectories from id `first` on may be buffered again: lower the buffer's floor to it (inside
+    the transaction that buffers them)."""
+    with store.write() as c:
+        c.execute(
+            "INSERT INTO buffer_floor (id, first_id) VALUES (0, ?) "
+            "ON CONFLICT(id) DO UPDATE SET first_id = MIN(first_id, excluded.first_id)",
+            (first,),
+        )
 
 
 def sample_rows(store: Store, ids: list[int]) -> dict[int, dict[str, Any]]:

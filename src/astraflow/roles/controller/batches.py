@@ -154,4 +154,6 @@ def batch_may_be_ready(ctx: Batching, parked: Parked) -> bool:
     if pol is None:
         return True  # answered with its error at once
     need = ctx.pipeline.fresh_per_batch(policy, pol.batch_prompts * pol.group_size)
-    return trajectories.count(ctx.store, policy, "buffered") >= need
+    # as the buffer keeps them (checked after every accepted result), else read from the store
+    kept = ctx.buffer.kept_buffered(policy)
+    return (trajectories.count(ctx.store, policy, "buffered") if kept is None else kept) >= need
