@@ -8,6 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from astraflow.dataflow.buffer import Buffer
+from astraflow.protocol import messages as m
+from astraflow.protocol.codec import decode, encode
+from astraflow.protocol.columns import ResultColumns
 from astraflow.state import token_groups, trajectories
 from astraflow.state.store import Store
 
@@ -161,3 +165,124 @@ def test_role_means_read_nothing_until_a_role_is_named(tmp_path: Path) -> None:
     store.close()
     again = Store.open(path)  # a later start finds the named rows in the file
     assert trajectories.role_rewards(again, [5, 6]) == [("critic", 0.25, 2)]
+
+
+def test_the_schema_defaults_are_what_a_row_that_leaves_a_column_out_stores(tmp_path: Path) -> None:
+    """A run's layout leaves an optional column out only where the row holds its default: the
+    defaults the rows assume are the ones the migrated schema declares."""
+    store = Store.open(tmp_path / "state.db")
+    declared = {r["name"]: r["dflt_value"] for r in store.query("PRAGMA table_info(trajectories)")}
+    for col, value in trajectories.DEFAULTS.items():
+        assert store.scalar(f"SELECT {declared[col]}") == value and type(value) is type(
+            store.scalar(f"SELECT {declared[col]}")
+        ), col
+
+
+def test_runs_of_every_layout_store_what_full_rows_store(tmp_path: Path) -> None:
+    """Random rows (each optional column at its default or not) in runs of random layouts that give
+    at least the columns a run's rows hold other than their defaults: every column of every row is
+    stored as the full row says, at the id it was given."""
+    rng = random.Random(7)
+    store = Store.open(tmp_path / "state.db")
+    first = 1
+    for _ in range(25):
+        runs: list[tuple[tuple[str, ...], list[tuple[object, ...]]]] = []
+        full: list[tuple[object, ...]] = []
+        for _ in range(rng.randint(1, 4)):
+            n = rng.choice((1, 5, 16, 17, 64, 70))
+            odd = {c for c in trajectories.OPTIONAL if rng.random() < 0.3}
+            rows = []
+            for k in range(n):
+                i = first + len(full)
+                values = {
+                    "status": "dropped" if "status" in odd and k % 2 else "buffered",
+                    "role": "solver" if "role" in odd and k % 3 else "",
+                    "group_key": f"g{k}" if "group_key" in odd else "",
+                    "temperature": 0.7 if "temperature" in odd else 1.0,
+                    "top_p": 0.9 if "top_p" in odd and k % 2 else 1.0,
+                    "top_k": k if "top_k" in odd else 0,
+                }
+                row = (7 + k // 4, "main", f"p{k // 4}", k / 8, -k / 4, k % 5, k % 3, i)
+                full.append(row + tuple(values[c] for c in trajectories.OPTIONAL))
+                rows.append(values)
+            # a layout gives every column some row of the run holds other than its default, and maybe more
+            needed = {c for c in trajectories.OPTIONAL for v in rows if v[c] != trajectories.DEFAULTS[c]}
+            layout = tuple(c for c in trajectories.OPTIONAL if c in needed or rng.random() < 0.3)
+            start = len(full) - n
+            runs.append(
+                (layout, [full[start + k][:8] + tuple(v[c] for c in layout) for k, v in enumerate(rows)])
+            )
+        with store.write():
+            trajectories.insert_runs(store, first, runs, [])
+        got = store.query(
+            "SELECT task_id, policy, prompt_key, reward, advantage, length, min_version, arrival, status, "
+            "role, group_key, temperature, top_p, top_k, id FROM trajectories WHERE id >= ? ORDER BY id",
+            (first,),
+        )
+        assert [tuple(r)[:14] for r in got] == full
+        assert [type(r["top_k"]) for r in got] == [int] * len(full)
+        assert [r["id"] for r in got] == list(range(first, first + len(full)))
+        first += len(full)
+    store.close()
+
+
+def _sequence(rng: random.Random, policy: str, named: bool) -> m.Sequence:
+    n = rng.randint(1, 4)
+    sampling = rng.choice(
+        (m.SamplingParams(), m.SamplingParams(temperature=0.7), m.SamplingParams(top_p=0.9, top_k=5))
+        if named
+        else (m.SamplingParams(),)
+    )
+    return m.Sequence(
+        policy=policy,
+        tokens=[rng.randint(3, 50) for _ in range(n)],
+        loss_mask=[0] + [1] * (n - 1),
+        logprobs=[0.0] + [-0.5] * (n - 1),
+        versions=[-1] + [rng.randint(0, 3)] * (n - 1),
+        reward=rng.random(),
+        role=rng.choice(("", "solver")) if named else "",
+        group_key=rng.choice(("", "x")) if named else "",
+        sampling=sampling,
+    )
+
+
+def test_a_messages_column_groups_store_every_column_as_sequence_groups_do(tmp_path: Path) -> None:
+    """The groups of a TaskResults' columns (the row layout found per message) and the same groups
+    given as sequences (every column given) store the same rows, every column: messages of default
+    roles, keys and sampling (the short layout) and of named ones, buffered or not."""
+    rng = random.Random(3)
+    for trial in range(30):
+        named = trial % 2 == 1
+        outcomes, groups = [], []
+        for i in range(rng.randint(1, 4)):
+            seqs = [_sequence(rng, "main", named) for _ in range(rng.randint(1, 5))]
+            outcomes.append(
+                m.Outcome(task_id=10 + i, epoch=1, episodes=[m.Episode(sequences=[s]) for s in seqs])
+            )
+            groups.append(
+                (
+                    10 + i,
+                    f"k{i}",
+                    seqs,
+                    [rng.random() - 0.5 for _ in seqs],
+                    rng.choice(("buffered", "dropped")),
+                )
+            )
+        msg = decode(encode(m.TaskResults.of(outcomes)))
+        assert isinstance(msg, m.TaskResults)
+        view = ResultColumns(msg)
+        by_columns, by_sequences = (Store.open(tmp_path / f"{trial}-{side}.db") for side in ("c", "s"))
+        cbuf, sbuf = Buffer(by_columns), Buffer(by_sequences)
+        with cbuf.grouped():
+            for i, (task, key, _seqs, adv, status) in enumerate(groups):
+                cbuf.insert_columns(task, key, (view, view.starts[i], view.starts[i + 1]), adv, status)
+        with sbuf.grouped():
+            for task, key, seqs, adv, status in groups:
+                sbuf.insert(task, key, seqs, adv, status)
+        rows = [
+            [tuple(r) for r in s.query("SELECT * FROM trajectories ORDER BY id")]
+            for s in (by_columns, by_sequences)
+        ]
+        assert rows[0] == rows[1] and len(rows[0]) == sum(len(g[2]) for g in groups)
+        if named:
+            assert any(r[11] != "" or r[13] != 1.0 for r in rows[0])  # role, temperature: the long layout ran

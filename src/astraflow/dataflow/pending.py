@@ -11,7 +11,7 @@ group before the block that collects them ends (the intake stores, then acknowle
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from itertools import chain, repeat
 from typing import Any
@@ -83,11 +83,13 @@ class Pending:
             return {}
         oldest = iter(min_versions([s for g in self.groups for s in g.seqs]))
         facts: dict[int, _Facts] = {}
-        rows: list[tuple[Any, ...]] = []
+        # consecutive groups of one layout share a run: the usual write is one run
+        runs: list[tuple[trajectories.Layout, list[tuple[Any, ...]]]] = []
         tokens: list[tuple[Any, ...]] = []
         kept = _Kept()
         for g in self.groups:
             if g.cols is None:
+                rows = _run(runs, trajectories.FULL)
                 done = len(rows)
                 rows += _seq_rows(g, oldest)
                 tokens.append(
@@ -100,7 +102,8 @@ class Pending:
                 continue
             view, a, b = g.cols
             f = facts.get(id(view)) or facts.setdefault(id(view), _Facts.of(view))
-            rows.extend(_column_rows(g, view, f, a, b))
+            layout = f.layouts[g.status == "buffered"]
+            _run(runs, layout).extend(_column_rows(g, view, f, a, b, layout))
             # the lengths column's bytes are the group's int32 token counts as they came
             tokens.append(
                 token_groups.joined_row(
@@ -109,8 +112,17 @@ class Pending:
             )
             if g.status == "buffered":
                 kept.columns(g, view, f)
-        trajectories.insert_groups(store, self.groups[0].first_id, rows, tokens)
+        trajectories.insert_runs(store, self.groups[0].first_id, runs, tokens)
         return kept.parts()
+
+
+def _run(
+    runs: list[tuple[trajectories.Layout, list[tuple[Any, ...]]]], layout: trajectories.Layout
+) -> list[tuple[Any, ...]]:
+    """The rows of the newest run when it has this layout, else of a new run of it."""
+    if not runs or runs[-1][0] != layout:
+        runs.append((layout, []))
+    return runs[-1][1]
 
 
 class _Kept:
@@ -216,6 +228,10 @@ class _Facts:
     temperature: list[float]
     top_p: list[float]
     top_k: list[int]
+    layouts: tuple[trajectories.Layout, trajectories.Layout]
+    """The row layout of a group of this message that is not buffered, and of one that is: the
+    optional columns left out are those whose default every sequence of the message holds (status
+    is a group's own)."""
 
     @classmethod
     def of(cls, view: ResultColumns) -> _Facts:
@@ -226,7 +242,7 @@ class _Facts:
         starts, lengths = view.tok[:-1], view.lengths
         if not len(lengths):
             none = np.zeros(0, np.int64)
-            return cls([], [], none, none, [], [], [], [], [])
+            return cls([], [], none, none, [], [], [], [], [], (trajectories.FULL, trajectories.FULL))
         # a sentinel after the last token: reduceat needs every start inside the array; a sequence
         # of no tokens reads its neighbour's first, so it is zeroed
         masked = np.add.reduceat(np.append(mask, False).astype(np.int64), starts)
@@ -234,6 +250,16 @@ class _Facts:
         oldest = _oldest(versions, mask, starts, lengths)
         # object tables: indexing hands back the very Python values a per-sequence lookup would
         sps = c.samplings
+        temperature = [float(sp.temperature) for sp in sps]
+        top_p = [float(sp.top_p) for sp in sps]
+        top_k = [int(sp.top_k) for sp in sps]
+        defaults = {
+            "role": _all_equal(c.names, view.role, ""),
+            "group_key": _all_equal(c.keys, view.key, ""),
+            "temperature": _all_equal(temperature, view.sampling, 1.0),
+            "top_p": _all_equal(top_p, view.sampling, 1.0),
+            "top_k": _all_equal(top_k, view.sampling, 0),
+        }
         return cls(
             masked.tolist(),
             oldest.tolist(),
@@ -241,10 +267,20 @@ class _Facts:
             oldest,
             _looked_up(c.names, view.role),
             _looked_up(c.keys, view.key),
-            _looked_up([float(sp.temperature) for sp in sps], view.sampling),
-            _looked_up([float(sp.top_p) for sp in sps], view.sampling),
-            _looked_up([int(sp.top_k) for sp in sps], view.sampling),
+            _looked_up(temperature, view.sampling),
+            _looked_up(top_p, view.sampling),
+            _looked_up(top_k, view.sampling),
+            (trajectories.layout_of(defaults), trajectories.layout_of(defaults | {"status": True})),
         )
+
+
+def _all_equal(table: list[Any], idx: np.ndarray[Any, Any], value: Any) -> bool:
+    """Whether table[i] is `value` (of its type: 1 is not 1.0 here) for every index of a column: a
+    table of one entry, the usual case, is read without the column."""
+    if len(table) == 1:
+        only = table[0]
+        return type(only) is type(value) and only == value
+    return all(type(table[k]) is type(value) and table[k] == value for k in np.unique(idx).tolist())
 
 
 def _looked_up(table: list[Any], idx: np.ndarray[Any, Any]) -> list[Any]:
@@ -257,14 +293,31 @@ def _looked_up(table: list[Any], idx: np.ndarray[Any, Any]) -> list[Any]:
     return list(out[idx].tolist())
 
 
-def _column_rows(g: Group, view: ResultColumns, f: _Facts, a: int, b: int) -> Iterator[tuple[Any, ...]]:
-    """The trajectory rows of the column group a..b-1: slices of the message's per-sequence lists
-    (a value repeated for the group's fields that are one for all of it) zipped into row tuples in C."""
+def _column_rows(
+    g: Group, view: ResultColumns, f: _Facts, a: int, b: int, layout: trajectories.Layout
+) -> Iterator[tuple[Any, ...]]:
+    """The trajectory rows of the column group a..b-1 in `layout`: slices of the message's
+    per-sequence lists (a value repeated for the group's fields that are one for all of it) zipped
+    into row tuples in C."""
     n = b - a
     if n <= 0:
         return iter(())
     if len(g.advantages) != n:
         raise ValueError(f"{len(g.advantages)} advantages for a group of {n} sequences")
+    optional: list[Iterable[Any]] = []
+    for col in layout:  # none in the usual layout: every optional column at its default
+        if col == "status":
+            optional.append(repeat(g.status, n))
+        elif col == "role":
+            optional.append(f.roles[a:b])
+        elif col == "group_key":
+            optional.append(f.keys[a:b])
+        elif col == "temperature":
+            optional.append(f.temperature[a:b])
+        elif col == "top_p":
+            optional.append(f.top_p[a:b])
+        else:
+            optional.append(f.top_k[a:b])
     return zip(
         repeat(g.task_id, n),
         repeat(view.cols.names[int(view.policy[a])], n),
@@ -274,12 +327,7 @@ def _column_rows(g: Group, view: ResultColumns, f: _Facts, a: int, b: int) -> It
         f.masked[a:b],
         f.oldest[a:b],
         range(g.first_id, g.first_id + n),
-        repeat(g.status, n),
-        f.roles[a:b],
-        f.keys[a:b],
-        f.temperature[a:b],
-        f.top_p[a:b],
-        f.top_k[a:b],
+        *optional,
         strict=True,
     )
 
