@@ -122,7 +122,9 @@ def control(
         0.5, help="The recipe's heartbeat interval (every member beats this often)."
     ),
     procs: int = typer.Option(
-        4, help="Simulator processes: one for the trainer and active workers, the rest share idle members."
+        4,
+        help="Simulator processes: the trainer and each active worker get one of their own; the idle "
+        "members share procs - 1 more (at least one).",
     ),
     idle_beats_per_s: float = typer.Option(
         None, help="controller.idle_beats_per_s of the bench's recipe (default: the recipe's default)."
