@@ -34,18 +34,13 @@ demo: $(VENV)/.core
 	@echo "The astraflow command is in $(BIN): run '. $(BIN)/activate' (or call $(BIN)/astraflow)."
 	@echo "Then: astraflow runs (this machine's runs), astraflow logs --run-dir DIR, astraflow --help."
 
-# The unit and contract tiers (no whole-system runs) on TEST_WORKERS processes (pytest-xdist: about
-# 124 s instead of 207 on 2 cores); the tiers that start the whole system's real processes (integration,
-# e2e, chaos, security) then one test at a time, as their timeouts assume.
-TEST_WORKERS ?= 2
 test: $(VENV)/.installed
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest tests/unit tests/contract -n $(TEST_WORKERS) $(PYTEST_ARGS)
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest tests --ignore=tests/unit --ignore=tests/contract $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # The everyday tier: unit and contract tests, no real-process runs of the whole system (a few minutes
 # on 2 cores); `make test` (CI) runs everything.
 test-fast: $(VENV)/.installed
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest tests/unit tests/contract -m "not slow and not chaos" -n $(TEST_WORKERS) $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest tests/unit tests/contract -m "not slow and not chaos" $(PYTEST_ARGS)
 
 check: $(VENV)/.installed
 	$(BIN)/ruff check src tests plugins scripts examples
