@@ -202,12 +202,15 @@ class Buffer:
         mine = self._items.get(policy)
         return None if mine is None or self._pending is not None else mine.groups()
 
+    def buffered(self, policy: str) -> int:
+        """Buffered trajectories of a policy: as kept in memory, else counted in the store."""
+        kept = self.kept_buffered(policy)
+        return trajectories.count(self.store, policy, "buffered") if kept is None else kept
+
     def open_counts(self, policy: str) -> dict[str, int]:
         """Trajectories of a policy that are buffered, expired or dropped (`counts` without the consumed,
         which grow with the run: these are index range scans over small sets)."""
-        kept = self.kept_buffered(policy)
-        buffered = trajectories.count(self.store, policy, "buffered") if kept is None else kept
-        return {"buffered": buffered} | {
+        return {"buffered": self.buffered(policy)} | {
             status: trajectories.count(self.store, policy, status) for status in ("expired", "dropped")
         }
 

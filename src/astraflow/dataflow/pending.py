@@ -11,7 +11,7 @@ group before the block that collects them ends (the intake stores, then acknowle
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import chain, repeat
 from typing import Any
@@ -221,13 +221,9 @@ class _Facts:
     """`masked` as int64."""
     oldest_a: np.ndarray[Any, Any]
     """`oldest` as int64."""
-    roles: list[str]
-    """Each sequence's role name."""
-    keys: list[str]
-    """Each sequence's group key."""
-    temperature: list[float]
-    top_p: list[float]
-    top_k: list[int]
+    optional: dict[str, list[Any]]
+    """Optional column (trajectories.OPTIONAL, status aside) -> each sequence's value, for the
+    columns some sequence of the message holds other than the default (the others are not built)."""
     layouts: tuple[trajectories.Layout, trajectories.Layout]
     """The row layout of a group of this message that is not buffered, and of one that is: the
     optional columns left out are those whose default every sequence of the message holds (status
@@ -242,34 +238,29 @@ class _Facts:
         starts, lengths = view.tok[:-1], view.lengths
         if not len(lengths):
             none = np.zeros(0, np.int64)
-            return cls([], [], none, none, [], [], [], [], [], (trajectories.FULL, trajectories.FULL))
+            return cls([], [], none, none, {}, (trajectories.FULL, trajectories.FULL))
         # a sentinel after the last token: reduceat needs every start inside the array; a sequence
         # of no tokens reads its neighbour's first, so it is zeroed
         masked = np.add.reduceat(np.append(mask, False).astype(np.int64), starts)
         masked[lengths == 0] = 0
         oldest = _oldest(versions, mask, starts, lengths)
-        # object tables: indexing hands back the very Python values a per-sequence lookup would
+        # each optional column as a table and each sequence's index into it
         sps = c.samplings
-        temperature = [float(sp.temperature) for sp in sps]
-        top_p = [float(sp.top_p) for sp in sps]
-        top_k = [int(sp.top_k) for sp in sps]
-        defaults = {
-            "role": _all_equal(c.names, view.role, ""),
-            "group_key": _all_equal(c.keys, view.key, ""),
-            "temperature": _all_equal(temperature, view.sampling, 1.0),
-            "top_p": _all_equal(top_p, view.sampling, 1.0),
-            "top_k": _all_equal(top_k, view.sampling, 0),
+        tables: dict[str, tuple[list[Any], np.ndarray[Any, Any]]] = {
+            "role": (c.names, view.role),
+            "group_key": (c.keys, view.key),
+            "temperature": ([float(sp.temperature) for sp in sps], view.sampling),
+            "top_p": ([float(sp.top_p) for sp in sps], view.sampling),
+            "top_k": ([int(sp.top_k) for sp in sps], view.sampling),
         }
+        defaults = {col: _all_equal(t, idx, trajectories.DEFAULTS[col]) for col, (t, idx) in tables.items()}
         return cls(
             masked.tolist(),
             oldest.tolist(),
             masked,
             oldest,
-            _looked_up(c.names, view.role),
-            _looked_up(c.keys, view.key),
-            _looked_up(temperature, view.sampling),
-            _looked_up(top_p, view.sampling),
-            _looked_up(top_k, view.sampling),
+            # object tables: indexing hands back the very Python values a per-sequence lookup would
+            {col: _looked_up(t, idx) for col, (t, idx) in tables.items() if not defaults[col]},
             (trajectories.layout_of(defaults), trajectories.layout_of(defaults | {"status": True})),
         )
 
@@ -304,20 +295,8 @@ def _column_rows(
         return iter(())
     if len(g.advantages) != n:
         raise ValueError(f"{len(g.advantages)} advantages for a group of {n} sequences")
-    optional: list[Iterable[Any]] = []
-    for col in layout:  # none in the usual layout: every optional column at its default
-        if col == "status":
-            optional.append(repeat(g.status, n))
-        elif col == "role":
-            optional.append(f.roles[a:b])
-        elif col == "group_key":
-            optional.append(f.keys[a:b])
-        elif col == "temperature":
-            optional.append(f.temperature[a:b])
-        elif col == "top_p":
-            optional.append(f.top_p[a:b])
-        else:
-            optional.append(f.top_k[a:b])
+    # none in the usual layout: every optional column at its default
+    optional = [repeat(g.status, n) if col == "status" else f.optional[col][a:b] for col in layout]
     return zip(
         repeat(g.task_id, n),
         repeat(view.cols.names[int(view.policy[a])], n),

@@ -21,7 +21,6 @@ from astraflow.roles.controller.parked import Parked
 from astraflow.roles.controller.progress import made_progress
 from astraflow.roles.controller.run_end import RunEnd, summary
 from astraflow.roles.controller.task_queue import TaskQueue
-from astraflow.state import trajectories
 from astraflow.state.store import Store
 
 
@@ -154,6 +153,5 @@ def batch_may_be_ready(ctx: Batching, parked: Parked) -> bool:
     if pol is None:
         return True  # answered with its error at once
     need = ctx.pipeline.fresh_per_batch(policy, pol.batch_prompts * pol.group_size)
-    # as the buffer keeps them (checked after every accepted result), else read from the store
-    kept = ctx.buffer.kept_buffered(policy)
-    return (trajectories.count(ctx.store, policy, "buffered") if kept is None else kept) >= need
+    # checked after every accepted result: the count the buffer keeps, when it keeps one
+    return ctx.buffer.buffered(policy) >= need
