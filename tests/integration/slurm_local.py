@@ -21,7 +21,7 @@ MUNGE_SOCKET = Path("/run/munge/munge.socket.2")
 
 def skip_reason() -> str:
     """Why a local cluster cannot start here, or '' when it can."""
-    missing = [b for b in ("slurmctld", "slurmd", "sbatch", "munged") if shutil.which(b) is None]
+    missing = [b for b in ("slurmctld", "slurmd", "sbatch", "munged", "munge") if shutil.which(b) is None]
     if missing:
         return f"Slurm is not installed ({', '.join(missing)} missing): apt-get install -y slurm-wlm munge"
     if os.geteuid() != 0:
@@ -73,11 +73,18 @@ class LocalSlurm:
             )
             + "\n"
         )
-        if not MUNGE_SOCKET.exists():
+        if not _munge_answers():
+            # a socket file left by a munged that is gone (killed, or stopped without cleaning up)
+            # refuses connections: --force lets a new munged take its place
             MUNGE_SOCKET.parent.mkdir(parents=True, exist_ok=True)
             shutil.chown(MUNGE_SOCKET.parent, "munge")
-            subprocess.run(["runuser", "-u", "munge", "--", "munged"], check=True)
+            subprocess.run(["runuser", "-u", "munge", "--", "munged", "--force"], check=True)
             self.pids.append(MUNGE_SOCKET.parent / "munged.pid")
+            deadline = time.monotonic() + 10
+            while not _munge_answers():
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"munged started but {MUNGE_SOCKET} does not answer")
+                time.sleep(0.1)
         for daemon in ("slurmctld", "slurmd"):
             subprocess.run([daemon], check=True, env=self.env)
             self.pids.append(r / f"{daemon}.pid")
@@ -149,6 +156,13 @@ class LocalSlurm:
                 time.sleep(0.1)
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def _munge_answers() -> bool:
+    """Whether a munged answers on its socket (the socket file alone may outlive its daemon)."""
+    if not MUNGE_SOCKET.exists():
+        return False
+    return subprocess.run(["munge", "-n"], capture_output=True).returncode == 0
 
 
 def _alive(pid: int) -> bool:
