@@ -32,6 +32,20 @@ def test_another_step_shape_moves_its_own_batches() -> None:
     assert "(8 tasks x 4)" in control_inproc.render(r)
     with pytest.raises(ValueError, match="group size and prompts >= 1"):
         Shape(group_size=0).check()
+    with pytest.raises(ValueError, match="slots >= 0"):
+        Shape(slots=-1).check()
+
+
+def test_workers_asking_for_fewer_tasks_send_more_messages_for_the_same_batches() -> None:
+    from astraflow.bench.control_recipe import Shape
+
+    r = control_inproc.run(
+        steps=2, warmup_steps=1, tokens=3, shape=Shape(group_size=4, batch_prompts=8, slots=2)
+    )
+    assert r["sequences"] == 2 * 8 * 4
+    # per step: 8 tasks asked for and answered 2 at a time (4 requests, 4 results messages), and the
+    # trainer asks once the 32 sequences are in: one batch request, one version
+    assert r["messages"] == 2 * (4 + 4 + 2)
 
 
 def test_the_bench_settles_the_heap_as_run_controller_does(monkeypatch: pytest.MonkeyPatch) -> None:

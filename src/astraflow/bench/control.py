@@ -124,7 +124,7 @@ def run_one(
                 roles={n: roles[n] for n in group},
                 policy=POLICY,
                 heartbeat_s=heartbeat_s,
-                slots=shape.batch_prompts,
+                slots=shape.request,
                 deadline=hard_deadline,
                 stop_file=str(stop),
                 out=str(work / f"sim{i}.json"),

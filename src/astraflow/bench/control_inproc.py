@@ -45,8 +45,13 @@ class _Driver:
         from astraflow.state.store import Store
 
         rec = Recipe.model_validate(recipe(0.5, len(WORKERS), keep_steps, shape=shape))
-        self.slots = shape.batch_prompts
+        self.slots = shape.request
         """Tasks each worker asks for at a time."""
+        self.batch = shape.batch_prompts * shape.group_size
+        """Sequences a batch takes."""
+        self.answered = 0
+        """Sequences the workers' accepted results brought, and (`taken`) the batches took."""
+        self.taken = 0
         self.ctl = Controller(rec, run_dir, Store.open(run_dir / "state.db"))
         self.ctl.start()
         settle_heap()  # as run_controller does: this process is the controller's for the bench's run
@@ -92,9 +97,14 @@ def _hello(d: _Driver, ident: str, role: str) -> None:
 
 
 def _step(d: _Driver, step: int, rng: random.Random, tokens: int) -> int:
-    """Workers answer grants until the batch of `step` is ready; the trainer takes it and publishes."""
+    """Workers answer grants until the batch of `step` is ready; the trainer takes it and publishes.
+    The trainer asks once the sequences answered since the last batch fill one (or no worker got a
+    task in a round): a live trainer's request is held until then, and a held request costs no
+    attempt (a worker asking for fewer tasks than a step's would otherwise add the trainer's
+    refused attempts to every round)."""
     version = step - 1
     while True:
+        leased = 0
         for ident in WORKERS:
             replies = d.send(ident, m.TaskRequest(n=d.slots, loaded={POLICY: version}, wait_s=0.0))
             grant = replies[0]
@@ -108,14 +118,20 @@ def _step(d: _Driver, step: int, rng: random.Random, tokens: int) -> int:
                 )
                 for t in grant.tasks
             ]
+            leased += len(grant.tasks)
             for ack in d.send(ident, m.TaskResults.of(outcomes)):
                 if isinstance(ack, m.ResultsAck) and any(a.status != "accepted" for a in ack.acks):
                     raise RuntimeError(
                         f"results refused: {[a for a in ack.acks if a.status != 'accepted'][:2]}"
                     )
+                if isinstance(ack, m.ResultsAck):
+                    d.answered += sum(len(e.sequences) for o in outcomes for e in o.episodes)
+        if leased and d.answered - d.taken < d.batch:
+            continue
         reply = d.send(TRAINER, m.BatchRequest(policy=POLICY, step=step, wait_s=0.0))[0]
         if isinstance(reply, m.BatchReply) and reply.ready:
             break
+    d.taken += reply.columns.count
     d.send(TRAINER, m.VersionPublished(policy=POLICY, version=step, step=step, weights_addr=""))
     return reply.columns.count
 

@@ -11,15 +11,22 @@ POLICY = "main"
 @dataclass(frozen=True)
 class Shape:
     """A step of the bench's policy: `batch_prompts` tasks of `group_size` sequences each (the
-    quickstart's 32 x 16 by default). The simulated workers ask for `batch_prompts` tasks at a time."""
+    quickstart's 32 x 16 by default). The simulated workers ask for `slots` tasks at a time (0:
+    `batch_prompts`), and answer each grant in one message."""
 
     group_size: int = 16
     batch_prompts: int = 32
+    slots: int = 0
+
+    @property
+    def request(self) -> int:
+        """Tasks a worker asks for at a time (and holds at most)."""
+        return self.slots or self.batch_prompts
 
     def check(self) -> None:
         """Raise ValueError on a shape no recipe takes."""
-        if self.group_size < 1 or self.batch_prompts < 1:
-            raise ValueError(f"a step shape takes a group size and prompts >= 1, not {self}")
+        if self.group_size < 1 or self.batch_prompts < 1 or self.slots < 0:
+            raise ValueError(f"a step shape takes a group size and prompts >= 1 and slots >= 0, not {self}")
 
 
 def recipe(
@@ -47,7 +54,7 @@ def recipe(
             }
         ],
         "workflow": {"name": "quickstart", "options": {"task": "copy", "length": 2}},
-        "rollout": {"slots": shape.batch_prompts},
+        "rollout": {"slots": shape.request},
         "controller": {
             "heartbeat_interval_s": heartbeat_s,
             # a loaded machine delays simulators' beats and the reading of 10,000 connections: none dies

@@ -95,15 +95,15 @@ def _control_in_process(
     typer.echo(_json.dumps(r, indent=2) if as_json else control_inproc.render(r))
 
 
-def _shape(group_size: int, batch_prompts: int) -> Shape:
-    """The step shape of --group-size and --batch-prompts, or a usage error."""
+def _shape(group_size: int, batch_prompts: int, slots: int) -> Shape:
+    """The step shape of --group-size, --batch-prompts and --slots, or a usage error."""
     from astraflow.bench.control_recipe import Shape
 
-    shape = Shape(group_size, batch_prompts)
+    shape = Shape(group_size, batch_prompts, slots)
     try:
         shape.check()
     except ValueError as exc:
-        raise typer.BadParameter(f"--group-size and --batch-prompts: {exc}") from None
+        raise typer.BadParameter(f"--group-size, --batch-prompts and --slots: {exc}") from None
     return shape
 
 
@@ -147,7 +147,7 @@ def control(
         "--in-process",
         help="No sockets: drive Controller.dispatch with the 2 workers' and the trainer's messages and "
         "report its CPU per sequence (only --tokens, --warmup-steps, --steps, --keep-steps, --group-size, "
-        "--batch-prompts, --profile, --json apply).",
+        "--batch-prompts, --slots, --profile, --json apply).",
     ),
     steps: int = typer.Option(20, help="--in-process: measured steps (after the warm-up steps)."),
     profile: bool = typer.Option(
@@ -172,13 +172,18 @@ def control(
     batch_prompts: int = typer.Option(
         32, help="Tasks a step of the bench's policy (the quickstart's 32); each worker asks for this many."
     ),
+    slots: int = typer.Option(
+        0,
+        help="Tasks each worker asks for at a time and answers in one message, instead of --batch-prompts "
+        "(0): 1 shows what a message costs the controller whatever it carries.",
+    ),
 ) -> None:
     """One live controller fed by simulated members: sequences/s, steps/s, CPU per step, request
     latency and RSS per member, for each member count; raw ZeroMQ and SQLite rates as the limits."""
     import json as _json
     import tempfile
 
-    shape = _shape(group_size, batch_prompts)
+    shape = _shape(group_size, batch_prompts, slots)
     if in_process:
         _control_in_process(
             beats,
