@@ -1,5 +1,5 @@
-"""A lease call's per-task work done once: the open tasks per shape read with one GROUP BY and kept
-by the ledger's writes (state/open_shapes.py), the lease rule as bounds per task shape
+"""A lease call's per-task work done once: the open tasks per shape read with one GROUP BY and then
+kept by the ledger's writes across calls (state/open_shapes.py), the lease rule as bounds per task shape
 (`Admission.lease_bounds`), samples parsed by msgspec as json.loads parses them (`sample_of`);
 checked against what they replace, on a real Controller and state.db driven without sockets."""
 
@@ -30,22 +30,23 @@ def _stored_shapes(store: Store) -> dict[tuple[str, str, int, str], int]:
 
 
 class _Checked(inproc._Driver):
-    """The bench's driver: inside every lease call, after each write of the ledger, the kept counts
-    equal what state.db counts; the statements of each task request are recorded."""
+    """The bench's driver: after each write of the ledger that keeps the counts (queueing, leasing,
+    completing), the kept counts equal what state.db counts; the statements of each task request
+    are recorded."""
 
     def __init__(self, run_dir: Path) -> None:
         super().__init__(run_dir)
         self.checks = 0
         self.statements: list[list[str]] = []
         ledger = self.ctl.ledger
-        for name in ("lease", "enqueue_many"):
+        for name in ("lease", "enqueue_many", "complete_many", "complete"):
             setattr(ledger, name, self._checking(getattr(ledger, name)))
 
     def _checking(self, write: Any) -> Any:
         def checked(*args: Any, **kwargs: Any) -> Any:
             out = write(*args, **kwargs)
             shapes = self.ctl.ledger.shapes
-            if shapes.active and shapes.counts is not None:
+            if shapes.counts is not None:
                 assert shapes.counts == _stored_shapes(self.ctl.store)
                 self.checks += 1
             return out
@@ -61,17 +62,36 @@ class _Checked(inproc._Driver):
         return replies
 
 
-def test_kept_shapes_match_the_store_and_are_read_once_a_request(tmp_path: Path) -> None:
+def test_kept_shapes_match_the_store_and_are_read_once_a_run(tmp_path: Path) -> None:
     d = _Checked(tmp_path)
     inproc.join(d)
     inproc.run_steps(d, 1, 4, random.Random(0), 3)
-    assert d.checks > 10  # refills and leases, each compared
+    assert d.checks > 10  # refills, leases and results, each compared
     leasing = [s for s in d.statements if any("status = 'queued' AND id >" in q for q in s)]
     refilling = [s for s in leasing if any(q.startswith("INSERT INTO tasks") for q in s)]
     assert refilling  # requests that queued tasks, then leased them
-    for statements in leasing:
-        # the production cap, the queue's shapes and the work ahead: one GROUP BY of the open tasks
-        assert sum("GROUP BY" in q and "FROM tasks WHERE" in q for q in statements) == 1, statements
+    # the production cap, the queue's shapes and the work ahead: the first request reads one GROUP BY
+    # of the open tasks, and results keep the counts, so no later request reads it again
+    reads = [sum("GROUP BY" in q and "FROM tasks WHERE" in q for q in s) for s in d.statements]
+    assert reads[0] == 1 and sum(reads) == 1, reads
+    d.ctl.store.close()
+
+
+def test_counts_dropped_by_a_change_they_do_not_follow_are_read_again(tmp_path: Path) -> None:
+    d = _Checked(tmp_path)
+    inproc.join(d)
+    inproc.run_steps(d, 1, 2, random.Random(0), 3)
+    ledger = d.ctl.ledger
+    assert ledger.shapes.counts is not None
+    grant = d.send(inproc.WORKERS[0], m.TaskRequest(n=2, loaded={inproc.POLICY: 1}, wait_s=0.0))[0]
+    assert isinstance(grant, m.TaskGrant) and len(grant.tasks) == 2
+    # a lease given back: the counts cannot follow it, the next request reads the store
+    assert ledger.give_back(grant.tasks[0].task_id, grant.tasks[0].epoch, inproc.WORKERS[0])
+    assert ledger.shapes.counts is None
+    before = len(d.statements)
+    d.send(inproc.WORKERS[1], m.TaskRequest(n=1, loaded={inproc.POLICY: 1}, wait_s=0.0))
+    assert sum("GROUP BY" in q and "FROM tasks WHERE" in q for q in d.statements[before]) == 1
+    assert ledger.shapes.counts == _stored_shapes(d.ctl.store)
     d.ctl.store.close()
 
 

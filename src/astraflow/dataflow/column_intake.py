@@ -45,13 +45,20 @@ _KINDS: dict[type[AdvantageEstimator], str] = {GRPOEstimator: "grpo", DrGRPOEsti
 functions of a group's rewards; a plugin's, even a subclass of these, keeps its own `group`)."""
 
 
+PLAN_MIN_RESULTS = 3
+"""Results a message needs for `plan_advantages` to find their groups' advantages at once: numpy's
+passes cost 46 µs for one group of 16 where the estimator's own Python takes 27, and 8 µs a group
+at four groups (each group left out is asked of its estimator, the same values)."""
+
+
 def plan_advantages(pipeline: Pipeline, view: ResultColumns) -> dict[int, list[float]]:
     """Result index -> the advantages `checked_advantages` gives its group, for every result of the
     message whose sequences are one group of a policy with a built-in grpo or drgrpo estimator,
     found in numpy passes over the message's rewards (`groups_advantages`: the same values to the
     bit). A result with a non-finite reward or advantage is left out: `ingest_columns` asks the
-    estimator, which refuses it, in the order the results come."""
-    if not view.rewards_finite:
+    estimator, which refuses it, in the order the results come; so is every result of a message of
+    fewer than PLAN_MIN_RESULTS."""
+    if len(view.heads) < PLAN_MIN_RESULTS or not view.rewards_finite:
         return {}
     wanted: dict[str, list[int]] = {}
     for i, pol in enumerate(view.group_policy):

@@ -27,7 +27,7 @@ from astraflow.state.task_json import parsed as _json
 from astraflow.state.task_json import sample_of, sorted_dumps
 
 LEASE_PAGE = 64
-"""Queued tasks a lease reads per query (at least the n asked for)."""
+"""Queued tasks a lease reads per query after its first (which reads the n asked for)."""
 IDS_PER_STATEMENT = 500
 """Task ids one statement names at most (SQLite's limit on bound parameters is 999 in old builds)."""
 
@@ -112,7 +112,7 @@ class Ledger:
         task of the run."""
         store.on_rollback.append(self._forget_done)
         self.shapes = OpenShapes(store)
-        """Open tasks per shape, kept by this ledger's writes within a lease call (state/open_shapes.py)."""
+        """Open tasks per shape, kept by this ledger's writes (state/open_shapes.py)."""
 
     def _forget_done(self) -> None:
         self._done = None
@@ -207,8 +207,12 @@ class Ledger:
             # tuples of the columns a TaskRow holds (no sqlite3.Row, no column looked up by name).
             cur = c.cursor()
             cur.row_factory = None
+            # the first page is the n asked for (the usual lease takes every row it reads: a request
+            # for one task read and parsed 64 rows); one that refuses some reads on by LEASE_PAGE rows
+            size = n
             while len(out) < n:
-                page = cur.execute(_QUEUED_PAGE, (after, max(n, LEASE_PAGE))).fetchall()
+                page = cur.execute(_QUEUED_PAGE, (after, size)).fetchall()
+                size = max(n, LEASE_PAGE)
                 if not page:
                     break
                 after = int(page[-1][0])
@@ -248,9 +252,11 @@ class Ledger:
     def complete(self, task_id: int, epoch: int, owner: str) -> str:
         """Validate a result's lease and mark the task done: accepted | duplicate | stale_epoch | unknown_task."""
         now = self.clock()
-        self.shapes.forget()  # a status changes: the kept counts do not follow it
         with self.store.write() as c:
-            r = c.execute("SELECT status, epoch, owner FROM tasks WHERE id = ?", (task_id,)).fetchone()
+            r = c.execute(
+                "SELECT status, epoch, owner, roles, group_size, read_only FROM tasks WHERE id = ?",
+                (task_id,),
+            ).fetchone()
             if r is None:
                 return "unknown_task"
             if r["status"] == "done":
@@ -265,6 +271,7 @@ class Ledger:
             c.execute(
                 "UPDATE tasks SET status = 'done', lease_expiry = 0, updated = ? WHERE id = ?", (now, task_id)
             )
+            self.shapes.add((r["status"], r["roles"], int(r["group_size"]), r["read_only"] or "[]"), -1)
             if self._done is not None:
                 self._done += 1
             return "accepted"
@@ -275,15 +282,18 @@ class Ledger:
         most once (a later one is a duplicate)."""
         now = self.clock()
         out: list[str] = []
-        self.shapes.forget()  # a status changes: the kept counts do not follow it
         with self.store.write() as c:
             rows: dict[int, tuple[str, int, str]] = {}
+            shapes: dict[int, tuple[str, str, int, str]] = {}
+            """Task id -> its open shape (status, roles, group size, read-only) as the counts key it."""
             for part in _chunks(sorted({tid for tid, _ in results})):
                 for r in c.execute(
-                    f"SELECT id, status, epoch, owner FROM tasks WHERE id IN ({','.join('?' * len(part))})",
+                    "SELECT id, status, epoch, owner, roles, group_size, read_only FROM tasks "
+                    f"WHERE id IN ({','.join('?' * len(part))})",
                     tuple(part),
                 ):
                     rows[int(r[0])] = (r[1], r[2], r[3])
+                    shapes[int(r[0])] = (r[1], r[4], int(r[5]), r[6] or "[]")
             done: list[int] = []
             owners = [owner] * len(results) if isinstance(owner, str) else owner
             for (tid, epoch), who in zip(results, owners, strict=True):
@@ -304,6 +314,8 @@ class Ledger:
                     f"WHERE id IN ({','.join('?' * len(part))})",
                     (now, *part),
                 )
+            for tid in done:  # each was read leased or queued: one fewer open task of its shape
+                self.shapes.add(shapes[tid], -1)
             if self._done is not None:
                 self._done += len(done)
         return out

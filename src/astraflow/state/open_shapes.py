@@ -1,16 +1,18 @@
-"""Open tasks counted per shape once per lease call, then kept by the ledger's own writes.
+"""Open tasks counted per shape, read once and then kept by the ledger's own writes.
 
 A task request asks the store how many tasks of each shape (role map, group size, read-only
 policies) are queued or leased up to four times: the refill's production cap (sequences and groups
 outstanding), whether any queued shape may be leased, and the work ahead of the lease. Inside
 `OpenShapes.kept()` the first of those questions reads one GROUP BY over the open tasks (by status
-too) and the ledger's writes in the call (tasks queued, tasks leased) keep the counts as the store
-now has them, so the others are answered from memory. Any other change of a task's status or shape
-(a result, a failure, an expiry, a read-only list) drops the counts, and so does a rollback: the
-next question reads the store again. Outside `kept()` every question reads the store.
+too) when the counts are not known, and the ledger's writes (tasks queued, leased, completed) keep
+them as the store has them, across calls: the next request asks the store nothing. Any other change
+of a task's status or shape (a failure, an expiry, a lease given back, a read-only list) drops the
+counts, and so does a rollback: the next question reads the store again. Outside `kept()` every
+question reads the store.
 
-What it does not cover: a statement that changes the tasks table without the ledger inside a kept
-span would not be seen; the controller writes tasks only through the ledger (state/ledger.py).
+What it does not cover: a statement that changes the tasks table without the ledger would not be
+seen; the controller writes tasks only through the ledger (state/ledger.py), and a retention pass
+deletes only done tasks (state/tasks.py), which are not counted.
 """
 
 from __future__ import annotations
@@ -37,23 +39,24 @@ class OpenShapes:
     def __init__(self, store: Store) -> None:
         self.store = store
         self.counts: dict[Key, int] | None = None
-        """Read when first asked inside `kept()`; None outside it, or after a change it does not follow."""
+        """Read when first asked inside `kept()`, then kept by `add`; None until then, and after a
+        change it does not follow."""
         self.active = False
         store.on_rollback.append(self.forget)
 
     @contextmanager
     def kept(self) -> Iterator[None]:
-        """A span (one lease call) in which the counts are read once and kept by the ledger's writes;
-        nested spans join the outer one."""
+        """A span (one lease call) in which the counts are answered from memory (read first if not
+        known); nested spans join the outer one."""
         if self.active:
             yield
             return
-        self.active, self.counts = True, None
+        self.active = True
         _kept[id(self.store)] = self
         try:
             yield
         finally:
-            self.active, self.counts = False, None
+            self.active = False
             _kept.pop(id(self.store), None)
 
     def forget(self) -> None:
@@ -73,9 +76,8 @@ class OpenShapes:
         return self.counts
 
     def add(self, key: Key, n: int) -> None:
-        """n tasks of this status and shape more (a negative n: fewer), when the counts are kept."""
-        if self.counts is None or not self.active:
-            self.counts = None
+        """n tasks of this status and shape more (a negative n: fewer), when the counts are known."""
+        if self.counts is None:
             return
         left = self.counts.get(key, 0) + n
         if left:
