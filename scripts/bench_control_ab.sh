@@ -7,7 +7,8 @@
 #
 # SHAPE is GxP (group size x tasks a step: 16x32 is the quickstart's). BASE_SRC is the src/ directory of
 # the tree to compare with (a `git worktree` of another commit); without it only this tree runs.
-# CONTROLLER_CPU (default 0) and INPROC_CPU (default 2) move the pinned CPUs on a smaller machine.
+# CONTROLLER_CPU (default 0) and INPROC_CPU (default 2) move the pinned CPUs on a smaller machine; SLOTS
+# (default 0: a step's tasks) is the tasks each worker asks for at a time (`--slots`, both trees must take it).
 # Each line printed is one run: the side, the shape, the round and its figures.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,7 +26,7 @@ inproc() { # side G P round
   local steps=40
   [ "$(($2 * $3))" -gt 1024 ] && steps=10
   PYTHONPATH=$(src_of "$1")${PYTHONPATH:+:$PYTHONPATH} taskset -c "${INPROC_CPU:-2}" "$py" -m astraflow bench control --in-process \
-    --steps "$steps" --group-size "$2" --batch-prompts "$3" 2>/dev/null |
+    --steps "$steps" --group-size "$2" --batch-prompts "$3" ${SLOTS:+--slots "$SLOTS"} 2>/dev/null |
     awk -v s="inproc $1 $2x$3 $4" '/controller CPU/ {printf "%s %s us/sequence; ", s, $3} /by message/ {print}'
 }
 
@@ -33,7 +34,7 @@ live() { # side G P round
   local out
   out=$(mktemp)
   PYTHONPATH=$(src_of "$1")${PYTHONPATH:+:$PYTHONPATH} timeout 120 "$py" -m astraflow bench control --members 2 \
-    --curve off --seconds 8 --procs 2 --controller-cpu "${CONTROLLER_CPU:-0}" --group-size "$2" --batch-prompts "$3" --json >"$out" 2>/dev/null || true
+    --curve off --seconds 8 --procs 2 --controller-cpu "${CONTROLLER_CPU:-0}" --group-size "$2" --batch-prompts "$3" ${SLOTS:+--slots "$SLOTS"} --json >"$out" 2>/dev/null || true
   "$py" - "$out" "live $1 $2x$3 $4" <<'PY'
 import json, sys
 try:
