@@ -1,8 +1,10 @@
-"""The consumed trajectories per policy, kept by the writer (state/trajectories.py, _CONSUMED): counted
-once, then equal to a count of the table after every statement that moves rows in or out of
-'consumed' (a batch, a forgotten batch, dropped rows, a retention pass, a rolled-back write), and never
-counted by reading the table again while the kept counts hold, which is what a status request of a
-long run costs otherwise (the consumed rows have no index)."""
+"""The consumed, expired and dropped trajectories per policy, kept by the writer
+(state/trajectories.py, _COUNTS): counted once, then equal to a count of the table after every
+statement that moves rows in or out of those statuses (a batch, a forgotten batch, an expiry, a
+filter's dropped groups, dropped rows, a retention pass, a rolled-back write), and never counted by
+reading the table again while the kept counts hold, which is what a status request and every step's
+metrics row of a long run cost otherwise (the consumed rows have no index; the expired and dropped
+ones grow with the run)."""
 
 from __future__ import annotations
 
@@ -103,4 +105,64 @@ def test_the_writer_keeps_consumed_counts_equal_to_the_table_without_reading_it(
     n, scanned = _counted(reader, "main")
     assert n == 4 and len(scanned) == 1
     reader.close()
+    store.close()
+
+
+LEFT_SCAN = "status IN ('expired', 'dropped') AND status = "
+"""What the statement that counts expired or dropped rows through the status index says."""
+
+
+def test_the_writer_keeps_expired_and_dropped_counts_equal_to_the_table(tmp_path: Path) -> None:
+    store = Store.open(tmp_path / "state.db")
+    for policy in ("main", "other"):
+        store.ensure_policy(policy, 4)
+    buf = Buffer(store)
+    main = [buf.insert(t, f"p{t}", [_seq("main", 4 * t + k) for k in range(4)], [0.0] * 4) for t in range(8)]
+    other = buf.insert(99, "q", [_seq("other", k) for k in range(4)], [0.0] * 4)
+    scans: list[str] = []
+    store.conn.set_trace_callback(lambda q: scans.append(q) if LEFT_SCAN in q else None)
+
+    def agrees(read: int = 0) -> None:
+        before = len(scans)
+        for policy in ("main", "other"):
+            counts = trajectories.status_counts(store, policy)
+            for status in ("expired", "dropped"):
+                table = store.scalar(
+                    "SELECT COUNT(*) FROM trajectories WHERE +status = ? AND policy = ?", (status, policy)
+                )
+                assert counts[status] == table == trajectories.count(store, policy, status), (policy, status)
+        assert len(scans) - before == read, scans[before:]
+
+    agrees(read=4)  # each policy's two counts read once through the index
+    agrees()  # then kept
+    # an expiry, of one policy's rows and another's: each policy's count moves by its own rows
+    trajectories.expire(store, main[0] + other[:1])
+    agrees()
+    # an expiry touches only buffered rows: an expired id again changes nothing
+    trajectories.expire(store, main[0][:2])
+    agrees()
+    # a post-rollout filter's dropped groups are stored dropped: counted as they are written
+    with buf.grouped():
+        buf.insert(7, "d", [_seq("main", 100 + k) for k in range(3)], [0.0] * 3, status="dropped")
+        buf.insert(8, "e", [_seq("main", 200 + k) for k in range(4)], [0.0] * 4)
+    buf.insert(9, "f", [_seq("other", 300 + k) for k in range(2)], [0.0] * 2, status="dropped")
+    agrees()
+    # a write rolled back: the counts are forgotten and read again
+    with pytest.raises(RuntimeError), store.write():
+        trajectories.expire(store, main[1])
+        raise RuntimeError("abort")
+    agrees(read=4)
+    # rows dropped by id (a poisoned batch's): forgotten, read again
+    trajectories.mark_dropped(store, main[2][:2] + main[0][:1])
+    agrees(read=4)
+    # a retention pass takes away what it deleted (expired and dropped rows below the newest consumed)
+    with store.write():
+        batches.record_batch(store, "main", 1, main[3], [False] * 4, 0, 0.0)
+        trajectories.mark_consumed(store, "main", 1, main[3])
+    with store.write():
+        batches.record_batch(store, "main", 5, main[5], [False] * 4, 4, 0.0)
+        trajectories.mark_consumed(store, "main", 5, main[5])
+    assert archive.retire(store, tmp_path, "main", 6, keep_steps=2, action="drop") > 0
+    agrees()
+    store.conn.set_trace_callback(None)
     store.close()

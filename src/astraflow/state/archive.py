@@ -116,7 +116,8 @@ def retire(store: Store, run_dir: Path, policy: str, step: int, keep_steps: int,
             "INSERT INTO archived (file, policy, status, rows, first_id, last_id, created) VALUES (?, ?, ?, ?, ?, ?, ?)",
             [(name, policy, st, k, int(ids[0]), int(ids[-1]), now) for st, k in sorted(counts.items())],
         )
-        trajectories.consumed_changed(store, policy, -counts.get("consumed", 0))
+        for status, k in counts.items():
+            trajectories.status_changed(store, policy, status, -k)
     return n
 
 

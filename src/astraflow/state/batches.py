@@ -202,7 +202,7 @@ def forget_batch(store: Store, policy: str, step: int, rebuffer: list[int]) -> N
         kept = _kept.get(store)
         if kept is not None:
             kept.forgotten(policy, step)
-        trajectories.forget_consumed(store)
+        trajectories.forget_counts(store)
         if rebuffer:
             trajectories.rebuffered(store, min(rebuffer))
         c.executemany(

@@ -1,8 +1,8 @@
 """Trajectories in state.db: stored sequences of a policy, buffered until a batch consumes them.
 
 Over 400 lines because every statement on the trajectories table is here, next to the invariants
-those statements keep together: ids only grow, the buffer's floor, the consumed counts the writer
-keeps."""
+those statements keep together: ids only grow, the buffer's floor, the counts per status the
+writer keeps."""
 
 from __future__ import annotations
 
@@ -186,6 +186,20 @@ def insert_runs(
         if last != first_id + n - 1:
             raise RuntimeError(f"trajectory ids {last - n + 1}..{last}, expected from {first_id}")
         token_groups.insert_groups(store, groups)
+        _inserted_statuses(store, runs)
+
+
+def _inserted_statuses(store: Store, runs: list[tuple[Layout, list[tuple[Any, ...]]]]) -> None:
+    """Add the inserted rows of a kept status (a layout that gives the status: others are buffered)."""
+    for layout, rows in runs:
+        if "status" not in layout or not rows:
+            continue
+        at = len(REQUIRED) + layout.index("status")
+        counted: dict[tuple[str, str], int] = {}
+        for key in zip(map(itemgetter(1), rows), map(itemgetter(at), rows), strict=True):
+            counted[key] = counted.get(key, 0) + 1
+        for (policy, status), n in counted.items():
+            status_changed(store, policy, status, n)
 
 
 def count(store: Store, policy: str, status: str | None = None) -> int:
@@ -194,79 +208,79 @@ def count(store: Store, policy: str, status: str | None = None) -> int:
         return int(
             store.scalar(f"SELECT COUNT(*) FROM trajectories WHERE {_ANY_STATUS} AND policy = ?", (policy,))
         )
-    if status == "consumed":
-        return _consumed_count(store, policy)
     if status == "buffered":
         return int(
             store.scalar(
                 f"SELECT COUNT(*) FROM trajectories WHERE {_buffered(store)} AND policy = ?", (policy,)
             )
         )
-    return int(
-        store.scalar(
-            f"SELECT COUNT(*) FROM trajectories WHERE {LEFT} AND status = ? AND policy = ?", (status, policy)
-        )
-    )
+    return _kept_count(store, policy, status)
 
 
-_CONSUMED: weakref.WeakKeyDictionary[Store, dict[str, int]] = weakref.WeakKeyDictionary()
-"""The writer's store -> consumed trajectories per policy, counted once and then kept by the statements
-that change them (`consumed_changed`): `mark_consumed` adds what it marked, a retention pass
-(state/archive.py) takes away what it deleted; `forget_batch`, `mark_dropped` and a rollback forget
-them (counted again when next asked). The consumed rows have no index (LEFT), so a count reads the table: about a second at
-ten million rows, and every status request asks for it."""
+KEPT = ("consumed", "expired", "dropped")
+"""The statuses whose counts the writer keeps (_COUNTS)."""
+_COUNTS: weakref.WeakKeyDictionary[Store, dict[tuple[str, str], int]] = weakref.WeakKeyDictionary()
+"""The writer's store -> (policy, status) -> trajectories, for the statuses in KEPT: counted once, then
+kept by the statements that change them (`status_changed`): an insert adds the rows it stores in
+such a status (a post-rollout filter's dropped groups), `expire` and `mark_consumed` add what they
+marked, a retention pass (state/archive.py) takes away what it deleted; `forget_batch`, `mark_dropped`
+and a rollback forget them all (counted again when next asked). A count reads rows that grow with the
+run: the consumed rows have no index (LEFT), so about a second at ten million rows, and every status
+request asks for it; the expired and dropped rows are in the status index, but each step's metrics
+row counted them all (15,000 expired rows after 800 steps of the bench at the quickstart's shape:
+about 9% of the live controller's samples)."""
 
 
-def _kept_consumed(store: Store) -> dict[str, int] | None:
+def _kept(store: Store) -> dict[tuple[str, str], int] | None:
     """The writer's kept counts (None for a read-only store: another process writes)."""
     if store.readonly:
         return None
-    kept = _CONSUMED.get(store)
+    kept = _COUNTS.get(store)
     if kept is None:
-        kept = _CONSUMED[store] = {}
+        kept = _COUNTS[store] = {}
         store.on_rollback.append(kept.clear)
     return kept
 
 
-def forget_consumed(store: Store) -> None:
-    """Count the consumed trajectories again when next asked (a change the kept counts do not follow)."""
-    kept = _CONSUMED.get(store)
+def forget_counts(store: Store) -> None:
+    """Count the kept statuses again when next asked (a change the kept counts do not follow)."""
+    kept = _COUNTS.get(store)
     if kept is not None:
         kept.clear()
 
 
-def consumed_changed(store: Store, policy: str, n: int) -> None:
-    """`policy` has `n` more consumed trajectories (fewer when negative: a retention pass deleted them)."""
-    kept = _CONSUMED.get(store)
-    if kept is not None and policy in kept:
-        kept[policy] += n
+def status_changed(store: Store, policy: str, status: str, n: int) -> None:
+    """`policy` has `n` more trajectories in `status` (fewer when negative: a retention pass deleted
+    them); a count not kept (not read yet, or another status) stays unread."""
+    kept = _COUNTS.get(store)
+    if kept is not None and (policy, status) in kept:
+        kept[(policy, status)] += n
 
 
-def _consumed_count(store: Store, policy: str) -> int:
-    """Consumed trajectories of `policy`: kept by the writer (_CONSUMED), else a read of the table
-    (the status index leaves them out)."""
-    kept = _kept_consumed(store)
-    if kept is not None and policy in kept:
-        return kept[policy]
-    n = int(
-        store.scalar("SELECT COUNT(*) FROM trajectories WHERE status = 'consumed' AND policy = ?", (policy,))
-    )
+def _kept_count(store: Store, policy: str, status: str) -> int:
+    """Trajectories of `policy` in `status` (one of KEPT): kept by the writer (_COUNTS), else a read
+    of the table (consumed) or of the status index (expired, dropped)."""
+    kept = _kept(store)
+    if kept is not None and (policy, status) in kept:
+        return kept[(policy, status)]
+    if status == "consumed":
+        sql = "SELECT COUNT(*) FROM trajectories WHERE status = 'consumed' AND policy = ?"
+        n = int(store.scalar(sql, (policy,)))
+    elif status in KEPT:
+        sql = f"SELECT COUNT(*) FROM trajectories WHERE {LEFT} AND status = ? AND policy = ?"
+        n = int(store.scalar(sql, (status, policy)))
+    else:
+        raise ValueError(f"no trajectory status {status!r}")
     if kept is not None:
-        kept[policy] = n
+        kept[(policy, status)] = n
     return n
 
 
 def status_counts(store: Store, policy: str) -> dict[str, int]:
     """Trajectories of `policy` per status (every status, 0 when none)."""
-    out = dict.fromkeys(STATUSES, 0)
-    for r in store.query(
-        f"SELECT status, COUNT(*) AS n FROM trajectories WHERE {LEFT} AND policy = ? GROUP BY status",
-        (policy,),
-    ):
-        out[r["status"]] = int(r["n"])
+    out = {status: _kept_count(store, policy, status) for status in KEPT}
     out["buffered"] = count(store, policy, "buffered")
-    out["consumed"] = _consumed_count(store, policy)
-    return out
+    return {status: out[status] for status in STATUSES}
 
 
 def buffered_by_policy(store: Store) -> dict[str, int]:
@@ -355,13 +369,14 @@ def buffered_items(store: Store, policy: str) -> list[sqlite3.Row]:
 
 def expire(store: Store, ids: list[int]) -> None:
     """Mark these buffered trajectories expired (too stale to train on); others are left as they are."""
+    # `+status`: by the ids, not by walking the status index (as mark_consumed)
+    where = "WHERE id IN (SELECT value FROM json_each(?)) AND +status = 'buffered'"
     with store.write() as c:
-        # `+status`: by the ids, not by walking the status index (as mark_consumed)
-        c.execute(
-            "UPDATE trajectories SET status = 'expired' "
-            "WHERE id IN (SELECT value FROM json_each(?)) AND +status = 'buffered'",
-            (_ids_json(ids),),
-        )
+        js = _ids_json(ids)
+        found = c.execute(f"SELECT policy, COUNT(*) FROM trajectories {where} GROUP BY policy", (js,)).fetchall()
+        c.execute(f"UPDATE trajectories SET status = 'expired' {where}", (js,))
+        for policy, n in found:
+            status_changed(store, policy, "expired", int(n))
 
 
 _NEWEST = (
@@ -397,7 +412,7 @@ def mark_consumed(store: Store, policy: str, step: int, ids: list[int]) -> None:
             "WHERE id BETWEEN ? AND ? AND +status = 'buffered' AND policy = ?",
             [(step, first, first + n - 1, policy) for first, n in id_runs(ids)],
         )
-        consumed_changed(store, policy, cur.rowcount)  # the rows changed by every execution together
+        status_changed(store, policy, "consumed", cur.rowcount)  # the rows changed by every execution together
         _raise_floor(c)
 
 
@@ -477,7 +492,7 @@ def null_float_ids(store: Store) -> set[int]:
 
 def mark_dropped(store: Store, ids: list[int]) -> None:
     """Mark these trajectories dropped (never to be trained on)."""
-    forget_consumed(store)  # consumed ones among them too (a poisoned batch's)
+    forget_counts(store)  # consumed and expired ones among them too (a poisoned batch's)
     with store.write() as c:
         c.executemany("UPDATE trajectories SET status = 'dropped' WHERE id = ?", [(i,) for i in ids])
 
