@@ -220,3 +220,25 @@ def test_a_refill_stores_samples_as_json_dumps_writes_them(tmp_path: Path) -> No
     else:
         raise AssertionError("a circular sample was stored")
     store.close()
+
+
+def test_a_lease_reads_the_n_asked_for_then_pages_of_lease_page(tmp_path: Path) -> None:
+    from astraflow.state.ledger import LEASE_PAGE
+
+    store = Store.open(tmp_path / "state.db")
+    ledger = Ledger(store)
+    for k in range(200):
+        ledger.enqueue(f"p{k}", {"k": k}, {"solver": "main"}, 16)
+    limits: list[int] = []
+    store.conn.set_trace_callback(
+        lambda q: limits.append(int(q.rsplit("LIMIT", 1)[1])) if "status = 'queued' AND id >" in q else None
+    )
+    # the first 100 queued tasks are refused: the first page is the 2 asked for, every later one
+    # LEASE_PAGE rows (not the group size of the last row read)
+    leased = ledger.lease("w", 2, accept=lambda t: t.id > 100)
+    store.conn.set_trace_callback(None)
+    assert [t.id for t in leased] == [101, 102]
+    assert (
+        limits[0] == 2 and set(limits[1:]) == {LEASE_PAGE} and len(limits) == 1 + math.ceil(100 / LEASE_PAGE)
+    )
+    store.close()

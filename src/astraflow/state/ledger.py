@@ -209,10 +209,10 @@ class Ledger:
             cur.row_factory = None
             # the first page is the n asked for (the usual lease takes every row it reads: a request
             # for one task read and parsed 64 rows); one that refuses some reads on by LEASE_PAGE rows
-            size = n
+            limit = n
             while len(out) < n:
-                page = cur.execute(_QUEUED_PAGE, (after, size)).fetchall()
-                size = max(n, LEASE_PAGE)
+                page = cur.execute(_QUEUED_PAGE, (after, limit)).fetchall()
+                limit = max(n, LEASE_PAGE)
                 if not page:
                     break
                 after = int(page[-1][0])

@@ -373,7 +373,9 @@ def expire(store: Store, ids: list[int]) -> None:
     where = "WHERE id IN (SELECT value FROM json_each(?)) AND +status = 'buffered'"
     with store.write() as c:
         js = _ids_json(ids)
-        found = c.execute(f"SELECT policy, COUNT(*) FROM trajectories {where} GROUP BY policy", (js,)).fetchall()
+        found = c.execute(
+            f"SELECT policy, COUNT(*) FROM trajectories {where} GROUP BY policy", (js,)
+        ).fetchall()
         c.execute(f"UPDATE trajectories SET status = 'expired' {where}", (js,))
         for policy, n in found:
             status_changed(store, policy, "expired", int(n))
@@ -412,7 +414,9 @@ def mark_consumed(store: Store, policy: str, step: int, ids: list[int]) -> None:
             "WHERE id BETWEEN ? AND ? AND +status = 'buffered' AND policy = ?",
             [(step, first, first + n - 1, policy) for first, n in id_runs(ids)],
         )
-        status_changed(store, policy, "consumed", cur.rowcount)  # the rows changed by every execution together
+        status_changed(
+            store, policy, "consumed", cur.rowcount
+        )  # the rows changed by every execution together
         _raise_floor(c)
 
 
