@@ -161,7 +161,6 @@ def run(
     """Drive one controller through `warmup_steps` + `steps` steps; CPU per sequence over `steps`.
     `keep_steps` > 0 turns retention on (an archiving pass every 10 steps, in `VersionPublished`)."""
     rng = random.Random(0)
-    threshold = gc.get_threshold()
     with tempfile.TemporaryDirectory(prefix="astraflow-ctl-inproc-") as tmp:
         try:
             d = _Driver(Path(tmp), keep_steps, shape)
@@ -175,9 +174,7 @@ def run(
             in_db = trajectories.count(d.ctl.store, POLICY)
             d.ctl.store.close()
         finally:
-            # what settle_heap froze and set: this process may go on (a test), the controller's is done
-            gc.unfreeze()
-            gc.set_threshold(*threshold)
+            gc.unfreeze()  # what settle_heap froze: this process may go on (a test), the controller's is done
     out: dict[str, Any] = {
         "steps": steps,
         "group_size": shape.group_size,

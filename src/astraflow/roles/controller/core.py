@@ -189,19 +189,9 @@ class ControllerCore:
             self.store.add_event(kind, detail[:1000])
 
 
-YOUNG_COLLECTION = 100_000
-"""Allocations between two collections of the youngest generation in the controller's process
-(Python's default is 700). A message allocates thousands of short-lived objects, nearly all freed by
-their reference counts, so the default ran a collection several times a message for almost nothing:
-about 5% of the controller's instructions at the quickstart's shape (docs/benchmarks.md). Cycles
-still die, a little later."""
-
-
 def settle_heap() -> None:
     """After start: collect, then take every object alive now (modules, recipe, state read back) out of
     the cyclic collector's sight (`gc.freeze`), so that a full collection no longer walks them; objects
-    made per message are collected as before, the youngest generation every YOUNG_COLLECTION
-    allocations. Only in a process that is the controller's."""
+    made per message are collected as before. Only in a process that is the controller's."""
     gc.collect()
     gc.freeze()
-    gc.set_threshold(YOUNG_COLLECTION, *gc.get_threshold()[1:])
