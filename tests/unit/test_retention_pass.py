@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -37,7 +38,10 @@ def _seq(policy: str, k: int) -> PackedSequence:
             logprobs=[0.0, 0.0] + [-0.25 * ((k + i) % 7) for i in range(n)],
             versions=[-1, -1] + [k % 4] * n,
             reward=float(k % 3),
-            sampling=SamplingParams(),
+            # a few rows hold values other than the columns' usual ones (archive._USUAL)
+            sampling=SamplingParams(temperature=0.7, top_p=0.9, top_k=5) if k % 7 == 3 else SamplingParams(),
+            role="judge" if k % 11 == 4 else "",
+            group_key=f"g{k % 2}" if k % 13 == 5 else "",
         )
     )
 
@@ -83,7 +87,24 @@ def _run(tmp_path: Path, seed: int) -> tuple[Store, dict[str, list[int]]]:
             trajectories.expire(store, rng.sample(left, 1))
         if left and rng.random() < 0.3:
             trajectories.mark_dropped(store, rng.sample(left, 1))
+    # rows of an older layout (an arrival that is not the id) and a NaN stored as NULL
+    every = [i for p in ids for i in ids[p]]
+    with store.write() as c:
+        c.executemany(
+            "UPDATE trajectories SET arrival = arrival + 1000 WHERE id = ?", [(i,) for i in every[3::17]]
+        )
+        c.executemany("UPDATE trajectories SET reward = NULL WHERE id = ?", [(i,) for i in every[5::23]])
     return store, ids
+
+
+def w_keys(rows: list[Any]) -> list[str]:
+    return list(rows[0].keys())
+
+
+def pa_type(values: list[Any]) -> Any:
+    import pyarrow as pa
+
+    return pa.array(values).type
 
 
 def _arrays_before(store: Store) -> dict[int, tuple[bytes, bytes, bytes, bytes]]:
@@ -135,6 +156,13 @@ def test_a_pass_takes_exactly_the_rule_s_rows_and_archives_their_bytes(
     (name,) = {r["file"] for r in recorded}
     got = archive.read_file(tmp_path / name)
     assert [int(g["id"]) for g in got] == taken
+    # every column of the rows' kind (what a column of the rows' own values would be)
+    import pyarrow.parquet as pq
+
+    schema = pq.read_schema(tmp_path / name)
+    for c in w_keys(want):
+        assert schema.field(c).type == pa_type([r[c] for r in want]), c
+    assert any(r["role"] for r in want) and any(r["arrival"] != r["id"] for r in want)
     for g, w in zip(got, want, strict=True):
         assert {c: g[c] for c in w.keys()} == dict(w)
         assert (g["tokens"], g["loss_mask"], g["logprobs"], g["versions"]) == arrays[int(w["id"])]

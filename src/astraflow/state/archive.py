@@ -36,6 +36,19 @@ its per-token arrays (packed bytes, from state/token_groups.py)."""
 _COLUMN_NAMES = [c.strip() for c in COLUMNS.split(",")]
 _ROW_NAMES = tuple(c for c in _COLUMN_NAMES if c not in ("tokens", "loss_mask", "logprobs", "versions"))
 _ROW_COLUMNS = ", ".join(_ROW_NAMES)
+_USUAL: dict[str, Any] = {
+    "arrival": None,
+    **{c: v for c, v in trajectories.DEFAULTS.items() if c != "status"},
+}
+"""The columns a pass does not read row by row, with the value nearly every row holds (arrival: the
+row's id, as every insert writes it): a second scan reads only the rows that hold another (an older
+row, a named role, a group key, sampling settings of its own, a NULL), so that a pass builds about
+half the Python values it did (the pass's rows were 60% of its cost, and the pass 30% of the live
+controller's time with `--keep-steps 50` at the quickstart's shape: docs/benchmarks.md)."""
+_READ_NAMES = tuple(c for c in _ROW_NAMES if c != "policy" and c not in _USUAL)
+_UNUSUAL = " OR ".join(
+    "arrival IS NOT id" if c == "arrival" else f"{c} IS NOT {v!r}" for c, v in _USUAL.items()
+)
 ARCHIVE_DIR = "archive"
 
 
@@ -77,18 +90,19 @@ def retire(store: Store, run_dir: Path, policy: str, step: int, keep_steps: int,
     if high is None:
         return 0
     top = int(store.scalar("SELECT MAX(id) FROM trajectories") or 0)
-    columns = _ROW_COLUMNS if action == "archive" else "id, status"
+    names = _READ_NAMES if action == "archive" else ("id", "status")
     cur = store.conn.cursor()
     cur.row_factory = None  # plain tuples: the rows are only transposed into columns
+    where = (
+        "WHERE id <= ? AND policy = ? AND "
+        "((status = 'consumed' AND consumed_step <= ?) OR status IN ('expired', 'dropped'))"
+    )
     cand = cur.execute(
-        f"SELECT {columns} FROM trajectories WHERE id <= ? AND policy = ? AND "
-        "((status = 'consumed' AND consumed_step <= ?) OR status IN ('expired', 'dropped')) ORDER BY id",
-        (high, policy, cut),
+        f"SELECT {', '.join(names)} FROM trajectories {where} ORDER BY id", (high, policy, cut)
     ).fetchall()
     if not cand:
         return 0
     cols = list(zip(*cand, strict=True))
-    names = _ROW_NAMES if action == "archive" else ("id", "status")
     ids = np.asarray(cols[names.index("id")], np.int64)
     statuses = cols[names.index("status")]
     consumed = np.flatnonzero(np.asarray([st == "consumed" for st in statuses], bool))
@@ -104,7 +118,9 @@ def retire(store: Store, run_dir: Path, policy: str, step: int, keep_steps: int,
     name = ""
     if action == "archive":
         name = f"{ARCHIVE_DIR}/{policy}-{int(ids[0]):012d}-{int(ids[-1]):012d}.parquet"
-        _write(run_dir / name, dict(zip(names, kept, strict=True)), _arrays_of(store, groups, ids))
+        small = dict(zip(names, kept, strict=True))
+        small.update(_usual_columns(cur, where, (int(ids[-1]), policy, cut), policy, ids))
+        _write(run_dir / name, small, _arrays_of(store, groups, ids))
     counts = Counter(kept[names.index("status")])
     runs = trajectories.id_runs(ids.tolist())
     now = time.time()
@@ -141,6 +157,37 @@ def _consumed_bound(store: Store, policy: str, cut: int) -> int | None:
         high = max([high, *batches.decode_ids(text)])
     kept[policy] = (cut, high)
     return high or None
+
+
+def _usual_columns(
+    cur: Any, where: str, params: tuple[Any, ...], policy: str, ids: np.ndarray[Any, Any]
+) -> dict[str, Any]:
+    """The pass's policy column and its _USUAL columns for rows `ids` (ascending; `where` with
+    `params` selects exactly them): the usual value everywhere (numpy where a column is numeric), then
+    the rows a second scan finds holding another value, each set to it (a column that takes one
+    becomes a list: the value may be NULL)."""
+    n = len(ids)
+    out: dict[str, Any] = {
+        "policy": [policy] * n,
+        "arrival": ids.copy(),
+        "role": [""] * n,
+        "group_key": [""] * n,
+        "temperature": np.full(n, 1.0),
+        "top_p": np.full(n, 1.0),
+        "top_k": np.zeros(n, np.int64),
+    }
+    other = cur.execute(
+        f"SELECT id, {', '.join(_USUAL)} FROM trajectories {where} AND ({_UNUSUAL}) ORDER BY id", params
+    ).fetchall()
+    if not other:
+        return out
+    at = np.searchsorted(ids, np.asarray([r[0] for r in other], np.int64)).tolist()
+    for k, col in enumerate(_USUAL, start=1):
+        values = out[col] if isinstance(out[col], list) else out[col].tolist()
+        for i, r in zip(at, other, strict=True):
+            values[i] = r[k]
+        out[col] = values
+    return out
 
 
 def _arrays_of(store: Store, groups: list[int], ids: np.ndarray) -> dict[str, Any]:
