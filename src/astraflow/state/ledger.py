@@ -27,6 +27,8 @@ from astraflow.state.task_json import parsed as _json
 from astraflow.state.task_json import sample_of, sorted_dumps
 
 LEASE_PAGE = 64
+LEASED_KEPT = 100_000
+"""Leased tasks a ledger keeps as rows at most (past it, it starts again: `get_many` reads the rest)."""
 """Queued tasks a lease reads per query after its first (which reads the n asked for)."""
 IDS_PER_STATEMENT = 500
 """Task ids one statement names at most (SQLite's limit on bound parameters is 999 in old builds)."""
@@ -113,6 +115,13 @@ class Ledger:
         store.on_rollback.append(self._forget_done)
         self.shapes = OpenShapes(store)
         """Open tasks per shape, kept by this ledger's writes (state/open_shapes.py)."""
+        self._leased: dict[int, TaskRow] = {}
+        """Tasks this ledger leased, as their rows are now: `get_many` hands them to the results that
+        come back without reading the store (a results message read its tasks' rows, about 2% of
+        the live controller at the quickstart's shape). Every write of this ledger that changes one
+        drops it (a renewal moves its expiry), one that changes many (an expiry, a member's leases
+        given back) drops them all, and so does a rollback; the controller is the only writer."""
+        store.on_rollback.append(self._leased.clear)
 
     def _forget_done(self) -> None:
         self._done = None
@@ -175,9 +184,17 @@ class Ledger:
         return _row(rows[0]) if rows else None
 
     def get_many(self, task_ids: Iterable[int]) -> dict[int, TaskRow]:
-        """Task id -> task, for those of `task_ids` that exist (one query)."""
+        """Task id -> task, for those of `task_ids` that exist: the ones this ledger leased as it
+        keeps them, the others in one query."""
         out: dict[int, TaskRow] = {}
-        for part in _chunks(sorted(set(task_ids))):
+        missing: list[int] = []
+        for tid in set(task_ids):
+            kept = self._leased.get(tid)
+            if kept is None:
+                missing.append(tid)
+            else:
+                out[tid] = kept
+        for part in _chunks(sorted(missing)):
             marks = ",".join("?" * len(part))
             for r in self.store.query(f"SELECT * FROM tasks WHERE id IN ({marks})", tuple(part)):
                 out[int(r["id"])] = _row(r)
@@ -240,18 +257,25 @@ class Ledger:
             for (roles, size, ro), k in shapes.items():
                 self.shapes.add(("queued", roles, size, ro), -k)
                 self.shapes.add(("leased", roles, size, ro), k)
+            if len(self._leased) > LEASED_KEPT:
+                self._leased.clear()
+            for task in out:
+                self._leased[task.id] = task
         return out
 
     def set_read_only(self, task: TaskRow, read_only: Iterable[str]) -> None:
         """Record the policies a leased task no longer feeds (their budget was taken since it was queued)."""
         task.read_only = sorted(set(read_only))
         self.shapes.forget()  # a leased task's shape changes: the kept counts do not follow it
+        if self._leased.get(task.id) is not task:
+            self._leased.pop(task.id, None)
         with self.store.write() as c:
             c.execute("UPDATE tasks SET read_only = ? WHERE id = ?", (json.dumps(task.read_only), task.id))
 
     def complete(self, task_id: int, epoch: int, owner: str) -> str:
         """Validate a result's lease and mark the task done: accepted | duplicate | stale_epoch | unknown_task."""
         now = self.clock()
+        self._leased.pop(task_id, None)
         with self.store.write() as c:
             r = c.execute(
                 "SELECT status, epoch, owner, roles, group_size, read_only FROM tasks WHERE id = ?",
@@ -282,6 +306,8 @@ class Ledger:
         most once (a later one is a duplicate)."""
         now = self.clock()
         out: list[str] = []
+        for tid, _epoch in results:
+            self._leased.pop(tid, None)
         with self.store.write() as c:
             rows: dict[int, tuple[str, int, str]] = {}
             shapes: dict[int, tuple[str, str, int, str]] = {}
@@ -324,6 +350,7 @@ class Ledger:
         """A lease ended in an error: requeued | failed (after max_attempts) | duplicate | stale_epoch | unknown_task."""
         now = self.clock()
         self.shapes.forget()  # a status changes: the kept counts do not follow it
+        self._leased.pop(task_id, None)
         with self.store.write() as c:
             r = c.execute(
                 "SELECT status, epoch, owner, attempts FROM tasks WHERE id = ?", (task_id,)
@@ -348,6 +375,7 @@ class Ledger:
     def give_back(self, task_id: int, epoch: int, owner: str) -> bool:
         """Requeue one leased attempt without counting it (its failure was its worker's, not the task's)."""
         self.shapes.forget()  # a status changes: the kept counts do not follow it
+        self._leased.pop(task_id, None)
         with self.store.write() as c:
             cur = c.execute(
                 "UPDATE tasks SET status = 'queued', lease_expiry = 0, updated = ? "
@@ -359,6 +387,7 @@ class Ledger:
     def give_back_lapsed(self, member_id: str, now: float) -> int:
         """Requeue a member's leases past their expiry without counting an attempt; returns how many."""
         self.shapes.forget()  # a status changes: the kept counts do not follow it
+        self._leased.clear()
         with self.store.write() as c:
             cur = c.execute(
                 "UPDATE tasks SET status = 'queued', lease_expiry = 0, updated = ? "
@@ -371,6 +400,7 @@ class Ledger:
         """Return every task leased to a member (dead or left) to the queue at once; returns how many."""
         now = self.clock()
         self.shapes.forget()  # a status changes: the kept counts do not follow it
+        self._leased.clear()
         with self.store.write() as c:
             cur = c.execute(
                 "UPDATE tasks SET status = 'queued', lease_expiry = 0, updated = ? WHERE status = 'leased' AND owner = ?",
@@ -382,6 +412,7 @@ class Ledger:
         """Requeue (or fail, after max_attempts) every lease past its expiry; returns how many ended."""
         t = self.clock() if now is None else now
         self.shapes.forget()  # a status changes: the kept counts do not follow it
+        self._leased.clear()
         with self.store.write() as c:
             rows = c.execute(
                 "SELECT id, attempts FROM tasks WHERE status = 'leased' AND lease_expiry < ?", (t,)
@@ -398,6 +429,9 @@ class Ledger:
                 "UPDATE tasks SET lease_expiry = ? WHERE status = 'leased' AND owner = ?",
                 (t + self.lease_timeout_s, member_id),
             )
+            for task in self._leased.values():  # every kept one is leased
+                if task.owner == member_id:
+                    task.lease_expiry = t + self.lease_timeout_s
             return cur.rowcount
 
     def renew_tasks(
@@ -412,6 +446,8 @@ class Ledger:
         marks = ",".join("?" for _ in ids)
         # `updated` is the lease's start while a task is leased (renewals leave it alone)
         oldest = t - max_age_s if max_age_s > 0 else float("-inf")
+        for tid in ids:  # the statement's condition reads a column the kept rows do not hold
+            self._leased.pop(tid, None)
         with self.store.write() as c:
             cur = c.execute(
                 f"UPDATE tasks SET lease_expiry = MAX(lease_expiry, ?) WHERE status = 'leased' AND owner = ? "
