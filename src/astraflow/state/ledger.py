@@ -119,8 +119,8 @@ class Ledger:
         """Tasks this ledger leased, as their rows are now: `get_many` hands them to the results that
         come back without reading the store (a results message read its tasks' rows, about 2% of
         the live controller at the quickstart's shape). Every write of this ledger that changes one
-        drops it (a renewal moves its expiry), one that changes many (an expiry, a member's leases
-        given back) drops them all, and so does a rollback; the controller is the only writer."""
+        drops it, one that changes many (an expiry, a member's leases given back or renewed) drops
+        them all, and so does a rollback; the controller is the only writer."""
         store.on_rollback.append(self._leased.clear)
 
     def _forget_done(self) -> None:
@@ -429,9 +429,9 @@ class Ledger:
                 "UPDATE tasks SET lease_expiry = ? WHERE status = 'leased' AND owner = ?",
                 (t + self.lease_timeout_s, member_id),
             )
-            for task in self._leased.values():  # every kept one is leased
-                if task.owner == member_id:
-                    task.lease_expiry = t + self.lease_timeout_s
+            # the controller renews the tasks a heartbeat names (`renew_tasks`); finding this
+            # member's kept rows would walk all of them
+            self._leased.clear()
             return cur.rowcount
 
     def renew_tasks(
