@@ -64,6 +64,7 @@ class _Run:
         self.ledger.give_back(tid, epoch, m)
 
     def lapsed(self, m: str) -> None:
+        self.clock[0] += self.rng.choice([0.0, 11.0])  # past the lease timeout: the member's leases lapse
         self.ledger.give_back_lapsed(m, self.clock[0])
 
     def release(self, m: str) -> None:
@@ -76,6 +77,7 @@ class _Run:
         self.ledger.renew(m, self.clock[0])
 
     def renew_tasks(self, m: str) -> None:
+        self.clock[0] += 1.0  # a later expiry than the lease's
         ids = [t for t, _ in self.some(m)]
         self.ledger.renew_tasks(m, ids, self.clock[0], max_age_s=self.rng.choice([0.0, 5.0]))
 

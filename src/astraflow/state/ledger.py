@@ -119,8 +119,9 @@ class Ledger:
         """Tasks this ledger leased, as their rows are now: `get_many` hands them to the results that
         come back without reading the store (a results message read its tasks' rows, about 2% of
         the live controller at the quickstart's shape). Every write of this ledger that changes one
-        drops it, one that changes many (an expiry, a member's leases given back or renewed) drops
-        them all, and so does a rollback; the controller is the only writer."""
+        drops it (an expiry drops those it ends), one that changes a member's leases (given back,
+        released, renewed) drops them all, and so does a rollback; the controller is the only
+        writer. Each tick's expiry that ends none changes nothing here."""
         store.on_rollback.append(self._leased.clear)
 
     def _forget_done(self) -> None:
@@ -387,37 +388,39 @@ class Ledger:
     def give_back_lapsed(self, member_id: str, now: float) -> int:
         """Requeue a member's leases past their expiry without counting an attempt; returns how many."""
         self.shapes.forget()  # a status changes: the kept counts do not follow it
-        self._leased.clear()
         with self.store.write() as c:
             cur = c.execute(
                 "UPDATE tasks SET status = 'queued', lease_expiry = 0, updated = ? "
                 "WHERE status = 'leased' AND owner = ? AND lease_expiry < ?",
                 (now, member_id, now),
             )
+            if cur.rowcount:
+                self._leased.clear()
             return cur.rowcount
 
     def release_member(self, member_id: str) -> int:
         """Return every task leased to a member (dead or left) to the queue at once; returns how many."""
         now = self.clock()
         self.shapes.forget()  # a status changes: the kept counts do not follow it
-        self._leased.clear()
         with self.store.write() as c:
             cur = c.execute(
                 "UPDATE tasks SET status = 'queued', lease_expiry = 0, updated = ? WHERE status = 'leased' AND owner = ?",
                 (now, member_id),
             )
+            if cur.rowcount:
+                self._leased.clear()
             return cur.rowcount
 
     def expire(self, now: float | None = None) -> int:
         """Requeue (or fail, after max_attempts) every lease past its expiry; returns how many ended."""
         t = self.clock() if now is None else now
         self.shapes.forget()  # a status changes: the kept counts do not follow it
-        self._leased.clear()
         with self.store.write() as c:
             rows = c.execute(
                 "SELECT id, attempts FROM tasks WHERE status = 'leased' AND lease_expiry < ?", (t,)
             ).fetchall()
             for r in rows:
+                self._leased.pop(int(r["id"]), None)
                 self._end_attempt(c, r["id"], r["attempts"] + 1, t, "lease expired")
             return len(rows)
 
@@ -431,7 +434,8 @@ class Ledger:
             )
             # the controller renews the tasks a heartbeat names (`renew_tasks`); finding this
             # member's kept rows would walk all of them
-            self._leased.clear()
+            if cur.rowcount:
+                self._leased.clear()
             return cur.rowcount
 
     def renew_tasks(
