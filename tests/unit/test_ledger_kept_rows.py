@@ -135,3 +135,25 @@ def test_tasks_just_leased_are_handed_out_without_a_read(tmp_path: Path) -> None
     assert [got[t.id] for t in leased] == leased and got[8].status == "queued"
     assert len(reads) == 1 and "8" in reads[0]
     store.close()
+
+
+def test_a_task_with_a_long_sample_is_read_again(tmp_path: Path) -> None:
+    from astraflow.state.ledger import KEPT_SAMPLE_CHARS
+
+    store = Store.open(tmp_path / "state.db")
+    ledger = Ledger(store)
+    short = ledger.enqueue("p0", {"k": 0}, {"solver": "main"}, 4)
+    long = ledger.enqueue("p1", {"text": "x" * KEPT_SAMPLE_CHARS}, {"solver": "main"}, 4)
+    leased = ledger.lease("a", 2)
+    assert (
+        [t.id for t in leased] == [short, long] and leased[0].sample == {"k": 0} and leased[1].sample["text"]
+    )
+    reads: list[str] = []
+    store.conn.set_trace_callback(lambda q: reads.append(q) if "FROM tasks" in q else None)
+    got = ledger.get_many([short, long])
+    store.conn.set_trace_callback(None)
+    assert got == {t.id: t for t in leased}
+    # the long one only is read; the kept short one holds no parsed sample of its own
+    assert len(reads) == 1 and f"({long})" in reads[0]
+    assert "sample" not in vars(got[short])
+    store.close()
