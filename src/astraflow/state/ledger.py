@@ -27,12 +27,12 @@ from astraflow.state.task_json import parsed as _json
 from astraflow.state.task_json import sample_of, sorted_dumps
 
 LEASE_PAGE = 64
+"""Queued tasks a lease reads per query after its first (which reads the n asked for)."""
 LEASED_KEPT = 20_000
 """Leased tasks a ledger keeps as rows at most (past it, it starts again: `get_many` reads the rest)."""
 KEPT_SAMPLE_CHARS = 4096
 """A leased task whose stored sample is longer is not kept (its row is read again): the kept rows
 hold their samples' text while the tasks are in flight."""
-"""Queued tasks a lease reads per query after its first (which reads the n asked for)."""
 IDS_PER_STATEMENT = 500
 """Task ids one statement names at most (SQLite's limit on bound parameters is 999 in old builds)."""
 
@@ -128,13 +128,15 @@ class Ledger:
         store.on_rollback.append(self._forget_done)
         self.shapes = OpenShapes(store)
         """Open tasks per shape, kept by this ledger's writes (state/open_shapes.py)."""
-        self._leased: dict[int, TaskRow] = {}
-        """Tasks this ledger leased, as their rows are now: `get_many` hands them to the results that
-        come back without reading the store (a results message read its tasks' rows, about 2% of
-        the live controller at the quickstart's shape). Every write of this ledger that changes one
-        drops it (an expiry drops those it ends), one that changes a member's leases (given back,
-        released, renewed) drops them all, and so does a rollback; the controller is the only
-        writer. Each tick's expiry that ends none changes nothing here."""
+        self._leased: dict[int, tuple[TaskRow, float]] = {}
+        """Tasks this ledger leased, as their rows are now, with the time of the lease (the row's
+        `updated` while it is leased): `get_many` hands them to the results that come back without
+        reading the store (a results message read its tasks' rows, about 2% of the live controller
+        at the quickstart's shape). A heartbeat's renewal of named tasks moves their expiry as its
+        UPDATE does; every other write of this ledger that changes one drops it (an expiry drops
+        those it ends), one that changes a member's leases (given back, released, all renewed) drops
+        them all, and so does a rollback; the controller is the only writer. Each tick's expiry that
+        ends none changes nothing here."""
         store.on_rollback.append(self._leased.clear)
 
     def _forget_done(self) -> None:
@@ -207,7 +209,7 @@ class Ledger:
             if kept is None:
                 missing.append(tid)
             else:
-                out[tid] = kept
+                out[tid] = kept[0]
         for part in _chunks(sorted(missing)):
             marks = ",".join("?" * len(part))
             for r in self.store.query(f"SELECT * FROM tasks WHERE id IN ({marks})", tuple(part)):
@@ -275,15 +277,16 @@ class Ledger:
                 self._leased.clear()
             for task in out:
                 if len(task.sample_json) <= KEPT_SAMPLE_CHARS:
-                    self._leased[task.id] = _kept_copy(task)
+                    self._leased[task.id] = (_kept_copy(task), t)
         return out
 
     def set_read_only(self, task: TaskRow, read_only: Iterable[str]) -> None:
         """Record the policies a leased task no longer feeds (their budget was taken since it was queued)."""
         task.read_only = sorted(set(read_only))
         self.shapes.forget()  # a leased task's shape changes: the kept counts do not follow it
-        if self._leased.get(task.id) is not task:
-            self._leased.pop(task.id, None)
+        kept = self._leased.get(task.id)
+        if kept is not None and kept[0] is not task:
+            kept[0].read_only = list(task.read_only)
         with self.store.write() as c:
             c.execute("UPDATE tasks SET read_only = ? WHERE id = ?", (json.dumps(task.read_only), task.id))
 
@@ -464,8 +467,11 @@ class Ledger:
         marks = ",".join("?" for _ in ids)
         # `updated` is the lease's start while a task is leased (renewals leave it alone)
         oldest = t - max_age_s if max_age_s > 0 else float("-inf")
-        for tid in ids:  # the statement's condition reads a column the kept rows do not hold
-            self._leased.pop(tid, None)
+        expiry = t + self.lease_timeout_s
+        for tid in ids:  # the kept rows as the statement below changes their rows (all are leased)
+            kept = self._leased.get(tid)
+            if kept is not None and kept[0].owner == member_id and kept[1] >= oldest:
+                kept[0].lease_expiry = max(kept[0].lease_expiry, expiry)
         with self.store.write() as c:
             cur = c.execute(
                 f"UPDATE tasks SET lease_expiry = MAX(lease_expiry, ?) WHERE status = 'leased' AND owner = ? "
