@@ -414,9 +414,8 @@ def mark_consumed(store: Store, policy: str, step: int, ids: list[int]) -> None:
             "WHERE id BETWEEN ? AND ? AND +status = 'buffered' AND policy = ?",
             [(step, first, first + n - 1, policy) for first, n in id_runs(ids)],
         )
-        status_changed(
-            store, policy, "consumed", cur.rowcount
-        )  # the rows changed by every execution together
+        # the rows changed by every execution together
+        status_changed(store, policy, "consumed", cur.rowcount)
         _raise_floor(c)
 
 
