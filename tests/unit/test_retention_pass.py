@@ -97,11 +97,11 @@ def _run(tmp_path: Path, seed: int) -> tuple[Store, dict[str, list[int]]]:
     return store, ids
 
 
-def w_keys(rows: list[Any]) -> list[str]:
+def _names(rows: list[Any]) -> list[str]:
     return list(rows[0].keys())
 
 
-def pa_type(values: list[Any]) -> Any:
+def _arrow_type(values: list[Any]) -> Any:
     import pyarrow as pa
 
     return pa.array(values).type
@@ -160,8 +160,8 @@ def test_a_pass_takes_exactly_the_rule_s_rows_and_archives_their_bytes(
     import pyarrow.parquet as pq
 
     schema = pq.read_schema(tmp_path / name)
-    for c in w_keys(want):
-        assert schema.field(c).type == pa_type([r[c] for r in want]), c
+    for c in _names(want):
+        assert schema.field(c).type == _arrow_type([r[c] for r in want]), c
     assert any(r["role"] for r in want) and any(r["arrival"] != r["id"] for r in want)
     for g, w in zip(got, want, strict=True):
         assert {c: g[c] for c in w.keys()} == dict(w)
