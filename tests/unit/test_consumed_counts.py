@@ -52,13 +52,21 @@ def _counted(store: Store, policy: str) -> tuple[int, list[str]]:
     return n, [q for q in traced if SCAN in q]
 
 
-def test_the_writer_keeps_consumed_counts_equal_to_the_table_without_reading_it(tmp_path: Path) -> None:
+def _stored(tmp_path: Path, groups: int) -> tuple[Store, Buffer, list[list[int]], list[int]]:
+    """A state.db of two policies: `groups` groups of four of "main" and one of "other", buffered."""
     store = Store.open(tmp_path / "state.db")
     for policy in ("main", "other"):
         store.ensure_policy(policy, 4)
     buf = Buffer(store)
-    main = [buf.insert(t, f"p{t}", [_seq("main", 4 * t + k) for k in range(4)], [0.0] * 4) for t in range(6)]
+    main = [
+        buf.insert(t, f"p{t}", [_seq("main", 4 * t + k) for k in range(4)], [0.0] * 4) for t in range(groups)
+    ]
     other = buf.insert(99, "q", [_seq("other", k) for k in range(4)], [0.0] * 4)
+    return store, buf, main, other
+
+
+def test_the_writer_keeps_consumed_counts_equal_to_the_table_without_reading_it(tmp_path: Path) -> None:
+    store, _buf, main, other = _stored(tmp_path, 6)
 
     def agrees(policy: str = "main", scans: int = 0) -> int:
         n, scanned = _counted(store, policy)
@@ -113,12 +121,7 @@ LEFT_SCAN = "status IN ('expired', 'dropped') AND status = "
 
 
 def test_the_writer_keeps_expired_and_dropped_counts_equal_to_the_table(tmp_path: Path) -> None:
-    store = Store.open(tmp_path / "state.db")
-    for policy in ("main", "other"):
-        store.ensure_policy(policy, 4)
-    buf = Buffer(store)
-    main = [buf.insert(t, f"p{t}", [_seq("main", 4 * t + k) for k in range(4)], [0.0] * 4) for t in range(8)]
-    other = buf.insert(99, "q", [_seq("other", k) for k in range(4)], [0.0] * 4)
+    store, buf, main, other = _stored(tmp_path, 8)
     scans: list[str] = []
     store.conn.set_trace_callback(lambda q: scans.append(q) if LEFT_SCAN in q else None)
 
