@@ -5,7 +5,9 @@ FRESH_TOKENS): they encode to the very bytes the store reads back, and after a r
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
 from astraflow.dataflow import fresh as fresh_mod
@@ -103,9 +105,34 @@ def test_a_step_metrics_rows_kept_when_its_batch_was_taken_are_what_the_store_re
     batch = buf.next_batch("main", 1, batch_size=4, max_staleness=0, version=0)
     assert batch is not None and [s.traj_id for s in batch.samples] == a + b  # task order, not id order
     from_store = trajectories.reward_rows(store, a + b)
-    assert buf.taken_rows("main", 1, a + b) == from_store and from_store[0][2] == 2  # id order
+
+    def rows(got: tuple[Any, ...]) -> list[tuple[float, int, int]]:
+        assert [x.dtype for x in got] == [np.float64, np.int64, np.int64]
+        return list(zip(*(x.tolist() for x in got), strict=True))
+
+    assert rows(buf.taken("main", 1, a + b)) == from_store and from_store[0][2] == 2  # id order
     assert not buf._taken  # handed out once; a second ask (or a restarted controller) reads the store
-    assert Buffer(store).taken_rows("main", 1, a + b) == from_store
+    assert rows(Buffer(store).taken("main", 1, a + b)) == from_store
+
+
+def test_a_step_rows_batch_figures_are_the_per_sequence_sums() -> None:
+    from astraflow.roles.controller.metrics_row import batch_figures
+
+    rng = np.random.default_rng(3)
+    for n in (1, 7, 4096):
+        rewards = rng.normal(size=n) * 1e3  # sums whose float rounding depends on their order
+        oldest = rng.integers(-1, 9, size=n)
+        ref = 9
+        stale = [ref - int(v) for v in oldest]
+        assert batch_figures(ref, rewards, oldest) == {
+            "reward_mean": sum(float(r) for r in rewards) / n,
+            "staleness_mean": sum(stale) / n,
+            "staleness_max": float(max(stale)),
+        }
+    none = np.zeros(0)
+    assert batch_figures(3, none, none.astype(np.int64)) == dict.fromkeys(
+        ("reward_mean", "staleness_mean", "staleness_max"), 0.0
+    )
 
 
 def test_the_buffered_items_kept_in_memory_are_what_the_store_holds(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ import numpy as np
 
 from astraflow.data.base import BufferOrder
 from astraflow.data.order import EdfOrder, FifoOrder
-from astraflow.dataflow.buffered import Buffered, Columns, choose
+from astraflow.dataflow.buffered import Array, Buffered, Columns, choose
 from astraflow.dataflow.fresh import FreshSamples, sampling
 from astraflow.dataflow.limits import RefusedResult, nonfinite_row
 from astraflow.dataflow.pending import Pending, min_versions
@@ -31,7 +31,7 @@ from astraflow.state import batches, trajectories
 from astraflow.state.store import Store
 
 TAKEN_KEPT = 8
-"""Batches whose fresh items are kept for their step's metrics row (Buffer.taken_rows)."""
+"""Batches whose fresh items are kept for their step's metrics row (Buffer.taken)."""
 
 
 @dataclass
@@ -94,9 +94,9 @@ class Buffer:
         `next_batch` (the controller is the only writer, and nothing else changes a buffered row's
         status while it runs). Cleared on a rollback, so the next batch reads the store again."""
         store.on_rollback.append(self._items.clear)
-        self._taken: dict[tuple[str, int], tuple[list[int], Columns]] = {}
-        """(policy, step) -> the ids (in id order) and columns of the fresh trajectories of the newest
-        batches taken, for the step's metrics row (`taken_rows`); a few steps at most."""
+        self._taken: dict[tuple[str, int], Columns] = {}
+        """(policy, step) -> the columns of the fresh trajectories of the newest batches taken, in id
+        order, for the step's metrics row (`taken`); a few steps at most."""
 
     @contextmanager
     def grouped(self) -> Iterator[None]:
@@ -222,16 +222,18 @@ class Buffer:
         """Trajectories of a policy per status: buffered, consumed, expired, dropped."""
         return trajectories.status_counts(self.store, policy)
 
-    def taken_rows(self, policy: str, step: int, fresh_ids: list[int]) -> list[tuple[float, int, int]]:
-        """(reward, oldest version, task id) of a recorded batch's fresh trajectories, in id order: as
-        kept when this controller took the batch, else read from the store."""
+    def taken(self, policy: str, step: int, fresh_ids: list[int]) -> tuple[Array, Array, Array]:
+        """(rewards, oldest versions, task ids) of a recorded batch's fresh trajectories, one array
+        each in id order: as kept when this controller took the batch, else read from the store."""
         kept = self._taken.pop((policy, step), None)
-        if kept is not None and kept[0] == sorted(fresh_ids):
-            cols = kept[1]
-            return list(
-                zip(cols.reward.tolist(), cols.min_version.tolist(), cols.task_id.tolist(), strict=True)
-            )
-        return trajectories.reward_rows(self.store, fresh_ids)
+        if kept is not None and np.array_equal(kept.traj_id, np.sort(np.asarray(fresh_ids, np.int64))):
+            return kept.reward, kept.min_version, kept.task_id
+        rows = trajectories.reward_rows(self.store, fresh_ids)
+        return (
+            np.asarray([r[0] for r in rows], np.float64),
+            np.asarray([r[1] for r in rows], np.int64),
+            np.asarray([r[2] for r in rows], np.int64),
+        )
 
     def role_metrics(self, traj_ids: list[int]) -> dict[str, float]:
         """Per workflow role of these trajectories: `role/<role>/reward_mean` and `role/<role>/sequences`."""
@@ -329,7 +331,7 @@ class Buffer:
             replay[len(fresh) :] = 1
             columns = self._columns(id_array, replay, self._fresh.take(ids, id_array))
             by_id = picked[np.argsort(cols.traj_id[picked], kind="stable")]
-            self._taken[(policy, step)] = (cols.traj_id[by_id].tolist(), Columns(*(c[by_id] for c in cols)))
+            self._taken[(policy, step)] = Columns(*(c[by_id] for c in cols))
             while len(self._taken) > TAKEN_KEPT:
                 del self._taken[next(iter(self._taken))]
         return Batch(

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from astraflow import log
 from astraflow.dataflow.buffer import Buffer
 from astraflow.dataflow.pipeline import Pipeline
@@ -40,14 +42,11 @@ class StepMetrics:
         rec = self.buffer.recorded_ids(msg.policy, msg.step)
         ref = rec[2] if rec else msg.version - 1
         fresh_ids = [i for i, replay in zip(rec[0], rec[1], strict=True) if not replay] if rec else []
-        taken = self.buffer.taken_rows(msg.policy, msg.step, fresh_ids)
-        rewards: list[float] = [r[0] for r in taken]
-        stale: list[int] = [ref - r[1] for r in taken]
-        task_ids: list[int] = [r[2] for r in taken]
+        rewards, oldest, task_ids = self.buffer.taken(msg.policy, msg.step, fresh_ids)
         counts = self._counts(msg.policy)
         generated = self.buffer.generated(msg.policy)
         row: dict[str, Any] = dict(self.pipeline.metrics(msg.policy))
-        row.update(self.pipeline.take_info(msg.policy, task_ids))
+        row.update(self.pipeline.take_info(msg.policy, task_ids.tolist()))
         row.update(self.buffer.role_metrics(fresh_ids))
         row.update(
             {
@@ -55,11 +54,9 @@ class StepMetrics:
                 "step": msg.step,
                 "version": msg.version,
                 "time": now,
-                "reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
+                **batch_figures(ref, rewards, oldest),
                 "samples_per_s": self._rate(msg.policy, now, generated),
                 "samples_generated": generated,
-                "staleness_mean": sum(stale) / len(stale) if stale else 0.0,
-                "staleness_max": float(max(stale)) if stale else 0.0,
                 "expired": counts["expired"],
                 "dropped": counts["dropped"],
                 "buffered": counts["buffered"],
@@ -86,6 +83,21 @@ class StepMetrics:
         hist.append((now, generated))
         t0, g0 = hist[0]
         return (generated - g0) / (now - t0) if now > t0 else 0.0
+
+
+def batch_figures(ref: int, rewards: np.ndarray[Any, Any], oldest: np.ndarray[Any, Any]) -> dict[str, float]:
+    """A batch's mean reward and its staleness (mean and max of `ref` - each sequence's oldest version),
+    from its fresh sequences' columns in id order, without a Python object a sequence."""
+    n = len(rewards)
+    if not n:
+        return {"reward_mean": 0.0, "staleness_mean": 0.0, "staleness_max": 0.0}
+    return {
+        # Python's sum of the floats in id order: the value a sum over the rows one by one gives
+        "reward_mean": sum(rewards.tolist()) / n,
+        # integers, summed exactly
+        "staleness_mean": (ref * n - int(oldest.sum())) / n,
+        "staleness_max": float(ref - int(oldest.min())),
+    }
 
 
 def with_trainer_metrics(row: dict[str, Any], trainer: dict[str, float]) -> dict[str, Any]:
