@@ -233,3 +233,57 @@ def test_the_rule_s_edges_expired_past_the_newest_consumed_and_the_table_s_newes
         assert set(c[2:]) <= left
     assert b[3] in left  # buffered rows never leave
     store.close()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_pass_a_reader_found_removes_what_the_writer_s_own_pass_would(tmp_path: Path, seed: int) -> None:
+    """The archiver's split (state/archiver.py): `find` on a read-only store, `remove` by the writer."""
+    store, _ = _run(tmp_path, seed)
+    step, keep = 12, 4
+    cut = step - keep
+    want = [
+        int(r[0])
+        for r in store.query(
+            f"SELECT id FROM trajectories WHERE {RULE} ORDER BY id", ("main", cut, "main", cut)
+        )
+    ]
+    before = {int(r[0]) for r in store.query("SELECT id FROM trajectories")}
+    reader = Store.open_readonly(tmp_path / "state.db")
+    found = archive.find(reader, tmp_path, "main", step, keep, "archive")
+    reader.close()
+    assert found is not None and found.rows == len(want)
+    assert archive.remove(store, found) == len(want)
+    assert {int(r[0]) for r in store.query("SELECT id FROM trajectories")} == before - set(want)
+    assert [int(g["id"]) for g in archive.read_file(tmp_path / found.name)] == want
+    assert sum(archive.archived_counts(store, "main").values()) == len(want)
+    store.close()
+
+
+def test_a_row_changed_after_a_reader_found_it_leaves_the_pass_undone(tmp_path: Path) -> None:
+    store, _ = _run(tmp_path, 0)
+    reader = Store.open_readonly(tmp_path / "state.db")
+    found = archive.find(reader, tmp_path, "main", 12, 4, "archive")
+    reader.close()
+    assert found is not None and found.counts.get("consumed")
+    before = store.query("SELECT * FROM trajectories ORDER BY id")
+    groups_before = store.query("SELECT first_id FROM token_groups ORDER BY first_id")
+    consumed = trajectories.count(store, "main", "consumed")
+    # one found row is no longer consumed at or before the cut (consumed again at a later step)
+    first = int(
+        store.scalar("SELECT MIN(id) FROM trajectories WHERE policy = 'main' AND status = 'consumed'")
+    )
+    assert any(a <= first < a + k for a, k in found.runs)
+    with store.write() as c:
+        c.execute("UPDATE trajectories SET consumed_step = 99 WHERE id = ?", (first,))
+    with pytest.raises(archive.Changed, match="nothing deleted"):
+        archive.remove(store, found)
+    after = store.query("SELECT * FROM trajectories ORDER BY id")
+    assert [(r["id"], r["status"]) for r in after] == [(r["id"], r["status"]) for r in before]
+    assert [r[0] for r in store.query("SELECT first_id FROM token_groups ORDER BY first_id")] == [
+        r[0] for r in groups_before
+    ]
+    assert (
+        not store.query("SELECT * FROM archived")
+        and trajectories.count(store, "main", "consumed") == consumed
+    )
+    store.close()

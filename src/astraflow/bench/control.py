@@ -34,6 +34,7 @@ from astraflow.bench.cpus import cpu_shares, cpu_ticks, idle_siblings, simulator
 from astraflow.bench.wire import pin, rss_mb, start_controller
 from astraflow.protocol import messages as m
 from astraflow.protocol.codec import decode, encode
+from astraflow.state.archiver import CPUS_ENV
 
 ACTIVE = 2
 """RaaS members that lease and answer tasks; every other simulated worker only heartbeats."""
@@ -87,6 +88,7 @@ def run_one(
     controller_cpu: int | None = None,
     settle_s: float = 0.0,
     shape: Shape = Shape(),
+    archiver: str = "inline",
 ) -> dict[str, Any]:
     """One controller of the recipe's `shape` with `members` simulated members (2 active RaaS + idle
     ones + 1 trainer), each sequence `tokens` generated tokens long; with `controller_cpu`, the controller alone on that CPU
@@ -101,8 +103,12 @@ def run_one(
     ctl, addr = start_controller(
         work,
         keys=work / "keys" if curve else None,
-        recipe_doc=recipe(heartbeat_s, workers, keep_steps, idle_beats_per_s, shape),
+        recipe_doc=recipe(heartbeat_s, workers, keep_steps, idle_beats_per_s, shape, archiver),
         cpus=None if controller_cpu is None else {controller_cpu},
+        # the archiver process (if any) runs beside the simulators, off the controller's core
+        env=None
+        if controller_cpu is None
+        else {CPUS_ENV: ",".join(map(str, sorted(simulator_cpus(controller_cpu))))},
     )
     others = None if controller_cpu is None else simulator_cpus(controller_cpu)
     sims: list[subprocess.Popen[bytes]] = []
@@ -330,6 +336,7 @@ def run(
     settle_s: float = 0.0,
     repeat: int = 1,
     shape: Shape = Shape(),
+    archiver: str = "inline",
 ) -> dict[str, Any]:
     """Every (results mode, curve, members) combination, then the physical limits; ratios against the
     first row of the same results mode, CURVE setting and round. With `repeat` > 1 the member counts
@@ -339,7 +346,7 @@ def run(
     opts: dict[str, Any] = {"seconds": seconds, "warmup_steps": warmup_steps, "heartbeat_s": heartbeat_s}
     opts["procs"] = procs
     opts |= {"keep_steps": keep_steps, "tokens": tokens, "idle_beats_per_s": idle_beats_per_s}
-    opts |= {"controller_cpu": controller_cpu, "settle_s": settle_s, "shape": shape}
+    opts |= {"controller_cpu": controller_cpu, "settle_s": settle_s, "shape": shape, "archiver": archiver}
     for mode in results:
         for c in curve:
             for rnd in range(repeat):

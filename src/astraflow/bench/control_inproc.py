@@ -39,12 +39,14 @@ TRAINER = "trainer-main"
 class _Driver:
     """The controller and the timed path every message takes through it."""
 
-    def __init__(self, run_dir: Path, keep_steps: int = 0, shape: Shape = Shape()) -> None:
+    def __init__(
+        self, run_dir: Path, keep_steps: int = 0, shape: Shape = Shape(), archiver: str = "inline"
+    ) -> None:
         from astraflow.roles.controller import Controller
         from astraflow.roles.controller.process import settle_heap
         from astraflow.state.store import Store
 
-        rec = Recipe.model_validate(recipe(0.5, len(WORKERS), keep_steps, shape=shape))
+        rec = Recipe.model_validate(recipe(0.5, len(WORKERS), keep_steps, shape=shape, archiver=archiver))
         self.slots = shape.request
         """Tasks each worker asks for at a time."""
         self.batch = shape.batch_prompts * shape.group_size
@@ -157,13 +159,15 @@ def run(
     profile: bool = False,
     top: int = 25,
     shape: Shape = Shape(),
+    archiver: str = "inline",
 ) -> dict[str, Any]:
     """Drive one controller through `warmup_steps` + `steps` steps; CPU per sequence over `steps`.
-    `keep_steps` > 0 turns retention on (an archiving pass every 10 steps, in `VersionPublished`)."""
+    `keep_steps` > 0 turns retention on (an archiving pass every 10 steps, in `VersionPublished`; with
+    `archiver` "process" its reading half runs in an archiver process, whose CPU is not counted)."""
     rng = random.Random(0)
     with tempfile.TemporaryDirectory(prefix="astraflow-ctl-inproc-") as tmp:
         try:
-            d = _Driver(Path(tmp), keep_steps, shape)
+            d = _Driver(Path(tmp), keep_steps, shape, archiver)
             join(d)
             run_steps(d, 1, warmup_steps, rng, tokens)
             d.cpu, d.messages, d.by_type = 0.0, 0, {}
@@ -171,6 +175,7 @@ def run(
             prof = d.prof = cProfile.Profile(time.process_time) if profile else None
             seqs = run_steps(d, warmup_steps + 1, steps, rng, tokens)
             d.prof = None
+            d.ctl.close_archiver()
             in_db = trajectories.count(d.ctl.store, POLICY)
             d.ctl.store.close()
         finally:
@@ -181,6 +186,7 @@ def run(
         "batch_prompts": shape.batch_prompts,
         "tokens": tokens,
         "keep_steps": keep_steps,
+        "archiver": archiver if keep_steps else None,
         "trajectories_in_db": in_db,
         "sequences": seqs,
         "messages": d.messages,
@@ -205,7 +211,11 @@ def render(r: dict[str, Any]) -> str:
         f"in-process controller, {r['steps']} steps of {r['sequences'] // max(1, r['steps'])} sequences "
         f"({r['batch_prompts']} tasks x {r['group_size']}), "
         f"{r['tokens']} generated tokens each, {r['messages']} messages"
-        + (f", retention keeping {r['keep_steps']} steps" if r.get("keep_steps") else ""),
+        + (
+            f", retention keeping {r['keep_steps']} steps ({r.get('archiver') or 'inline'} archiver)"
+            if r.get("keep_steps")
+            else ""
+        ),
         f"controller CPU: {r['us_per_sequence']:.1f} us/sequence, {r['ms_per_step']:.1f} ms/step, "
         f"{r['sequences_per_cpu_s']:.0f} sequences per CPU second",
         "  by message: "

@@ -35,12 +35,14 @@ def recipe(
     keep_steps: int = 0,
     idle_beats_per_s: float | None = None,
     shape: Shape = Shape(),
+    archiver: str = "inline",
 ) -> dict[str, Any]:
     """The quickstart's workflow with no model, `shape` a step: the controller reads no weights and
     checks ids >= 0; `keep_steps` > 0 turns on retention (archive to Parquet every 10 steps);
-    `idle_beats_per_s` sets controller.idle_beats_per_s (None: the recipe's default)."""
+    `idle_beats_per_s` sets controller.idle_beats_per_s (None: the recipe's default); `archiver` is
+    controller.retention.archiver."""
     shape.check()
-    retention = {"keep_steps": keep_steps, "every_steps": 10} if keep_steps else {}
+    retention = {"keep_steps": keep_steps, "every_steps": 10, "archiver": archiver} if keep_steps else {}
     idle = {} if idle_beats_per_s is None else {"idle_beats_per_s": idle_beats_per_s}
     return {
         "run": {"name": "control-bench", "seed": 0, "steps": 1_000_000},

@@ -126,9 +126,11 @@ def start_controller(
     timeout_s: float = 120.0,
     recipe_doc: dict[str, Any] | None = None,
     cpus: set[int] | None = None,
+    env: dict[str, str] | None = None,
 ) -> tuple[subprocess.Popen[bytes], str]:
     """A real `astraflow controller` process on a free loopback port (with a key store if given), running
-    `recipe_doc` (default: this bench's model-free RECIPE) in work/run; pinned to `cpus` if given.
+    `recipe_doc` (default: this bench's model-free RECIPE) in work/run; pinned to `cpus` if given, with
+    `env` added to its environment.
     The controller binds port 0 and the address is read from its controller.addr: no port is picked
     here that another process could take before the controller binds it."""
     work.mkdir(parents=True, exist_ok=True)
@@ -154,7 +156,7 @@ def start_controller(
         args,
         stdout=log,
         stderr=subprocess.STDOUT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
         preexec_fn=pin(cpus),
     )
     _wait_file(run_dir / "controller.addr", proc, work / "controller.log", timeout_s)

@@ -322,6 +322,8 @@ class RetentionConfig(_Model):
     """archive: move them to Parquet files in the run directory's archive/ (needs pyarrow: pip install 'astraflow[parquet]'), read by export, the dashboard's sample browser and resume; drop: delete them (status still counts them)."""
     every_steps: int = Field(10, ge=1)
     """Run a retention pass every this many steps of a policy."""
+    archiver: Literal["inline", "process"] = "inline"
+    """inline: the controller runs each pass itself; process: with `archive`, an archiver process reads the rows that leave and writes their file, and the controller only deletes them (state/archiver.py; a pass due while one runs is skipped, the next moves its rows). `drop` passes always run inline."""
 
 
 class ControllerConfig(_Model):

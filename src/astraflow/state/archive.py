@@ -17,6 +17,7 @@ import time
 import weakref
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -83,35 +84,76 @@ def retire(store: Store, run_dir: Path, policy: str, step: int, keep_steps: int,
     consumed row's. One scan finds them (ordered by id, so those are a prefix of the candidates);
     their arrays are cut from their groups' rows with numpy and written as Parquet columns without a
     per-row Python object; the DELETE names their id runs. `drop` reads no arrays and writes no file."""
+    found = find(store, run_dir, policy, step, keep_steps, action)
+    return 0 if found is None else remove(store, found)
+
+
+@dataclass(frozen=True)
+class Found:
+    """What a pass moves out of state.db (`find`), for `remove` to delete: its rows as id runs, how
+    many of each status, the token groups they were in, and the archive file written (relative to
+    the run directory; "" with `drop`). Plain values: an archiver process (state/archiver.py) hands
+    it back to the controller."""
+
+    policy: str
+    cut: int
+    """Rows consumed at this step or before leave."""
+    name: str
+    first: int
+    last: int
+    runs: list[tuple[int, int]]
+    counts: dict[str, int]
+    groups: list[int]
+
+    @property
+    def rows(self) -> int:
+        """Trajectories the pass moves."""
+        return sum(k for _, k in self.runs)
+
+
+class Changed(AstraflowError):
+    """Rows a pass found no longer hold what it found (only when the finding ran apart from the writer)."""
+
+
+def find(store: Store, run_dir: Path, policy: str, step: int, keep_steps: int, action: str) -> Found | None:
+    """The reading half of a pass: which rows leave, and with `archive` their file written (its
+    temporary name, fsync, rename). Reads only: a reader of state.db may run it (state/archiver.py);
+    inside one read transaction when the store is not the writer's, so that every read sees one state."""
     cut = step - keep_steps
     if cut < 1:
-        return 0
+        return None
+    if not store.readonly:
+        return _find(store, run_dir, policy, cut, action)
+    store.conn.execute("BEGIN")
+    try:
+        return _find(store, run_dir, policy, cut, action)
+    finally:
+        store.conn.execute("COMMIT")
+
+
+def _find(store: Store, run_dir: Path, policy: str, cut: int, action: str) -> Found | None:
     high = _consumed_bound(store, policy, cut)
     if high is None:
-        return 0
+        return None
     top = int(store.scalar("SELECT MAX(id) FROM trajectories") or 0)
     names = _READ_NAMES if action == "archive" else ("id", "status")
     cur = store.conn.cursor()
     cur.row_factory = None  # plain tuples: the rows are only transposed into columns
-    where = (
-        "WHERE id <= ? AND policy = ? AND "
-        "((status = 'consumed' AND consumed_step <= ?) OR status IN ('expired', 'dropped'))"
-    )
     cand = cur.execute(
-        f"SELECT {', '.join(names)} FROM trajectories {where} ORDER BY id", (high, policy, cut)
+        f"SELECT {', '.join(names)} FROM trajectories {_WHERE} ORDER BY id", (high, policy, cut)
     ).fetchall()
     if not cand:
-        return 0
+        return None
     cols = list(zip(*cand, strict=True))
     ids = np.asarray(cols[names.index("id")], np.int64)
     statuses = cols[names.index("status")]
     consumed = np.flatnonzero(np.asarray([st == "consumed" for st in statuses], bool))
     if not len(consumed):
-        return 0
+        return None
     bound = min(int(ids[consumed[-1]]), top - 1)  # the newest consumed row's id; the newest row stays
     n = int(np.searchsorted(ids, bound, side="right"))
     if n == 0:
-        return 0
+        return None
     ids = ids[:n]
     kept = [c[:n] for c in cols]
     groups = token_groups.groups_between(store, int(ids[0]), int(ids[-1]))
@@ -119,22 +161,54 @@ def retire(store: Store, run_dir: Path, policy: str, step: int, keep_steps: int,
     if action == "archive":
         name = f"{ARCHIVE_DIR}/{policy}-{int(ids[0]):012d}-{int(ids[-1]):012d}.parquet"
         small = dict(zip(names, kept, strict=True))
-        small.update(_usual_columns(cur, where, (int(ids[-1]), policy, cut), policy, ids))
+        small.update(_usual_columns(cur, _WHERE, (int(ids[-1]), policy, cut), policy, ids))
         _write(run_dir / name, small, _arrays_of(store, groups, ids))
     counts = Counter(kept[names.index("status")])
-    runs = trajectories.id_runs(ids.tolist())
+    return Found(
+        policy,
+        cut,
+        name,
+        int(ids[0]),
+        int(ids[-1]),
+        [(int(a), int(k)) for a, k in trajectories.id_runs(ids.tolist())],
+        dict(sorted(counts.items())),
+        groups,
+    )
+
+
+def remove(store: Store, found: Found) -> int:
+    """The writing half of a pass: delete the rows `found` names and record its file and counts in
+    `archived`, in one transaction; how many rows left. Each DELETE keeps the pass's condition, so a
+    row that no longer meets it stays: then nothing is deleted and Changed is raised (the rows a
+    pass found change only when a reader found them: the writer's own passes find and remove in one
+    go)."""
     now = time.time()
     with store.write() as c:
-        # the controller is the only writer and runs the pass in one go: the rows selected above
-        c.executemany("DELETE FROM trajectories WHERE id >= ? AND id < ?", [(a, a + k) for a, k in runs])
-        token_groups.delete_emptied(store, groups)
+        cur = c.executemany(
+            f"DELETE FROM trajectories WHERE id >= ? AND id < ? AND {_LEAVES}",
+            [(a, a + k, found.policy, found.cut) for a, k in found.runs],
+        )
+        if cur.rowcount != found.rows:
+            raise Changed(
+                f"retention pass of {found.policy}: {cur.rowcount} of the {found.rows} rows found "
+                f"{found.first}..{found.last} still leave; nothing deleted"
+            )
+        token_groups.delete_emptied(store, found.groups)
         c.executemany(
             "INSERT INTO archived (file, policy, status, rows, first_id, last_id, created) VALUES (?, ?, ?, ?, ?, ?, ?)",
-            [(name, policy, st, k, int(ids[0]), int(ids[-1]), now) for st, k in sorted(counts.items())],
+            [
+                (found.name, found.policy, st, k, found.first, found.last, now)
+                for st, k in found.counts.items()
+            ],
         )
-        for status, k in counts.items():
-            trajectories.status_changed(store, policy, status, -k)
-    return n
+        for status, k in found.counts.items():
+            trajectories.status_changed(store, found.policy, status, -k)
+    return found.rows
+
+
+_LEAVES = "policy = ? AND ((status = 'consumed' AND consumed_step <= ?) OR status IN ('expired', 'dropped'))"
+"""What a row that a pass moves holds (policy, cut)."""
+_WHERE = f"WHERE id <= ? AND {_LEAVES}"
 
 
 _BOUNDS: weakref.WeakKeyDictionary[Store, dict[str, tuple[int, int]]] = weakref.WeakKeyDictionary()

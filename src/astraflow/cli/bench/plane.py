@@ -65,6 +65,7 @@ def _control_in_process(
     profile: bool,
     as_json: bool,
     shape: Shape,
+    archiver: str,
 ) -> None:
     """`bench control --in-process`: the controller's CPU per sequence, or with `--beats N` per idle
     heartbeat of N members."""
@@ -91,8 +92,15 @@ def _control_in_process(
         keep_steps=keep_steps,
         profile=profile,
         shape=shape,
+        archiver=archiver,
     )
     typer.echo(_json.dumps(r, indent=2) if as_json else control_inproc.render(r))
+
+
+def _archiver(value: str) -> None:
+    """A usage error unless --archiver is inline or process."""
+    if value not in ("inline", "process"):
+        raise typer.BadParameter(f"--archiver takes inline or process, not {value!r}")
 
 
 def _shape(group_size: int, batch_prompts: int, slots: int) -> Shape:
@@ -133,6 +141,11 @@ def control(
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
     keep_steps: int = typer.Option(
         0, help="Retention: trajectories consumed this many steps ago leave state.db for Parquet (0: off)."
+    ),
+    archiver: str = typer.Option(
+        "inline",
+        help="With --keep-steps: controller.retention.archiver, inline or process (the passes' reads and "
+        "Parquet files in an archiver process; live, on the simulators' CPUs when --controller-cpu is set).",
     ),
     results: str = typer.Option(
         "grouped",
@@ -184,6 +197,7 @@ def control(
     import tempfile
 
     shape = _shape(group_size, batch_prompts, slots)
+    _archiver(archiver)
     if in_process:
         _control_in_process(
             beats,
@@ -195,6 +209,7 @@ def control(
             profile=profile,
             as_json=as_json,
             shape=shape,
+            archiver=archiver,
         )
         return
 
@@ -241,5 +256,6 @@ def control(
             settle_s=settle_s,
             repeat=repeat,
             shape=shape,
+            archiver=archiver,
         )
     typer.echo(_json.dumps(res, indent=2) if as_json else render(res))

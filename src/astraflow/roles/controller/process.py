@@ -26,6 +26,7 @@ def run_controller(
     run_dir.mkdir(parents=True, exist_ok=True)
     store = Store.open(run_dir / "state.db", synchronous=recipe.controller.synchronous)
     server = None
+    ctl: Controller | None = None
     try:
         ctl = Controller(recipe, run_dir, store, allow_recipe_change=allow_recipe_change)
         ctl.start()
@@ -48,4 +49,6 @@ def run_controller(
     finally:
         if server is not None:
             server.close()
+        if ctl is not None:
+            ctl.close_archiver()
         store.close()

@@ -136,6 +136,8 @@ class Controller(ControllerCore):
             progress=self.progress,
             run=self.run,
         )
+        self.archiver = versions.archiver_of(cc.retention, run_dir)
+        """The retention passes' archiver process (controller.retention.archiver), started on the first pass."""
         publishing = versions.Publishing(
             store=store,
             versions=self.policy_versions,
@@ -147,6 +149,7 @@ class Controller(ControllerCore):
             run=self.run,
             retention=cc.retention,
             run_dir=run_dir,
+            archiver=self.archiver,
         )
         self._handlers = cast(
             "dict[type, Callable[[dict[str, Any], Any], Outcome]]",
@@ -223,6 +226,11 @@ class Controller(ControllerCore):
             self.parked.drop(mid.encode())
             self.beats.forget(mid.encode())
         self.pace.update(len(self.members.seen))
+        versions.take_archived(self.store, self.archiver)
+
+    def close_archiver(self) -> None:
+        """Finish the retention pass in flight and end the archiver process (versions.py)."""
+        versions.close_archiver(self.store, self.archiver)
 
     # ----- routing ------------------------------------------------------------------------------
 

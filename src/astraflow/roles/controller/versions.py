@@ -24,6 +24,7 @@ from astraflow.roles.controller.outcome import Event, Outcome
 from astraflow.roles.controller.policy_versions import PolicyVersions
 from astraflow.roles.controller.progress import made_progress
 from astraflow.roles.controller.run_end import RunEnd
+from astraflow.state.archiver import Archiver
 from astraflow.state.store import Store
 
 _log = log.get("controller")
@@ -46,6 +47,8 @@ class Publishing:
     """controller.retention: when and how trajectories trained on long ago leave state.db."""
     run_dir: Path
     """Where the retention pass's archive is written."""
+    archiver: Archiver | None = None
+    """Runs the reading half of `archive` passes in a process of its own (controller.retention.archiver)."""
 
 
 def on_version(ctx: Publishing, member: dict[str, Any], msg: m.VersionPublished) -> Outcome:
@@ -81,7 +84,8 @@ def on_version(ctx: Publishing, member: dict[str, Any], msg: m.VersionPublished)
         late = None if new or not msg.metrics else late_row(ctx.store, msg, now)
     if row is not None:
         emit(ctx.sinks, ctx.run, row)
-        retire(ctx.store, ctx.run_dir, ctx.retention, msg.policy, msg.step)
+        take_archived(ctx.store, ctx.archiver)  # a finished pass first: one in flight skips the next
+        retire(ctx.store, ctx.run_dir, ctx.retention, msg.policy, msg.step, ctx.archiver)
     if late is not None:
         emit(ctx.sinks, ctx.run, late)
     ack = m.Ack(rid=msg.rid, detail="recorded" if new else "known")
@@ -106,20 +110,62 @@ def late_row(store: Store, msg: m.VersionPublished, now: float) -> dict[str, Any
     }
 
 
-def retire(store: Store, run_dir: Path, keep: RetentionConfig, policy: str, step: int) -> None:
+def retire(
+    store: Store,
+    run_dir: Path,
+    keep: RetentionConfig,
+    policy: str,
+    step: int,
+    archiver: Archiver | None = None,
+) -> None:
     """A retention pass (controller.retention) every `every_steps` steps of a policy: trajectories
     trained on long ago leave state.db for the archive (state/archive.py), or are dropped; then the
-    done tasks older than every trajectory left leave too (state/tasks.py, counted per owner)."""
+    done tasks older than every trajectory left leave too (state/tasks.py, counted per owner). With
+    an archiver (state/archiver.py) an `archive` pass is handed to it and finished by `take_archived`."""
     if keep.keep_steps is None or step % keep.every_steps:
         return
-    from astraflow.state import archive, tasks
+    from astraflow.state import archive
 
-    n = archive.retire(store, run_dir, policy, step, keep.keep_steps, keep.action)
-    if n:
-        _log.info("retention: %d trajectories of %s left state.db (%s)", n, policy, keep.action)
-        done = tasks.retire_done(store)
-        if done:
-            _log.info("retention: %d done tasks left state.db", done)
+    if archiver is not None and keep.action == "archive" and archiver.submit(policy, step, keep.keep_steps):
+        return
+    _passed(
+        store, policy, archive.retire(store, run_dir, policy, step, keep.keep_steps, keep.action), keep.action
+    )
+
+
+def take_archived(store: Store, archiver: Archiver | None, wait_s: float = 0.0) -> None:
+    """Finish the pass the archiver found, if one is done (within `wait_s`): its rows leave state.db
+    in one transaction."""
+    if archiver is None or not archiver.busy:
+        return
+    found = archiver.collect(store, wait_s)
+    if found is not None:
+        _passed(store, found.policy, found.rows, "archive")
+
+
+def archiver_of(keep: RetentionConfig, run_dir: Path) -> Archiver | None:
+    """The archiver of `archive` passes when controller.retention.archiver is "process" (not started yet)."""
+    wanted = keep.keep_steps is not None and keep.action == "archive" and keep.archiver == "process"
+    return Archiver(run_dir) if wanted else None
+
+
+def close_archiver(store: Store, archiver: Archiver | None, wait_s: float = 30.0) -> None:
+    """Finish the pass in flight (waiting up to `wait_s`) and end the archiver process."""
+    if archiver is not None:
+        take_archived(store, archiver, wait_s)
+        archiver.close(None)
+
+
+def _passed(store: Store, policy: str, n: int, action: str) -> None:
+    """After a pass moved `n` rows: log it, and the done tasks older than every trajectory left leave."""
+    if not n:
+        return
+    from astraflow.state import tasks
+
+    _log.info("retention: %d trajectories of %s left state.db (%s)", n, policy, action)
+    done = tasks.retire_done(store)
+    if done:
+        _log.info("retention: %d done tasks left state.db", done)
 
 
 def _note_skipped(store: Store, msg: m.VersionPublished) -> None:
