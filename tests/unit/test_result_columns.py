@@ -5,11 +5,13 @@ real state.db, no sockets)."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import msgspec
 import pytest
 
+from astraflow.protocol import columns
 from astraflow.protocol import messages as m
 from astraflow.protocol.codec import DecodeError, decode, encode
 from astraflow.protocol.columns import ResultColumns
@@ -55,6 +57,42 @@ def test_columns_give_back_every_result_as_sent() -> None:
     assert view.problem == ""
     assert [encode(view.outcome(i)) for i in range(3)] == [encode(o) for o in outcomes]
     assert [view.span(i) for i in range(3)] == [(0, 3), (3, 3), (3, 4)]
+
+
+def test_messages_joined_by_their_columns_give_back_every_result_as_sent() -> None:
+    """columns.join (a poll's small TaskResults taken as one: coalesce.py): each message's tables
+    differ, so its index columns must be mapped into the joined ones, and its turns moved."""
+    rng = random.Random(5)
+    outcomes: list[m.Outcome] = []
+    messages: list[m.TaskResults] = []
+    for k in range(9):
+        mine = []
+        for j in range(rng.randint(1, 3)):
+            if rng.random() < 0.15:
+                mine.append(m.Outcome(task_id=100 * k + j, epoch=1, error="boom"))
+                continue
+            episodes = []
+            for e in range(rng.randint(1, 2)):
+                seqs = [
+                    _seq(
+                        rng.choice("abc"),
+                        [rng.randrange(50) for _ in range(rng.randint(2, 6))],
+                        reward=rng.choice([0.0, 1.0, -0.5]),
+                        role=rng.choice(["", "solver", "judge"]),
+                        group_key=rng.choice(["", "x", f"k{k}"]),
+                        turns=[(1, 1, False)] if rng.random() < 0.3 else None,
+                    )
+                    for _ in range(rng.randint(0, 3))
+                ]
+                episodes.append(m.Episode(sequences=seqs, info={"n": e} if rng.random() < 0.3 else {}))
+            mine.append(m.Outcome(task_id=100 * k + j, epoch=2, episodes=episodes))
+        outcomes += mine
+        messages.append(decode(encode(m.TaskResults.of(mine))))
+    joined = decode(encode(columns.join([ResultColumns(x) for x in messages], rid=4)))
+    assert isinstance(joined, m.TaskResults) and joined.rid == 4
+    view = ResultColumns(joined)
+    assert view.problem == "" and len({n for x in messages for n in x.columns.names}) > 2
+    assert [encode(view.outcome(i)) for i in range(len(outcomes))] == [encode(o) for o in outcomes]
 
 
 def test_uniform_says_per_result_whether_a_column_holds_one_value() -> None:

@@ -105,6 +105,47 @@ def pack(outcomes: collections.abc.Sequence[Outcome], rid: int = 0, *, checked: 
     return TaskResults(rid=rid, results=heads, columns=cols)
 
 
+def join(views: collections.abc.Sequence[ResultColumns], rid: int = 0) -> TaskResults:
+    """One TaskResults holding the results of these messages (each read without a `problem`), in
+    order, built from their columns: the per-token and per-sequence bytes joined, the index columns
+    mapped into the union of their tables, the turns moved by each message's first sequence. No
+    sequence becomes a Python object (`pack` of their outcomes gives the same results, its tables
+    perhaps in another order)."""
+    names: dict[str, int] = {}
+    keys: dict[str, int] = {}
+    samplings: dict[SamplingParams, int] = {}
+    heads: list[ResultHead] = []
+    index: dict[str, list[np.ndarray[Any, Any]]] = {"policy": [], "role": [], "group_key": [], "sampling": []}
+    turns: dict[int, list[tuple[int, int, bool]]] = {}
+    first = 0
+    for v in views:
+        c = v.cols
+        heads += v.heads
+        name_at = np.array([names.setdefault(x, len(names)) for x in c.names], np.int32)
+        key_at = np.array([keys.setdefault(x, len(keys)) for x in c.keys], np.int32)
+        sampling_at = np.array([samplings.setdefault(x, len(samplings)) for x in c.samplings], np.int32)
+        if v.count:
+            index["policy"].append(name_at[v.policy])
+            index["role"].append(name_at[v.role])
+            index["group_key"].append(key_at[v.key])
+            index["sampling"].append(sampling_at[v.sampling])
+        turns.update({first + k: t for k, t in c.turns.items()})
+        first += v.count
+    cols = SequenceColumns(
+        **{f: b"".join([getattr(v.cols, f) for v in views]) for f in _JOINED},
+        **{f: np.concatenate(a).astype(packed.INT32).tobytes() if a else b"" for f, a in index.items()},
+        names=list(names),
+        keys=list(keys),
+        samplings=list(samplings),
+        turns=turns,
+    )
+    return TaskResults(rid=rid, results=heads, columns=cols)
+
+
+_JOINED = ("lengths", "tokens", "loss_mask", "logprobs", "versions", "rewards")
+"""The columns a join concatenates as they are."""
+
+
 def _ints(values: list[int]) -> bytes:
     return np.array(values, packed.INT32).tobytes()
 

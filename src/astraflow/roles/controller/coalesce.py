@@ -23,7 +23,7 @@ from typing import Any, cast
 
 from astraflow.protocol import messages as m
 from astraflow.protocol.codec import DecodeError
-from astraflow.protocol.columns import ResultColumns, columnable, pack
+from astraflow.protocol.columns import ResultColumns, columnable, join, pack
 from astraflow.roles.controller.outcome import Outcome
 from astraflow.transport.principal import Principal
 
@@ -66,11 +66,11 @@ class Coalescer:
         """The replies to one poll's messages, in the order they can be sent."""
         run = _Run()
         for ident, principal, msg in polled:
-            outcomes = _outcomes(msg)
-            member = None if outcomes is None else self._sender(ident, cast("m.Msg", msg), principal)
-            if member is not None and outcomes is not None:
-                run.add(ident, principal, cast("Results", msg), member, outcomes)
-                if len(run.outcomes) >= MAX_MERGED:
+            part = _part(msg)
+            member = None if part is None else self._sender(ident, cast("m.Msg", msg), principal)
+            if member is not None and part is not None:
+                run.add(ident, principal, cast("Results", msg), member, part)
+                if len(run.members) >= MAX_MERGED:
                     yield from self._flush(run)
                     run = _Run()
                 continue
@@ -85,13 +85,13 @@ class Coalescer:
             for ident, principal, msg in run.msgs:
                 yield from self._dispatch(ident, msg, principal)
             return
-        done = self._take(run.members, pack(run.outcomes, checked=True))
+        done = self._take(run.members, run.joined())
         if done is None:  # the group rolled back: each message gets the answer a failed handler gives
             for ident, _principal, msg in run.msgs:
                 yield ident, m.Error(rid=msg.rid, code="internal", message="handling the result failed")
             return
         reply = done.reply
-        if not isinstance(reply, m.ResultsAck) or len(reply.acks) != len(run.outcomes):
+        if not isinstance(reply, m.ResultsAck) or len(reply.acks) != len(run.members):
             # refused whole (nothing was stored): each message gets the answer it gets alone
             for ident, principal, msg in run.msgs:
                 yield from self._dispatch(ident, msg, principal)
@@ -111,13 +111,15 @@ class _Run:
     """Results messages waiting to be taken together, and their results in order with each one's
     member."""
 
-    __slots__ = ("idents", "members", "msgs", "outcomes")
+    __slots__ = ("idents", "members", "msgs", "parts")
 
     def __init__(self) -> None:
         self.idents: set[bytes] = set()
         self.msgs: list[tuple[bytes, Principal | None, Results]] = []
-        self.outcomes: list[m.Outcome] = []
+        self.parts: list[m.Outcome | ResultColumns] = []
+        """Each message's result (a TaskResult's) or its columns (a TaskResults')."""
         self.members: list[dict[str, Any]] = []
+        """The member of each result, in order."""
 
     def add(
         self,
@@ -125,26 +127,47 @@ class _Run:
         principal: Principal | None,
         msg: Results,
         member: dict[str, Any],
-        outcomes: list[m.Outcome],
+        part: m.Outcome | ResultColumns,
     ) -> None:
         self.idents.add(ident)
         self.msgs.append((ident, principal, msg))
-        self.outcomes += outcomes
-        self.members += [member] * len(outcomes)
+        self.parts.append(part)
+        self.members += [member] * (1 if isinstance(part, m.Outcome) else len(part.heads))
+
+    def joined(self) -> m.TaskResults:
+        """The run as one TaskResults: consecutive TaskResults' results packed into columns together,
+        and those columns joined with the TaskResults' own (columns.join: no sequence of a
+        TaskResults becomes a Python object)."""
+        views: list[ResultColumns] = []
+        loose: list[m.Outcome] = []
+        for part in self.parts:
+            if isinstance(part, m.Outcome):
+                loose.append(part)
+                continue
+            if loose:
+                views.append(ResultColumns(pack(loose, checked=True)))
+                loose = []
+            views.append(part)
+        if not views:
+            return pack(loose, checked=True)
+        if loose:
+            views.append(ResultColumns(pack(loose, checked=True)))
+        return join(views)
 
 
-def _outcomes(msg: m.Msg | DecodeError) -> list[m.Outcome] | None:
-    """A results message's results, if it may be merged: a TaskResult whose sequences fit the columns
-    (not an error: nothing to store; one that does not fit is answered by the single-result path,
-    which names its fault), or a TaskResults of up to SMALL results whose columns fit."""
+def _part(msg: m.Msg | DecodeError) -> m.Outcome | ResultColumns | None:
+    """What a results message brings to a run, if it may be merged: a TaskResult's result whose
+    sequences fit the columns (not an error: nothing to store; one that does not fit is answered by
+    the single-result path, which names its fault), or the columns of a TaskResults of up to SMALL
+    results whose columns fit."""
     if type(msg) is m.TaskResult:
         if msg.error:
             return None
         o = m.Outcome(task_id=msg.task_id, epoch=msg.epoch, episodes=msg.episodes)
-        return [o] if columnable(o) else None
+        return o if columnable(o) else None
     if type(msg) is m.TaskResults and 0 < len(msg.results) <= SMALL:
         view = ResultColumns(msg)
-        return None if view.problem else [view.outcome(i) for i in range(len(msg.results))]
+        return None if view.problem else view
     return None
 
 
