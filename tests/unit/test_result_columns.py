@@ -200,3 +200,25 @@ def test_a_peer_of_the_previous_protocol_is_refused_and_its_results_do_not_decod
     )
     with pytest.raises(DecodeError):
         decode(v6)
+
+
+@pytest.mark.parametrize("bad", [-1, 2, 1 << 31 - 1])
+def test_an_index_outside_its_table_is_a_problem_of_the_message(bad: int) -> None:
+    import numpy as np
+
+    msg = m.TaskResults.of(
+        [m.Outcome(task_id=1, epoch=1, episodes=[m.Episode(sequences=[_seq("a", [1, 2])] * 3)])]
+    )
+    assert ResultColumns(msg).problem == "" and len(msg.columns.names) == 2  # "a" and the role ""
+    for col in ("policy", "role", "group_key", "sampling"):
+        table = {"policy": 2, "role": 2, "group_key": 1, "sampling": 1}[col]
+        good = getattr(msg.columns, col)
+        values = np.frombuffer(good, "<i4").copy()
+        values[1] = bad if bad != 2 else table  # the first index past the table
+        setattr(msg.columns, col, values.tobytes())
+        assert (
+            ResultColumns(msg).problem
+            == f"TaskResults columns: {col} holds an index outside its table of {table}"
+        )
+        setattr(msg.columns, col, good)
+    assert ResultColumns(msg).problem == ""

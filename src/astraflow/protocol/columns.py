@@ -154,7 +154,8 @@ def _indices(name: str, data: bytes, n: int, table: int) -> tuple[np.ndarray[Any
     if len(data) != 4 * n:
         return np.zeros(0, np.int32), f"{name} is {len(data)} bytes for {n} sequences (int32 each)"
     a = np.frombuffer(data, packed.INT32)
-    if n and (int(a.min()) < 0 or int(a.max()) >= table):
+    # read as unsigned, a negative index is above every table: one pass finds both
+    if n and int(np.frombuffer(data, "<u4").max()) >= table:
         return a, f"{name} holds an index outside its table of {table}"
     return a, ""
 
