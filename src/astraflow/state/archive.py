@@ -7,7 +7,9 @@ rows never leave, and the newest row of the table stays (ids are never reused). 
 file first (a temporary name, fsync, rename) and then, in one transaction, deletes the rows and
 records the file and its counts in the `archived` table; a kill between the two leaves a file that
 no reader opens (only files recorded in `archived` are read) and rows that the next pass archives
-again. Only the controller runs passes; any reader may read.
+again. Only the controller deletes rows; the reading half of a pass (`find`: which rows, and their
+file) runs in the controller too, or in an archiver process reading state.db as any reader does
+(state/archiver.py), which hands what it found to the controller's `remove`. Any reader may read.
 """
 
 from __future__ import annotations
