@@ -105,10 +105,10 @@ class RawMember:
 
     # -- wire ---------------------------------------------------------------------------------------
 
-    def send(self, type_: str, **fields: Any) -> int:
-        """Send one message; returns its rid."""
+    def send(self, type_: str, flags: int = 0, **fields: Any) -> int:
+        """Send one message (zmq send `flags`); returns its rid."""
         self.rid += 1
-        self.sock.send(pack({"type": type_, "rid": self.rid, **fields}))
+        self.sock.send(pack({"type": type_, "rid": self.rid, **fields}), flags)
         return self.rid
 
     def send_raw(self, *frames: bytes) -> None:
