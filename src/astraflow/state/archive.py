@@ -298,7 +298,9 @@ def _write(path: Path, small: dict[str, Any], arrays: dict[str, Any]) -> None:
     pa = _pyarrow()
     path.parent.mkdir(parents=True, exist_ok=True)
     table = pa.table({c: arrays[c] if c in arrays else pa.array(small[c]) for c in _COLUMN_NAMES})
-    tmp = path.with_suffix(".parquet.tmp")
+    # a name of this process's own: an archiver left running by a killed controller may still be
+    # writing the same pass's file when the next controller's archiver does
+    tmp = path.with_suffix(f".parquet.{os.getpid()}.tmp")
     pa.parquet.write_table(table, tmp)
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
