@@ -1,5 +1,5 @@
-"""The bench's simulated workers build their results as columns directly (bench/control_sim.py
-`_results`): the controller must receive the very bytes a member packing the same episodes sends."""
+"""The bench's simulated workers build their results as columns directly (bench/sim_results.py
+`results`): the controller must receive the very bytes a member packing the same episodes sends."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from astraflow.bench.control_sim import _episodes, _results
+from astraflow.bench.sim_results import episodes, results
 from astraflow.protocol import messages as m
 from astraflow.protocol.codec import encode
 
@@ -27,8 +27,8 @@ def test_results_built_as_columns_are_the_bytes_packing_the_episodes_gives(token
     ]
     packed_rng, direct_rng = random.Random(7), random.Random(7)
     outcomes = [
-        m.Outcome(task_id=t.task_id, epoch=t.epoch, episodes=_episodes(t, "main", 5, packed_rng, tokens))
+        m.Outcome(task_id=t.task_id, epoch=t.epoch, episodes=episodes(t, "main", 5, packed_rng, tokens))
         for t in tasks
     ]
-    assert encode(_results(tasks, "main", 5, direct_rng, tokens)) == encode(m.TaskResults.of(outcomes))
+    assert encode(results(tasks, "main", 5, direct_rng, tokens)) == encode(m.TaskResults.of(outcomes))
     assert packed_rng.random() == direct_rng.random()  # the same draws, in the same order

@@ -26,7 +26,7 @@ from typing import Any
 
 from astraflow.bench.control import POLICY, recipe
 from astraflow.bench.control_recipe import Shape
-from astraflow.bench.control_sim import _episodes
+from astraflow.bench.sim_results import episodes
 from astraflow.config.recipe import Recipe
 from astraflow.protocol import messages as m
 from astraflow.protocol.codec import decode, encode
@@ -116,7 +116,7 @@ def _step(d: _Driver, step: int, rng: random.Random, tokens: int) -> int:
                 m.Outcome(
                     task_id=t.task_id,
                     epoch=t.epoch,
-                    episodes=_episodes(t, POLICY, version, rng, tokens),
+                    episodes=episodes(t, POLICY, version, rng, tokens),
                 )
                 for t in grant.tasks
             ]

@@ -18,7 +18,6 @@ deadline passes, and writes its result file last.
 
 from __future__ import annotations
 
-import functools
 import heapq
 import json
 import random
@@ -28,13 +27,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import msgspec
-import numpy as np
 import zmq
 
+from astraflow.bench.sim_results import episodes, results
 from astraflow.protocol import messages as m
 from astraflow.protocol.codec import decode, encode
-from astraflow.protocol.packed import INT32
 from astraflow.transport.server import MEMBER_PING_IVL_MS, MEMBER_PING_TIMEOUT_MS, raise_fd_limit
 
 TASK_WAIT_S = 1.0
@@ -134,68 +131,6 @@ class _Member:
         if kind:
             self.sent_at[self.rid] = (kind, time.perf_counter())
         self.sock.send(encode(msg), zmq.NOBLOCK)
-
-
-def _episodes(
-    task: m.Task, policy: str, version: int, rng: random.Random, tokens: int = 3
-) -> list[m.PackedEpisode]:
-    """The task's group as trivial one-sequence episodes: 3 prompt tokens, `tokens` generated, packed
-    as a RaaS sends them (packed once per version and length: the simulator's own cost must stay small
-    beside the controller's on a shared machine)."""
-    n = task.group_sizes.get(policy, task.group_size) if task.group_sizes else task.group_size
-    template = _template(policy, version, tokens)
-    return [
-        m.PackedEpisode(sequences=[msgspec.structs.replace(template, reward=float(rng.random() < 0.5))])
-        for _ in range(n)
-    ]
-
-
-def _results(
-    tasks: list[m.Task], policy: str, version: int, rng: random.Random, tokens: int = 3
-) -> m.TaskResults:
-    """One TaskResults answering these tasks with `_episodes`' groups, built as columns directly: the
-    message `TaskResults.of` packs from them, to the byte (the same rewards drawn in the same order),
-    without a Python object a sequence (at 4,096 sequences a message packing them took the simulator
-    about as long as the controller's step, and the controller waited on it)."""
-    template = _template(policy, version, tokens)
-    sizes = [t.group_sizes.get(policy, t.group_size) if t.group_sizes else t.group_size for t in tasks]
-    total = sum(sizes)
-    zeros = np.zeros(total, INT32).tobytes()
-    cols = m.SequenceColumns(
-        lengths=np.full(total, len(template.loss_mask), INT32).tobytes(),
-        tokens=template.tokens * total,
-        loss_mask=template.loss_mask * total,
-        logprobs=template.logprobs * total,
-        versions=template.versions * total,
-        rewards=np.array([float(rng.random() < 0.5) for _ in range(total)], "<f8").tobytes(),
-        # pack's tables: the policy is the first name, the template's role ("") the second
-        policy=zeros,
-        role=np.ones(total, INT32).tobytes(),
-        group_key=zeros,
-        sampling=zeros,
-        names=[policy, template.role],
-        keys=[template.group_key],
-        samplings=[template.sampling],
-    )
-    heads = [
-        m.ResultHead(task_id=t.task_id, epoch=t.epoch, episodes=[1] * n)
-        for t, n in zip(tasks, sizes, strict=True)
-    ]
-    return m.TaskResults(results=heads, columns=cols)
-
-
-@functools.lru_cache(maxsize=8)
-def _template(policy: str, version: int, tokens: int) -> m.PackedSequence:
-    return m.PackedSequence.of(
-        m.Sequence(
-            policy=policy,
-            tokens=[1, 2, 3] + [4 + i % 5 for i in range(tokens)],
-            loss_mask=[0, 0, 0] + [1] * tokens,
-            logprobs=[0.0, 0.0, 0.0] + [-0.5] * tokens,
-            versions=[-1, -1, -1] + [version] * tokens,
-            sampling=m.SamplingParams(),
-        )
-    )
 
 
 def simulate(spec: SimSpec) -> SimResult:
@@ -393,17 +328,17 @@ def _on_grant(
     for task in msg.tasks:
         mem.held.add(task.task_id)
     if spec.results == "grouped" and msg.tasks:
-        sent = _results(msg.tasks, spec.policy, mem.version, rng, spec.tokens)
+        sent = results(msg.tasks, spec.policy, mem.version, rng, spec.tokens)
         mem.send(sent)
         res.results_sent += len(msg.tasks)
         res.sequences_sent += sum(sum(h.episodes) for h in sent.results)
     for task in msg.tasks if spec.results != "grouped" else []:
         if spec.results == "tasks":
-            one = _results([task], spec.policy, mem.version, rng, spec.tokens)
+            one = results([task], spec.policy, mem.version, rng, spec.tokens)
             mem.send(one)
             res.sequences_sent += sum(one.results[0].episodes)
         else:
-            eps = _episodes(task, spec.policy, mem.version, rng, spec.tokens)
+            eps = episodes(task, spec.policy, mem.version, rng, spec.tokens)
             mem.send(m.TaskResult(task_id=task.task_id, epoch=task.epoch, episodes=eps))
             res.sequences_sent += len(eps)
         res.results_sent += 1
