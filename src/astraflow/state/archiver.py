@@ -51,8 +51,6 @@ class Archiver:
         """The pass in flight."""
         self.failed = False
         """The process died or could not start: passes run inline."""
-        self.skipped = 0
-        """Passes skipped because one was in flight."""
 
     @property
     def busy(self) -> bool:
@@ -65,7 +63,6 @@ class Archiver:
         if self.failed:
             return False
         if self._job is not None:
-            self.skipped += 1
             return True
         try:
             if self._conn is None:
@@ -109,11 +106,8 @@ class Archiver:
             return None
         return got
 
-    def close(self, store: Store | None, wait_s: float = 30.0) -> None:
-        """Take the pass in flight (waiting up to `wait_s`; `store` None: give it up), then end the
-        process."""
-        if self._job is not None and store is not None:
-            self.collect(store, wait_s)
+    def close(self) -> None:
+        """End the process; a pass still in flight is given up (`collect` it first to keep it)."""
         conn, proc = self._conn, self._proc
         self._conn = self._proc = self._job = None
         if conn is not None:

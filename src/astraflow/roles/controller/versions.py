@@ -153,7 +153,7 @@ def close_archiver(store: Store, archiver: Archiver | None, wait_s: float = 30.0
     """Finish the pass in flight (waiting up to `wait_s`) and end the archiver process."""
     if archiver is not None:
         take_archived(store, archiver, wait_s)
-        archiver.close(None)
+        archiver.close()
 
 
 def _passed(store: Store, policy: str, n: int, action: str) -> None:
