@@ -32,7 +32,7 @@ import zmq
 from astraflow.bench.sim_results import episodes, results
 from astraflow.protocol import messages as m
 from astraflow.protocol.codec import decode, encode
-from astraflow.transport.server import MEMBER_PING_IVL_MS, MEMBER_PING_TIMEOUT_MS, raise_fd_limit
+from astraflow.transport.server import member_keepalive, raise_fd_limit
 
 TASK_WAIT_S = 1.0
 """Long-poll wait of a task request with nothing to lease (the real RaaS waits the same way)."""
@@ -105,9 +105,8 @@ class _Member:
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTING_ID, ident.encode())
-        # the ZMTP heartbeats a real member's control connection sends (transport/client.py)
-        self.sock.setsockopt(zmq.HEARTBEAT_IVL, MEMBER_PING_IVL_MS)
-        self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, MEMBER_PING_TIMEOUT_MS)
+        # the kernel's keepalive a real member's control connection has (transport/client.py)
+        member_keepalive(self.sock)
         if keys is not None:
             from astraflow.transport.keys import load_keypair
             from astraflow.transport.security import curve_client

@@ -31,7 +31,7 @@ from astraflow.protocol.messages import (
 )
 from astraflow.transport.member_loop import MemberLoop, Pending
 from astraflow.transport.security import MemberCredentials, curve_client, member_credentials, routing_id
-from astraflow.transport.server import DEFAULT_MAX_MESSAGE_BYTES, MEMBER_PING_IVL_MS, MEMBER_PING_TIMEOUT_MS
+from astraflow.transport.server import DEFAULT_MAX_MESSAGE_BYTES, member_keepalive
 
 _log = log.get("transport.client")
 
@@ -364,10 +364,9 @@ class MemberClient:
         sock.setsockopt(zmq.IMMEDIATE, 1)
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
-        # ZMTP heartbeats: a connection to a dead controller host is noticed and redialled (sooner,
+        # a connection to a vanished controller host is noticed by the kernel and redialled (sooner,
         # while an answer is awaited, by the member loop's reopen)
-        sock.setsockopt(zmq.HEARTBEAT_IVL, MEMBER_PING_IVL_MS)
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, MEMBER_PING_TIMEOUT_MS)
+        member_keepalive(sock)
         if self.credentials is not None:
             curve_client(sock, self.credentials.keypair, self.credentials.controller_public)
         sock.connect(self.controller)

@@ -27,14 +27,17 @@ HEARTBEAT_IVL_MS = 1000
 after the timeout."""
 HEARTBEAT_TIMEOUT_MS = 5000
 """ZMTP heartbeat timeout of the weight plane."""
-MEMBER_PING_IVL_MS = 10_000
-"""ZMTP heartbeat interval of a member's control connection (the controller answers each ping: with
-10,000 members, 1,000 a second). The controller's ROUTER sends none: libzmq cancels a timer per
-heartbeat by scanning every timer of the I/O thread, so pings from one socket to 10,000 connections
-cost it time quadratic in the connections (measured: 20% of a core for 800 pings a second to 8,000
-connections, 46-86% at one a second each)."""
-MEMBER_PING_TIMEOUT_MS = 30_000
-"""A member's control connection to a controller that stopped answering pings is dropped after this."""
+MEMBER_KEEPALIVE_IDLE_S = 10
+"""TCP keepalive of a member's control connection: after this many seconds without a segment from the
+controller's host, the member's kernel probes it (MEMBER_KEEPALIVE_CNT probes, MEMBER_KEEPALIVE_INTVL_S
+apart) and drops the connection once MEMBER_TIMEOUT_MS passed unanswered (also while data waits unacknowledged:
+TCP_USER_TIMEOUT), so a connection to a vanished host is noticed and redialled. Kernels send and
+answer the probes; neither process wakes for them. Members used to send ZMTP pings every 10 s
+instead: libzmq's I/O thread in the controller answered each, 1,000 wake-ups a second at 10,000
+members on the controller's core (docs/benchmarks.md, "Members' pings moved to the kernel")."""
+MEMBER_KEEPALIVE_INTVL_S = 5
+MEMBER_KEEPALIVE_CNT = 4
+MEMBER_TIMEOUT_MS = 30_000
 KEEPALIVE_IDLE_S = 30
 """TCP keepalive of the controller's connections: a connection whose host vanished (no FIN, no RST)
 is dropped after KEEPALIVE_IDLE_S + KEEPALIVE_CNT * KEEPALIVE_INTVL_S s of silence, which frees its
@@ -56,6 +59,17 @@ def raise_fd_limit() -> int:
         except (ValueError, OSError):
             pass  # the limit stays; the error comes when a connection cannot be accepted
     return soft
+
+
+def member_keepalive(sock: zmq.Socket[Any]) -> None:
+    """Set a member's control socket, before it connects, to have its kernel notice a vanished
+    controller host: TCP keepalive after MEMBER_KEEPALIVE_IDLE_S of silence and TCP_USER_TIMEOUT
+    (zmq's TCP_MAXRT) of MEMBER_TIMEOUT_MS."""
+    sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, MEMBER_KEEPALIVE_IDLE_S)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, MEMBER_KEEPALIVE_INTVL_S)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, MEMBER_KEEPALIVE_CNT)
+    sock.setsockopt(zmq.TCP_MAXRT, MEMBER_TIMEOUT_MS)
 
 
 Polled = tuple[bytes, Principal | None, Msg | DecodeError]
