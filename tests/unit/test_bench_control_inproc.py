@@ -128,3 +128,7 @@ def test_in_process_retention_keeps_state_small_and_costs_its_passes() -> None:
     # the passes at steps 10 and 20 took those consumed 5 or more steps before: steps 1 to 15
     assert kept["trajectories_in_db"] <= every["trajectories_in_db"] - 15 * 32 * 16
     assert "retention keeping 5 steps" in control_inproc.render(kept)
+    # the sizes it reports: what left state.db is in the archive's files, and nothing is without it
+    assert kept["archive_mb"] > 0 == every["archive_mb"]
+    assert 0 < kept["state_db_mb"] < every["state_db_mb"]
+    assert f"archive {kept['archive_mb']:.1f} MB" in control_inproc.render(kept)

@@ -178,6 +178,7 @@ def run(
             d.ctl.close_archiver()
             in_db = trajectories.count(d.ctl.store, POLICY)
             d.ctl.store.close()
+            sizes = _sizes(Path(tmp))
         finally:
             gc.unfreeze()  # what settle_heap froze: this process may go on (a test), the controller's is done
     out: dict[str, Any] = {
@@ -188,6 +189,7 @@ def run(
         "keep_steps": keep_steps,
         "archiver": archiver if keep_steps else None,
         "trajectories_in_db": in_db,
+        **sizes,
         "sequences": seqs,
         "messages": d.messages,
         "controller_cpu_s": round(d.cpu, 4),
@@ -203,6 +205,16 @@ def run(
         pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
         out["profile"] = buf.getvalue()
     return out
+
+
+def _sizes(run_dir: Path) -> dict[str, float]:
+    """state.db (with its WAL) and the archive's Parquet files at the run's end, in MB."""
+    archive = run_dir / "archive"
+    parquet = archive.glob("*.parquet") if archive.is_dir() else []
+    return {
+        "state_db_mb": round(sum(f.stat().st_size for f in run_dir.glob("state.db*")) / 2**20, 2),
+        "archive_mb": round(sum(f.stat().st_size for f in parquet) / 2**20, 2),
+    }
 
 
 def render(r: dict[str, Any]) -> str:
@@ -221,6 +233,8 @@ def render(r: dict[str, Any]) -> str:
         "  by message: "
         + ", ".join(f"{k} {v:.1f}" for k, v in r["us_per_sequence_by_message"].items())
         + " (us/sequence)",
+        f"at the end: state.db {r['state_db_mb']:.1f} MB holding {r['trajectories_in_db']:,} trajectories, "
+        f"archive {r['archive_mb']:.1f} MB",
     ]
     if "profile" in r:
         lines.append(r["profile"])
