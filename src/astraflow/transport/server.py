@@ -29,12 +29,13 @@ HEARTBEAT_TIMEOUT_MS = 5000
 """ZMTP heartbeat timeout of the weight plane."""
 MEMBER_KEEPALIVE_IDLE_S = 10
 """TCP keepalive of a member's control connection: after this many seconds without a segment from the
-controller's host, the member's kernel probes it (MEMBER_KEEPALIVE_CNT probes, MEMBER_KEEPALIVE_INTVL_S
-apart) and drops the connection once MEMBER_TIMEOUT_MS passed unanswered (also while data waits unacknowledged:
-TCP_USER_TIMEOUT), so a connection to a vanished host is noticed and redialled. Kernels send and
-answer the probes; neither process wakes for them. Members used to send ZMTP pings every 10 s
-instead: libzmq's I/O thread in the controller answered each, 1,000 wake-ups a second at 10,000
-members on the controller's core (docs/benchmarks.md, "Members' pings moved to the kernel")."""
+controller's host, the member's kernel probes it (MEMBER_KEEPALIVE_CNT probes,
+MEMBER_KEEPALIVE_INTVL_S apart) and drops the connection once MEMBER_TIMEOUT_MS passed unanswered
+(also while data waits unacknowledged: TCP_USER_TIMEOUT), so a connection to a vanished host is
+noticed and redialled. Kernels send and answer the probes; neither process wakes for them. Members
+used to send ZMTP pings every 10 s instead: libzmq's I/O thread in the controller answered each,
+1,000 wake-ups a second at 10,000 members on the controller's core (docs/benchmarks.md, "Members'
+pings moved to the kernel")."""
 MEMBER_KEEPALIVE_INTVL_S = 5
 MEMBER_KEEPALIVE_CNT = 4
 MEMBER_TIMEOUT_MS = 30_000
