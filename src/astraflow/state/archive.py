@@ -359,10 +359,40 @@ def rows_by_id(store: Store, ids: list[int], run_dir: Path | None = None) -> dic
     return out
 
 
+READ_BATCH = 1024
+"""Rows of an archive file read at a time while iterating over every archived row."""
+
+
 def iter_rows(store: Store, run_dir: Path | None = None) -> Iterator[dict[str, Any]]:
-    """Every archived row, by id (for export)."""
+    """Every archived row, by id (for export), holding READ_BATCH rows of each file whose id range
+    reaches the next id: a file is opened only once the merge gets to its first id, so the files of
+    one policy (disjoint ranges) are read one after the other, never all at once."""
     import heapq
 
     base = run_dir if run_dir is not None else run_dir_of(store)
-    streams = [iter(read_file(base / name)) for name, _, _ in files(store)]
-    yield from heapq.merge(*streams, key=lambda r: int(r["id"]))
+    pending = sorted(files(store), key=lambda f: f[1])
+    heap: list[tuple[int, int, dict[str, Any], Iterator[dict[str, Any]]]] = []
+    opened = 0
+
+    def advance(rows: Iterator[dict[str, Any]], order: int) -> None:
+        row = next(rows, None)
+        if row is not None:
+            heapq.heappush(heap, (int(row["id"]), order, row, rows))
+
+    while heap or opened < len(pending):
+        # a file not yet open may hold an id below every open one's next: open it first
+        while opened < len(pending) and (not heap or pending[opened][1] <= heap[0][0]):
+            advance(_file_rows(base / pending[opened][0]), opened)
+            opened += 1
+        if not heap:
+            return  # the files left were empty
+        _, order, row, rows = heapq.heappop(heap)
+        yield row
+        advance(rows, order)
+
+
+def _file_rows(path: Path) -> Iterator[dict[str, Any]]:
+    """One archive file's rows, READ_BATCH at a time."""
+    pa = _pyarrow()
+    for batch in pa.parquet.ParquetFile(path).iter_batches(batch_size=READ_BATCH):
+        yield from batch.to_pylist()
