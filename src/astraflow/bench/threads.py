@@ -1,6 +1,6 @@
 """A process's CPU per kind of thread, read from /proc (Linux): which of its threads spend a bench's
 window. For the controller the kinds are its Python thread ("main", the one that handles every
-message), libzmq's I/O threads ("zmq_io": reading, writing, CURVE's encryption and the ZMTP pings of
+message), libzmq's I/O threads ("zmq_io": reading, writing and CURVE's encryption of
 every connection) and the rest ("other": the CURVE handshake's ZAP thread, libzmq's reaper, threads a
 library starts). A thread's time is read from its schedstat (nanoseconds) where the kernel keeps
 one, else from its stat in clock ticks (10 ms on most kernels: too coarse for a short window)."""
