@@ -364,9 +364,10 @@ READ_BATCH = 1024
 
 
 def iter_rows(store: Store, run_dir: Path | None = None) -> Iterator[dict[str, Any]]:
-    """Every archived row, by id (for export), holding READ_BATCH rows of each file whose id range
-    reaches the next id: a file is opened only once the merge gets to its first id, so the files of
-    one policy (disjoint ranges) are read one after the other, never all at once."""
+    """Every archived row, by id (for export), holding READ_BATCH rows of each open file: a file is
+    opened only once the merge gets to its first id, so files whose id ranges do not overlap are read
+    one after the other, never all at once (one policy's files overlap only where a later pass moved
+    a row that stayed buffered while newer ones left)."""
     import heapq
 
     base = run_dir if run_dir is not None else run_dir_of(store)
